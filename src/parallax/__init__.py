@@ -1,0 +1,19 @@
+"""Parallax for PyTorch: sparsity-aware hybrid data-parallel training.
+
+Dense parameters are replicated and AllReduced (DDP); sparse parameters (embedding tables and
+other row-gathered weights) are row-partitioned on parameter servers. The whole user surface:
+
+    loader = parallax.shard(loader)
+    runner = parallax.get_runner(model, optimizer, loss_fn, resources="resources.txt",
+                                 config=parallax.Config(clip_grad_norm=10.0))
+    for batch in loader:
+        loss = runner.step(batch)
+    state = runner.state_dict()   # plain single-device state_dict
+"""
+
+from parallax.api import get_runner, shard, shutdown
+from parallax.config import Config, ConfigError
+from parallax.runner import Runner
+
+__all__ = ["Config", "ConfigError", "Runner", "get_runner", "shard", "shutdown"]
+__version__ = "0.1.0"

@@ -1,0 +1,86 @@
+"""`Config`: every knob of a parallax run, validated before any process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A `Config` field has a wrong type or an inconsistent value."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """How parallax trains. Defaults reproduce the single-device program with the global batch.
+
+    Attributes:
+        average_dense: divide AllReduced dense gradients by the number of workers (mean of the
+            per-worker gradients, as DDP does). False sums them.
+        average_sparse: servers divide the aggregated sparse gradient rows by the number of
+            workers. False sums them: the sparse gradient is then ``world_size`` times the
+            single-device gradient of the global batch.
+        clip_grad_norm: if set, clip by the global L2 norm of the *aggregated* dense and sparse
+            gradients (as ``torch.nn.utils.clip_grad_norm_`` would on one device), before any
+            update.
+        seed: seed of the data sharding order and of ``torch.manual_seed`` in every worker.
+        num_partitions: row partitions per sparse parameter; partition ``p`` holds the rows with
+            ``id % num_partitions == p`` and lives on server ``p % num_servers``. ``None`` means
+            one partition per server.
+        collective_timeout_s: every collective and wait gives up after this many seconds with
+            an error instead of hanging.
+        find_unused_parameters: passed to DDP for models whose dense parameters are not all
+            used in every step.
+    """
+
+    average_dense: bool = True
+    average_sparse: bool = True
+    clip_grad_norm: float | None = None
+    seed: int = 0
+    num_partitions: int | None = None
+    collective_timeout_s: float = 300.0
+    find_unused_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("average_dense", "average_sparse", "find_unused_parameters"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+        if self.clip_grad_norm is not None:
+            value = self.clip_grad_norm
+            ok = _is_number(value) and math.isfinite(value) and value > 0
+            _require(ok, "clip_grad_norm", value, "None or a finite number > 0")
+        _require(_is_int(self.seed), "seed", self.seed, "an int")
+        if self.num_partitions is not None:
+            ok = _is_int(self.num_partitions) and self.num_partitions >= 1
+            _require(ok, "num_partitions", self.num_partitions, "None or an int >= 1")
+        timeout = self.collective_timeout_s
+        ok = _is_number(timeout) and math.isfinite(timeout) and timeout > 0
+        _require(ok, "collective_timeout_s", timeout, "a finite number of seconds > 0")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Config:
+        """Build from a mapping (e.g. parsed JSON/YAML), naming any unknown field."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown Config field(s) {unknown}; valid fields are {sorted(known)}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"Config.{name} must be {expected}, got {value!r}")

@@ -1,0 +1,163 @@
+"""`Runner`: one synchronous hybrid training step, and export back to a single-device model.
+
+Step on worker r: forward (sparse lookups pull rows from the servers) -> loss -> backward
+(DDP AllReduces the dense gradients) -> push sparse gradient rows to their servers, which sum
+them over workers -> global gradient norm (dense part + every server's partial norm) -> clip ->
+dense update on every worker with the user's optimizer, sparse update on each server with the
+same optimizer class over its shard.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from parallax.analysis import SparseUse, find_sparse_parameters, rewrite_gathers
+from parallax.cluster import WorkerInfo
+from parallax.config import Config
+from parallax.dense import wrap_dense
+from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
+from parallax.optim import ShardOptimizer, check_per_shard
+from parallax.plan import Plan
+from parallax.sparse import ShardedTable
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+class Runner:
+    """Trains ``model`` data-parallel; every public method is collective (call it on all ranks).
+
+    The user's ``model`` object is not modified: the runner executes a structural copy that
+    shares its dense parameters and buffers, so the dense parameters the user holds are the
+    ones being trained, and `state_dict` brings the sparse ones back from the servers.
+    """
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                 loss_fn: LossFn, *, worker: WorkerInfo, config: Config,
+                 sparse_group: dist.ProcessGroup):
+        self.model = model
+        self.optimizers = list(optimizers)
+        self.loss_fn = loss_fn
+        self.worker = worker
+        self.config = config
+        self.device = worker.device
+        self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
+        params = dict(model.named_parameters())
+        check_per_shard(self.optimizers, {n: params[n] for n in self.sparse_uses})
+        num_partitions = config.num_partitions or len(worker.server_ranks)
+        self.tables = {
+            name: ShardedTable(name, params[name], num_partitions=num_partitions, worker=worker,
+                               group=sparse_group, sparse_grad=use.sparse_grad,
+                               average=config.average_sparse)
+            for name, use in sorted(self.sparse_uses.items())
+        }
+        self.plan = Plan.build(model, self.sparse_uses, num_partitions=num_partitions,
+                               server_ranks=worker.server_ranks, world_size=worker.world_size)
+        executed = self._executed_model(model)
+        self.dense_parameters = [p for p in executed.parameters() if p.requires_grad]
+        self.module = wrap_dense(executed, device=self.device, average=config.average_dense,
+                                 find_unused_parameters=config.find_unused_parameters)
+        self.shard_optimizer = ShardOptimizer(self.optimizers, {
+            id(params[name]): table.shard for name, table in self.tables.items()
+            if table.shard is not None
+        })
+        self._sparse_group = sparse_group
+        self.last_grad_norm: float | None = None
+
+    def _executed_model(self, model: nn.Module) -> nn.Module:
+        """A copy of the module tree sharing every tensor, with sparse reads sent to the PS."""
+        memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        executed = copy.deepcopy(model, memo)
+        executed = rewrite_gathers(executed, self.sparse_uses,
+                                   lambda name: ShardedGather(self.tables[name]))
+        for name, use in self.sparse_uses.items():
+            if use.kind == "gather":
+                continue
+            original = model.get_submodule(use.module_path)
+            table = self.tables[name]
+            if use.kind == "embedding":
+                stand_in: nn.Module = ShardedEmbedding(table, original.padding_idx)
+            else:
+                stand_in = ShardedEmbeddingBag(table, mode=original.mode,
+                                               padding_idx=original.padding_idx,
+                                               include_last_offset=original.include_last_offset)
+            parent_path, _, child = use.module_path.rpartition(".")
+            executed.get_submodule(parent_path).register_module(child, stand_in)
+        return executed
+
+    # ---- training ------------------------------------------------------------------------
+    def forward(self, inputs: Any) -> Any:
+        """The model's output for ``inputs`` (a tensor, a tuple of positional args or a dict of
+        keyword args). Collective: sparse rows are pulled from the servers."""
+        inputs = _to_device(inputs, self.device)
+        if isinstance(inputs, dict):
+            return self.module(**inputs)
+        if isinstance(inputs, (tuple, list)):
+            return self.module(*inputs)
+        return self.module(inputs)
+
+    def step(self, batch: Sequence[Any]) -> Tensor:
+        """One synchronous training step on this worker's ``(inputs, targets)``; returns this
+        worker's loss (detached)."""
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError(f"rank {self.worker.rank}: Runner.step expects a batch "
+                            f"(inputs, targets), got {type(batch).__name__}")
+        inputs, targets = batch
+        self.zero_grad()
+        loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
+        loss.backward()
+        for table in self.tables.values():
+            table.push_gradients()
+        if self.config.clip_grad_norm is not None:
+            self._clip(self.config.clip_grad_norm)
+        for optimizer in self.optimizers:
+            optimizer.step()
+        self.shard_optimizer.step()
+        return loss.detach()
+
+    def zero_grad(self) -> None:
+        for param in self.dense_parameters:
+            param.grad = None
+        for table in self.tables.values():
+            table.zero_grad()
+
+    def _clip(self, max_norm: float) -> None:
+        """Clip by the norm of all aggregated gradients, as clip_grad_norm_ on one device."""
+        dense_grads = [p.grad for p in self.dense_parameters if p.grad is not None]
+        squared = torch.zeros((), dtype=torch.float64, device=self.device)
+        for table in self.tables.values():
+            squared += table.grad_norm_squared()
+        if self.tables:
+            dist.all_reduce(squared, group=self._sparse_group)
+        for grad in dense_grads:
+            squared += torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+        total = squared.sqrt()
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in dense_grads:
+            grad.mul_(factor.to(grad.dtype))
+        for table in self.tables.values():
+            table.scale_grad(factor)
+        self.last_grad_norm = float(total)
+
+    # ---- export --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Tensor]:
+        """A plain single-device ``state_dict`` of the original model class (collective)."""
+        state = self.model.state_dict()
+        for name, table in self.tables.items():
+            state[name] = table.full_weight().to(state[name].device)
+        return state
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value

@@ -1,0 +1,263 @@
+"""The equivalence matrix: models x optimizers x clipping x dtypes x semantics.
+
+Shared by the distributed worker script (tests/scripts/equivalence_worker.py), which trains every
+case under parallax, and by tests/test_equivalence.py, which trains the same case as the plain
+single-device program with the global batch and compares the parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+GLOBAL_BATCH = 8
+STEPS = 6
+VOCAB = 40
+SEQ = 5
+
+
+# ---- models ----------------------------------------------------------------------------------
+class DenseOnly(nn.Module):
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.hidden = nn.Linear(6, 12)
+        self.out = nn.Linear(12, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.hidden(x)))
+
+
+class SparseOnly(nn.Module):
+    """Only an embedding table: every parameter lives on the servers."""
+
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 4, sparse=sparse_grad, padding_idx=0)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.embedding(ids).mean(dim=1)
+
+
+class Mixed(nn.Module):
+    """Embedding + EmbeddingBag (sparse) feeding an MLP (dense), as a recommender/NLP model."""
+
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 6, sparse=sparse_grad)
+        self.bag = nn.EmbeddingBag(VOCAB // 2, 3, mode="mean", sparse=sparse_grad)
+        self.hidden = nn.Linear(9, 10)
+        self.out = nn.Linear(10, 4)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        pooled = self.embedding(ids).mean(dim=1)
+        bagged = self.bag(ids % (VOCAB // 2))
+        return self.out(torch.relu(self.hidden(torch.cat([pooled, bagged], dim=1))))
+
+
+class TiedLM(nn.Module):
+    """Tiny language model with input and output embeddings tied: the table is dense."""
+
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 8)
+        self.mix = nn.Linear(8, 8)
+        self.decoder = nn.Linear(8, VOCAB)
+        self.decoder.weight = self.embedding.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.decoder(torch.tanh(self.mix(self.embedding(ids))))
+
+
+class CustomGather(nn.Module):
+    """Plain parameters read only by row gathers: found sparse by the fx trace."""
+
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(VOCAB, 5) * 0.5)
+        self.bias_rows = nn.Parameter(torch.randn(VOCAB, 1) * 0.1)
+        self.wide = nn.Parameter(torch.randn(VOCAB, 4) * 0.1)
+        self.out = nn.Linear(5, 4)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = F.embedding(ids, self.table, padding_idx=0)
+        bias = self.bias_rows[ids].sum(dim=1)
+        wide = self.wide.index_select(0, ids[:, 0])
+        return self.out(rows.mean(dim=1)) + bias + wide
+
+
+MODELS: dict[str, type[nn.Module]] = {
+    "dense": DenseOnly, "sparse": SparseOnly, "mixed": Mixed, "tied": TiedLM,
+    "gather": CustomGather,
+}
+
+
+# ---- optimizers ------------------------------------------------------------------------------
+def _single(cls: type[torch.optim.Optimizer], **kwargs) -> Callable:
+    return lambda model: [cls(model.parameters(), **kwargs)]
+
+
+def _sparse_adam_plus_adam(model: nn.Module) -> list[torch.optim.Optimizer]:
+    sparse = [p for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+              for p in m.parameters()]
+    dense = [p for p in model.parameters() if all(p is not s for s in sparse)]
+    opts: list[torch.optim.Optimizer] = [torch.optim.SparseAdam(sparse, lr=0.05)]
+    if dense:
+        opts.append(torch.optim.Adam(dense, lr=0.02))
+    return opts
+
+
+OPTIMIZERS: dict[str, Callable[[nn.Module], list[torch.optim.Optimizer]]] = {
+    "sgd": _single(torch.optim.SGD, lr=0.5),
+    "momentum": _single(torch.optim.SGD, lr=0.2, momentum=0.9, weight_decay=0.01),
+    "adagrad": _single(torch.optim.Adagrad, lr=0.3),
+    "adam": _single(torch.optim.Adam, lr=0.05),
+    "adamw": _single(torch.optim.AdamW, lr=0.05, weight_decay=0.1),
+    "sparseadam": _sparse_adam_plus_adam,
+}
+# Optimizers that accept the sparse (COO) gradients of nn.Embedding(sparse=True).
+SPARSE_GRAD_OPTIMIZERS = {"sgd", "adagrad", "sparseadam"}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    optimizer: str
+    sparse_grad: bool = False
+    clip: float | None = None
+    dtype: str = "float64"
+    average_sparse: bool = True
+    average_dense: bool = True
+    num_partitions: int | None = None
+    scheduler: bool = False
+    seed: int = field(default=0)
+
+    @property
+    def key(self) -> str:
+        parts = [self.model, self.optimizer, "sparsegrad" if self.sparse_grad else "densegrad",
+                 f"clip{self.clip}" if self.clip else "noclip", self.dtype]
+        if not self.average_sparse:
+            parts.append("sumsparse")
+        if not self.average_dense:
+            parts.append("sumdense")
+        if self.num_partitions:
+            parts.append(f"P{self.num_partitions}")
+        if self.scheduler:
+            parts.append("sched")
+        return "-".join(parts)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def all_cases() -> list[Case]:
+    cases = []
+    for model, opt, clip, dtype in itertools.product(
+            MODELS, OPTIMIZERS, (None, 0.05), ("float32", "float64")):
+        for sparse_grad in (False, True):
+            if sparse_grad and (opt not in SPARSE_GRAD_OPTIMIZERS
+                                or model not in ("sparse", "mixed")):
+                continue
+            if opt == "sparseadam" and not sparse_grad:
+                continue  # SparseAdam needs sparse gradients, as on one device
+            index = len(cases)
+            cases.append(Case(model, opt, sparse_grad, clip, dtype,
+                              num_partitions=(None, 3, 5)[index % 3],
+                              scheduler=(opt == "adagrad"), seed=index))
+    # The documented sum semantics, and DDP's sum hook.
+    for model, opt in (("mixed", "adam"), ("sparse", "sgd"), ("gather", "momentum")):
+        for clip in (None, 0.05):
+            cases.append(Case(model, opt, clip=clip, average_sparse=False,
+                              average_dense=False, seed=len(cases)))
+            cases.append(Case(model, opt, clip=clip, average_sparse=False, seed=len(cases)))
+    return cases
+
+
+# ---- data, model and program -----------------------------------------------------------------
+def global_batches(case: Case) -> list[tuple[Tensor, Tensor]]:
+    """STEPS global batches of GLOBAL_BATCH samples, deterministic per case."""
+    gen = torch.Generator().manual_seed(1000 + case.seed)
+    batches = []
+    for _ in range(STEPS):
+        if case.model == "dense":
+            x = torch.randn(GLOBAL_BATCH, 6, generator=gen, dtype=case.torch_dtype)
+        else:
+            # Zipf-like ids: small ids are frequent, as in real vocabularies.
+            u = torch.rand(GLOBAL_BATCH, SEQ, generator=gen, dtype=torch.float64)
+            x = (VOCAB ** u - 1).long().clamp(0, VOCAB - 1)
+        if case.model == "tied":
+            y = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+        else:
+            y = torch.randint(0, 4, (GLOBAL_BATCH,), generator=gen)
+        batches.append((x, y))
+    return batches
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def build(case: Case) -> tuple[nn.Module, list[torch.optim.Optimizer], list]:
+    torch.manual_seed(case.seed)
+    model = MODELS[case.model](sparse_grad=case.sparse_grad).to(case.torch_dtype)
+    optimizers = OPTIMIZERS[case.optimizer](model)
+    schedulers = ([torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers]
+                  if case.scheduler else [])
+    return model, optimizers, schedulers
+
+
+def worker_slice(batch: tuple[Tensor, Tensor], rank: int, world: int) -> tuple[Tensor, Tensor]:
+    per = GLOBAL_BATCH // world
+    x, y = batch
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def clip_like_parallax(parameters: list[nn.Parameter], max_norm: float) -> float:
+    """``clip_grad_norm_`` that also takes sparse (COO) gradients, which torch's refuses."""
+    grads = [p.grad.coalesce() if p.grad.is_sparse else p.grad
+             for p in parameters if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g._values() if g.is_sparse else g, dtype=torch.float64)
+             for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in parameters:
+        if p.grad is not None:
+            p.grad = p.grad.coalesce() if p.grad.is_sparse else p.grad
+            p.grad.mul_(factor.to(p.grad.dtype))
+    return float(total)
+
+
+def single_device_reference(case: Case, world: int) -> dict[str, Tensor]:
+    """The plain program with the global batch. ``world`` matters only for the documented sum
+    semantics: summed gradients are ``world`` times the mean-loss gradients."""
+    model, optimizers, schedulers = build(case)
+    sparse_names = _sparse_names(model)
+    for x, y in global_batches(case):
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            sparse = name in sparse_names
+            if (sparse and not case.average_sparse) or (not sparse and not case.average_dense):
+                p.grad = p.grad * world
+        if case.clip is not None:
+            norm = clip_like_parallax(list(model.parameters()), case.clip)
+            assert norm > case.clip, "clipping must be active for the test to mean anything"
+        for opt in optimizers:
+            opt.step()
+        for sched in schedulers:
+            sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _sparse_names(model: nn.Module) -> set[str]:
+    from parallax.analysis import find_sparse_parameters
+
+    return set(find_sparse_parameters(model))

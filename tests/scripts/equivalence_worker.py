@@ -1,0 +1,47 @@
+"""Worker of the equivalence suite: trains every case of the matrix under parallax inside one
+group of processes (start-up costs seconds, a case milliseconds) and saves the exported
+state_dicts on rank 0. Usage: parallax run ... equivalence_worker.py OUT.pt [--filter KEY]"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from equivalence_cases import all_cases, build, global_batches, loss_fn, worker_slice  # noqa: E402
+
+import parallax  # noqa: E402
+from parallax.cluster import current_worker  # noqa: E402
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    only = sys.argv[2] if len(sys.argv) > 2 else ""
+    worker = current_worker()
+    results = {}
+    for case in all_cases():
+        if only not in case.key:
+            continue
+        model, optimizers, schedulers = build(case)
+        config = parallax.Config(clip_grad_norm=case.clip, average_sparse=case.average_sparse,
+                                 average_dense=case.average_dense,
+                                 num_partitions=case.num_partitions, seed=case.seed,
+                                 collective_timeout_s=60)
+        runner = parallax.get_runner(model, optimizers, loss_fn, config=config)
+        for batch in global_batches(case):
+            runner.step(worker_slice(batch, worker.rank, worker.world_size))
+            for sched in schedulers:
+                sched.step()
+        state = runner.state_dict()
+        if worker.rank == 0:
+            results[case.key] = {k: v.detach().clone() for k, v in state.items()}
+            results[case.key]["__plan__"] = runner.plan.to_json()
+    if worker.rank == 0:
+        tmp = out.with_suffix(".tmp")
+        torch.save(results, tmp)
+        tmp.replace(out)
+    parallax.shutdown()
+
+
+if __name__ == "__main__":
+    main()
