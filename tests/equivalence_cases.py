@@ -79,7 +79,7 @@ class CustomGather(nn.Module):
     def __init__(self, sparse_grad: bool = False):
         super().__init__()
         self.table = nn.Parameter(torch.randn(VOCAB, 5) * 0.5)
-        self.bias_rows = nn.Parameter(torch.randn(VOCAB, 1) * 0.1)
+        self.bias_rows = nn.Parameter(torch.randn(VOCAB, 4) * 0.1)
         self.wide = nn.Parameter(torch.randn(VOCAB, 4) * 0.1)
         self.out = nn.Linear(5, 4)
 

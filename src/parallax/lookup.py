@@ -6,7 +6,6 @@ it) and computes exactly what the original layer computes, on the pulled unique 
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

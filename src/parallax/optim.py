@@ -9,10 +9,15 @@ why the classes are checked.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+# torch's own sparse optimizers (Adagrad, SGD) build sparse tensors without opting in or out of
+# invariant checks; the warning says nothing about the user's program.
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 
 # Optimizers whose update of an element depends only on that element's gradient and state
 # (plus per-parameter step counts, which every shard advances exactly as the whole would).

@@ -1,0 +1,598 @@
+"""Decide which parameters are *sparse* and rewrite row gathers on them.
+
+Parallax AllReduces dense parameters but row-partitions sparse ones on parameter servers,
+because a step of an embedding-style parameter touches only a few rows: shipping the whole
+gradient through AllReduce would waste almost all of the bandwidth.  Getting the split wrong
+is costly in both directions: a parameter wrongly called sparse trains incorrectly (rows that
+are read in some other way never see their gradient), a parameter wrongly called dense is
+merely slow.  Every rule below therefore falls back to *dense* whenever it cannot prove that
+each use of a parameter is a row gather.
+
+Two sources of evidence are combined:
+
+* the module structure: the ``weight`` of an ``nn.Embedding`` / ``nn.EmbeddingBag`` is a row
+  table by construction, which works even for models that ``torch.fx`` cannot trace;
+* an ``torch.fx.symbolic_trace`` of the model, which shows every other place a parameter is
+  read, so tied / re-used weights can be demoted and hand-written gathers
+  (``F.embedding(ids, w)``, ``w[ids]``, ``w.index_select(0, ids)``) can be promoted.
+
+:func:`rewrite_gathers` then turns each hand-written gather into a call of a replacement module
+(for instance one that fetches the rows from a parameter server), so the rest of the model can
+stay a plain, shared ``nn.Module``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import logging
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SparseUse", "find_sparse_parameters", "rewrite_gathers"]
+
+logger = logging.getLogger("parallax")
+
+SparseKind = Literal["embedding", "embedding_bag", "gather"]
+
+
+@dataclass(frozen=True)
+class SparseUse:
+    """How one sparse parameter is used, i.e. what a sparse implementation must replace.
+
+    ``kind`` says where the row gather happens: inside an ``nn.Embedding`` (``"embedding"``) or
+    ``nn.EmbeddingBag`` (``"embedding_bag"``) module at ``module_path``, or in hand-written
+    forward code (``"gather"``, ``module_path`` is ``None``) that :func:`rewrite_gathers` can
+    redirect.  ``sparse_grad`` records whether the single-device program would produce a sparse
+    (COO) gradient, so a distributed implementation can reproduce the same optimizer semantics.
+    """
+
+    name: str
+    kind: SparseKind
+    module_path: str | None
+    num_rows: int
+    sparse_grad: bool
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """One row-gather node: the index tensor and the F.embedding options that matter."""
+
+    ids: fx.Node
+    padding_idx: int | None
+    sparse: bool
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def find_sparse_parameters(model: nn.Module) -> dict[str, SparseUse]:
+    """Return the parameters of ``model`` that should live on parameter servers.
+
+    The result maps each sparse parameter's name (as in ``model.named_parameters()``, whose
+    order it keeps) to its :class:`SparseUse`.  A parameter is sparse only when every read of it
+    is a row gather, because only then is its gradient confined to the gathered rows:
+
+    * ``nn.Embedding`` / ``nn.EmbeddingBag`` weights are sparse unless tied to another
+      registration, configured with ``max_norm`` (rows are renormalised in place, outside
+      autograd) or ``scale_grad_by_freq`` (the gradient depends on the whole batch), or, when
+      the model can be traced, also read outside the module call (e.g. an output projection);
+    * with a trace, any other parameter with at least two dimensions whose every use is
+      ``F.embedding(ids, w)``, ``w[ids]`` or ``index_select(w, 0, ids)`` is sparse with kind
+      ``"gather"``;
+    * frozen parameters (``requires_grad=False``) are never sparse: they have no gradient.
+
+    ``torch.fx`` only keeps modules defined in ``torch.nn`` opaque; a user subclass of
+    ``nn.Embedding`` is traced through, so its weight is judged by its ``F.embedding`` call and
+    reported with kind ``"gather"`` (which :func:`rewrite_gathers` then handles).
+
+    If ``torch.fx.symbolic_trace`` fails (e.g. data-dependent Python control flow), one warning
+    is logged on the ``"parallax"`` logger and only the module rule is applied, so such models
+    still get their embeddings partitioned.
+    """
+    try:
+        gm: fx.GraphModule | None = fx.symbolic_trace(model)
+    except Exception as exc:  # tracing runs arbitrary user code: any error means "no trace"
+        gm = None
+        logger.warning(
+            "parallax: torch.fx cannot trace %s (%s: %s); finding sparse parameters with the "
+            "nn.Embedding/nn.EmbeddingBag module rule only",
+            type(model).__name__,
+            type(exc).__name__,
+            _first_line(exc),
+        )
+
+    owners = _parameter_owners(model)
+    module_paths = {id(m): path for path, m in model.named_modules()}
+    graph_uses = _collect_graph_uses(model, gm) if gm is not None else None
+
+    result: dict[str, SparseUse] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad or isinstance(param, nn.parameter.UninitializedParameter):
+            continue
+        if graph_uses is None:
+            use = _module_rule(name, param, owners, module_paths)
+        else:
+            use = _traced_rule(name, param, owners, module_paths, graph_uses)
+        if use is not None:
+            result[name] = use
+    return result
+
+
+def rewrite_gathers(
+    model: nn.Module,
+    uses: dict[str, SparseUse],
+    make_gather: Callable[[str], nn.Module],
+) -> nn.Module:
+    """Redirect every hand-written row gather on a ``"gather"``-kind parameter to a module.
+
+    Module-level embeddings can be swapped by replacing the module, but a gather written in
+    ``forward`` (``F.embedding(ids, self.w)``, ``self.w[ids]``, ``self.w.index_select(0, ids)``)
+    can only be redirected by rewriting the code.  This traces ``model`` and replaces each such
+    gather with ``self._parallax_gather_<name>(ids)`` (``..., padding_idx=p)`` when
+    ``F.embedding`` had a padding index, normalised to be non-negative), where the submodule is
+    ``make_gather(name)``.  The replacement's ``forward(ids, padding_idx=None)`` must return
+    exactly what the gather returned: rows of shape ``ids.shape + weight.shape[1:]``.
+
+    Returns ``model`` itself if no use has kind ``"gather"``.  Otherwise returns a new
+    ``fx.GraphModule`` that shares (does not copy) every other submodule, parameter and buffer
+    with ``model`` and no longer references the sparse parameters, so they can be moved to
+    parameter servers without the dense replicas holding them.
+
+    Raises ``ValueError`` if a ``"gather"`` parameter is not a parameter of ``model`` or is
+    used other than as a row gather (``uses`` is stale), and re-raises the trace error if
+    ``model`` cannot be traced.
+    """
+    gather_params: dict[str, nn.Parameter] = {}
+    for name, use in uses.items():
+        if use.kind != "gather":
+            continue
+        try:
+            gather_params[name] = model.get_parameter(name)
+        except AttributeError as exc:
+            raise ValueError(f"{name!r} is not a parameter of {type(model).__name__}") from exc
+    if not gather_params:
+        return model
+
+    gm = fx.symbolic_trace(model)
+    graph = gm.graph
+    by_id = {id(p): name for name, p in gather_params.items()}
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        for p in model.get_submodule(str(node.target)).parameters():
+            if id(p) in by_id:
+                raise ValueError(
+                    f"parameter {by_id[id(p)]!r} is read inside module {node.target!r}, not "
+                    "only by row gathers; re-run find_sparse_parameters on this model"
+                )
+
+    added: dict[str, str] = {}  # submodule name -> parameter name
+    for attr in list(graph.nodes):
+        if attr.op != "get_attr":
+            continue
+        value = _resolve(model, str(attr.target))
+        name = by_id.get(id(value)) if isinstance(value, nn.Parameter) else None
+        if name is None:
+            continue
+        param = gather_params[name]
+        sub_name = f"_parallax_gather_{name.replace('.', '_')}"
+        if sub_name not in added:
+            if hasattr(gm, sub_name):
+                raise ValueError(f"cannot add submodule {sub_name!r} for {name!r}: name taken")
+            gm.add_submodule(sub_name, make_gather(name))
+            added[sub_name] = name
+        elif added[sub_name] != name:
+            raise ValueError(
+                f"parameters {added[sub_name]!r} and {name!r} both map to {sub_name!r}"
+            )
+        for user in list(attr.users):
+            gather = _match_gather(user, attr, param.dim())
+            if gather is None:
+                raise ValueError(
+                    f"parameter {name!r} is used by {user.format_node()}, which is not a row "
+                    "gather; re-run find_sparse_parameters on this model"
+                )
+            kwargs: dict[str, Any] = {}
+            if gather.padding_idx is not None:
+                kwargs["padding_idx"] = _normalise_padding_idx(gather.padding_idx, param)
+            with graph.inserting_before(user):
+                call = graph.call_module(sub_name, (gather.ids,), kwargs)
+            call.meta = dict(user.meta)
+            user.replace_all_uses_with(call)
+            graph.erase_node(user)
+        graph.erase_node(attr)
+        _drop_attribute(gm, model, str(attr.target))
+
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+# --------------------------------------------------------------------------------------------
+# classification
+# --------------------------------------------------------------------------------------------
+
+_EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+
+@dataclass
+class _GraphUses:
+    """Every place the traced graph reads each parameter, keyed by ``id(parameter)``."""
+
+    # call_module nodes whose module (recursively) holds the parameter: opaque uses.
+    module_calls: dict[int, list[nn.Module]]
+    # (user node, get_attr node) pairs: explicit reads in traced code.
+    attr_uses: dict[int, list[tuple[fx.Node, fx.Node]]]
+
+
+def _collect_graph_uses(model: nn.Module, gm: fx.GraphModule) -> _GraphUses:
+    """Index the trace by parameter so each parameter's uses can be judged together."""
+    module_calls: dict[int, list[nn.Module]] = {}
+    attr_uses: dict[int, list[tuple[fx.Node, fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = model.get_submodule(str(node.target))
+            for p in module.parameters():
+                module_calls.setdefault(id(p), []).append(module)
+        elif node.op == "get_attr":
+            value = _resolve(model, str(node.target))
+            if isinstance(value, nn.Parameter):
+                uses = attr_uses.setdefault(id(value), [])
+                uses.extend((user, node) for user in node.users)
+    return _GraphUses(module_calls, attr_uses)
+
+
+def _traced_rule(
+    name: str,
+    param: nn.Parameter,
+    owners: dict[int, set[tuple[nn.Module, str]]],
+    module_paths: dict[int, str],
+    graph_uses: _GraphUses,
+) -> SparseUse | None:
+    """Classify ``param`` from its uses in the trace (the module rule is a special case)."""
+    called_by = graph_uses.module_calls.get(id(param), [])
+    attr_uses = graph_uses.attr_uses.get(id(param), [])
+
+    if called_by:
+        # Read inside leaf modules.  Sparse only if the sole reader is the embedding module
+        # that owns it as ``weight`` and nothing else in forward touches the tensor (case c).
+        if attr_uses or any(m is not called_by[0] for m in called_by):
+            return None
+        use = _module_rule(name, param, owners, module_paths)
+        if use is None or module_paths.get(id(called_by[0])) != use.module_path:
+            return None
+        return use
+
+    if attr_uses:
+        # Only read by traced code: sparse iff every read is a row gather.
+        if param.dim() < 2:
+            return None
+        gathers = [_match_gather(user, attr, param.dim()) for user, attr in attr_uses]
+        if any(g is None for g in gathers):
+            return None
+        return SparseUse(
+            name=name,
+            kind="gather",
+            module_path=None,
+            num_rows=param.shape[0],
+            sparse_grad=all(g is not None and g.sparse for g in gathers),
+        )
+
+    # Not read by the traced forward at all (e.g. an embedding in an unused branch): keep the
+    # module rule's answer so the weight is still placed like its siblings.
+    return _module_rule(name, param, owners, module_paths)
+
+
+def _module_rule(
+    name: str,
+    param: nn.Parameter,
+    owners: dict[int, set[tuple[nn.Module, str]]],
+    module_paths: dict[int, str],
+) -> SparseUse | None:
+    """Sparse iff ``param`` is the untied ``weight`` of a plain-gather embedding module."""
+    registrations = owners.get(id(param), set())
+    if len(registrations) != 1:
+        return None  # tied: also registered under another module / attribute name
+    ((module, attr),) = registrations
+    if attr != "weight" or not isinstance(module, _EMBEDDING_TYPES):
+        return None
+    if module.max_norm is not None or module.scale_grad_by_freq:
+        return None
+    return SparseUse(
+        name=name,
+        kind="embedding" if isinstance(module, nn.Embedding) else "embedding_bag",
+        module_path=module_paths[id(module)],
+        num_rows=param.shape[0],
+        sparse_grad=bool(module.sparse),
+    )
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, set[tuple[nn.Module, str]]]:
+    """Map ``id(parameter)`` to its distinct ``(module, attribute)`` registrations.
+
+    A module registered under several paths (one shared module) counts once, since every call
+    of it is still a call of the same embedding; a parameter assigned to two different modules
+    or attribute names (tied weights) counts twice.
+    """
+    owners: dict[int, set[tuple[nn.Module, str]]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), set()).add((module, attr))
+    return owners
+
+
+# --------------------------------------------------------------------------------------------
+# recognising row gathers in a graph
+# --------------------------------------------------------------------------------------------
+
+_EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
+
+# Ops whose result is a Python number / shape, not an index tensor: ``w[x.size(0)]`` selects one
+# row by an int and must not be handed to a gather module as ``ids``.
+_SCALAR_METHODS = frozenset(
+    {"size", "dim", "ndimension", "numel", "nelement", "item", "tolist", "stride", "__len__"}
+)
+_SCALAR_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout"})
+_ARITHMETIC = frozenset(
+    {
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.floordiv,
+        operator.truediv,
+        operator.mod,
+        operator.neg,
+        operator.pow,
+        operator.getitem,
+        builtins.min,
+        builtins.max,
+        builtins.abs,
+        builtins.int,
+    }
+)
+# Ops that produce bool tensors: ``w[mask]`` is boolean masking, not a row gather by ids.
+_BOOL_FUNCTIONS = frozenset(
+    {
+        operator.lt,
+        operator.le,
+        operator.gt,
+        operator.ge,
+        operator.eq,
+        operator.ne,
+        operator.not_,
+        torch.lt,
+        torch.le,
+        torch.gt,
+        torch.ge,
+        torch.eq,
+        torch.ne,
+        torch.isnan,
+        torch.isinf,
+        torch.isfinite,
+        torch.isin,
+        torch.logical_and,
+        torch.logical_or,
+        torch.logical_not,
+        torch.logical_xor,
+    }
+)
+_BOOL_METHODS = frozenset(
+    {
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "eq",
+        "ne",
+        "bool",
+        "isnan",
+        "isinf",
+        "isfinite",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+        "logical_xor",
+        "__lt__",
+        "__le__",
+        "__gt__",
+        "__ge__",
+        "__eq__",
+        "__ne__",
+    }
+)
+_BITWISE = frozenset({operator.and_, operator.or_, operator.xor, operator.invert})
+
+
+def _match_gather(user: fx.Node, attr: fx.Node, weight_dim: int) -> _Gather | None:
+    """Return the gather ``user`` performs on parameter node ``attr``, or ``None``.
+
+    ``None`` means "some other use" (the conservative answer), which makes the parameter dense.
+    ``attr`` must appear exactly once among ``user``'s inputs, as the gathered table.
+    """
+    if _count_occurrences(user, attr) != 1:
+        return None
+    if user.op == "call_function" and user.target is F.embedding:
+        return _match_embedding(user, attr)
+    if user.op == "call_function" and user.target is operator.getitem:
+        if len(user.args) != 2 or user.kwargs or user.args[0] is not attr:
+            return None
+        index = user.args[1]
+        if not isinstance(index, fx.Node) or not _is_index_tensor(index):
+            return None
+        return _Gather(ids=index, padding_idx=None, sparse=False)
+    if user.op == "call_function" and user.target is torch.index_select:
+        bound = _bind_index_select(user.args, user.kwargs)
+    elif user.op == "call_method" and user.target == "index_select":
+        bound = _bind_index_select(user.args, user.kwargs)
+    else:
+        return None
+    if bound is None:
+        return None
+    table, dim, index = bound
+    if table is not attr or not isinstance(index, fx.Node) or not _is_index_tensor(index):
+        return None
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim not in (0, -weight_dim):
+        return None
+    return _Gather(ids=index, padding_idx=None, sparse=False)
+
+
+def _match_embedding(user: fx.Node, attr: fx.Node) -> _Gather | None:
+    """``F.embedding(ids, w, padding_idx=?, sparse=?)`` with the batch-dependent options off."""
+    try:
+        bound = _EMBEDDING_SIGNATURE.bind(*user.args, **user.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    args = bound.arguments
+    ids, padding_idx, sparse = args["input"], args["padding_idx"], args["sparse"]
+    if args["weight"] is not attr or not isinstance(ids, fx.Node):
+        return None
+    if args["max_norm"] is not None or args["scale_grad_by_freq"] is not False:
+        return None
+    if isinstance(args["norm_type"], fx.Node):
+        return None
+    if padding_idx is not None and (
+        isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
+    ):
+        return None
+    if not isinstance(sparse, bool):
+        return None
+    return _Gather(ids=ids, padding_idx=padding_idx, sparse=sparse)
+
+
+def _bind_index_select(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any, Any] | None:
+    """Bind ``index_select(input, dim, index)`` (function or method form); ``None`` if odd."""
+    names = ("input", "dim", "index")
+    if len(args) > len(names):
+        return None
+    bound = dict(zip(names, args, strict=False))
+    for key, value in kwargs.items():
+        if key not in names or key in bound:
+            return None  # ``out=`` or a duplicate: not a plain gather
+        bound[key] = value
+    if len(bound) != len(names):
+        return None
+    return bound["input"], bound["dim"], bound["index"]
+
+
+def _count_occurrences(user: fx.Node, target: fx.Node) -> int:
+    count = 0
+
+    def visit(node: fx.Node) -> fx.Node:
+        nonlocal count
+        if node is target:
+            count += 1
+        return node
+
+    fx.node.map_arg((user.args, user.kwargs), visit)
+    return count
+
+
+def _is_index_tensor(node: fx.Node) -> bool:
+    """Best-effort check that ``node`` is an integer index tensor (symbolic traces carry no dtypes).
+
+    Rejects values derived from shapes / ``.item()`` (Python ints) and from comparisons
+    (boolean masks); anything else is assumed to be an integer tensor of row ids.
+    """
+    return not _is_scalar(node) and not _is_bool(node)
+
+
+def _is_scalar(node: fx.Node, depth: int = 0) -> bool:
+    if depth > 16:
+        return False
+    if node.op == "call_method" and node.target in _SCALAR_METHODS:
+        return True
+    if node.op == "call_function":
+        if node.target is builtins.getattr:
+            return len(node.args) >= 2 and node.args[1] in _SCALAR_ATTRS
+        if node.target is builtins.len:
+            return True
+        if node.target in _ARITHMETIC:
+            return any(_is_scalar(a, depth + 1) for a in node.all_input_nodes)
+    return False
+
+
+def _is_bool(node: fx.Node, depth: int = 0) -> bool:
+    if depth > 16:
+        return False
+    if node.op == "call_function":
+        if node.target in _BOOL_FUNCTIONS:
+            return True
+        if node.target in _BITWISE:
+            return any(_is_bool(a, depth + 1) for a in node.all_input_nodes)
+    if node.op == "call_method":
+        if node.target in _BOOL_METHODS:
+            return True
+        if node.target in ("__and__", "__or__", "__xor__", "__invert__", "logical_not"):
+            return any(_is_bool(a, depth + 1) for a in node.all_input_nodes)
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve(root: nn.Module, target: str) -> object | None:
+    """The object at dotted path ``target`` under ``root``, or ``None`` (e.g. fx constants)."""
+    obj: object = root
+    for atom in target.split("."):
+        try:
+            obj = getattr(obj, atom)
+        except AttributeError:
+            return None
+    return obj
+
+
+def _normalise_padding_idx(padding_idx: int, weight: torch.Tensor) -> int:
+    """Mirror F.embedding, which turns a negative padding_idx into ``num_rows + padding_idx``."""
+    return padding_idx + weight.shape[0] if padding_idx < 0 else padding_idx
+
+
+def _drop_attribute(gm: fx.GraphModule, model: nn.Module, target: str) -> None:
+    """Remove the GraphModule's copy of the reference to a rewritten parameter.
+
+    ``fx.GraphModule`` copies every ``get_attr`` target onto itself, creating fresh empty
+    container modules along the path; the containers are the GraphModule's own, so deleting
+    the attribute (and containers that become empty) never touches ``model``.
+    """
+    *prefix, field = target.split(".")
+    chain: list[tuple[nn.Module, str]] = []
+    owner: nn.Module = gm
+    for atom in prefix:
+        child = getattr(owner, atom, None)
+        if not isinstance(child, nn.Module):
+            return
+        chain.append((owner, atom))
+        owner = child
+    if prefix and owner is _resolve(model, ".".join(prefix)):
+        # Would mutate the user's module; cannot happen for a true gather parameter because a
+        # parent called as a leaf module would have made the parameter dense.
+        raise RuntimeError(f"cannot detach {target!r}: its owner module is shared with the model")
+    if hasattr(owner, field):
+        delattr(owner, field)
+    for parent, atom in reversed(chain):
+        child = getattr(parent, atom)
+        if next(iter(child.children()), None) is not None:
+            break
+        if child._parameters or child._buffers:
+            break
+        delattr(parent, atom)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"

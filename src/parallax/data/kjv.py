@@ -1,0 +1,216 @@
+"""The King James Bible as a plain-text corpus, one verse per line.
+
+The text comes from Debian's ``sword-text-kjv`` package (public domain), which ships the
+CrossWire SWORD module ``engKJV2006eb`` in the compressed *zText* format:
+
+* ``<testament>.bzs`` -- block index: little-endian records ``(offset u32, size u32,
+  uncompressed_size u32)`` locating zlib-compressed blocks inside ``.bzz``;
+* ``<testament>.bzv`` -- verse index: little-endian records ``(block u32, offset u32,
+  size u16)`` locating each entry inside its *decompressed* block;
+* ``<testament>.bzz`` -- the concatenated compressed blocks.
+
+Entries are OSIS XML fragments. Besides the verses, the index holds empty or heading-only
+entries (module/testament/book/chapter introductions); they strip to nothing and are skipped.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = "sword-text-kjv"
+CORPUS_NAME = "kjv.txt"
+FIRST_VERSE = "In the beginning God created the heaven and the earth."
+TESTAMENTS = ("ot", "nt")
+
+_BLOCK_RECORD = struct.Struct("<III")
+_VERSE_RECORD = struct.Struct("<IIH")
+
+_NOTE = re.compile(r"<note\b[^>]*>.*?</note\s*>", re.DOTALL)
+_TITLE = re.compile(r"<title\b([^>]*)>(.*?)</title\s*>", re.DOTALL)
+_TAG = re.compile(r"<[^>]*>")
+# Stray USFM character markers left by the converter, e.g. ``\nd LORD`` or ``LORD\+nd*``.
+_USFM = re.compile(r"\\\+?[a-z]+\d*\*?")
+_PILCROW = "\u00b6"  # paragraph mark of the 1769 text: layout, not words
+_SPACE = re.compile(r"\s+")
+
+
+def default_cache_dir() -> Path:
+    """Where downloaded corpora live: ``$PARALLAX_CACHE`` or ``~/.cache/parallax``."""
+    env = os.environ.get("PARALLAX_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "parallax"
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def decode_ztext(bzs: bytes, bzv: bytes, bzz: bytes) -> list[str]:
+    """Decode one zText testament into its raw OSIS entries, in index order.
+
+    Markup is kept (see :func:`strip_osis`) and empty entries are returned as ``""`` so the
+    result lines up one-to-one with the verse index. Blocks are decompressed on first use.
+    """
+    blocks = [_BLOCK_RECORD.unpack(r) for r in _records(bzs, _BLOCK_RECORD.size, "bzs")]
+    cache: dict[int, bytes] = {}
+
+    def block(number: int) -> bytes:
+        if number not in cache:
+            if number >= len(blocks):
+                raise ValueError(f"verse index points at block {number}, only {len(blocks)}")
+            offset, size, _ = blocks[number]
+            cache[number] = zlib.decompress(bzz[offset : offset + size])
+        return cache[number]
+
+    entries = []
+    for record in _records(bzv, _VERSE_RECORD.size, "bzv"):
+        number, offset, size = _VERSE_RECORD.unpack(record)
+        data = block(number)[offset : offset + size] if size else b""
+        entries.append(data.decode("utf-8"))
+    return entries
+
+
+def _records(data: bytes, size: int, what: str) -> Iterator[bytes]:
+    """Split an index file into fixed-size records, refusing a truncated one."""
+    if len(data) % size:
+        raise ValueError(f".{what} index is {len(data)} bytes, not a multiple of {size}")
+    return (data[i : i + size] for i in range(0, len(data), size))
+
+
+def strip_osis(text: str) -> str:
+    """Reduce an OSIS fragment to its plain words.
+
+    Notes (footnotes, cross references) are dropped with their contents, as are editorial
+    headings (``<title>`` without ``canonical="true"``, e.g. book names or the Psalm 119
+    letters); canonical titles such as Psalm superscriptions keep their words. Other tags,
+    stray USFM markers (``\\nd``) and pilcrows are removed, entities unescaped and whitespace
+    collapsed. Tags become nothing rather than spaces, since markup sometimes splits a word.
+    """
+    text = _NOTE.sub(" ", text)
+    text = _TITLE.sub(_keep_canonical_title, text)
+    text = _USFM.sub("", _TAG.sub("", text))
+    text = html.unescape(text).replace(_PILCROW, " ")
+    return _SPACE.sub(" ", text).strip()
+
+
+def _keep_canonical_title(match: re.Match[str]) -> str:
+    return f" {match.group(2)} " if 'canonical="true"' in match.group(1) else " "
+
+
+def verses_from_module(module_dir: Path) -> list[str]:
+    """Plain verses of a zText module directory (``ot`` then ``nt``), empties skipped."""
+    verses = []
+    for testament in TESTAMENTS:
+        parts = [(module_dir / f"{testament}.{ext}").read_bytes() for ext in ("bzs", "bzv", "bzz")]
+        verses += [v for v in map(strip_osis, decode_ztext(*parts)) if v]
+    return verses
+
+
+# --------------------------------------------------------------------------- fetching
+
+
+def fetch_kjv(cache_dir: Path | None = None) -> Path:
+    """Return the path of ``kjv.txt`` (one verse per line), building it on first use.
+
+    Building downloads the ``sword-text-kjv`` .deb with ``apt-get download`` (running
+    ``apt-get update`` first when the package lists are empty), unpacks it with ``dpkg -x``
+    and decodes the module. The result is written atomically so a crash never leaves a
+    truncated corpus behind.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache / CORPUS_NAME
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kjv-", dir=cache) as tmp:
+        work = Path(tmp)
+        deb = _download_deb(work)
+        _progress(f"unpacking {deb.name}")
+        _run(["dpkg", "-x", str(deb), str(work / "root")])
+        verses = verses_from_module(_find_module(work / "root"))
+    _check_corpus(verses)
+    _write_atomically(target, "".join(v + "\n" for v in verses))
+    words = sum(len(v.split()) for v in verses)
+    _progress(f"wrote {len(verses):,} verses ({words:,} words) to {target}")
+    return target
+
+
+def _download_deb(work: Path) -> Path:
+    """``apt-get download`` the package into ``work``; update empty apt lists once."""
+    if shutil.which("apt-get") is None:
+        raise RuntimeError(_manual_hint("apt-get not found (this needs a Debian/Ubuntu host)"))
+    if not _apt_lists_present():
+        _progress("apt package lists are empty; running apt-get update")
+        _run(["apt-get", "update"], hint="apt-get update failed (are you root?)")
+    _progress(f"downloading {PACKAGE} with apt-get")
+    _run(["apt-get", "download", PACKAGE], cwd=work, hint=f"apt-get download {PACKAGE} failed")
+    debs = sorted(work.glob(f"{PACKAGE}_*.deb"))
+    if not debs:
+        raise RuntimeError(_manual_hint(f"apt-get download left no {PACKAGE} .deb"))
+    return debs[-1]
+
+
+def _apt_lists_present() -> bool:
+    lists = Path("/var/lib/apt/lists")
+    return lists.is_dir() and any(lists.glob("*_Packages*"))
+
+
+def _find_module(root: Path) -> Path:
+    """The directory holding the zText files; the module name varies between releases."""
+    for bzs in sorted(root.glob("**/modules/texts/ztext/*/ot.bzs")):
+        module = bzs.parent
+        if all((module / f"{t}.{e}").exists() for t in TESTAMENTS for e in ("bzs", "bzv", "bzz")):
+            return module
+    raise RuntimeError(f"no zText module (modules/texts/ztext/*/{{ot,nt}}.bz?) in {PACKAGE}")
+
+
+def _check_corpus(verses: list[str]) -> None:
+    """Refuse to cache a corpus that decoded wrongly."""
+    if not verses or verses[0] != FIRST_VERSE:
+        first = verses[0] if verses else None
+        raise RuntimeError(f"decoded KJV starts with {first!r}, expected {FIRST_VERSE!r}")
+    if not 30_000 <= len(verses) <= 32_000:
+        raise RuntimeError(f"decoded KJV has {len(verses)} verses, expected about 31,100")
+
+
+def _write_atomically(target: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared, plain data
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _run(cmd: list[str], cwd: Path | None = None, hint: str | None = None) -> None:
+    """Run a command quietly; on failure raise with its output and what to do by hand."""
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError as e:
+        raise RuntimeError(_manual_hint(f"{cmd[0]} not found")) from e
+    if proc.returncode:
+        output = (proc.stderr or proc.stdout).strip()
+        raise RuntimeError(_manual_hint(f"{hint or ' '.join(cmd)}:\n{output}"))
+
+
+def _manual_hint(problem: str) -> str:
+    return (
+        f"{problem}\nTo fetch the KJV corpus, run as root: apt-get update && "
+        f"apt-get download {PACKAGE}; or put a ready kjv.txt (one verse per line) in the "
+        "cache directory ($PARALLAX_CACHE or ~/.cache/parallax)."
+    )
+
+
+def _progress(message: str) -> None:
+    print(f"[kjv] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,352 @@
+"""Start a job's workers through torch's elastic agent.
+
+Using ``torch.distributed.launcher`` (what ``torchrun`` uses) gives us its rendezvous, its
+per-worker environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and, above all, its failure
+handling: when one worker dies the agent terminates the others instead of letting them hang
+in a collective.  We add the resource spec (``PARALLAX_RESOURCES``) so that workers know
+the machine layout, and a one-line-per-rank failure report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import types
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    ErrorHandler,
+    ProcessFailure,
+)
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from parallax.cluster import RESOURCES_ENV, ResourceSpec
+
+__all__ = ["AgentPlan", "install_error_recorder", "launch", "plan_agent"]
+
+DEFAULT_MASTER_PORT = 29500
+#: Seconds between the agent's checks of its workers; small so a failure stops the rest fast.
+MONITOR_INTERVAL = 0.1
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+_ELASTIC_LOG_LEVEL = logging.ERROR
+_SUMMARY_CHARS = 200
+# Signals the elastic agent takes over while it runs; we restore our handlers afterwards.
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# Signals the agent itself uses to stop workers after another one failed.
+_STOP_SIGNALS = frozenset({-signal.SIGTERM, -signal.SIGKILL})
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    """What the elastic agent on this host runs: its node in the job and its rendezvous."""
+
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+
+
+def plan_agent(
+    spec: ResourceSpec,
+    *,
+    machine_index: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> AgentPlan:
+    """Decide this host's agent: one for all workers of a local spec, else one per machine.
+
+    A local spec without ``machine_index`` runs every emulated machine's workers under a
+    single agent on a free loopback port.  Otherwise this host is machine ``machine_index``
+    of a static rendezvous whose master defaults to the first machine.
+    """
+    if machine_index is None:
+        if not spec.is_local():
+            hosts = ", ".join(sorted({m.host for m in spec.machines}))
+            raise ValueError(
+                f"the resources name remote hosts ({hosts}): run the launcher on every machine "
+                "and give each its machine index (--machine-index)"
+            )
+        return AgentPlan(
+            nnodes=1,
+            node_rank=0,
+            nproc_per_node=spec.world_size,
+            master_addr=master_addr or "127.0.0.1",
+            master_port=master_port or _free_port(),
+        )
+    return _plan_machine(spec, machine_index, master_addr, master_port)
+
+
+def _plan_machine(
+    spec: ResourceSpec, index: int, master_addr: str | None, master_port: int | None
+) -> AgentPlan:
+    """Plan for one machine of a multi-agent job; torch needs equal workers per machine."""
+    if not 0 <= index < len(spec.machines):
+        raise ValueError(f"machine index {index} out of range 0..{len(spec.machines) - 1}")
+    counts = sorted({m.num_workers for m in spec.machines})
+    if len(counts) > 1:
+        raise ValueError(
+            "every machine must run the same number of workers for a multi-machine launch; "
+            f"the resources give {', '.join(map(str, counts))}"
+        )
+    return AgentPlan(
+        nnodes=len(spec.machines),
+        node_rank=index,
+        nproc_per_node=counts[0],
+        master_addr=master_addr or spec.machines[0].host,
+        master_port=master_port or DEFAULT_MASTER_PORT,
+    )
+
+
+def _free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch_config(plan: AgentPlan, log_dir: str) -> LaunchConfig:
+    """torch's launch config for ``plan``: static rendezvous, no restarts, fast monitoring.
+
+    ``log_dir`` receives the workers' error files (torch would leave a temp dir behind).
+    """
+    host = f"[{plan.master_addr}]" if ":" in plan.master_addr else plan.master_addr
+    return LaunchConfig(
+        min_nodes=plan.nnodes,
+        max_nodes=plan.nnodes,
+        nproc_per_node=plan.nproc_per_node,
+        run_id=f"parallax-{uuid.uuid4().hex[:12]}",
+        role="parallax",
+        rdzv_endpoint=f"{host}:{plan.master_port}",
+        rdzv_backend="static",
+        rdzv_configs={"rank": plan.node_rank},
+        max_restarts=0,
+        monitor_interval=MONITOR_INTERVAL,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
+
+
+def launch(
+    spec: ResourceSpec,
+    cmd: list[str],
+    *,
+    machine_index: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run ``python -u *cmd`` as this host's workers of ``spec``; return an exit status.
+
+    Returns 0 when every worker succeeded.  When one fails the agent stops the others, a
+    line per failed rank goes to stderr and the first failure's exit code is returned.
+    ``env`` adds variables to the workers' environment.
+    """
+    if not cmd:
+        raise ValueError("nothing to launch: cmd is empty")
+    plan = plan_agent(
+        spec, machine_index=machine_index, master_addr=master_addr, master_port=master_port
+    )
+    worker_env = {RESOURCES_ENV: spec.to_json(), **(env or {})}
+    worker_env.setdefault("OMP_NUM_THREADS", _omp_threads(plan.nproc_per_node))
+    with (
+        tempfile.TemporaryDirectory(prefix="parallax-") as log_dir,
+        _quiet_elastic_logs(),
+        _restored_signal_handlers(),
+        _patched_environ(worker_env),
+    ):
+        try:
+            elastic_launch(_launch_config(plan, log_dir), sys.executable)("-u", *cmd)
+        except ChildFailedError as err:
+            return _report_failures(err.failures, spec)
+        except SignalException as err:
+            print(f"parallax: launcher got {err.sigval.name}; workers stopped", file=sys.stderr)
+            return 128 + int(err.sigval)
+    return 0
+
+
+def _omp_threads(nproc: int) -> str:
+    """Share this host's cores between its workers unless the user chose a thread count."""
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+
+
+@contextlib.contextmanager
+def _patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
+    """Set variables for the workers (which inherit os.environ) and restore them after.
+
+    The agent also writes TORCHELASTIC_SIGNALS_TO_HANDLE into os.environ; undo that too.
+    """
+    keys = [*updates, "TORCHELASTIC_SIGNALS_TO_HANDLE"]
+    saved = {key: os.environ.get(key) for key in keys}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _restored_signal_handlers() -> Iterator[None]:
+    """The agent installs handlers that raise SignalException; put the old ones back."""
+    signums = [getattr(signal, name) for name in _AGENT_SIGNALS if hasattr(signal, name)]
+    saved = {signum: signal.getsignal(signum) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    """Keep torch elastic to ERROR+ while we run: our report replaces its warnings.
+
+    Its WARNING lines (one "Sending process N closing signal SIGTERM" per stopped worker)
+    only repeat what the report says.  Setting LOGLEVEL (torchrun's knob) keeps torch's
+    own levels.
+    """
+    if "LOGLEVEL" in os.environ:
+        yield
+        return
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith(_ELASTIC_LOGGERS)
+    ]
+    saved = [(lg, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.level, _ELASTIC_LOG_LEVEL))
+    try:
+        yield
+    finally:
+        for lg, old in saved:
+            lg.setLevel(old)
+
+
+def _report_failures(failures: Mapping[int, ProcessFailure], spec: ResourceSpec) -> int:
+    """Print a line per failed rank (root cause first); return the root cause's status."""
+    own, stopped = _split_stopped(failures)
+    for rank in own:
+        failure = failures[rank]
+        print(
+            f"parallax: rank {rank} (machine {spec.machine_of_rank[rank]}) failed: "
+            f"exit code {_describe_exit(failure.exitcode)}: {_failure_summary(failure)}",
+            file=sys.stderr,
+        )
+    if stopped:
+        ranks = ", ".join(map(str, stopped))
+        print(f"parallax: stopped rank(s) {ranks} after the failure", file=sys.stderr)
+    return _exit_status(failures[own[0]].exitcode)
+
+
+def _split_stopped(failures: Mapping[int, ProcessFailure]) -> tuple[list[int], list[int]]:
+    """Separate ranks that failed on their own (earliest first) from ranks the agent stopped.
+
+    The agent reports the workers it terminated as failures too (exit code -SIGTERM, no error
+    file).  Error-file mtimes order failures more finely than torch's whole-second stamps.
+    """
+    stopped = [r for r, f in failures.items() if _was_stopped(f)]
+    own = [r for r in failures if r not in stopped] or list(failures)
+    own.sort(key=lambda r: (failures[r].timestamp, _error_file_mtime(failures[r]), r))
+    return own, sorted(set(stopped) - set(own))
+
+
+def _was_stopped(failure: ProcessFailure) -> bool:
+    """Whether a failure looks like the agent's own termination of a healthy worker."""
+    return failure.exitcode in _STOP_SIGNALS and not os.path.isfile(failure.error_file)
+
+
+def _error_file_mtime(failure: ProcessFailure) -> float:
+    """When the worker recorded its error; infinity when it recorded none."""
+    try:
+        return os.stat(failure.error_file).st_mtime
+    except OSError:
+        return float("inf")
+
+
+def _describe_exit(exitcode: int) -> str:
+    """The exit code, with the signal's name when the worker was killed by one."""
+    if exitcode >= 0:
+        return str(exitcode)
+    try:
+        return f"{exitcode} ({signal.Signals(-exitcode).name})"
+    except ValueError:
+        return str(exitcode)
+
+
+def _failure_summary(failure: ProcessFailure) -> str:
+    """The recorded exception (type and message) or a hint on why there is none."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = str(message.get("message") or message.get("extraInfo", {}).get("py_callstack"))
+    elif failure.exitcode > 0 and not os.path.isfile(failure.error_file):
+        message = (
+            "no error recorded (see the worker's output above; call "
+            "parallax.launch.install_error_recorder() in the script to record exceptions)"
+        )
+    lines = [line for line in str(message).strip().splitlines() if line.strip()]
+    summary = lines[0] if lines else "<no message>"
+    if len(summary) > _SUMMARY_CHARS:
+        return summary[: _SUMMARY_CHARS - 3] + "..."
+    return summary if len(lines) <= 1 else f"{summary} [...]"
+
+
+def _exit_status(exitcode: int) -> int:
+    """A shell-style status: the exit code, or 128+N for a worker killed by signal N."""
+    if exitcode > 0:
+        return exitcode
+    return 128 - exitcode if exitcode < 0 else 1
+
+
+def install_error_recorder() -> None:
+    """Record a worker's uncaught exception for the launcher's failure report.
+
+    The exception goes to the file named by TORCHELASTIC_ERROR_FILE (set by the elastic
+    agent) in torch's error-file format, then the previous hook prints it as usual.
+    Calling this again is harmless.
+    """
+    if getattr(sys.excepthook, "_parallax_recorder", False):
+        return
+    handler = ErrorHandler()
+    handler.initialize()
+    previous = sys.excepthook
+
+    def hook(
+        exc_type: type[BaseException],
+        exc: BaseException,
+        tb: types.TracebackType | None,
+    ) -> None:
+        _record(handler, exc, tb)
+        previous(exc_type, exc, tb)
+
+    hook._parallax_recorder = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _record(handler: ErrorHandler, exc: BaseException, tb: types.TracebackType | None) -> None:
+    """Call ``record_exception`` with ``exc`` as the handled exception.
+
+    ``record_exception`` formats the traceback from ``sys.exc_info()``, which is empty inside
+    an excepthook; raising the exception again makes it current, and resetting its
+    ``__traceback__`` drops the extra frame (Python 3.11+ derives exc_info from it).
+    """
+    try:
+        raise exc
+    except BaseException as current:  # noqa: B036 - we record, never swallow
+        current.__traceback__ = tb
+        with contextlib.suppress(Exception):
+            handler.record_exception(current)
