@@ -95,3 +95,29 @@ def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
     # Plain parameters read only through gathers are found by the fx trace.
     assert {n: s for n, s in sync["gather"].items() if s == "ps"} == {
         "table": "ps", "bias_rows": "ps", "wide": "ps"}
+
+
+START_MODE_FILTER = "mixed-adam-densegrad-clip0.05"
+
+
+@pytest.mark.parametrize("mode", ["torchrun", "self-launch"])
+def test_other_start_modes_train_the_same(mode: str, tmp_path: Path) -> None:
+    """Under an outside torchrun parallax just joins; in a plain ``python train.py`` with a
+    resource file, get_runner launches the workers itself. Both give the same parameters."""
+    out = tmp_path / "out.pt"
+    if mode == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(WORKER), str(out), START_MODE_FILTER]
+    else:
+        resources = tmp_path / "resources.txt"
+        resources.write_text("# two emulated machines, one worker each\nlocalhost\nlocalhost\n")
+        cmd = [sys.executable, str(WORKER), str(out), START_MODE_FILTER,
+               "--resources", str(resources)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = torch.load(out, weights_only=False)
+    cases = [c for c in CASES if START_MODE_FILTER in c.key]
+    assert cases and set(results) == {c.key for c in cases}
+    for case in cases:
+        got = {k: v for k, v in results[case.key].items() if k != "__plan__"}
+        assert relative_difference(got, _reference(case, 2)) <= TOLERANCE[case.dtype]

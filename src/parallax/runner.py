@@ -10,7 +10,7 @@ same optimizer class over its shard.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -119,6 +119,24 @@ class Runner:
             optimizer.step()
         self.shard_optimizer.step()
         return loss.detach()
+
+    def evaluate(self, batches: Iterable[Sequence[Any]]) -> float:
+        """Mean loss over the batches of *all* workers (each worker passes its own shard, e.g.
+        a `parallax.shard`-ed validation loader), weighted by batch size. Collective: every
+        worker must pass the same number of batches."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        was_training = self.module.training
+        self.module.eval()
+        with torch.no_grad():
+            for inputs, targets in batches:
+                targets = _to_device(targets, self.device)
+                loss = self.loss_fn(self.forward(inputs), targets)
+                count = len(targets)
+                total += torch.tensor([float(loss) * count, count], dtype=torch.float64,
+                                      device=self.device)
+        self.module.train(was_training)
+        dist.all_reduce(total, group=self._sparse_group)
+        return float(total[0] / total[1].clamp_min(1))
 
     def zero_grad(self) -> None:
         for param in self.dense_parameters:

@@ -1,6 +1,10 @@
 """Worker of the equivalence suite: trains every case of the matrix under parallax inside one
 group of processes (start-up costs seconds, a case milliseconds) and saves the exported
-state_dicts on rank 0. Usage: parallax run ... equivalence_worker.py OUT.pt [--filter KEY]"""
+state_dicts on rank 0.
+
+Usage: parallax run ... equivalence_worker.py OUT.pt [KEY_SUBSTRING], under torchrun the same,
+or plain ``python equivalence_worker.py OUT.pt KEY_SUBSTRING --resources FILE``: then the first
+get_runner launches the workers itself, as a user's train.py would."""
 
 import sys
 from pathlib import Path
@@ -11,13 +15,17 @@ import torch  # noqa: E402
 from equivalence_cases import all_cases, build, global_batches, loss_fn, worker_slice  # noqa: E402
 
 import parallax  # noqa: E402
-from parallax.cluster import current_worker  # noqa: E402
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    only = sys.argv[2] if len(sys.argv) > 2 else ""
-    worker = current_worker()
+    args = sys.argv[1:]
+    resources = None
+    if "--resources" in args:
+        at = args.index("--resources")
+        resources = args[at + 1]
+        del args[at:at + 2]
+    out = Path(args[0])
+    only = args[1] if len(args) > 1 else ""
     results = {}
     for case in all_cases():
         if only not in case.key:
@@ -27,7 +35,9 @@ def main() -> None:
                                  average_dense=case.average_dense,
                                  num_partitions=case.num_partitions, seed=case.seed,
                                  collective_timeout_s=60)
-        runner = parallax.get_runner(model, optimizers, loss_fn, config=config)
+        runner = parallax.get_runner(model, optimizers, loss_fn, config=config,
+                                     resources=resources)
+        worker = runner.worker
         for batch in global_batches(case):
             runner.step(worker_slice(batch, worker.rank, worker.world_size))
             for sched in schedulers:
@@ -36,7 +46,7 @@ def main() -> None:
         if worker.rank == 0:
             results[case.key] = {k: v.detach().clone() for k, v in state.items()}
             results[case.key]["__plan__"] = runner.plan.to_json()
-    if worker.rank == 0:
+    if runner.worker.rank == 0:
         tmp = out.with_suffix(".tmp")
         torch.save(results, tmp)
         tmp.replace(out)

@@ -15,6 +15,7 @@ entries (module/testament/book/chapter introductions); they strip to nothing and
 
 from __future__ import annotations
 
+import fcntl
 import html
 import os
 import re
@@ -130,6 +131,15 @@ def fetch_kjv(cache_dir: Path | None = None) -> Path:
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
+    # Every worker of a local cluster may ask at once: one builds, the others wait for it.
+    with open(cache / ".kjv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _build(target, cache)
+    return target
+
+
+def _build(target: Path, cache: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="kjv-", dir=cache) as tmp:
         work = Path(tmp)
         deb = _download_deb(work)
@@ -140,7 +150,6 @@ def fetch_kjv(cache_dir: Path | None = None) -> Path:
     _write_atomically(target, "".join(v + "\n" for v in verses))
     words = sum(len(v.split()) for v in verses)
     _progress(f"wrote {len(verses):,} verses ({words:,} words) to {target}")
-    return target
 
 
 def _download_deb(work: Path) -> Path:

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv with the pinned CPU build of torch and parallax (editable) plus dev tools.
+# Idempotent: a second run only re-installs when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+stamp="$VENV/.parallax-installed"
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
+  exit 0
+fi
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip
+# Pinned: torch==2.13.0 has a local CPU build; an unpinned torch pulls GBs of CUDA packages.
+"$VENV/bin/pip" install -q torch==2.13.0
+"$VENV/bin/pip" install -q -e '.[dev]'
+touch "$stamp"

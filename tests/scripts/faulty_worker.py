@@ -1,0 +1,59 @@
+"""A training program that goes wrong on purpose, for the error-path tests.
+
+Usage: faulty_worker.py MODE OUT_DIR, MODE one of
+  bad_id   rank 1's batch holds an embedding id outside the table
+  raise    rank 1 raises in its 3rd step while the others wait in collectives
+  lbfgs    the optimizer cannot be applied per shard
+  export   no fault: train, export, and check the export reproduces the runner's outputs
+Every worker writes OUT_DIR/pid-RANK so the test can check no process is left behind.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from equivalence_cases import Case, Mixed, global_batches, loss_fn, worker_slice  # noqa: E402
+
+import parallax  # noqa: E402
+from parallax.cluster import current_worker  # noqa: E402
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    worker = current_worker()
+    (out / f"pid-{worker.rank}").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    model = Mixed()
+    if mode == "lbfgs":
+        optimizer = torch.optim.LBFGS(model.parameters())
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    runner = parallax.get_runner(model, optimizer, loss_fn,
+                                 config=parallax.Config(collective_timeout_s=60))
+    for step, batch in enumerate(global_batches(Case("mixed", "adam"))):
+        x, y = worker_slice(batch, worker.rank, worker.world_size)
+        if mode == "bad_id" and worker.rank == 1 and step == 2:
+            x = x.clone()
+            x[0, 0] = 123_456
+        if mode == "raise" and worker.rank == 1 and step == 2:
+            raise RuntimeError("deliberate failure in the user's training loop")
+        runner.step((x, y))
+    if mode == "export":
+        probe = torch.randint(0, 40, (16, 5), generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            distributed = runner.forward(probe)
+        state = runner.state_dict()
+        if worker.rank == 0:
+            fresh = Mixed()
+            fresh.load_state_dict(state)  # strict: same keys, same shapes
+            with torch.no_grad():
+                single = fresh(probe)
+            torch.save({"distributed": distributed, "single": single}, out / "export.pt")
+    parallax.shutdown()
+
+
+if __name__ == "__main__":
+    main()

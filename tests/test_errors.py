@@ -1,0 +1,110 @@
+"""Bad input and failing workers: clear errors naming the cause, nothing hangs, nothing left.
+
+The distributed cases run the program of tests/scripts/faulty_worker.py under `parallax run` on
+2 emulated machines with one worker each.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from equivalence_cases import Mixed, loss_fn
+
+import parallax
+from parallax.cluster import ResourceError
+from parallax.config import ConfigError
+from parallax.optim import OptimizerError
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTY = ROOT / "tests" / "scripts" / "faulty_worker.py"
+COLLECTIVE_TIMEOUT_S = 60  # what faulty_worker.py configures
+
+
+def run_faulty(mode: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "2",
+           "--nproc-per-machine", "1", str(FAULTY), mode, str(tmp_path)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return proc, time.monotonic() - start
+
+
+def assert_no_worker_left(tmp_path: Path) -> None:
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    assert len(pids) == 2, "both workers must have started"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+# ---- before any process starts ---------------------------------------------------------------
+def test_unknown_config_field_is_named() -> None:
+    with pytest.raises(TypeError, match="clip_norm"):
+        parallax.Config(clip_norm=1.0)
+    with pytest.raises(ConfigError, match=r"unknown Config field\(s\) \['clip_norm'\]"):
+        parallax.Config.from_dict({"clip_norm": 1.0})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("clip_grad_norm", -1.0), ("clip_grad_norm", float("nan")), ("average_sparse", 1),
+    ("num_partitions", 0), ("collective_timeout_s", 0), ("seed", "7"),
+])
+def test_inconsistent_config_values_are_named(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"Config.{field} must be"):
+        parallax.Config(**{field: value})
+
+
+def test_malformed_resource_file_fails_before_launch(tmp_path: Path) -> None:
+    resources = tmp_path / "resources.txt"
+    resources.write_text("# cluster\nlocalhost:0,1\nlocalhost:0,x\n")
+    model = Mixed()
+    with pytest.raises(ResourceError, match=r"resources.txt:3: .*localhost:0,x"):
+        parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                            resources=resources)
+
+
+def test_optimizer_that_cannot_run_per_shard_fails_before_launch(tmp_path: Path) -> None:
+    resources = tmp_path / "resources.txt"
+    resources.write_text("localhost\nlocalhost\n")
+    model = Mixed()
+    with pytest.raises(OptimizerError, match=r"LBFGS .* sparse parameter 'embedding.weight'"):
+        parallax.get_runner(model, torch.optim.LBFGS(model.parameters()), loss_fn,
+                            resources=resources)
+
+
+# ---- inside running workers ------------------------------------------------------------------
+def test_out_of_range_id_fails_every_worker_naming_rank_and_parameter(tmp_path: Path) -> None:
+    proc, seconds = run_faulty("bad_id", tmp_path)
+    assert proc.returncode != 0
+    assert "sparse parameter 'embedding.weight' got id 123456 on rank 1" in proc.stderr
+    assert "outside its rows [0, 40)" in proc.stderr
+    assert seconds < COLLECTIVE_TIMEOUT_S, "no worker may wait for the collective timeout"
+    assert_no_worker_left(tmp_path)
+
+
+def test_lbfgs_inside_workers_fails_with_the_cause(tmp_path: Path) -> None:
+    proc, _ = run_faulty("lbfgs", tmp_path)
+    assert proc.returncode != 0
+    assert "optimizer LBFGS cannot be applied per shard" in proc.stderr
+    assert_no_worker_left(tmp_path)
+
+
+def test_one_failing_worker_ends_all_and_launcher_names_it(tmp_path: Path) -> None:
+    proc, seconds = run_faulty("raise", tmp_path)
+    assert proc.returncode != 0
+    assert "rank 1" in proc.stderr and "deliberate failure" in proc.stderr
+    assert seconds < COLLECTIVE_TIMEOUT_S, "the others must not wait for the timeout"
+    assert_no_worker_left(tmp_path)
+
+
+def test_exported_state_dict_loads_into_original_class_and_reproduces_outputs(
+        tmp_path: Path) -> None:
+    proc, _ = run_faulty("export", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    outputs = torch.load(tmp_path / "export.pt")
+    torch.testing.assert_close(outputs["single"], outputs["distributed"], rtol=0, atol=0)
