@@ -17,7 +17,6 @@ import socket
 import sys
 import tempfile
 import types
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +33,8 @@ from parallax.cluster import RESOURCES_ENV, ResourceSpec
 __all__ = ["AgentPlan", "install_error_recorder", "launch", "plan_agent"]
 
 DEFAULT_MASTER_PORT = 29500
+#: Rendezvous id; the agents of one job must agree on it (it prefixes their store keys).
+RUN_ID = "parallax"
 #: Seconds between the agent's checks of its workers; small so a failure stops the rest fast.
 MONITOR_INTERVAL = 0.1
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
@@ -124,7 +125,7 @@ def _launch_config(plan: AgentPlan, log_dir: str) -> LaunchConfig:
         min_nodes=plan.nnodes,
         max_nodes=plan.nnodes,
         nproc_per_node=plan.nproc_per_node,
-        run_id=f"parallax-{uuid.uuid4().hex[:12]}",
+        run_id=RUN_ID,
         role="parallax",
         rdzv_endpoint=f"{host}:{plan.master_port}",
         rdzv_backend="static",
@@ -346,7 +347,7 @@ def _record(handler: ErrorHandler, exc: BaseException, tb: types.TracebackType |
     """
     try:
         raise exc
-    except BaseException as current:  # noqa: B036 - we record, never swallow
+    except BaseException as current:  # recorded here, then printed by the previous hook
         current.__traceback__ = tb
         with contextlib.suppress(Exception):
             handler.record_exception(current)

@@ -46,6 +46,7 @@ class Runner:
         self.worker = worker
         self.config = config
         self.device = worker.device
+        model.to(self.device)  # in place: the optimizer's Parameter objects stay the same
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
         params = dict(model.named_parameters())
         check_per_shard(self.optimizers, {n: params[n] for n in self.sparse_uses})

@@ -54,7 +54,7 @@ class RowPartitioning:
 
     def rows_of_server(self, server_index: int) -> Tensor:
         """Global ids held by one server, in the order of its shard."""
-        parts = [torch.arange(p, self.num_rows, self.num_partitions)
+        parts = [torch.arange(p, max(p, self.num_rows), self.num_partitions)
                  for p in range(self.num_partitions)
                  if p % len(self.server_ranks) == server_index]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)

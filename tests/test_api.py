@@ -1,0 +1,84 @@
+"""The user surface outside a running cluster: shard, plan and optimizer checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from equivalence_cases import Mixed, TiedLM
+from torch.utils.data import DataLoader, TensorDataset
+
+import parallax
+from parallax.analysis import find_sparse_parameters
+from parallax.optim import as_optimizer_list
+from parallax.plan import Plan
+
+
+def _fake_worker(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
+    monkeypatch.delenv("PARALLAX_RESOURCES", raising=False)
+    for key, value in dict(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank,
+                           LOCAL_WORLD_SIZE=world, GROUP_RANK=0).items():
+        monkeypatch.setenv(key, str(value))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sharded_batches_together_are_the_global_batch(monkeypatch, world: int) -> None:
+    data = TensorDataset(torch.arange(64))
+    per_worker = 16 // world
+    sharded = []
+    for rank in range(world):
+        _fake_worker(monkeypatch, rank, world)
+        sharded.append([b[0] for b in parallax.shard(DataLoader(data, batch_size=per_worker))])
+    single = [b[0] for b in DataLoader(data, batch_size=16)]
+    assert len(sharded[0]) == len(single)
+    for k, batch in enumerate(single):
+        together = torch.cat([sharded[r][k] for r in range(world)])
+        assert sorted(together.tolist()) == batch.tolist()
+
+
+def test_shuffled_shards_are_disjoint_and_reshuffle_each_epoch(monkeypatch) -> None:
+    data = TensorDataset(torch.arange(40))
+    epochs = []
+    for rank in range(2):
+        _fake_worker(monkeypatch, rank, 2)
+        loader = parallax.shard(DataLoader(data, batch_size=5, shuffle=True))
+        epochs.append([torch.cat([b[0] for b in loader]).tolist() for _ in range(2)])
+    assert sorted(epochs[0][0] + epochs[1][0]) == list(range(40))
+    assert epochs[0][0] != epochs[0][1], "a new epoch must bring a new order"
+
+
+def test_shard_outside_a_cluster_is_the_loader_itself(monkeypatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "PARALLAX_RESOURCES"):
+        monkeypatch.delenv(key, raising=False)
+    loader = DataLoader(TensorDataset(torch.arange(4)), batch_size=2)
+    assert parallax.shard(loader) is loader
+
+
+def test_plan_table_and_json_name_every_parameter() -> None:
+    model = Mixed()
+    plan = Plan.build(model, find_sparse_parameters(model), num_partitions=2,
+                      server_ranks=(0, 2), world_size=4)
+    table = plan.table()
+    assert "embedding.weight" in table and "PS: 2 partition(s) on server rank(s) 0,2" in table
+    assert "hidden.weight" in table and "replicated, AllReduce" in table
+    parsed = json.loads(plan.to_json())
+    assert {p["name"] for p in parsed["parameters"]} == {n for n, _ in model.named_parameters()}
+
+
+def test_tied_embedding_is_planned_dense() -> None:
+    model = TiedLM()
+    assert find_sparse_parameters(model) == {}
+
+
+def test_optimizer_argument_is_checked() -> None:
+    model = Mixed()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert as_optimizer_list(sgd) == [sgd]
+    with pytest.raises(TypeError, match=r"optimizer\[1\] must be a torch.optim.Optimizer"):
+        as_optimizer_list([sgd, "adam"])
+
+
+def test_config_round_trips_through_a_dict() -> None:
+    config = parallax.Config(clip_grad_norm=2.5, num_partitions=3, average_sparse=False)
+    assert parallax.Config.from_dict(config.to_dict()) == config

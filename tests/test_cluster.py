@@ -1,0 +1,173 @@
+"""Resource files, the rank layout and the current worker's identity."""
+
+import socket
+
+import pytest
+import torch
+
+from parallax.cluster import (
+    RESOURCES_ENV,
+    Machine,
+    ResourceError,
+    ResourceSpec,
+    WorkerInfo,
+    current_worker,
+    local_spec,
+    parse_resource_text,
+    parse_resources,
+)
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", RESOURCES_ENV)
+
+
+def test_parse_comments_blank_lines_and_devices(tmp_path):
+    path = tmp_path / "resources.txt"
+    path.write_text(
+        "# an emulated cluster\n"
+        "\n"
+        "localhost:0,1   # first machine\n"
+        "  localhost: 2 , 3\n"
+        "node-b.example.com\n"
+        "[::1]:4\n"
+    )
+    spec = parse_resources(path)
+    assert spec.machines == (
+        Machine("localhost", (0, 1)),
+        Machine("localhost", (2, 3)),
+        Machine("node-b.example.com", ()),
+        Machine("::1", (4,)),
+    )
+    assert [m.num_workers for m in spec.machines] == [2, 2, 1, 1]
+    assert spec.world_size == 6
+
+
+def test_same_host_twice_is_two_machines_ranks_machine_by_machine():
+    spec = parse_resource_text("localhost:0,1,2\nlocalhost\nlocalhost:0,1\n")
+    assert len(spec.machines) == 3
+    assert spec.machine_of_rank == (0, 0, 0, 1, 2, 2)
+    assert [spec.first_rank(m) for m in range(3)] == [0, 3, 4]
+    assert [spec.device_of_rank(r) for r in range(6)] == [0, 1, 2, None, 0, 1]
+    with pytest.raises(IndexError):
+        spec.first_rank(3)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "reason"),
+    [
+        ("localhost\nbad host!:0\n", 2, "bad host"),
+        ("localhost:0,,1\n", 1, "empty device"),
+        ("# c\nlocalhost:\n", 2, "empty device"),
+        ("localhost:0,x\n", 1, "not a non-negative integer"),
+        ("localhost:-1\n", 1, "not a non-negative integer"),
+        ("localhost:0,1\n\nlocalhost:1,1  # dup\n", 3, "duplicate device 1"),
+        (":0\n", 1, "missing host"),
+        ("[not-v6]:0\n", 1, "bad host"),
+    ],
+)
+def test_errors_name_file_line_reason_and_line(tmp_path, text, line, reason):
+    path = tmp_path / "res.txt"
+    path.write_text(text)
+    with pytest.raises(ResourceError) as info:
+        parse_resources(path)
+    message = str(info.value)
+    offending = text.splitlines()[line - 1].strip()
+    assert message.startswith(f"{path}:{line}: ")
+    assert reason in message
+    assert message.endswith(f": {offending}")
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# only comments\n# here\n"])
+def test_empty_file_is_an_error(text):
+    with pytest.raises(ResourceError, match=r"^res\.txt:1: empty resource file"):
+        parse_resource_text(text, source="res.txt")
+
+
+def test_local_spec():
+    spec = local_spec(2, 3)
+    assert spec.machines == (Machine("localhost", (0, 1, 2)),) * 2
+    assert spec.world_size == 6
+    assert spec.machine_of_rank == (0, 0, 0, 1, 1, 1)
+    assert spec.is_local()
+    with pytest.raises(ValueError):
+        local_spec(0, 1)
+
+
+def test_is_local():
+    for host in ("localhost", "127.0.0.1", "127.0.1.1", "::1", socket.gethostname()):
+        assert ResourceSpec((Machine(host),)).is_local(), host
+    assert not parse_resource_text("localhost\nremote-gpu-node-42\n").is_local()
+
+
+def test_json_round_trip():
+    spec = parse_resource_text("localhost:0,1\nhost-b\n[::1]:3\n")
+    assert ResourceSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError):
+        ResourceSpec(())
+
+
+def _set_env(monkeypatch, **values):
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in values.items():
+        monkeypatch.setenv(key, str(value))
+
+
+def test_current_worker_outside_a_launch(monkeypatch):
+    _set_env(monkeypatch)
+    assert current_worker() is None
+    _set_env(monkeypatch, RANK=0)
+    assert current_worker() is None
+
+
+def test_current_worker_from_our_spec(monkeypatch):
+    # unequal machines: only the spec knows the layout (torch's LOCAL_RANK is ignored)
+    spec = parse_resource_text("localhost:0,1\nlocalhost\nlocalhost:5,6,7\n")
+    _set_env(
+        monkeypatch,
+        RANK=4,
+        WORLD_SIZE=6,
+        LOCAL_RANK=4,
+        LOCAL_WORLD_SIZE=6,
+        GROUP_RANK=0,
+        **{RESOURCES_ENV: spec.to_json()},
+    )
+    worker = current_worker()
+    assert worker == WorkerInfo(
+        rank=4,
+        world_size=6,
+        local_rank=1,
+        machine=2,
+        num_machines=3,
+        machine_of_rank=(0, 0, 1, 2, 2, 2),
+        device_index=6,
+    )
+    assert worker.server_ranks == (0, 2, 3)
+    assert not worker.is_server
+
+    monkeypatch.setenv("RANK", "2")
+    assert current_worker().is_server
+
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=5"):
+        current_worker()
+
+
+def test_current_worker_under_plain_torchrun(monkeypatch):
+    _set_env(monkeypatch, RANK=5, WORLD_SIZE=8, LOCAL_RANK=1, LOCAL_WORLD_SIZE=4, GROUP_RANK=1)
+    worker = current_worker()
+    assert (worker.rank, worker.world_size, worker.local_rank) == (5, 8, 1)
+    assert (worker.machine, worker.num_machines) == (1, 2)
+    assert worker.machine_of_rank == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert worker.server_ranks == (0, 4)
+    assert not worker.is_server
+    assert worker.device == torch.device("cpu")
+
+
+def test_device(monkeypatch):
+    worker = WorkerInfo(0, 1, 0, 0, 1, (0,), device_index=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker.device == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert worker.device == torch.device("cuda", 1)
+    assert WorkerInfo(0, 1, 0, 0, 1, (0,)).device == torch.device("cpu")
