@@ -255,13 +255,16 @@ def _worker_from_spec(spec: ResourceSpec, rank: int, world_size: int) -> WorkerI
 
 
 def _worker_from_torchrun(env: Mapping[str, str], rank: int, world_size: int) -> WorkerInfo:
-    """Identity under plain ``torchrun``: one node per machine, equal workers per node."""
+    """Identity under plain ``torchrun``: one node per machine, equal workers per node, and
+    (torchrun's convention) GPU ``LOCAL_RANK`` for each worker where CUDA is usable."""
     local_world = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    local_rank = int(env.get("LOCAL_RANK", rank % local_world))
     return WorkerInfo(
         rank=rank,
         world_size=world_size,
-        local_rank=int(env.get("LOCAL_RANK", rank % local_world)),
+        local_rank=local_rank,
         machine=int(env.get("GROUP_RANK", rank // local_world)),
         num_machines=world_size // local_world,
         machine_of_rank=tuple(r // local_world for r in range(world_size)),
+        device_index=local_rank,
     )
