@@ -90,9 +90,24 @@ class CustomGather(nn.Module):
         return self.out(rows.mean(dim=1)) + bias + wide
 
 
+class Untraceable(nn.Module):
+    """Data-dependent control flow defeats torch.fx: only the module rule finds the table."""
+
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 6)
+        self.out = nn.Linear(6, 4)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        pooled = self.embedding(ids).mean(dim=1)
+        if bool((ids == 0).any()):  # a Python branch on data
+            pooled = pooled * 0.5
+        return self.out(pooled)
+
+
 MODELS: dict[str, type[nn.Module]] = {
     "dense": DenseOnly, "sparse": SparseOnly, "mixed": Mixed, "tied": TiedLM,
-    "gather": CustomGather,
+    "gather": CustomGather, "untraceable": Untraceable,
 }
 
 

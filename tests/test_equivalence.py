@@ -92,6 +92,9 @@ def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
                              "out.weight": "allreduce", "out.bias": "allreduce"}
     # Tied input/output embedding: read densely by the decoder, so it is dense.
     assert sync["tied"]["embedding.weight"] == "allreduce"
+    # Untraceable: the module rule alone still finds the embedding.
+    assert sync["untraceable"] == {"embedding.weight": "ps", "out.weight": "allreduce",
+                                   "out.bias": "allreduce"}
     # Plain parameters read only through gathers are found by the fx trace.
     assert {n: s for n, s in sync["gather"].items() if s == "ps"} == {
         "table": "ps", "bias_rows": "ps", "wide": "ps"}

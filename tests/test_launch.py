@@ -7,7 +7,6 @@ a local 2x2 job, a failing 2x2 job and a two-agent job through the CLI.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, Proce
 
 from parallax import launch as launch_mod
 from parallax.cluster import RESOURCES_ENV, local_spec, parse_resource_text
-from parallax.launch import install_error_recorder, launch, plan_agent
+from parallax.launch import free_port, install_error_recorder, launch, plan_agent
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
@@ -34,12 +33,6 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- planning: no processes started ---------------------------------------------------
@@ -205,7 +198,7 @@ def test_cli_two_agents_form_one_job(tmp_path):
     resources.write_text("localhost:0,1\nlocalhost:0,1\n")
     out = tmp_path / "out"
     out.mkdir()
-    port = str(_free_port())
+    port = str(free_port())
     agents = [
         subprocess.Popen(
             _cli(

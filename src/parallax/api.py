@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from parallax.cluster import WorkerInfo, current_worker, parse_resources
 from parallax.config import Config
-from parallax.launch import install_error_recorder, launch
+from parallax.launch import free_port, install_error_recorder, launch
 from parallax.optim import as_optimizer_list, check_per_shard
 from parallax.runner import LossFn, Runner
 
@@ -115,20 +115,12 @@ def _check_before_launch(model: torch.nn.Module,
 
 def _single_process_worker() -> WorkerInfo:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       GROUP_RANK="0")
     worker = current_worker()
     assert worker is not None
     return worker
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:

@@ -82,7 +82,7 @@ def plan_agent(
             node_rank=0,
             nproc_per_node=spec.world_size,
             master_addr=master_addr or "127.0.0.1",
-            master_port=master_port or _free_port(),
+            master_port=master_port or free_port(),
         )
     return _plan_machine(spec, machine_index, master_addr, master_port)
 
@@ -108,7 +108,7 @@ def _plan_machine(
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -73,7 +73,14 @@ class Runner:
     def _executed_model(self, model: nn.Module) -> nn.Module:
         """A copy of the module tree sharing every tensor, with sparse reads sent to the PS."""
         memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        executed = copy.deepcopy(model, memo)
+        try:
+            executed = copy.deepcopy(model, memo)
+        except Exception as error:
+            raise TypeError(
+                f"parallax runs a copy of the module tree of {type(model).__name__} (sharing "
+                f"its parameters and buffers), but copying it failed: {error}. Keep "
+                f"uncopyable objects (files, locks, sockets) out of the model's attributes."
+            ) from error
         executed = rewrite_gathers(executed, self.sparse_uses,
                                    lambda name: ShardedGather(self.tables[name]))
         for name, use in self.sparse_uses.items():
