@@ -151,11 +151,14 @@ class Case:
     average_dense: bool = True
     num_partitions: int | None = None
     scheduler: bool = False
+    architecture: str = "hybrid"
+    local_aggregation: bool | None = None
     seed: int = field(default=0)
 
     @property
     def key(self) -> str:
-        parts = [self.model, self.optimizer, "sparsegrad" if self.sparse_grad else "densegrad",
+        parts = [self.architecture, self.model, self.optimizer,
+                 "sparsegrad" if self.sparse_grad else "densegrad",
                  f"clip{self.clip}" if self.clip else "noclip", self.dtype]
         if not self.average_sparse:
             parts.append("sumsparse")
@@ -165,6 +168,8 @@ class Case:
             parts.append(f"P{self.num_partitions}")
         if self.scheduler:
             parts.append("sched")
+        if self.local_aggregation is not None:
+            parts.append("localagg" if self.local_aggregation else "nolocalagg")
         return "-".join(parts)
 
     @property
@@ -192,6 +197,26 @@ def all_cases() -> list[Case]:
             cases.append(Case(model, opt, clip=clip, average_sparse=False,
                               average_dense=False, seed=len(cases)))
             cases.append(Case(model, opt, clip=clip, average_sparse=False, seed=len(cases)))
+    # The other architectures, and local aggregation switched off and on explicitly: every
+    # model and optimizer in float64, where nothing hides in rounding.
+    variants = [("hybrid", False), ("allreduce", None), ("ps", None), ("optps", None),
+                ("ps", True), ("optps", False)]
+    for (architecture, aggregation), model, opt, clip in itertools.product(
+            variants, MODELS, OPTIMIZERS, (None, 0.05)):
+        sparse_grad = opt == "sparseadam"
+        if sparse_grad and model not in ("sparse", "mixed"):
+            continue
+        if architecture in ("ps", "optps") and opt == "sparseadam" and model == "mixed":
+            continue  # the dense part needs Adam: covered by the other variants
+        if aggregation is not None and opt not in ("sgd", "adagrad", "adam"):
+            continue
+        cases.append(Case(model, opt, sparse_grad, clip, "float64",
+                          num_partitions=(None, 3)[len(cases) % 2], architecture=architecture,
+                          local_aggregation=aggregation, seed=len(cases)))
+    # Summed gradients under every architecture.
+    for architecture in ("allreduce", "ps", "optps"):
+        cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,
+                          average_dense=False, architecture=architecture, seed=len(cases)))
     return cases
 
 

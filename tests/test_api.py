@@ -57,8 +57,9 @@ def test_shard_outside_a_cluster_is_the_loader_itself(monkeypatch) -> None:
 
 def test_plan_table_and_json_name_every_parameter() -> None:
     model = Mixed()
-    plan = Plan.build(model, find_sparse_parameters(model), num_partitions=2,
-                      server_ranks=(0, 2), world_size=4)
+    sparse = find_sparse_parameters(model)
+    plan = Plan.build(model, sparse, placements={n: ("ps", 2, (0, 2)) for n in sparse},
+                      world_size=4, num_machines=2)
     table = plan.table()
     assert "embedding.weight" in table and "PS: 2 partition(s) on server rank(s) 0,2" in table
     assert "hidden.weight" in table and "replicated, AllReduce" in table

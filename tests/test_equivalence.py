@@ -83,8 +83,10 @@ def test_training_moves_every_parameter(case: Case) -> None:
 
 def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
     _, results = distributed
-    plans = {key.split("-")[0]: json.loads(r["__plan__"]) for key, r in results.items()}
-    sync = {m: {p["name"]: p["sync"] for p in plan["parameters"]} for m, plan in plans.items()}
+    plans = {tuple(key.split("-")[:2]): json.loads(r["__plan__"]) for key, r in results.items()}
+    by_arch = {key: {p["name"]: p["sync"] for p in plan["parameters"]}
+               for key, plan in plans.items()}
+    sync = {model: placement for (arch, model), placement in by_arch.items() if arch == "hybrid"}
     assert set(sync["dense"].values()) == {"allreduce"}
     assert sync["sparse"] == {"embedding.weight": "ps"}
     assert sync["mixed"] == {"embedding.weight": "ps", "bag.weight": "ps",
@@ -98,6 +100,12 @@ def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
     # Plain parameters read only through gathers are found by the fx trace.
     assert {n: s for n, s in sync["gather"].items() if s == "ps"} == {
         "table": "ps", "bias_rows": "ps", "wide": "ps"}
+    # The baselines: AllGatherv for sparse under allreduce; everything on servers under ps.
+    assert by_arch[("allreduce", "mixed")] == {**sync["mixed"], "embedding.weight": "allgatherv",
+                                               "bag.weight": "allgatherv"}
+    for arch in ("ps", "optps"):
+        assert set(by_arch[(arch, "mixed")].values()) == {"ps"}
+        assert set(by_arch[(arch, "tied")].values()) == {"ps"}
 
 
 START_MODE_FILTER = "mixed-adam-densegrad-clip0.05"

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from parallax.analysis import find_sparse_parameters
+from parallax.architecture import server_held
 from parallax.cluster import WorkerInfo, current_worker, parse_resources
 from parallax.config import Config
 from parallax.launch import free_port, install_error_recorder, launch
@@ -93,7 +95,7 @@ def get_runner(model: torch.nn.Module,
     optimizers = as_optimizer_list(optimizer)
     worker = current_worker()
     if worker is None and resources is not None:
-        _check_before_launch(model, optimizers)
+        _check_before_launch(model, optimizers, config)
         spec = parse_resources(resources)
         sys.exit(launch(spec, [sys.argv[0], *sys.argv[1:]]))
     if worker is None:
@@ -104,13 +106,10 @@ def get_runner(model: torch.nn.Module,
     return Runner(model, optimizers, loss_fn, worker=worker, config=config, sparse_group=group)
 
 
-def _check_before_launch(model: torch.nn.Module,
-                         optimizers: list[torch.optim.Optimizer]) -> None:
+def _check_before_launch(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                         config: Config) -> None:
     """Fail in the launching process, before any worker starts, on what workers would reject."""
-    from parallax.analysis import find_sparse_parameters
-
-    params = dict(model.named_parameters())
-    check_per_shard(optimizers, {n: params[n] for n in find_sparse_parameters(model)})
+    check_per_shard(optimizers, server_held(model, find_sparse_parameters(model), config))
 
 
 def _single_process_worker() -> WorkerInfo:

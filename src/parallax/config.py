@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+ARCHITECTURES = ("hybrid", "allreduce", "ps", "optps")
+
 
 class ConfigError(ValueError):
     """A `Config` field has a wrong type or an inconsistent value."""
@@ -17,6 +19,15 @@ class Config:
     """How parallax trains. Defaults reproduce the single-device program with the global batch.
 
     Attributes:
+        architecture: how parameters are synchronised.
+            ``"hybrid"`` (default): dense parameters AllReduced (DDP), sparse ones on parameter
+            servers with local aggregation. ``"allreduce"`` (the Horovod way): every parameter
+            replicated; sparse gradients exchanged by AllGatherv of (ids, rows).
+            ``"ps"`` (naive parameter server): every parameter, dense ones too, on servers.
+            ``"optps"``: ``"ps"`` with local aggregation.
+        local_aggregation: workers of one machine merge their ids and sum their gradient rows
+            before anything crosses machines. ``None``: on for ``hybrid`` and ``optps``, off for
+            ``ps``; it does not apply to ``allreduce``.
         average_dense: divide AllReduced dense gradients by the number of workers (mean of the
             per-worker gradients, as DDP does). False sums them.
         average_sparse: servers divide the aggregated sparse gradient rows by the number of
@@ -35,6 +46,8 @@ class Config:
             used in every step.
     """
 
+    architecture: str = "hybrid"
+    local_aggregation: bool | None = None
     average_dense: bool = True
     average_sparse: bool = True
     clip_grad_norm: float | None = None
@@ -44,6 +57,14 @@ class Config:
     find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
+        _require(self.architecture in ARCHITECTURES, "architecture", self.architecture,
+                 f"one of {ARCHITECTURES}")
+        if self.local_aggregation is not None:
+            _require(isinstance(self.local_aggregation, bool), "local_aggregation",
+                     self.local_aggregation, "None or a bool")
+            _require(not (self.local_aggregation and self.architecture == "allreduce"),
+                     "local_aggregation", self.local_aggregation,
+                     "None or False with architecture='allreduce' (it has no servers)")
         for name in ("average_dense", "average_sparse", "find_unused_parameters"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
         if self.clip_grad_norm is not None:
@@ -57,6 +78,13 @@ class Config:
         timeout = self.collective_timeout_s
         ok = _is_number(timeout) and math.isfinite(timeout) and timeout > 0
         _require(ok, "collective_timeout_s", timeout, "a finite number of seconds > 0")
+
+    @property
+    def aggregates_locally(self) -> bool:
+        """Whether sparse exchanges go through each machine's leader."""
+        if self.local_aggregation is not None:
+            return self.local_aggregation
+        return self.architecture in ("hybrid", "optps")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:

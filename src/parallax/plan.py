@@ -14,7 +14,8 @@ from parallax.analysis import SparseUse
 class ParameterPlan:
     """One parameter's decision.
 
-    ``sync`` is ``"allreduce"`` (replicated on every worker, gradients AllReduced by DDP) or
+    ``sync`` is ``"allreduce"`` (replicated on every worker, gradients AllReduced by DDP),
+    ``"allgatherv"`` (replicated, gradient rows exchanged as (ids, rows) with every worker) or
     ``"ps"`` (rows partitioned over the servers, pulled and pushed per step).
     """
 
@@ -23,6 +24,7 @@ class ParameterPlan:
     dtype: str
     sync: str
     reason: str
+    sparse: bool = False
     partitions: int = 0
     server_ranks: tuple[int, ...] = ()
 
@@ -31,6 +33,8 @@ class ParameterPlan:
         if self.sync == "ps":
             return (f"PS: {self.partitions} partition(s) on server rank(s) "
                     f"{','.join(map(str, self.server_ranks))}")
+        if self.sync == "allgatherv":
+            return "replicated, AllGatherv of rows"
         return "replicated, AllReduce"
 
 
@@ -43,38 +47,41 @@ class Plan:
     num_machines: int
 
     @classmethod
-    def build(cls, model: nn.Module, sparse: dict[str, SparseUse], *, num_partitions: int,
-              server_ranks: tuple[int, ...], world_size: int) -> Plan:
+    def build(cls, model: nn.Module, sparse: dict[str, SparseUse], *,
+              placements: dict[str, tuple[str, int, tuple[int, ...]]], world_size: int,
+              num_machines: int) -> Plan:
+        """``placements[name] = (sync, partitions, server_ranks)`` for every parameter held
+        otherwise than replicated-and-AllReduced."""
         entries = []
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue
-            common = dict(name=name, shape=tuple(param.shape),
-                          dtype=str(param.dtype).removeprefix("torch."))
             use = sparse.get(name)
             if use is None:
-                entries.append(ParameterPlan(**common, sync="allreduce", reason="dense"))
+                reason = "dense"
             else:
                 reason = {"embedding": "nn.Embedding", "embedding_bag": "nn.EmbeddingBag",
                           "gather": "row gathers only (fx trace)"}[use.kind]
                 if use.sparse_grad:
                     reason += ", sparse grad"
-                entries.append(ParameterPlan(**common, sync="ps", reason=reason,
-                                             partitions=num_partitions,
-                                             server_ranks=server_ranks))
-        return cls(tuple(entries), world_size, len(server_ranks))
+            sync, partitions, servers = placements.get(name, ("allreduce", 0, ()))
+            entries.append(ParameterPlan(
+                name=name, shape=tuple(param.shape),
+                dtype=str(param.dtype).removeprefix("torch."), sync=sync, reason=reason,
+                sparse=use is not None, partitions=partitions, server_ranks=servers))
+        return cls(tuple(entries), world_size, num_machines)
 
     def table(self) -> str:
         header = ("parameter", "shape", "dtype", "kind", "why", "lives on")
         rows = [(p.name, "x".join(map(str, p.shape)) or "scalar", p.dtype,
-                 "sparse" if p.sync == "ps" else "dense", p.reason, p.placement)
+                 "sparse" if p.sparse else "dense", p.reason, p.placement)
                 for p in self.parameters]
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                  for r in (header, *rows)]
         lines.insert(1, "  ".join("-" * w for w in widths))
         title = (f"parallax plan: {self.world_size} worker(s) on {self.num_machines} "
-                 f"machine(s), {sum(p.sync == 'ps' for p in self.parameters)} sparse parameter(s)")
+                 f"machine(s), {sum(p.sparse for p in self.parameters)} sparse parameter(s)")
         return "\n".join([title, *lines])
 
     def to_json(self) -> str:

@@ -18,13 +18,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.analysis import SparseUse, find_sparse_parameters, rewrite_gathers
+from parallax.architecture import build_layout, server_held
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
 from parallax.dense import wrap_dense
+from parallax.exchange import Traffic
 from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
 from parallax.optim import ShardOptimizer, check_per_shard
 from parallax.plan import Plan
-from parallax.sparse import ShardedTable
+from parallax.replicated import ReplicatedTable
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -49,25 +51,31 @@ class Runner:
         model.to(self.device)  # in place: the optimizer's Parameter objects stay the same
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
         params = dict(model.named_parameters())
-        check_per_shard(self.optimizers, {n: params[n] for n in self.sparse_uses})
-        num_partitions = config.num_partitions or len(worker.server_ranks)
-        self.tables = {
-            name: ShardedTable(name, params[name], num_partitions=num_partitions, worker=worker,
-                               group=sparse_group, sparse_grad=use.sparse_grad,
-                               average=config.average_sparse)
-            for name, use in sorted(self.sparse_uses.items())
-        }
-        self.plan = Plan.build(model, self.sparse_uses, num_partitions=num_partitions,
-                               server_ranks=worker.server_ranks, world_size=worker.world_size)
+        self.traffic = Traffic(worker.rank, worker.machine_of_rank)
+        self.layout = build_layout(model, self.sparse_uses, config=config, worker=worker,
+                                   group=sparse_group, traffic=self.traffic)
+        self.tables = self.layout.sparse
+        check_per_shard(self.optimizers, server_held(model, self.sparse_uses, config))
+        self.plan = Plan.build(model, self.sparse_uses, placements=self.layout.placements,
+                               world_size=worker.world_size,
+                               num_machines=len(worker.server_ranks))
         executed = self._executed_model(model)
+        # Gradients the runner AllReduces or replicates: clipped with the dense part.
         self.dense_parameters = [p for p in executed.parameters() if p.requires_grad]
-        self.module = wrap_dense(executed, device=self.device, average=config.average_dense,
-                                 find_unused_parameters=config.find_unused_parameters)
+        self.dense_parameters += [t.param for t in self.tables.values()
+                                  if isinstance(t, ReplicatedTable)]
+        self.module = executed
+        if self.layout.uses_ddp:
+            self.module = wrap_dense(executed, device=self.device,
+                                     average=config.average_dense,
+                                     find_unused_parameters=config.find_unused_parameters)
         self.shard_optimizer = ShardOptimizer(self.optimizers, {
-            id(params[name]): table.shard for name, table in self.tables.items()
+            id(params[name]): table.shard for name, table in self.layout.all_tables().items()
             if table.shard is not None
         })
         self._sparse_group = sparse_group
+        self._all_rows = {name: torch.arange(t.num_rows, device=self.device)
+                          for name, t in self.layout.dense.items()}
         self.last_grad_norm: float | None = None
 
     def _executed_model(self, model: nn.Module) -> nn.Module:
@@ -103,11 +111,15 @@ class Runner:
         """The model's output for ``inputs`` (a tensor, a tuple of positional args or a dict of
         keyword args). Collective: sparse rows are pulled from the servers."""
         inputs = _to_device(inputs, self.device)
-        if isinstance(inputs, dict):
-            return self.module(**inputs)
-        if isinstance(inputs, (tuple, list)):
-            return self.module(*inputs)
-        return self.module(inputs)
+        args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
+            (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {}))
+        if not self.layout.dense:
+            return self.module(*args, **kwargs)
+        # ps/optps: dense parameters too come from the servers, whole, every step.
+        params = dict(self.model.named_parameters())
+        pulled = {name: table.lookup(self._all_rows[name])[0].view(params[name].shape)
+                  for name, table in self.layout.dense.items()}
+        return torch.func.functional_call(self.module, pulled, args, kwargs)
 
     def step(self, batch: Sequence[Any]) -> Tensor:
         """One synchronous training step on this worker's ``(inputs, targets)``; returns this
@@ -119,13 +131,14 @@ class Runner:
         self.zero_grad()
         loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
         loss.backward()
-        for table in self.tables.values():
+        for table in self.layout.all_tables().values():
             table.push_gradients()
         if self.config.clip_grad_norm is not None:
             self._clip(self.config.clip_grad_norm)
         for optimizer in self.optimizers:
             optimizer.step()
         self.shard_optimizer.step()
+        self.traffic.steps += 1
         return loss.detach()
 
     def evaluate(self, batches: Iterable[Sequence[Any]]) -> float:
@@ -149,24 +162,26 @@ class Runner:
     def zero_grad(self) -> None:
         for param in self.dense_parameters:
             param.grad = None
-        for table in self.tables.values():
+        for table in self.layout.all_tables().values():
             table.zero_grad()
 
     def _clip(self, max_norm: float) -> None:
         """Clip by the norm of all aggregated gradients, as clip_grad_norm_ on one device."""
         dense_grads = [p.grad for p in self.dense_parameters if p.grad is not None]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
-        for table in self.tables.values():
+        tables = self.layout.all_tables().values()
+        for table in tables:
             squared += table.grad_norm_squared()
-        if self.tables:
+        if tables:
             dist.all_reduce(squared, group=self._sparse_group)
-        for grad in dense_grads:
-            squared += torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+        for grad in dense_grads:  # replicated sparse-gradient tables arrive coalesced
+            values = grad._values() if grad.is_sparse else grad
+            squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
         total = squared.sqrt()
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in dense_grads:
             grad.mul_(factor.to(grad.dtype))
-        for table in self.tables.values():
+        for table in tables:
             table.scale_grad(factor)
         self.last_grad_norm = float(total)
 
@@ -174,9 +189,24 @@ class Runner:
     def state_dict(self) -> dict[str, Tensor]:
         """A plain single-device ``state_dict`` of the original model class (collective)."""
         state = self.model.state_dict()
-        for name, table in self.tables.items():
-            state[name] = table.full_weight().to(state[name].device)
+        names_of: dict[int, list[str]] = {}  # tied parameters appear under every name
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(param), []).append(name)
+        params = dict(self.model.named_parameters())
+        for name, table in self.layout.all_tables().items():
+            full = table.full_weight().view(state[name].shape).to(state[name].device)
+            for alias in names_of[id(params[name])]:
+                state[alias] = full
         return state
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Bytes this worker sent and received per training step through the parameter-server
+        and AllGatherv exchanges, per parameter, split into intra- and inter-machine traffic
+        (averaged over the steps since the start or the last ``reset_stats``)."""
+        return self.traffic.per_step()
+
+    def reset_stats(self) -> None:
+        self.traffic.reset()
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

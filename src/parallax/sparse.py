@@ -1,14 +1,15 @@
-"""Sparse parameters on parameter servers: row partitioning, pull of rows, push of gradient rows.
+"""Parameters on parameter servers: row partitioning, pull of rows, push of gradient rows.
 
-One ``ShardedTable`` per sparse parameter. Its rows are split into partitions by ``id % P``
-(Zipf-hot ids, which are small numbers, spread over all partitions); partition ``p`` lives on
-server ``p % S``, and a server keeps all its partitions in one tensor, its *shard*.
+One ``ShardedTable`` per server-held parameter. Its rows are split into partitions by
+``id % P`` (Zipf-hot ids, which are small numbers, spread over all partitions); partition ``p``
+lives on server ``(p + first_server) % S``, and a server keeps all its partitions in one tensor,
+its *shard*. A dense parameter under the ``ps`` architecture is a table with one partition whose
+every row is pulled each step.
 
-Every exchange is one ``all_to_all_single`` over the whole world with explicit split sizes:
-a worker that is not a server simply receives nothing. The counts go first, in their own small
-all_to_all, because gloo does not check that the splits of both sides agree; that message also
-carries an error flag so that a bad id on one rank fails every rank at once instead of hanging
-the others.
+With local aggregation the workers of one machine first send their ids to the machine's first
+worker (its leader, co-located with its server), which merges them, pulls each row once for the
+whole machine and fans the rows out; gradients go the same way back, summed per row by the
+leader before anything crosses machines.
 """
 
 from __future__ import annotations
@@ -20,30 +21,34 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
+from parallax.exchange import Hop, SparseIdError, Traffic
 
-
-class SparseIdError(IndexError):
-    """A batch holds an id outside the rows of a sparse parameter."""
+__all__ = ["RowPartitioning", "ShardedTable", "SparseIdError"]
 
 
 class RowPartitioning:
     """Where each row of a ``num_rows``-row table lives: owning rank and row inside its shard."""
 
-    def __init__(self, num_rows: int, num_partitions: int, server_ranks: tuple[int, ...]):
+    def __init__(self, num_rows: int, num_partitions: int, server_ranks: tuple[int, ...],
+                 first_server: int = 0):
         self.num_rows = num_rows
         self.num_partitions = num_partitions
         self.server_ranks = server_ranks
+        self.first_server = first_server
         sizes = [max(0, (num_rows - p + num_partitions - 1) // num_partitions)
                  for p in range(num_partitions)]
         owners, offsets = [], []
         self.shard_rows = [0] * len(server_ranks)
         for p, size in enumerate(sizes):
-            server = p % len(server_ranks)
+            server = self.server_of_partition(p)
             owners.append(server_ranks[server])
             offsets.append(self.shard_rows[server])
             self.shard_rows[server] += size
         self._owner_of_partition = torch.tensor(owners, dtype=torch.long)
         self._offset_of_partition = torch.tensor(offsets, dtype=torch.long)
+
+    def server_of_partition(self, partition: int) -> int:
+        return (partition + self.first_server) % len(self.server_ranks)
 
     def owner_rank(self, ids: Tensor) -> Tensor:
         return self._owner_of_partition.to(ids.device)[ids % self.num_partitions]
@@ -56,34 +61,36 @@ class RowPartitioning:
         """Global ids held by one server, in the order of its shard."""
         parts = [torch.arange(p, max(p, self.num_rows), self.num_partitions)
                  for p in range(self.num_partitions)
-                 if p % len(self.server_ranks) == server_index]
+                 if self.server_of_partition(p) == server_index]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
 @dataclass
-class _Route:
-    """How the unique ids of one lookup travelled, so that their gradients go back the same way."""
+class _DirectRoute:
+    """How unique ids travelled to their owners, so that gradients follow them."""
 
-    order: Tensor          # permutation sorting the unique ids by owner rank
-    send_counts: list[int]
-    recv_counts: list[int]
+    order: Tensor            # permutation sorting the ids by owner rank
+    hop: Hop
     recv_local_rows: Tensor  # on a server: the shard rows the received ids address
 
 
 @dataclass
 class _Lookup:
-    rows: Tensor   # leaf tensor [unique ids, dim]; its .grad is what gets pushed
-    route: _Route
+    rows: Tensor                    # leaf [unique ids, *row]; its .grad is what gets pushed
+    direct: _DirectRoute            # worker -> owners (or leader -> owners when aggregating)
+    to_leader: Hop | None = None    # worker -> its machine's leader (local aggregation)
+    merged_inverse: Tensor | None = None  # at the leader: received piece -> merged row
+    merged_count: int = 0
 
 
 class ShardedTable:
-    """One sparse parameter held by the servers; a collective object (every rank calls it)."""
+    """One parameter held by the servers; a collective object (every rank calls it)."""
 
     def __init__(self, name: str, weight: Tensor, *, num_partitions: int, worker: WorkerInfo,
-                 group: dist.ProcessGroup, sparse_grad: bool, average: bool):
-        if weight.dim() < 2:
-            raise ValueError(f"sparse parameter '{name}' must have rows (dim >= 2), "
-                             f"got shape {tuple(weight.shape)}")
+                 group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
+                 local_aggregation: bool = False, first_server: int = 0):
+        if weight.dim() < 1:
+            raise ValueError(f"parameter '{name}' must have rows (dim >= 1), got a scalar")
         self.name = name
         self.num_rows = weight.shape[0]
         self.row_shape = tuple(weight.shape[1:])
@@ -91,9 +98,12 @@ class ShardedTable:
         self.device = weight.device
         self.worker = worker
         self.group = group
+        self.traffic = traffic
         self.sparse_grad = sparse_grad
         self.average = average
-        self.partitioning = RowPartitioning(self.num_rows, num_partitions, worker.server_ranks)
+        self.local_aggregation = local_aggregation and worker.world_size > 1
+        self.partitioning = RowPartitioning(self.num_rows, num_partitions, worker.server_ranks,
+                                            first_server)
         self.shard: nn.Parameter | None = None
         self._pending: list[_Lookup] = []
         self._sparse_pieces: list[tuple[Tensor, Tensor]] = []
@@ -104,68 +114,65 @@ class ShardedTable:
             mine = self.partitioning.rows_of_server(worker.server_ranks.index(worker.rank))
             self.shard = nn.Parameter(initial[mine.to(initial.device)].clone())
 
+    @property
+    def _leader(self) -> int:
+        return self.worker.server_ranks[self.worker.machine]
+
+    def _rows(self, count: int) -> Tensor:
+        return torch.empty((count, *self.row_shape), dtype=self.dtype, device=self.device)
+
+    def _open(self, send_counts: list[int], bad_id: int | None = None) -> Hop:
+        return Hop.open(send_counts, group=self.group, traffic=self.traffic, name=self.name,
+                        num_rows=self.num_rows, bad_id=bad_id, device=self.device)
+
     # ---- forward: pull -------------------------------------------------------------------
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Pull the rows ``ids`` needs. Returns ``(rows, inverse)`` with ``rows[inverse]`` the
         looked-up values; ``rows`` is a leaf whose gradient `push_gradients` sends back."""
         if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"sparse parameter '{self.name}' on rank {self.worker.rank}: "
-                            f"ids must be an integer tensor, got {ids.dtype}")
+            raise TypeError(f"parameter '{self.name}' on rank {self.worker.rank}: ids must be "
+                            f"an integer tensor, got {ids.dtype}")
         unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
-        rows, route = self._pull(unique)
+        bad_id = None
+        if unique.numel() and (unique[0] < 0 or unique[-1] >= self.num_rows):
+            bad_id = int(unique[0] if unique[0] < 0 else unique[-1])
+        if self.local_aggregation:
+            lookup = self._pull_via_leader(unique, bad_id)
+        else:
+            rows, direct = self._pull_direct(unique, bad_id)
+            lookup = _Lookup(rows, direct)
         if torch.is_grad_enabled():
-            rows.requires_grad_(True)
-            self._pending.append(_Lookup(rows, route))
-        return rows, inverse.view(ids.shape)
+            lookup.rows.requires_grad_(True)
+            self._pending.append(lookup)
+        return lookup.rows, inverse.view(ids.shape)
+
+    def _pull_direct(self, unique: Tensor, bad_id: int | None) -> tuple[Tensor, _DirectRoute]:
+        owner = self.partitioning.owner_rank(unique.clamp(0, max(self.num_rows - 1, 0)))
+        order = torch.argsort(owner, stable=True)
+        hop = self._open(torch.bincount(owner, minlength=self.worker.world_size).tolist(),
+                         bad_id)
+        recv_ids = hop.forward(unique[order])
+        local = self.partitioning.local_row(recv_ids)
+        served = self.shard.detach()[local] if self.shard is not None else self._rows(0)
+        rows = self._rows(unique.numel())
+        rows[order] = hop.backward(served)
+        return rows, _DirectRoute(order, hop, local)
+
+    def _pull_via_leader(self, unique: Tensor, bad_id: int | None) -> _Lookup:
+        counts = [0] * self.worker.world_size
+        counts[self._leader] = unique.numel()
+        to_leader = self._open(counts, bad_id)
+        pieces = to_leader.forward(unique)  # at a leader: every local worker's ids
+        merged, merged_inverse = torch.unique(pieces, return_inverse=True)
+        merged_rows, direct = self._pull_direct(merged, None)
+        rows = to_leader.backward(merged_rows[merged_inverse])
+        return _Lookup(rows, direct, to_leader, merged_inverse, merged.numel())
 
     def read_rows(self, ids: Tensor) -> Tensor:
         """Current values of rows ``ids`` (collective; used for export)."""
         with torch.no_grad():
             rows, inverse = self.lookup(ids)
         return rows[inverse]
-
-    def _pull(self, unique: Tensor) -> tuple[Tensor, _Route]:
-        error = None
-        if unique.numel() and (unique[0] < 0 or unique[-1] >= self.num_rows):
-            error = int(unique[0] if unique[0] < 0 else unique[-1])
-        owner = self.partitioning.owner_rank(unique.clamp(0, max(self.num_rows - 1, 0)))
-        order = torch.argsort(owner, stable=True)
-        send_ids = unique[order].contiguous()
-        send_counts = torch.bincount(owner, minlength=self.worker.world_size).tolist()
-        recv_counts = self._exchange_counts(send_counts, error)
-        recv_ids = torch.empty(sum(recv_counts), dtype=torch.long, device=unique.device)
-        dist.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts, group=self.group)
-        local = self.partitioning.local_row(recv_ids)
-        if self.shard is not None:
-            served = self.shard.detach()[local]
-        else:
-            served = torch.empty((0, *self.row_shape), dtype=self.dtype, device=self.device)
-        sorted_rows = torch.empty((unique.numel(), *self.row_shape), dtype=self.dtype,
-                                  device=self.device)
-        dist.all_to_all_single(sorted_rows, served.contiguous(), send_counts, recv_counts,
-                               group=self.group)
-        rows = torch.empty_like(sorted_rows)
-        rows[order] = sorted_rows
-        return rows, _Route(order, send_counts, recv_counts, local)
-
-    def _exchange_counts(self, send_counts: list[int], bad_id: int | None) -> list[int]:
-        world = self.worker.world_size
-        message = torch.zeros(world, 3, dtype=torch.long, device=self.device)
-        message[:, 0] = torch.tensor(send_counts, dtype=torch.long)
-        if bad_id is not None:
-            message[:, 1] = 1
-            message[:, 2] = bad_id
-        received = torch.empty_like(message)
-        dist.all_to_all_single(received, message, group=self.group)
-        failed = received[:, 1].nonzero().flatten().tolist()
-        if failed:
-            rank = failed[0]
-            raise SparseIdError(
-                f"parallax: sparse parameter '{self.name}' got id {int(received[rank, 2])} "
-                f"on rank {rank} (machine {self.worker.machine_of_rank[rank]}), outside its "
-                f"rows [0, {self.num_rows})"
-            )
-        return received[:, 0].tolist()
 
     # ---- backward: push ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -187,11 +194,12 @@ class ShardedTable:
             grad = lookup.rows.grad
             if grad is None:
                 grad = torch.zeros_like(lookup.rows)
-            route = lookup.route
-            received = torch.empty((sum(route.recv_counts), *self.row_shape), dtype=self.dtype,
-                                   device=self.device)
-            dist.all_to_all_single(received, grad[route.order].contiguous(), route.recv_counts,
-                                   route.send_counts, group=self.group)
+            if lookup.to_leader is not None:
+                pieces = lookup.to_leader.forward(grad)
+                grad = self._rows(lookup.merged_count).zero_()
+                grad.index_add_(0, lookup.merged_inverse, pieces)
+            route = lookup.direct
+            received = route.hop.forward(grad[route.order])
             if self.shard is not None:
                 if self.average:
                     received.div_(self.worker.world_size)
@@ -213,14 +221,15 @@ class ShardedTable:
             values = torch.cat([values for _, values in self._sparse_pieces])
         else:
             rows = torch.empty(0, dtype=torch.long, device=self.device)
-            values = torch.empty((0, *self.row_shape), dtype=self.dtype, device=self.device)
+            values = self._rows(0)
         grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, self.shard.shape,
                                        check_invariants=False)
         self.shard.grad = grad.coalesce()
         self._sparse_pieces.clear()
 
     def grad_norm_squared(self) -> Tensor:
-        """This server's part of the squared global gradient norm (0 on non-servers)."""
+        """This server's part of the squared global gradient norm (0 on non-servers): computed
+        where the aggregated gradient lives, so only a scalar travels."""
         grad = None if self.shard is None else self.shard.grad
         if grad is None:
             return torch.zeros((), dtype=torch.float64, device=self.device)

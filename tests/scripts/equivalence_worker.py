@@ -34,6 +34,8 @@ def main() -> None:
         config = parallax.Config(clip_grad_norm=case.clip, average_sparse=case.average_sparse,
                                  average_dense=case.average_dense,
                                  num_partitions=case.num_partitions, seed=case.seed,
+                                 architecture=case.architecture,
+                                 local_aggregation=case.local_aggregation,
                                  collective_timeout_s=60)
         runner = parallax.get_runner(model, optimizers, loss_fn, config=config,
                                      resources=resources)

@@ -1,0 +1,96 @@
+"""Sparse parameters under the ``allreduce`` architecture (the Horovod way).
+
+Every worker keeps the whole table. A lookup reads the local replica; after backward, every
+worker sends its (unique ids, gradient rows) to every other worker — an AllGatherv, done with
+``all_to_all_single`` because gloo refuses uneven ``all_gather`` — and each replica sums all
+workers' rows into the table's gradient, which the user's own optimizer then applies on every
+replica alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from parallax.cluster import WorkerInfo
+from parallax.exchange import Hop, Traffic
+
+
+class ReplicatedTable:
+    """A sparse parameter replicated on every worker, gradients exchanged by AllGatherv."""
+
+    def __init__(self, name: str, param: nn.Parameter, *, worker: WorkerInfo,
+                 group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool):
+        self.name = name
+        self.param = param
+        self.num_rows = param.shape[0]
+        self.worker = worker
+        self.group = group
+        self.traffic = traffic
+        self.sparse_grad = sparse_grad
+        self.average = average
+        self._pending: list[tuple[Tensor, Tensor]] = []
+        with torch.no_grad():  # rank 0's initial values, as DDP does for dense parameters
+            dist.broadcast(param.data, src=0, group=group)
+
+    def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows of the local replica, as `ShardedTable.lookup` returns them."""
+        unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
+        bad_id = None
+        if unique.numel() and (unique[0] < 0 or unique[-1] >= self.num_rows):
+            bad_id = int(unique[0] if unique[0] < 0 else unique[-1])
+        # Every rank learns of a bad id on any rank (a count exchange), so none waits alone.
+        world = self.worker.world_size
+        Hop.open([0] * world, group=self.group, traffic=self.traffic, name=self.name,
+                 num_rows=self.num_rows, bad_id=bad_id, device=self.param.device)
+        rows = self.param.detach()[unique].clone()
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._pending.append((unique, rows))
+        return rows, inverse.view(ids.shape)
+
+    def read_rows(self, ids: Tensor) -> Tensor:
+        return self.param.detach()[ids]
+
+    def zero_grad(self) -> None:
+        self._pending.clear()
+        self.param.grad = None
+
+    def push_gradients(self) -> None:
+        """AllGatherv of every lookup's (ids, rows); each replica sums them into its grad."""
+        world = self.worker.world_size
+        ids_parts, row_parts = [], []
+        for unique, rows in self._pending:
+            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+            hop = Hop.open([unique.numel()] * world, group=self.group, traffic=self.traffic,
+                           name=self.name, num_rows=self.num_rows, device=self.param.device)
+            ids_parts.append(hop.forward(unique.repeat(world)))
+            row_parts.append(hop.forward(grad.repeat(world, *[1] * (grad.dim() - 1))))
+        self._pending.clear()
+        if not ids_parts:
+            return
+        ids, rows = torch.cat(ids_parts), torch.cat(row_parts)
+        if self.average:
+            rows = rows / world
+        if self.sparse_grad:
+            grad = torch.sparse_coo_tensor(ids.unsqueeze(0), rows, self.param.shape,
+                                           check_invariants=False).coalesce()
+        else:
+            grad = torch.zeros_like(self.param).index_add_(0, ids, rows)
+        self.param.grad = grad
+
+    def grad_norm_squared(self) -> Tensor:
+        """Zero: a replicated gradient counts once, with the dense ones (see `dense_grads`)."""
+        return torch.zeros((), dtype=torch.float64, device=self.param.device)
+
+    def scale_grad(self, factor: Tensor) -> None:
+        """Nothing: the runner scales replicated gradients with the dense ones."""
+
+    def full_weight(self) -> Tensor:
+        return self.param.detach().clone()
+
+    @property
+    def shard(self) -> None:
+        """No server holds a shard: the user's optimizer updates the replicas."""
+        return None
