@@ -89,6 +89,12 @@ def main() -> None:
             print(f"epoch {epoch}: {steps} steps, {words:,} words in {elapsed:.1f} s = "
                   f"{words / elapsed:,.0f} words/s on {world} workers; validation perplexity "
                   f"{math.exp(valid_loss):.1f}", flush=True)
+    measured = runner.inter_machine_bytes()
+    if lead:
+        print(runner.plan.table())
+        predicted = runner.plan.predicted_total(runner.config.architecture)
+        print(f"measured inter-machine bytes per machine and step: {sum(measured.values()):,.0f}"
+              f" (predicted {predicted:,.0f})" if predicted is not None else "", flush=True)
     state = runner.state_dict()
     if lead:
         check = LanguageModel(len(vocab), emb_dim=args.emb_dim, hidden=args.hidden)

@@ -153,6 +153,7 @@ class Case:
     scheduler: bool = False
     architecture: str = "hybrid"
     local_aggregation: bool | None = None
+    migrate_after: int = 0  # > 0: alpha_threshold 0 moves every sparse table to AllReduce
     seed: int = field(default=0)
 
     @property
@@ -170,6 +171,8 @@ class Case:
             parts.append("sched")
         if self.local_aggregation is not None:
             parts.append("localagg" if self.local_aggregation else "nolocalagg")
+        if self.migrate_after:
+            parts.append(f"migrate{self.migrate_after}")
         return "-".join(parts)
 
     @property
@@ -213,6 +216,15 @@ def all_cases() -> list[Case]:
         cases.append(Case(model, opt, sparse_grad, clip, "float64",
                           num_partitions=(None, 3)[len(cases) % 2], architecture=architecture,
                           local_aggregation=aggregation, seed=len(cases)))
+    # The hybrid moving every sparse table, values and optimizer state, to AllReduce after
+    # measuring α in the first steps: training goes on exactly as on one device.
+    for model, opt, clip, dtype in itertools.product(
+            ("sparse", "mixed", "gather"), OPTIMIZERS, (None, 0.05), ("float64", "float32")):
+        sparse_grad = opt == "sparseadam"
+        if (sparse_grad and model == "gather") or (dtype == "float32" and clip is None):
+            continue
+        cases.append(Case(model, opt, sparse_grad, clip, dtype, migrate_after=2 + len(cases) % 2,
+                          scheduler=opt == "adagrad", seed=len(cases)))
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,

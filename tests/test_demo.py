@@ -20,7 +20,8 @@ def test_readme_demo_command_trains_and_reports(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=900, cwd=ROOT)
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "parallax plan: 4 worker(s) on 2 machine(s)" in out
+    assert "parallax plan (hybrid): 4 worker(s) on 2 machine(s)" in out
+    assert "measured inter-machine bytes per machine and step" in out
     assert "embedding.weight" in out and "sparse" in out and "PS: 2 partition(s)" in out
     assert "words/s on 4 workers; validation perplexity" in out
     assert "exported a plain state_dict" in out

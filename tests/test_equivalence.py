@@ -83,7 +83,8 @@ def test_training_moves_every_parameter(case: Case) -> None:
 
 def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
     _, results = distributed
-    plans = {tuple(key.split("-")[:2]): json.loads(r["__plan__"]) for key, r in results.items()}
+    plans = {tuple(key.split("-")[:2]): json.loads(r["__plan__"]) for key, r in results.items()
+             if "migrate" not in key}
     by_arch = {key: {p["name"]: p["sync"] for p in plan["parameters"]}
                for key, plan in plans.items()}
     sync = {model: placement for (arch, model), placement in by_arch.items() if arch == "hybrid"}
@@ -106,6 +107,15 @@ def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
     for arch in ("ps", "optps"):
         assert set(by_arch[(arch, "mixed")].values()) == {"ps"}
         assert set(by_arch[(arch, "tied")].values()) == {"ps"}
+    # After the warm-up, alpha_threshold=0 moved every sparse table of the hybrid to AllReduce
+    # (AllGatherv keeps sparse gradients for SparseAdam); α was measured on the way.
+    for key, result in results.items():
+        if "migrate" in key:
+            plan = json.loads(result["__plan__"])
+            moved = {p["name"]: p["sync"] for p in plan["parameters"] if p["sparse"]}
+            want = "allgatherv" if "sparsegrad" in key else "allreduce"
+            assert moved and set(moved.values()) == {want}, key
+            assert all(0 < p["alpha"] <= 1 for p in plan["parameters"] if p["sparse"])
 
 
 START_MODE_FILTER = "mixed-adam-densegrad-clip0.05"

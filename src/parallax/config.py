@@ -28,6 +28,12 @@ class Config:
         local_aggregation: workers of one machine merge their ids and sum their gradient rows
             before anything crosses machines. ``None``: on for ``hybrid`` and ``optps``, off for
             ``ps``; it does not apply to ``allreduce``.
+        sparsity_warmup_steps: α of every sparse parameter is measured over the first this
+            many training steps; then the plan is completed (and, under ``hybrid``, a sparse
+            parameter with α above the threshold moves to AllReduce). 0: never measure.
+        alpha_threshold: that threshold. ``None``: per parameter, the α above which the bytes
+            model (`parallax.cost.alpha_threshold`) predicts AllReduce moves fewer bytes than
+            the PS with local aggregation (1, i.e. never, on one machine).
         average_dense: divide AllReduced dense gradients by the number of workers (mean of the
             per-worker gradients, as DDP does). False sums them.
         average_sparse: servers divide the aggregated sparse gradient rows by the number of
@@ -48,6 +54,8 @@ class Config:
 
     architecture: str = "hybrid"
     local_aggregation: bool | None = None
+    sparsity_warmup_steps: int = 5
+    alpha_threshold: float | None = None
     average_dense: bool = True
     average_sparse: bool = True
     clip_grad_norm: float | None = None
@@ -72,6 +80,12 @@ class Config:
             ok = _is_number(value) and math.isfinite(value) and value > 0
             _require(ok, "clip_grad_norm", value, "None or a finite number > 0")
         _require(_is_int(self.seed), "seed", self.seed, "an int")
+        steps = self.sparsity_warmup_steps
+        _require(_is_int(steps) and steps >= 0, "sparsity_warmup_steps", steps, "an int >= 0")
+        if self.alpha_threshold is not None:
+            value = self.alpha_threshold
+            _require(_is_number(value) and 0 <= value <= 1, "alpha_threshold", value,
+                     "None or a number in [0, 1]")
         if self.num_partitions is not None:
             ok = _is_int(self.num_partitions) and self.num_partitions >= 1
             _require(ok, "num_partitions", self.num_partitions, "None or an int >= 1")

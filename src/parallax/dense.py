@@ -12,16 +12,35 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from parallax.exchange import Traffic
 
-def _sum_allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket,
+
+class _DenseTraffic:
+    """State of the comm hook: where to account bytes, and whether to average."""
+
+    def __init__(self, traffic: Traffic, names: dict[int, str], world: int, average: bool):
+        self.traffic = traffic
+        self.names = names
+        self.world = world
+        self.average = average
+
+
+def _counting_allreduce(state: _DenseTraffic, bucket: dist.GradBucket,
                         ) -> torch.futures.Future[torch.Tensor]:
-    """AllReduce without DDP's division by the world size (``Config(average_dense=False)``)."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    """DDP comm hook: AllReduce the bucket (mean or sum) and account its bytes per parameter
+    (ring schedule), so ``runner.stats()`` covers the dense part too."""
+    buffer = bucket.buffer()
+    for param in bucket.parameters():
+        name = state.names.get(id(param), "dense")
+        state.traffic.record_ring_allreduce(name, param.numel() * buffer.element_size())
+    work = dist.all_reduce(buffer, async_op=True)
+    if not state.average:
+        return work.get_future().then(lambda fut: fut.value()[0])
+    return work.get_future().then(lambda fut: fut.value()[0].div_(state.world))
 
 
 def wrap_dense(module: nn.Module, *, device: torch.device, average: bool,
-               find_unused_parameters: bool) -> nn.Module:
+               find_unused_parameters: bool, traffic: Traffic) -> nn.Module:
     """``module`` under DDP, or as is when it has no trainable (dense) parameter."""
     if not any(p.requires_grad for p in module.parameters()):
         return module
@@ -30,7 +49,7 @@ def wrap_dense(module: nn.Module, *, device: torch.device, average: bool,
         device_ids=[device.index] if device.type == "cuda" else None,
         find_unused_parameters=find_unused_parameters,
     )
-    if not average:
-        ddp.register_comm_hook(dist.group.WORLD, _sum_allreduce_hook)
+    names = {id(p): n for n, p in module.named_parameters()}
+    ddp.register_comm_hook(_DenseTraffic(traffic, names, dist.get_world_size(), average),
+                           _counting_allreduce)
     return ddp
-

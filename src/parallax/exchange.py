@@ -50,6 +50,20 @@ class Traffic:
             self.bytes[name][f"{where}_sent"] += sent * bytes_per_item
             self.bytes[name][f"{where}_received"] += received * bytes_per_item
 
+    def record_ring_allreduce(self, name: str, payload_bytes: int) -> None:
+        """An AllReduce of ``payload_bytes`` done by gloo's ring: reduce-scatter then
+        all-gather, each rank sending ``2 (W-1)/W`` of the payload to its successor and
+        receiving as much from its predecessor. Derived from the schedule, not read off a
+        socket: DDP and c10d do not report their bytes."""
+        world = len(self.machine_of_rank)
+        if world == 1:
+            return
+        volume = 2 * (world - 1) * payload_bytes // world
+        sent, received = [0] * world, [0] * world
+        sent[(self.rank + 1) % world] = volume
+        received[(self.rank - 1) % world] = volume
+        self.record(name, sent, received, 1)
+
     def per_step(self) -> dict[str, dict[str, float]]:
         steps = max(self.steps, 1)
         return {name: {k: v / steps for k, v in sorted(counts.items())}

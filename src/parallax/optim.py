@@ -82,6 +82,15 @@ class ShardOptimizer:
                 server_group.update(_hyper_parameters(user_group))
             server_opt.step()
 
+    def pop_shard(self, shard: nn.Parameter) -> dict:
+        """Stop updating ``shard``; return its optimizer state (for moving it elsewhere)."""
+        for server_opt, _ in self._pairs:
+            for group in server_opt.param_groups:
+                if any(p is shard for p in group["params"]):
+                    group["params"] = [p for p in group["params"] if p is not shard]
+                    return server_opt.state.pop(shard, {})
+        return {}
+
     def state_dicts(self) -> list[dict]:
         return [opt.state_dict() for opt, _ in self._pairs]
 

@@ -1,22 +1,35 @@
-"""The per-parameter plan: how each parameter is synchronised and where it lives."""
+"""The per-parameter plan: how each parameter is synchronised, where it lives, what it costs.
+
+Besides the decision, every parameter carries its size, its measured α (sparse parameters, once
+the warm-up steps have run) and the inter-machine bytes per machine and step that the papers'
+Table 3 predicts under each of the four architectures (`parallax.cost`), so the plan answers
+"why is this faster" with numbers that `Runner.stats()` measures.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from parallax import cost
 from parallax.analysis import SparseUse
+from parallax.config import ARCHITECTURES
+from parallax.sparsity import Sparsity
+
+Placement = tuple[str, int, tuple[int, ...]]  # (sync, partitions, server ranks)
 
 
 @dataclass(frozen=True)
 class ParameterPlan:
     """One parameter's decision.
 
-    ``sync`` is ``"allreduce"`` (replicated on every worker, gradients AllReduced by DDP),
+    ``sync`` is ``"allreduce"`` (replicated on every worker, gradients AllReduced),
     ``"allgatherv"`` (replicated, gradient rows exchanged as (ids, rows) with every worker) or
     ``"ps"`` (rows partitioned over the servers, pulled and pushed per step).
+    ``predicted_bytes`` maps each architecture to the predicted inter-machine bytes per machine
+    and step (None for a sparse parameter whose α is not measured yet).
     """
 
     name: str
@@ -27,6 +40,10 @@ class ParameterPlan:
     sparse: bool = False
     partitions: int = 0
     server_ranks: tuple[int, ...] = ()
+    bytes: int = 0
+    alpha: float | None = None
+    alpha_machine: float | None = None
+    predicted_bytes: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def placement(self) -> str:
@@ -45,45 +62,127 @@ class Plan:
     parameters: tuple[ParameterPlan, ...]
     world_size: int
     num_machines: int
+    architecture: str = "hybrid"
+
+    @property
+    def alpha_model(self) -> float | None:
+        """Element-weighted mean α over all trainable parameters (dense ones count as 1)."""
+        if any(p.sparse and p.alpha is None for p in self.parameters):
+            return None
+        total = sum(_numel(p.shape) for p in self.parameters)
+        used = sum(_numel(p.shape) * (p.alpha if p.sparse else 1.0) for p in self.parameters)
+        return used / total if total else None
+
+    def predicted_total(self, architecture: str) -> float | None:
+        values = [p.predicted_bytes.get(architecture) for p in self.parameters]
+        return None if any(v is None for v in values) else sum(values)
 
     @classmethod
     def build(cls, model: nn.Module, sparse: dict[str, SparseUse], *,
-              placements: dict[str, tuple[str, int, tuple[int, ...]]], world_size: int,
-              num_machines: int) -> Plan:
-        """``placements[name] = (sync, partitions, server_ranks)`` for every parameter held
-        otherwise than replicated-and-AllReduced."""
+              placements: dict[str, Placement], world_size: int, num_machines: int,
+              architecture: str = "hybrid", sparsity: dict[str, Sparsity] | None = None,
+              reasons: dict[str, str] | None = None) -> Plan:
+        """``placements[name]`` for every parameter held otherwise than replicated and
+        AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it."""
+        shape = cost.Shape(num_machines, max(1, world_size // num_machines))
+        sparsity = sparsity or {}
         entries = []
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue
             use = sparse.get(name)
-            if use is None:
-                reason = "dense"
-            else:
-                reason = {"embedding": "nn.Embedding", "embedding_bag": "nn.EmbeddingBag",
-                          "gather": "row gathers only (fx trace)"}[use.kind]
-                if use.sparse_grad:
-                    reason += ", sparse grad"
+            reason = "dense" if use is None else _sparse_reason(use)
+            if reasons and name in reasons:
+                reason += f"; {reasons[name]}"
             sync, partitions, servers = placements.get(name, ("allreduce", 0, ()))
+            measured = sparsity.get(name)
             entries.append(ParameterPlan(
                 name=name, shape=tuple(param.shape),
                 dtype=str(param.dtype).removeprefix("torch."), sync=sync, reason=reason,
-                sparse=use is not None, partitions=partitions, server_ranks=servers))
-        return cls(tuple(entries), world_size, num_machines)
+                sparse=use is not None, partitions=partitions, server_ranks=servers,
+                bytes=param.numel() * param.element_size(),
+                alpha=measured.alpha if measured else None,
+                alpha_machine=measured.alpha_machine if measured else None,
+                predicted_bytes=_predictions(param, use is not None, measured, sync, shape)))
+        return cls(tuple(entries), world_size, num_machines, architecture)
 
     def table(self) -> str:
-        header = ("parameter", "shape", "dtype", "kind", "why", "lives on")
-        rows = [(p.name, "x".join(map(str, p.shape)) or "scalar", p.dtype,
-                 "sparse" if p.sparse else "dense", p.reason, p.placement)
+        header = ("parameter", "shape", "bytes", "kind", "alpha", "why", "lives on",
+                  f"pred. bytes/step ({self.architecture})")
+        rows = [(p.name, "x".join(map(str, p.shape)) or "scalar", _size(p.bytes),
+                 "sparse" if p.sparse else "dense", _alpha(p), p.reason, p.placement,
+                 _size(p.predicted_bytes.get(self.architecture)))
                 for p in self.parameters]
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                  for r in (header, *rows)]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        title = (f"parallax plan: {self.world_size} worker(s) on {self.num_machines} "
-                 f"machine(s), {sum(p.sparse for p in self.parameters)} sparse parameter(s)")
-        return "\n".join([title, *lines])
+        alpha_model = self.alpha_model
+        title = (f"parallax plan ({self.architecture}): {self.world_size} worker(s) on "
+                 f"{self.num_machines} machine(s), "
+                 f"{sum(p.sparse for p in self.parameters)} sparse parameter(s), alpha_model "
+                 f"{'not measured yet' if alpha_model is None else f'{alpha_model:.3f}'}")
+        totals = ", ".join(f"{a} {_size(self.predicted_total(a))}" for a in ARCHITECTURES)
+        footer = f"predicted inter-machine bytes per machine and step: {totals}"
+        return "\n".join([title, *lines, footer])
 
     def to_json(self) -> str:
-        return json.dumps({"world_size": self.world_size, "num_machines": self.num_machines,
-                           "parameters": [asdict(p) for p in self.parameters]}, indent=2)
+        return json.dumps({
+            "architecture": self.architecture, "world_size": self.world_size,
+            "num_machines": self.num_machines, "alpha_model": self.alpha_model,
+            "predicted_bytes": {a: self.predicted_total(a) for a in ARCHITECTURES},
+            "parameters": [asdict(p) for p in self.parameters],
+        }, indent=2)
+
+
+def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None, sync: str,
+                 shape: cost.Shape) -> dict[str, float | None]:
+    rows = param.shape[0] if param.dim() else 1
+    row_bytes = param.numel() * param.element_size() / max(rows, 1)
+    total = param.numel() * param.element_size()
+    if not is_sparse:
+        return {"hybrid": cost.allreduce_dense(total, shape),
+                "allreduce": cost.allreduce_dense(total, shape),
+                "ps": cost.ps_rows(rows, row_bytes, shape, local_aggregation=False),
+                "optps": cost.ps_rows(rows, row_bytes, shape, local_aggregation=True)}
+    if measured is None:
+        return dict.fromkeys(ARCHITECTURES)
+    used = measured.alpha * rows
+    k = shape.workers_per_machine
+    machine_alpha = (measured.alpha_machine if measured.alpha_machine is not None
+                     else 1 - (1 - measured.alpha) ** k)  # independent workers' union
+    used_machine = machine_alpha * rows
+    ps_aggregated = cost.ps_rows(used_machine, row_bytes, shape, local_aggregation=True)
+    return {"hybrid": cost.allreduce_dense(total, shape) if sync == "allreduce"
+            else ps_aggregated,
+            "allreduce": cost.allgatherv_rows(used, row_bytes, shape),
+            "ps": cost.ps_rows(used, row_bytes, shape, local_aggregation=False),
+            "optps": ps_aggregated}
+
+
+def _sparse_reason(use: SparseUse) -> str:
+    reason = {"embedding": "nn.Embedding", "embedding_bag": "nn.EmbeddingBag",
+              "gather": "row gathers only (fx trace)"}[use.kind]
+    return reason + (", sparse grad" if use.sparse_grad else "")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _alpha(p: ParameterPlan) -> str:
+    if not p.sparse:
+        return "1"
+    return "?" if p.alpha is None else f"{p.alpha:.3f}"
+
+
+def _size(value: float | None) -> str:
+    if value is None:
+        return "?"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"

@@ -18,11 +18,20 @@ from parallax.exchange import Hop, Traffic
 
 
 class ReplicatedTable:
-    """A sparse parameter replicated on every worker, gradients exchanged by AllGatherv."""
+    """A sparse parameter replicated on every worker.
+
+    ``sync="allgatherv"`` exchanges the (ids, rows) of every worker (the ``allreduce``
+    architecture's sparse path); ``sync="allreduce"`` AllReduces the whole dense gradient (where
+    the hybrid sends a sparse parameter whose measured α makes that cheaper than a PS).
+    """
 
     def __init__(self, name: str, param: nn.Parameter, *, worker: WorkerInfo,
-                 group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool):
+                 group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
+                 sync: str = "allgatherv"):
         self.name = name
+        self.sync = sync
+        self.rows_used: list[int] = []
+        self.machine_rows_used: list[int] = []
         self.param = param
         self.num_rows = param.shape[0]
         self.worker = worker
@@ -50,7 +59,7 @@ class ReplicatedTable:
             self._pending.append((unique, rows))
         return rows, inverse.view(ids.shape)
 
-    def read_rows(self, ids: Tensor) -> Tensor:
+    def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
         return self.param.detach()[ids]
 
     def zero_grad(self) -> None:
@@ -60,6 +69,12 @@ class ReplicatedTable:
     def push_gradients(self) -> None:
         """AllGatherv of every lookup's (ids, rows); each replica sums them into its grad."""
         world = self.worker.world_size
+        if self._pending:
+            used = torch.unique(torch.cat([unique for unique, _ in self._pending]))
+            self.rows_used.append(int(used.numel()))
+        if self.sync == "allreduce":
+            self._allreduce()
+            return
         ids_parts, row_parts = [], []
         for unique, rows in self._pending:
             grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
@@ -80,6 +95,18 @@ class ReplicatedTable:
             grad = torch.zeros_like(self.param).index_add_(0, ids, rows)
         self.param.grad = grad
 
+    def _allreduce(self) -> None:
+        grad = torch.zeros_like(self.param)
+        for unique, rows in self._pending:
+            if rows.grad is not None:
+                grad.index_add_(0, unique, rows.grad)
+        self._pending.clear()
+        self.traffic.record_ring_allreduce(self.name, grad.numel() * grad.element_size())
+        dist.all_reduce(grad, group=self.group)
+        if self.average:
+            grad /= self.worker.world_size
+        self.param.grad = grad
+
     def grad_norm_squared(self) -> Tensor:
         """Zero: a replicated gradient counts once, with the dense ones (see `dense_grads`)."""
         return torch.zeros((), dtype=torch.float64, device=self.param.device)
@@ -87,7 +114,7 @@ class ReplicatedTable:
     def scale_grad(self, factor: Tensor) -> None:
         """Nothing: the runner scales replicated gradients with the dense ones."""
 
-    def full_weight(self) -> Tensor:
+    def full_weight(self, source: Tensor | None = None) -> Tensor:
         return self.param.detach().clone()
 
     @property

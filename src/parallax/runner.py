@@ -10,7 +10,10 @@ same optimizer class over its shard.
 from __future__ import annotations
 
 import copy
+import math
+import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,12 +24,18 @@ from parallax.analysis import SparseUse, find_sparse_parameters, rewrite_gathers
 from parallax.architecture import build_layout, server_held
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
+from parallax.cost import Shape, alpha_threshold
 from parallax.dense import wrap_dense
 from parallax.exchange import Traffic
 from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
 from parallax.optim import ShardOptimizer, check_per_shard
 from parallax.plan import Plan
 from parallax.replicated import ReplicatedTable
+from parallax.sparse import ShardedTable
+from parallax.sparsity import Sparsity, measure, move_to_allreduce
+
+# Set by ``parallax plan``: stop after the warm-up steps, print the plan, write its JSON here.
+PLAN_ONLY_ENV = "PARALLAX_PLAN_ONLY"
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -56,9 +65,10 @@ class Runner:
                                    group=sparse_group, traffic=self.traffic)
         self.tables = self.layout.sparse
         check_per_shard(self.optimizers, server_held(model, self.sparse_uses, config))
-        self.plan = Plan.build(model, self.sparse_uses, placements=self.layout.placements,
-                               world_size=worker.world_size,
-                               num_machines=len(worker.server_ranks))
+        self.sparsity: dict[str, Sparsity] = {}
+        self._decisions: dict[str, str] = {}
+        self._steps = 0
+        self._build_plan()
         executed = self._executed_model(model)
         # Gradients the runner AllReduces or replicates: clipped with the dense part.
         self.dense_parameters = [p for p in executed.parameters() if p.requires_grad]
@@ -68,7 +78,8 @@ class Runner:
         if self.layout.uses_ddp:
             self.module = wrap_dense(executed, device=self.device,
                                      average=config.average_dense,
-                                     find_unused_parameters=config.find_unused_parameters)
+                                     find_unused_parameters=config.find_unused_parameters,
+                                     traffic=self.traffic)
         self.shard_optimizer = ShardOptimizer(self.optimizers, {
             id(params[name]): table.shard for name, table in self.layout.all_tables().items()
             if table.shard is not None
@@ -139,6 +150,9 @@ class Runner:
             optimizer.step()
         self.shard_optimizer.step()
         self.traffic.steps += 1
+        self._steps += 1
+        if self._steps == self.config.sparsity_warmup_steps:
+            self._complete_plan()
         return loss.detach()
 
     def evaluate(self, batches: Iterable[Sequence[Any]]) -> float:
@@ -185,6 +199,56 @@ class Runner:
             table.scale_grad(factor)
         self.last_grad_norm = float(total)
 
+    # ---- plan ----------------------------------------------------------------------------
+    def _build_plan(self) -> None:
+        self.plan = Plan.build(self.model, self.sparse_uses, placements=self.layout.placements,
+                               world_size=self.worker.world_size,
+                               num_machines=len(self.worker.server_ranks),
+                               architecture=self.config.architecture, sparsity=self.sparsity,
+                               reasons=self._decisions)
+
+    def _complete_plan(self) -> None:
+        """After the warm-up steps: measure α; under hybrid, move to AllReduce what the bytes
+        model (or `Config.alpha_threshold`) says is cheaper there (collective)."""
+        self.sparsity = measure(self.tables, self.worker, self._sparse_group, self.device)
+        if self.config.architecture == "hybrid":
+            params = dict(self.model.named_parameters())
+            shape = Shape(len(self.worker.server_ranks),
+                          max(1, self.worker.world_size // len(self.worker.server_ranks)))
+            for name, table in list(self.tables.items()):
+                row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
+                threshold = (self.config.alpha_threshold if self.config.alpha_threshold
+                             is not None else alpha_threshold(row_bytes, shape))
+                alpha = self.sparsity[name].alpha
+                if alpha <= threshold or not isinstance(table, ShardedTable):
+                    continue
+                self._replace_table(table, move_to_allreduce(
+                    table, params[name], self.optimizers, self.shard_optimizer,
+                    worker=self.worker, group=self._sparse_group))
+                self.dense_parameters.append(params[name])
+                self._decisions[name] = f"alpha {alpha:.3f} > {threshold:.3f}: AllReduce"
+        self._build_plan()
+        plan_only = os.environ.get(PLAN_ONLY_ENV)
+        if plan_only is not None:
+            self._print_plan_and_exit(plan_only)
+
+    def _replace_table(self, old: Any, new: Any) -> None:
+        self.tables[old.name] = new
+        self.layout.placements[old.name] = (
+            "allreduce" if new.sync == "allreduce" else "allgatherv", 0, ())
+        for module in self.module.modules():
+            if getattr(module, "table", None) is old:
+                module.table = new
+
+    def _print_plan_and_exit(self, path: str) -> None:
+        """``parallax plan``: the workers ran only the warm-up steps to measure α."""
+        if self.worker.rank == 0:
+            print(self.plan.table(), flush=True)
+            if path:
+                Path(path).write_text(self.plan.to_json())
+        dist.barrier(group=self._sparse_group)
+        raise SystemExit(0)
+
     # ---- export --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:
         """A plain single-device ``state_dict`` of the original model class (collective)."""
@@ -204,6 +268,20 @@ class Runner:
         and AllGatherv exchanges, per parameter, split into intra- and inter-machine traffic
         (averaged over the steps since the start or the last ``reset_stats``)."""
         return self.traffic.per_step()
+
+    def inter_machine_bytes(self) -> dict[str, float]:
+        """Per parameter, the measured bytes (sent + received) crossing machines per machine
+        and step, averaged over machines: what the plan's ``predicted_bytes`` predict
+        (collective)."""
+        names = [p.name for p in self.plan.parameters]
+        per_step = self.traffic.per_step()
+        values = torch.tensor(
+            [per_step.get(n, {}).get("inter_sent", 0.0)
+             + per_step.get(n, {}).get("inter_received", 0.0) for n in names],
+            dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, group=self._sparse_group)
+        values /= len(self.worker.server_ranks)
+        return dict(zip(names, values.tolist(), strict=True))
 
     def reset_stats(self) -> None:
         self.traffic.reset()

@@ -76,6 +76,7 @@ class _DirectRoute:
 
 @dataclass
 class _Lookup:
+    ids: Tensor                     # this worker's unique ids
     rows: Tensor                    # leaf [unique ids, *row]; its .grad is what gets pushed
     direct: _DirectRoute            # worker -> owners (or leader -> owners when aggregating)
     to_leader: Hop | None = None    # worker -> its machine's leader (local aggregation)
@@ -105,6 +106,8 @@ class ShardedTable:
         self.partitioning = RowPartitioning(self.num_rows, num_partitions, worker.server_ranks,
                                             first_server)
         self.shard: nn.Parameter | None = None
+        self.rows_used: list[int] = []          # per training step, this worker's rows
+        self.machine_rows_used: list[int] = []  # per step at a leader: its machine's rows
         self._pending: list[_Lookup] = []
         self._sparse_pieces: list[tuple[Tensor, Tensor]] = []
         # Rank 0's initial values are the model's, whatever the other ranks' seeds were.
@@ -140,20 +143,24 @@ class ShardedTable:
             lookup = self._pull_via_leader(unique, bad_id)
         else:
             rows, direct = self._pull_direct(unique, bad_id)
-            lookup = _Lookup(rows, direct)
+            lookup = _Lookup(unique, rows, direct)
         if torch.is_grad_enabled():
             lookup.rows.requires_grad_(True)
             self._pending.append(lookup)
         return lookup.rows, inverse.view(ids.shape)
 
-    def _pull_direct(self, unique: Tensor, bad_id: int | None) -> tuple[Tensor, _DirectRoute]:
+    def _pull_direct(self, unique: Tensor, bad_id: int | None,
+                     source: Tensor | None = None) -> tuple[Tensor, _DirectRoute]:
+        """Rows ``unique`` from their owners' shards (or from ``source``, a tensor shaped
+        like the shard, e.g. an optimizer state)."""
         owner = self.partitioning.owner_rank(unique.clamp(0, max(self.num_rows - 1, 0)))
         order = torch.argsort(owner, stable=True)
         hop = self._open(torch.bincount(owner, minlength=self.worker.world_size).tolist(),
                          bad_id)
         recv_ids = hop.forward(unique[order])
         local = self.partitioning.local_row(recv_ids)
-        served = self.shard.detach()[local] if self.shard is not None else self._rows(0)
+        held = source if source is not None else self.shard
+        served = held.detach()[local] if held is not None else self._rows(0)
         rows = self._rows(unique.numel())
         rows[order] = hop.backward(served)
         return rows, _DirectRoute(order, hop, local)
@@ -166,13 +173,15 @@ class ShardedTable:
         merged, merged_inverse = torch.unique(pieces, return_inverse=True)
         merged_rows, direct = self._pull_direct(merged, None)
         rows = to_leader.backward(merged_rows[merged_inverse])
-        return _Lookup(rows, direct, to_leader, merged_inverse, merged.numel())
+        return _Lookup(unique, rows, direct, to_leader, merged_inverse, merged.numel())
 
-    def read_rows(self, ids: Tensor) -> Tensor:
-        """Current values of rows ``ids`` (collective; used for export)."""
+    def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
+        """Current values of rows ``ids`` (collective; for export and migration), from the
+        shards or from ``source``, a tensor each server holds shaped like its shard."""
         with torch.no_grad():
-            rows, inverse = self.lookup(ids)
-        return rows[inverse]
+            unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            rows, _ = self._pull_direct(unique, None, source)
+        return rows[inverse].view(*ids.shape, *self.row_shape)
 
     # ---- backward: push ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -190,6 +199,7 @@ class ShardedTable:
     def push_gradients(self) -> None:
         """Send each lookup's gradient rows to their servers (collective, in lookup order);
         servers sum the rows of all workers and, by default, divide by the worker count."""
+        self._record_usage()
         for lookup in self._pending:
             grad = lookup.rows.grad
             if grad is None:
@@ -206,6 +216,14 @@ class ShardedTable:
                 self._accumulate(route.recv_local_rows, received)
         self._pending.clear()
         self._finish_sparse_grad()
+
+    def _record_usage(self) -> None:
+        if not self._pending:
+            return
+        ids = torch.cat([lookup.ids for lookup in self._pending])
+        self.rows_used.append(int(torch.unique(ids).numel()))
+        if self.local_aggregation and self.worker.rank == self._leader:
+            self.machine_rows_used.append(sum(lookup.merged_count for lookup in self._pending))
 
     def _accumulate(self, local_rows: Tensor, grad_rows: Tensor) -> None:
         if self.sparse_grad:
@@ -240,7 +258,7 @@ class ShardedTable:
         if self.shard is not None and self.shard.grad is not None:
             self.shard.grad.mul_(factor.to(self.dtype))
 
-    def full_weight(self) -> Tensor:
-        """The whole table, gathered from the servers (collective)."""
-        ids = torch.arange(self.num_rows, device=self.device)
-        return self.read_rows(ids)
+    def full_weight(self, source: Tensor | None = None) -> Tensor:
+        """The whole table (or a shard-shaped ``source``), gathered from the servers
+        (collective)."""
+        return self.read_rows(torch.arange(self.num_rows, device=self.device), source)

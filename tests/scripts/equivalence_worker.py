@@ -36,6 +36,8 @@ def main() -> None:
                                  num_partitions=case.num_partitions, seed=case.seed,
                                  architecture=case.architecture,
                                  local_aggregation=case.local_aggregation,
+                                 sparsity_warmup_steps=case.migrate_after or 5,
+                                 alpha_threshold=0.0 if case.migrate_after else None,
                                  collective_timeout_s=60)
         runner = parallax.get_runner(model, optimizers, loss_fn, config=config,
                                      resources=resources)

@@ -1,0 +1,79 @@
+"""Predicted inter-machine bytes per machine and iteration: the papers' Table 3, for our engine.
+
+``W`` workers on ``N`` machines (``k = W / N`` each); a parameter of ``w`` bytes in rows of
+``r`` bytes; ``U = α w / r`` the rows one worker uses per step (``U_m`` for the union over one
+machine's workers); ids are 8 bytes. Bytes sent plus received across machines, averaged over
+machines (a dense parameter on a PS loads its own server's machine most: Table 3's hot spot):
+
+| parameter | architecture | bytes per machine and step |
+|---|---|---|
+| dense | AllReduce (ring over W ranks) | ``4 w (W-1) / W`` |
+| sparse | PS | ``2 k U (N-1)/N (8 + 2r)``: ids out, rows back, gradient rows out |
+| sparse | PS + local aggregation | ``2 U_m (N-1)/N (8 + 2r)``: one sender per machine |
+| dense | PS (whole on one server) | as sparse PS with ``U = w / r`` (every row, every step) |
+| sparse | AllGatherv | ``2 k (W-k) U (8 + r)``: every worker's (ids, rows) to every other |
+
+plus the count messages that open each exchange (24 bytes to every rank, both ways), which
+matter for small tables. With one worker per machine these are Table 3's ``4w(N-1)/N``,
+``4αw(N-1)/N`` (+ index bytes) and ``2αw(N-1)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallax.exchange import COUNT_MESSAGE_BYTES
+
+ID_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The cluster as the cost model sees it."""
+
+    machines: int
+    workers_per_machine: int
+
+    @property
+    def world(self) -> int:
+        return self.machines * self.workers_per_machine
+
+
+def count_messages(shape: Shape, exchanges: int) -> float:
+    """Bytes of ``exchanges`` count messages crossing machines, per machine."""
+    k = shape.workers_per_machine
+    return exchanges * 2 * COUNT_MESSAGE_BYTES * k * (shape.world - k)
+
+
+def allreduce_dense(w: float, shape: Shape) -> float:
+    if shape.machines == 1:
+        return 0.0
+    return 4 * w * (shape.world - 1) / shape.world
+
+
+def ps_rows(rows: float, row_bytes: float, shape: Shape, *, local_aggregation: bool) -> float:
+    """Pull and push of ``rows`` rows per sender (a worker, or a machine when aggregating)."""
+    n = shape.machines
+    if n == 1:
+        return 0.0
+    senders = 1 if local_aggregation else shape.workers_per_machine
+    exchanges = 2 if local_aggregation else 1
+    traffic = 2 * senders * rows * (n - 1) / n * (ID_BYTES + 2 * row_bytes)
+    return traffic + count_messages(shape, exchanges)
+
+
+def allgatherv_rows(rows: float, row_bytes: float, shape: Shape) -> float:
+    k = shape.workers_per_machine
+    traffic = 2 * k * (shape.world - k) * rows * (ID_BYTES + row_bytes)
+    return traffic + count_messages(shape, 2)
+
+
+def alpha_threshold(row_bytes: float, shape: Shape) -> float:
+    """α above which a sparse parameter moves fewer bytes under AllReduce than on the PS with
+    local aggregation (taking the machine's union of rows as ``k α``, its largest); 1 means
+    never. This is the default threshold of `Config.alpha_threshold`."""
+    if shape.machines == 1:
+        return 1.0
+    n, k = shape.machines, shape.workers_per_machine
+    ps_per_alpha = 2 * k * (n - 1) / n * (ID_BYTES + 2 * row_bytes) / row_bytes
+    return min(1.0, allreduce_dense(1.0, shape) / ps_per_alpha)

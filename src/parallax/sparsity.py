@@ -1,0 +1,80 @@
+"""Measured sparsity, and moving a sparse parameter whose rows are mostly used to AllReduce.
+
+α of a sparse parameter is the average fraction of its rows one worker uses per step, measured
+on the real batches of the first training steps; α_m the same for the union of one machine's
+workers (what a machine pulls under local aggregation). Under the hybrid architecture a
+parameter whose α is above the threshold moves, values and optimizer state, from the servers to
+replicas whose dense gradient is AllReduced: past that point it costs fewer bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from parallax.cluster import WorkerInfo
+from parallax.optim import ShardOptimizer
+from parallax.replicated import ReplicatedTable
+from parallax.sparse import ShardedTable
+
+
+@dataclass(frozen=True)
+class Sparsity:
+    alpha: float                  # rows one worker uses per step / rows
+    alpha_machine: float | None   # rows one machine uses per step / rows (local aggregation)
+
+
+def measure(tables: dict[str, ShardedTable | ReplicatedTable], worker: WorkerInfo,
+            group: dist.ProcessGroup, device: torch.device) -> dict[str, Sparsity]:
+    """α and α_m of every table from its recorded usage (collective)."""
+    names = sorted(tables)
+    values = torch.zeros(2 * len(names), dtype=torch.float64, device=device)
+    for i, name in enumerate(names):
+        table = tables[name]
+        if table.rows_used:
+            values[2 * i] = sum(table.rows_used) / len(table.rows_used) / table.num_rows
+        if table.machine_rows_used:
+            used = table.machine_rows_used
+            values[2 * i + 1] = sum(used) / len(used) / table.num_rows
+    dist.all_reduce(values, group=group)
+    machines = len(worker.server_ranks)
+    result = {}
+    for i, name in enumerate(names):
+        aggregated = isinstance(tables[name], ShardedTable) and tables[name].local_aggregation
+        result[name] = Sparsity(float(values[2 * i]) / worker.world_size,
+                                float(values[2 * i + 1]) / machines if aggregated else None)
+    return result
+
+
+def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
+                      optimizers: list[torch.optim.Optimizer], shard_optimizer: ShardOptimizer,
+                      *, worker: WorkerInfo, group: dist.ProcessGroup) -> ReplicatedTable:
+    """Bring ``param``'s values and optimizer state back from the servers into the replica on
+    every worker (collective); the user's optimizer updates it from now on."""
+    with torch.no_grad():
+        param.copy_(table.full_weight().view_as(param))
+    state = shard_optimizer.pop_shard(table.shard) if table.shard is not None else {}
+    # Rank 0 is always a server: it tells everyone which entries are per-row tensors.
+    layout = [{key: ("rows" if _per_row(value, table) else value)
+               for key, value in state.items()}]
+    dist.broadcast_object_list(layout, src=0, group=group)
+    moved: dict[str, object] = {}
+    for key, kind in layout[0].items():
+        if isinstance(kind, str) and kind == "rows":
+            moved[key] = table.full_weight(state.get(key)).view_as(param).clone()
+        else:
+            moved[key] = kind.clone() if isinstance(kind, Tensor) else kind
+    for optimizer in optimizers:
+        if any(p is param for g in optimizer.param_groups for p in g["params"]):
+            optimizer.state[param] = moved
+    sync = "allgatherv" if table.sparse_grad else "allreduce"  # SparseAdam needs sparse grads
+    return ReplicatedTable(table.name, param, worker=worker, group=group, traffic=table.traffic,
+                           sparse_grad=table.sparse_grad, average=table.average, sync=sync)
+
+
+def _per_row(value: object, table: ShardedTable) -> bool:
+    return (isinstance(value, Tensor) and table.shard is not None
+            and value.shape == table.shard.shape)
