@@ -1,9 +1,14 @@
-"""``parallax`` command line: ``parallax run`` starts a training script on every worker.
+"""``parallax`` command line.
+
+``parallax run`` starts a training script on every worker; ``parallax plan`` runs it only for
+the warm-up steps that measure sparsity, then prints the per-parameter plan (and writes it as
+JSON) and stops.
 
 Examples::
 
     parallax run --machines 2 --nproc-per-machine 2 train.py --epochs 3
     parallax run --resources cluster.txt --machine-index 0 train.py   # on each machine
+    parallax plan --machines 2 --nproc-per-machine 2 --json plan.json train.py
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from parallax.cluster import ResourceError, ResourceSpec, local_spec, parse_reso
 __all__ = ["build_parser", "main"]
 
 USAGE_ERROR = 2
+# Read by the runner (kept here, not imported, so that usage errors stay fast: no torch).
+PLAN_ONLY_ENV = "PARALLAX_PLAN_ONLY"
+PLAN_WARMUP_ENV = "PARALLAX_PLAN_WARMUP_STEPS"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``parallax`` argument parser (sub-command ``run``)."""
+    """The ``parallax`` argument parser (sub-commands ``run`` and ``plan``)."""
     parser = argparse.ArgumentParser(
         prog="parallax", description="Hybrid data-parallel training for PyTorch."
     )
@@ -31,23 +39,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="launch a script on every worker of a cluster",
         description="Launch SCRIPT with the python running parallax on every worker.",
     )
-    where = run.add_mutually_exclusive_group(required=True)
+    _add_cluster_arguments(run)
+    plan = commands.add_parser(
+        "plan",
+        help="measure sparsity over the warm-up steps, print the plan, stop",
+        description="Run SCRIPT on every worker for the warm-up steps only; print the "
+        "per-parameter plan (alpha, placement, predicted bytes per architecture).",
+    )
+    plan.add_argument("--json", metavar="FILE", default="", help="also write the plan here")
+    plan.add_argument("--warmup-steps", type=int, default=5, metavar="K",
+                      help="training steps that measure alpha (default 5)")
+    _add_cluster_arguments(plan)
+    return parser
+
+
+def _add_cluster_arguments(command: argparse.ArgumentParser) -> None:
+    where = command.add_mutually_exclusive_group(required=True)
     where.add_argument("--resources", metavar="FILE", help="resource file: host[:dev,...] lines")
     where.add_argument("--machines", type=int, metavar="M", help="emulate M machines locally")
-    run.add_argument(
+    command.add_argument(
         "--nproc-per-machine", type=int, metavar="K", help="workers per emulated machine"
     )
-    run.add_argument(
+    command.add_argument(
         "--machine-index",
         type=int,
         metavar="I",
         help="this host's machine (line) in the resources; needed for remote hosts",
     )
-    run.add_argument("--master-addr", metavar="A", help="rendezvous host")
-    run.add_argument("--master-port", type=int, metavar="P", help="rendezvous port")
-    run.add_argument("script", help="the training script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    return parser
+    command.add_argument("--master-addr", metavar="A", help="rendezvous host")
+    command.add_argument("--master-port", type=int, metavar="P", help="rendezvous port")
+    command.add_argument("script", help="the training script")
+    command.add_argument("script_args", nargs=argparse.REMAINDER,
+                         help="arguments for the script")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,6 +91,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from parallax.launch import launch  # imports torch: keep usage errors fast
 
+    env = {}
+    if args.command == "plan":
+        if args.warmup_steps < 1:
+            return _fail("--warmup-steps must be at least 1")
+        json_path = os.path.abspath(args.json) if args.json else ""
+        env = {PLAN_ONLY_ENV: json_path, PLAN_WARMUP_ENV: str(args.warmup_steps)}
     try:
         return launch(
             spec,
@@ -75,6 +104,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             machine_index=args.machine_index,
             master_addr=args.master_addr,
             master_port=args.master_port,
+            env=env,
         )
     except ValueError as err:
         return _fail(str(err))

@@ -81,9 +81,10 @@ class Plan:
     def build(cls, model: nn.Module, sparse: dict[str, SparseUse], *,
               placements: dict[str, Placement], world_size: int, num_machines: int,
               architecture: str = "hybrid", sparsity: dict[str, Sparsity] | None = None,
-              reasons: dict[str, str] | None = None) -> Plan:
+              reasons: dict[str, str] | None = None, hybrid_aggregates: bool = True) -> Plan:
         """``placements[name]`` for every parameter held otherwise than replicated and
-        AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it."""
+        AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it;
+        ``hybrid_aggregates`` False when the hybrid runs without local aggregation."""
         shape = cost.Shape(num_machines, max(1, world_size // num_machines))
         sparsity = sparsity or {}
         entries = []
@@ -103,7 +104,8 @@ class Plan:
                 bytes=param.numel() * param.element_size(),
                 alpha=measured.alpha if measured else None,
                 alpha_machine=measured.alpha_machine if measured else None,
-                predicted_bytes=_predictions(param, use is not None, measured, sync, shape)))
+                predicted_bytes=_predictions(param, use is not None, measured, sync, shape,
+                                             hybrid_aggregates)))
         return cls(tuple(entries), world_size, num_machines, architecture)
 
     def table(self) -> str:
@@ -136,7 +138,7 @@ class Plan:
 
 
 def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None, sync: str,
-                 shape: cost.Shape) -> dict[str, float | None]:
+                 shape: cost.Shape, hybrid_aggregates: bool) -> dict[str, float | None]:
     rows = param.shape[0] if param.dim() else 1
     row_bytes = param.numel() * param.element_size() / max(rows, 1)
     total = param.numel() * param.element_size()
@@ -153,10 +155,11 @@ def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None
                      else 1 - (1 - measured.alpha) ** k)  # independent workers' union
     used_machine = machine_alpha * rows
     ps_aggregated = cost.ps_rows(used_machine, row_bytes, shape, local_aggregation=True)
-    return {"hybrid": cost.allreduce_dense(total, shape) if sync == "allreduce"
-            else ps_aggregated,
+    ps_direct = cost.ps_rows(used, row_bytes, shape, local_aggregation=False)
+    hybrid = ps_aggregated if hybrid_aggregates else ps_direct
+    return {"hybrid": cost.allreduce_dense(total, shape) if sync == "allreduce" else hybrid,
             "allreduce": cost.allgatherv_rows(used, row_bytes, shape),
-            "ps": cost.ps_rows(used, row_bytes, shape, local_aggregation=False),
+            "ps": ps_direct,
             "optps": ps_aggregated}
 
 

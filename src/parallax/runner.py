@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from parallax.analysis import SparseUse, find_sparse_parameters, rewrite_gathers
 from parallax.architecture import build_layout, server_held
+from parallax.cli import PLAN_ONLY_ENV, PLAN_WARMUP_ENV
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
 from parallax.cost import Shape, alpha_threshold
@@ -33,9 +34,6 @@ from parallax.plan import Plan
 from parallax.replicated import ReplicatedTable
 from parallax.sparse import ShardedTable
 from parallax.sparsity import Sparsity, measure, move_to_allreduce
-
-# Set by ``parallax plan``: stop after the warm-up steps, print the plan, write its JSON here.
-PLAN_ONLY_ENV = "PARALLAX_PLAN_ONLY"
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -68,6 +66,9 @@ class Runner:
         self.sparsity: dict[str, Sparsity] = {}
         self._decisions: dict[str, str] = {}
         self._steps = 0
+        # Under ``parallax plan`` the warm-up is all that runs.
+        self._warmup_steps = int(os.environ.get(PLAN_WARMUP_ENV,
+                                                config.sparsity_warmup_steps))
         self._build_plan()
         executed = self._executed_model(model)
         # Gradients the runner AllReduces or replicates: clipped with the dense part.
@@ -151,7 +152,7 @@ class Runner:
         self.shard_optimizer.step()
         self.traffic.steps += 1
         self._steps += 1
-        if self._steps == self.config.sparsity_warmup_steps:
+        if self._steps == self._warmup_steps:
             self._complete_plan()
         return loss.detach()
 
@@ -205,7 +206,8 @@ class Runner:
                                world_size=self.worker.world_size,
                                num_machines=len(self.worker.server_ranks),
                                architecture=self.config.architecture, sparsity=self.sparsity,
-                               reasons=self._decisions)
+                               reasons=self._decisions,
+                               hybrid_aggregates=self.config.aggregates_locally)
 
     def _complete_plan(self) -> None:
         """After the warm-up steps: measure α; under hybrid, move to AllReduce what the bytes

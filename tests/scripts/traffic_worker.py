@@ -1,0 +1,63 @@
+"""Worker of the byte-accounting tests: one dense and one sparse parameter of known sizes, ids
+chosen so that every worker uses exactly USED rows per step and the two workers of a machine
+share USED - SHIFT of them. Trains under every architecture (and the hybrid without local
+aggregation) and saves, on rank 0, each run's measured and predicted inter-machine bytes.
+
+Usage: parallax run --machines 2 --nproc-per-machine 2 traffic_worker.py OUT.json"""
+
+import json
+import sys
+
+import torch
+from torch import Tensor, nn
+
+import parallax
+
+ROWS, DIM, USED, SHIFT, STEPS, BATCH = 1000, 16, 40, 20, 6, 4
+RUNS = {"allreduce": {}, "ps": {}, "optps": {}, "hybrid": {},
+        "hybrid-nolocalagg": {"local_aggregation": False}}
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(ROWS, DIM)
+        self.dense = nn.Linear(DIM, 64)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.dense(self.embedding(ids).mean(dim=1))
+
+
+def batch(step: int, worker: parallax.cluster.WorkerInfo) -> tuple[Tensor, Tensor]:
+    """USED consecutive ids (half of them on each of 2 partitions), shifted by SHIFT between
+    the workers of a machine and far apart between machines."""
+    start = (step * 97 + worker.machine * 300 + worker.local_rank * SHIFT) % ROWS
+    ids = (start + torch.arange(USED)) % ROWS
+    return ids.repeat(BATCH, 1), torch.randint(0, 64, (BATCH,))
+
+
+def main() -> None:
+    results = {}
+    for run, extra in RUNS.items():
+        torch.manual_seed(0)
+        model = Model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = parallax.Config(architecture=run.split("-")[0], sparsity_warmup_steps=2,
+                                 alpha_threshold=1.0, **extra)
+        runner = parallax.get_runner(model, optimizer, nn.functional.cross_entropy,
+                                     config=config)
+        for step in range(STEPS):
+            runner.step(batch(step, runner.worker))
+        measured = runner.inter_machine_bytes()
+        arch = config.architecture
+        predicted = {p.name: p.predicted_bytes[arch] for p in runner.plan.parameters}
+        alpha = {p.name: (p.alpha, p.alpha_machine) for p in runner.plan.parameters}
+        results[run] = {"measured": measured, "predicted": predicted, "alpha": alpha}
+    if runner.worker.rank == 0:
+        with open(sys.argv[1], "w") as out:
+            json.dump(results, out, indent=1)
+    parallax.shutdown()
+
+
+if __name__ == "__main__":
+    main()

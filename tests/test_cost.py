@@ -1,0 +1,44 @@
+"""The bytes model reduces to the papers' Table 3 with one worker per machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallax import cost
+
+W, ROW = 1_000_000.0, 400.0  # a 1 MB table of 400-byte rows
+
+
+@pytest.mark.parametrize("machines", [2, 4, 8])
+def test_table3_with_one_worker_per_machine(machines: int) -> None:
+    shape = cost.Shape(machines, 1)
+    n = machines
+    overhead = cost.count_messages(shape, 1)
+    assert cost.allreduce_dense(W, shape) == pytest.approx(4 * W * (n - 1) / n)
+    alpha = 0.1
+    rows = alpha * W / ROW
+    # PS sparse: 4αw(N-1)/N plus the ids (8 bytes each, sent once).
+    want = 4 * alpha * W * (n - 1) / n + 2 * rows * (n - 1) / n * cost.ID_BYTES
+    assert cost.ps_rows(rows, ROW, shape, local_aggregation=False) == pytest.approx(
+        want + overhead)
+    # AllGatherv: 2αw(N-1) plus the ids.
+    want = 2 * alpha * W * (n - 1) + 2 * rows * (n - 1) * cost.ID_BYTES
+    assert cost.allgatherv_rows(rows, ROW, shape) == pytest.approx(
+        want + cost.count_messages(shape, 2))
+
+
+def test_one_machine_moves_nothing_across_machines() -> None:
+    shape = cost.Shape(1, 4)
+    assert cost.allreduce_dense(W, shape) == 0
+    assert cost.ps_rows(100, ROW, shape, local_aggregation=True) == 0
+    assert cost.alpha_threshold(ROW, shape) == 1.0
+
+
+def test_alpha_threshold_is_where_allreduce_becomes_cheaper() -> None:
+    shape = cost.Shape(2, 2)
+    threshold = cost.alpha_threshold(ROW, shape)
+    assert 0 < threshold < 1
+    rows = W / ROW
+    at = cost.ps_rows(2 * threshold * rows, ROW, shape, local_aggregation=True)
+    at -= cost.count_messages(shape, 2)
+    assert at == pytest.approx(cost.allreduce_dense(W, shape), rel=1e-9)
