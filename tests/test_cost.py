@@ -31,14 +31,3 @@ def test_one_machine_moves_nothing_across_machines() -> None:
     shape = cost.Shape(1, 4)
     assert cost.allreduce_dense(W, shape) == 0
     assert cost.ps_rows(100, ROW, shape, local_aggregation=True) == 0
-    assert cost.alpha_threshold(ROW, shape) == 1.0
-
-
-def test_alpha_threshold_is_where_allreduce_becomes_cheaper() -> None:
-    shape = cost.Shape(2, 2)
-    threshold = cost.alpha_threshold(ROW, shape)
-    assert 0 < threshold < 1
-    rows = W / ROW
-    at = cost.ps_rows(2 * threshold * rows, ROW, shape, local_aggregation=True)
-    at -= cost.count_messages(shape, 2)
-    assert at == pytest.approx(cost.allreduce_dense(W, shape), rel=1e-9)

@@ -49,6 +49,15 @@ def test_alpha_is_measured_per_worker_and_per_machine(traffic) -> None:
     assert traffic["ps"]["alpha"]["embedding.weight"][1] is None  # no aggregation, no α_m
 
 
+def test_hybrid_moves_a_table_to_allreduce_where_the_bytes_model_says_so(traffic) -> None:
+    narrow = traffic["narrow"]
+    assert narrow["alpha"] == 1.0
+    assert narrow["sync"] == "allreduce"
+    assert "AllReduce predicted" in narrow["reason"]
+    # ... and the 16-wide table with α = 0.04 stays on the servers.
+    assert traffic["hybrid"]["sync"]["embedding.weight"] == "ps"
+
+
 def test_local_aggregation_cuts_inter_machine_bytes(traffic) -> None:
     merged = traffic["hybrid"]["measured"]["embedding.weight"]
     separate = traffic["hybrid-nolocalagg"]["measured"]["embedding.weight"]

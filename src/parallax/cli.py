@@ -18,14 +18,18 @@ import os
 import sys
 from collections.abc import Sequence
 
-from parallax.cluster import ResourceError, ResourceSpec, local_spec, parse_resources
+from parallax.cluster import (
+    PLAN_ONLY_ENV,
+    PLAN_WARMUP_ENV,
+    ResourceError,
+    ResourceSpec,
+    local_spec,
+    parse_resources,
+)
 
 __all__ = ["build_parser", "main"]
 
 USAGE_ERROR = 2
-# Read by the runner (kept here, not imported, so that usage errors stay fast: no torch).
-PLAN_ONLY_ENV = "PARALLAX_PLAN_ONLY"
-PLAN_WARMUP_ENV = "PARALLAX_PLAN_WARMUP_STEPS"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "PLAN_ONLY_ENV",
+    "PLAN_WARMUP_ENV",
     "RESOURCES_ENV",
     "Machine",
     "ResourceError",
@@ -35,6 +37,11 @@ __all__ = [
 
 #: Environment variable through which the launcher hands the spec (as JSON) to its workers.
 RESOURCES_ENV = "PARALLAX_RESOURCES"
+#: Set by ``parallax plan``: workers stop after the warm-up steps, rank 0 prints the plan and
+#: writes its JSON to this path (if not empty).
+PLAN_ONLY_ENV = "PARALLAX_PLAN_ONLY"
+#: Set by ``parallax plan``: how many warm-up steps measure α.
+PLAN_WARMUP_ENV = "PARALLAX_PLAN_WARMUP_STEPS"
 
 _HOST_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 _IPV6_RE = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*")

@@ -31,9 +31,9 @@ class Config:
         sparsity_warmup_steps: α of every sparse parameter is measured over the first this
             many training steps; then the plan is completed (and, under ``hybrid``, a sparse
             parameter with α above the threshold moves to AllReduce). 0: never measure.
-        alpha_threshold: that threshold. ``None``: per parameter, the α above which the bytes
-            model (`parallax.cost.alpha_threshold`) predicts AllReduce moves fewer bytes than
-            the PS with local aggregation (1, i.e. never, on one machine).
+        alpha_threshold: that threshold. ``None``: no fixed threshold; a table moves when the
+            bytes model (`parallax.cost`), fed with its measured α (α_m of the machines' merged
+            rows under local aggregation), predicts AllReduce to move fewer bytes than the PS.
         average_dense: divide AllReduced dense gradients by the number of workers (mean of the
             per-worker gradients, as DDP does). False sums them.
         average_sparse: servers divide the aggregated sparse gradient rows by the number of

@@ -66,14 +66,3 @@ def allgatherv_rows(rows: float, row_bytes: float, shape: Shape) -> float:
     k = shape.workers_per_machine
     traffic = 2 * k * (shape.world - k) * rows * (ID_BYTES + row_bytes)
     return traffic + count_messages(shape, 2)
-
-
-def alpha_threshold(row_bytes: float, shape: Shape) -> float:
-    """α above which a sparse parameter moves fewer bytes under AllReduce than on the PS with
-    local aggregation (taking the machine's union of rows as ``k α``, its largest); 1 means
-    never. This is the default threshold of `Config.alpha_threshold`."""
-    if shape.machines == 1:
-        return 1.0
-    n, k = shape.machines, shape.workers_per_machine
-    ps_per_alpha = 2 * k * (n - 1) / n * (ID_BYTES + 2 * row_bytes) / row_bytes
-    return min(1.0, allreduce_dense(1.0, shape) / ps_per_alpha)

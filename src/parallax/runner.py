@@ -22,10 +22,9 @@ from torch import Tensor, nn
 
 from parallax.analysis import SparseUse, find_sparse_parameters, rewrite_gathers
 from parallax.architecture import build_layout, server_held
-from parallax.cli import PLAN_ONLY_ENV, PLAN_WARMUP_ENV
-from parallax.cluster import WorkerInfo
+from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.config import Config
-from parallax.cost import Shape, alpha_threshold
+from parallax.cost import Shape, allreduce_dense, ps_rows
 from parallax.dense import wrap_dense
 from parallax.exchange import Traffic
 from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
@@ -215,24 +214,40 @@ class Runner:
         self.sparsity = measure(self.tables, self.worker, self._sparse_group, self.device)
         if self.config.architecture == "hybrid":
             params = dict(self.model.named_parameters())
-            shape = Shape(len(self.worker.server_ranks),
-                          max(1, self.worker.world_size // len(self.worker.server_ranks)))
             for name, table in list(self.tables.items()):
-                row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
-                threshold = (self.config.alpha_threshold if self.config.alpha_threshold
-                             is not None else alpha_threshold(row_bytes, shape))
-                alpha = self.sparsity[name].alpha
-                if alpha <= threshold or not isinstance(table, ShardedTable):
+                move, why = self._prefers_allreduce(name, table)
+                if not move:
                     continue
                 self._replace_table(table, move_to_allreduce(
                     table, params[name], self.optimizers, self.shard_optimizer,
                     worker=self.worker, group=self._sparse_group))
                 self.dense_parameters.append(params[name])
-                self._decisions[name] = f"alpha {alpha:.3f} > {threshold:.3f}: AllReduce"
+                self._decisions[name] = why
         self._build_plan()
         plan_only = os.environ.get(PLAN_ONLY_ENV)
         if plan_only is not None:
             self._print_plan_and_exit(plan_only)
+
+    def _prefers_allreduce(self, name: str, table: Any) -> tuple[bool, str]:
+        """Whether a measured sparse table should move to AllReduce, and why: α above
+        `Config.alpha_threshold` when set, else fewer predicted bytes than the PS (using the
+        measured α_m of the machines' merged rows when aggregating locally)."""
+        if not isinstance(table, ShardedTable):
+            return False, ""
+        measured = self.sparsity[name]
+        if self.config.alpha_threshold is not None:
+            threshold = self.config.alpha_threshold
+            return (measured.alpha > threshold,
+                    f"alpha {measured.alpha:.3f} > {threshold:.3f}: AllReduce")
+        machines = len(self.worker.server_ranks)
+        shape = Shape(machines, max(1, self.worker.world_size // machines))
+        row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
+        aggregated = table.local_aggregation and measured.alpha_machine is not None
+        used = (measured.alpha_machine if aggregated else measured.alpha) * table.num_rows
+        ps_bytes = ps_rows(used, row_bytes, shape, local_aggregation=aggregated)
+        ar_bytes = allreduce_dense(row_bytes * table.num_rows, shape)
+        return (ar_bytes < ps_bytes,
+                f"AllReduce predicted {ar_bytes:,.0f} B < PS {ps_bytes:,.0f} B per step")
 
     def _replace_table(self, old: Any, new: Any) -> None:
         self.tables[old.name] = new

@@ -19,10 +19,10 @@ RUNS = {"allreduce": {}, "ps": {}, "optps": {}, "hybrid": {},
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, rows: int = ROWS, dim: int = DIM) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(ROWS, DIM)
-        self.dense = nn.Linear(DIM, 64)
+        self.embedding = nn.Embedding(rows, dim)
+        self.dense = nn.Linear(dim, 64)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.dense(self.embedding(ids).mean(dim=1))
@@ -36,6 +36,20 @@ def batch(step: int, worker: parallax.cluster.WorkerInfo) -> tuple[Tensor, Tenso
     return ids.repeat(BATCH, 1), torch.randint(0, 64, (BATCH,))
 
 
+def narrow_table_moves_to_allreduce() -> dict:
+    """Rows of 4 bytes, all used every step: the PS's 8-byte ids cost more than the rows, the
+    bytes model prefers AllReduce, and the default hybrid moves the table there."""
+    torch.manual_seed(0)
+    model = Model(rows=64, dim=1)
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 nn.functional.cross_entropy,
+                                 config=parallax.Config(sparsity_warmup_steps=2))
+    for _ in range(3):
+        runner.step((torch.arange(64).repeat(BATCH, 1), torch.randint(0, 64, (BATCH,))))
+    plan = {p.name: p for p in runner.plan.parameters}["embedding.weight"]
+    return {"sync": plan.sync, "reason": plan.reason, "alpha": plan.alpha}
+
+
 def main() -> None:
     results = {}
     for run, extra in RUNS.items():
@@ -43,7 +57,7 @@ def main() -> None:
         model = Model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         config = parallax.Config(architecture=run.split("-")[0], sparsity_warmup_steps=2,
-                                 alpha_threshold=1.0, **extra)
+                                 **extra)
         runner = parallax.get_runner(model, optimizer, nn.functional.cross_entropy,
                                      config=config)
         for step in range(STEPS):
@@ -52,7 +66,10 @@ def main() -> None:
         arch = config.architecture
         predicted = {p.name: p.predicted_bytes[arch] for p in runner.plan.parameters}
         alpha = {p.name: (p.alpha, p.alpha_machine) for p in runner.plan.parameters}
-        results[run] = {"measured": measured, "predicted": predicted, "alpha": alpha}
+        sync = {p.name: p.sync for p in runner.plan.parameters}
+        results[run] = {"measured": measured, "predicted": predicted, "alpha": alpha,
+                        "sync": sync}
+    results["narrow"] = narrow_table_moves_to_allreduce()
     if runner.worker.rank == 0:
         with open(sys.argv[1], "w") as out:
             json.dump(results, out, indent=1)
