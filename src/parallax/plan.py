@@ -110,10 +110,10 @@ class Plan:
 
     def table(self) -> str:
         header = ("parameter", "shape", "bytes", "kind", "alpha", "why", "lives on",
-                  f"pred. bytes/step ({self.architecture})")
+                  *(f"{a} B/step" for a in ARCHITECTURES))
         rows = [(p.name, "x".join(map(str, p.shape)) or "scalar", _size(p.bytes),
                  "sparse" if p.sparse else "dense", _alpha(p), p.reason, p.placement,
-                 _size(p.predicted_bytes.get(self.architecture)))
+                 *(_size(p.predicted_bytes.get(a)) for a in ARCHITECTURES))
                 for p in self.parameters]
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -125,7 +125,8 @@ class Plan:
                  f"{sum(p.sparse for p in self.parameters)} sparse parameter(s), alpha_model "
                  f"{'not measured yet' if alpha_model is None else f'{alpha_model:.3f}'}")
         totals = ", ".join(f"{a} {_size(self.predicted_total(a))}" for a in ARCHITECTURES)
-        footer = f"predicted inter-machine bytes per machine and step: {totals}"
+        footer = (f"predicted inter-machine bytes per machine and step (B/step columns: per "
+                  f"parameter, papers' Table 3 for this engine): {totals}")
         return "\n".join([title, *lines, footer])
 
     def to_json(self) -> str:
