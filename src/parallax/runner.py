@@ -260,7 +260,7 @@ class Runner:
     def _print_plan_and_exit(self, path: str) -> None:
         """``parallax plan``: the workers ran only the warm-up steps to measure α."""
         if self.worker.rank == 0:
-            print(self.plan.table(), flush=True)
+            print("\n" + self.plan.table(), flush=True)  # below any progress bar
             if path:
                 Path(path).write_text(self.plan.to_json())
         dist.barrier(group=self._sparse_group)
