@@ -4,6 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+# The emulated cluster (network namespaces, tc) needs iproute2; its tests skip without it.
+if ! command -v tc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q iproute2 >/dev/null 2>&1 || echo "setup: could not install iproute2" >&2
+fi
 stamp="$VENV/.parallax-installed"
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
   exit 0

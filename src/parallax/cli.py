@@ -70,6 +70,12 @@ def _add_cluster_arguments(command: argparse.ArgumentParser) -> None:
         metavar="I",
         help="this host's machine (line) in the resources; needed for remote hosts",
     )
+    command.add_argument(
+        "--emulate-network",
+        metavar="RATE",
+        help="with --machines: each machine in its own network namespace, links limited to "
+        "RATE (tc syntax: 100mbit, 1gbit); needs root and iproute2",
+    )
     command.add_argument("--master-addr", metavar="A", help="rendezvous host")
     command.add_argument("--master-port", type=int, metavar="P", help="rendezvous port")
     command.add_argument("script", help="the training script")
@@ -101,6 +107,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return _fail("--warmup-steps must be at least 1")
         json_path = os.path.abspath(args.json) if args.json else ""
         env = {PLAN_ONLY_ENV: json_path, PLAN_WARMUP_ENV: str(args.warmup_steps)}
+    if args.emulate_network:
+        return _run_emulated(args, env)
     try:
         return launch(
             spec,
@@ -111,6 +119,39 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             env=env,
         )
     except ValueError as err:
+        return _fail(str(err))
+
+
+def _run_emulated(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """Each emulated machine in a network namespace with a rate-limited link; one elastic
+    agent per machine; the links' byte counters reported at the end."""
+    import tempfile
+
+    from parallax.executors import NamespaceExecutor, launch_machines
+    from parallax.netem import EmulatedNetwork, NetemError
+
+    if args.resources is not None:
+        return _fail("--emulate-network goes with --machines, not --resources")
+    try:
+        with EmulatedNetwork(args.machines, args.emulate_network) as net, \
+                tempfile.TemporaryDirectory(prefix="parallax-netem-") as tmp:
+            devices = ",".join(map(str, range(args.nproc_per_machine)))
+            text = "".join(f"{net.address(m)}:{devices}\n" for m in range(args.machines))
+            spec_file = os.path.join(tmp, "resources.txt")
+            with open(spec_file, "w") as out:
+                out.write(text)
+            code = launch_machines(
+                spec_file, parse_resources(spec_file), [args.script, *args.script_args],
+                [NamespaceExecutor(net.namespace(m)) for m in range(args.machines)],
+                master_port=args.master_port or 29400,
+                # c10d warns once per connection that the namespace cannot resolve names.
+                env={"TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                     **env, "GLOO_SOCKET_IFNAME": "eth0"})
+            for machine, link in enumerate(net.counters()):
+                print(f"parallax: machine {machine} link ({args.emulate_network}): sent "
+                      f"{link.sent:,} B, received {link.received:,} B", file=sys.stderr)
+            return code
+    except NetemError as err:
         return _fail(str(err))
 
 
