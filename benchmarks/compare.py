@@ -1,0 +1,90 @@
+"""Systems side by side on the emulated cluster, in one run: parallax's four architectures
+against PyTorch DDP (dense-gradient and sparse-gradient embeddings) on the LM workload.
+
+    python benchmarks/compare.py --machines 2 --nproc-per-machine 2 --rate 1gbit
+
+writes benchmarks/results/compare-<machines>x<workers>-<rate>.json, a markdown table on stdout
+and, unless --no-plot, a PNG next to the JSON (matplotlib: pip install -e '.[bench]').
+Needs root and iproute2 (network namespaces, tc). The network is emulated (tbf-limited veths,
+no delay), and all processes share this host's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--machines", type=int, default=2)
+    parser.add_argument("--nproc-per-machine", type=int, default=2)
+    parser.add_argument("--rate", default="1gbit", help="link rate (tc syntax)")
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per system")
+    parser.add_argument("--vocab", type=int, default=100_000)
+    parser.add_argument("--emb", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16, help="per worker")
+    parser.add_argument("--out", type=Path, help="results JSON (default under results/)")
+    parser.add_argument("--no-plot", action="store_true")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    out = args.out or (HERE / "results" /
+                       f"compare-{args.machines}x{args.nproc_per_machine}-{args.rate}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    worker_args = {"systems": args.systems, "steps": args.steps, "warmup": args.warmup,
+                   "out": str(out.resolve()),
+                   "workload": {"vocab": args.vocab, "emb": args.emb, "hidden": args.hidden,
+                                "batch": args.batch}}
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
+           "--nproc-per-machine", str(args.nproc_per_machine), "--emulate-network", args.rate,
+           str(HERE / "compare_worker.py"), json.dumps(worker_args)]
+    subprocess.run(cmd, check=True)
+    results = json.loads(out.read_text())
+    print(markdown(results, args))
+    if not args.no_plot:
+        plot(results, out.with_suffix(".png"), args)
+    return results
+
+
+def markdown(results: list[dict], args: argparse.Namespace) -> str:
+    base = next((r for r in results if r["system"] == "ddp-dense"), results[-1])
+    lines = [f"{args.machines} machines x {args.nproc_per_machine} workers, {args.rate} "
+             f"(emulated), LM vocab {args.vocab:,}, emb {args.emb}, hidden {args.hidden}, "
+             f"batch {args.batch}/worker", "",
+             "| system | step (ms, median) | words/s | vs " + base["system"]
+             + " | wire bytes/machine/step |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['system']} | {1e3 * r['median_step_s']:.0f} | "
+                     f"{r['words_per_s']:,.0f} | "
+                     f"{r['words_per_s'] / base['words_per_s']:.2f}x | "
+                     f"{r['wire_bytes_per_machine_step']:,.0f} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar([r["system"] for r in results], [r["words_per_s"] for r in results])
+    ax.set_ylabel("words/s")
+    ax.set_title(f"LM, {args.machines}x{args.nproc_per_machine} workers, {args.rate} (emulated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    run(parse_args())
