@@ -31,8 +31,6 @@ class SampledSoftmaxLM(nn.Module):
         self.embedding = nn.Embedding(cfg.vocab, cfg.emb, sparse=cfg.sparse_grad)
         self.lstm = nn.LSTM(cfg.emb, cfg.hidden, batch_first=True)
         self.softmax_weight = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) * 0.01)
-        # An int, not softmax_weight.shape: any read of the weight but the gather makes the
-        # tracer call it dense (reading its shape too, for now).
         self.hidden_size = cfg.hidden
 
     def forward(self, tokens: Tensor, candidates: Tensor) -> Tensor:

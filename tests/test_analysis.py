@@ -411,3 +411,31 @@ def test_rewrite_rejects_leaf_module_reads_and_name_clashes() -> None:
     model = Clash()
     with pytest.raises(ValueError, match="both map"):
         rewrite_gathers(model, find_sparse_parameters(model), lambda n: nn.Identity())
+
+
+class _ReadsItsShape(nn.Module):
+    """A sampled-softmax style layer that reads its weight's shape beside the gather."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(VOCAB, 4))
+
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.reshape(-1, self.weight.shape[1]) * self.weight.size(1) / self.weight.dim()
+        return hidden @ self.weight[ids].t()
+
+
+def test_reading_the_shape_of_a_gathered_weight_keeps_it_sparse() -> None:
+    model = _ReadsItsShape()
+    uses = find_sparse_parameters(model)
+    assert uses["weight"].kind == "gather"
+    table = model.weight.detach().clone()
+
+    class Gather(nn.Module):
+        def forward(self, ids: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+            return F.embedding(ids, table)
+
+    rewritten = rewrite_gathers(model, uses, lambda name: Gather())
+    assert "weight" not in dict(rewritten.named_parameters())  # the shape became a constant
+    ids, hidden = _ids(6), torch.randn(3, 4)
+    assert torch.equal(rewritten(ids, hidden), model(ids, hidden))

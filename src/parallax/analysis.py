@@ -196,6 +196,15 @@ def rewrite_gathers(
                 f"parameters {added[sub_name]!r} and {name!r} both map to {sub_name!r}"
             )
         for user in list(attr.users):
+            value = _metadata_value(user, attr, param)
+            if value is not _NO_VALUE:
+                for reader in list(user.users):
+                    reader.args = fx.node.map_arg(reader.args, lambda n, u=user, v=value:
+                                                  v if n is u else n)
+                    reader.kwargs = fx.node.map_arg(reader.kwargs, lambda n, u=user, v=value:
+                                                    v if n is u else n)
+                graph.erase_node(user)
+                continue
             gather = _match_gather(user, attr, param.dim())
             if gather is None:
                 raise ValueError(
@@ -277,8 +286,10 @@ def _traced_rule(
         # Only read by traced code: sparse iff every read is a row gather.
         if param.dim() < 2:
             return None
-        gathers = [_match_gather(user, attr, param.dim()) for user, attr in attr_uses]
-        if any(g is None for g in gathers):
+        reads = [(user, attr) for user, attr in attr_uses
+                 if _metadata_value(user, attr, param) is _NO_VALUE]
+        gathers = [_match_gather(user, attr, param.dim()) for user, attr in reads]
+        if not gathers or any(g is None for g in gathers):
             return None
         return SparseUse(
             name=name,
@@ -412,6 +423,30 @@ _BOOL_METHODS = frozenset(
     }
 )
 _BITWISE = frozenset({operator.and_, operator.or_, operator.xor, operator.invert})
+
+
+_SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+_NO_VALUE = object()
+
+
+def _metadata_value(user: fx.Node, attr: fx.Node, param: torch.Tensor) -> object:
+    """What ``user`` reads if it only reads ``param``'s shape (``w.shape``, ``w.size(1)``,
+    ``w.dim()``…), else ``_NO_VALUE``. Such reads are no data use: they do not make a gathered
+    parameter dense, and the rewrite replaces them by the constant they return."""
+    if user.kwargs or not user.args or user.args[0] is not attr:
+        return _NO_VALUE
+    if (user.op == "call_function" and user.target is builtins.getattr
+            and len(user.args) == 2 and user.args[1] in ("shape", "ndim")):
+        return tuple(param.shape) if user.args[1] == "shape" else param.dim()
+    if user.op == "call_method" and user.target in _SHAPE_METHODS:
+        rest = user.args[1:]
+        if user.target == "size" and len(rest) == 1 and isinstance(rest[0], int):
+            return param.shape[rest[0]]
+        if user.target == "size" and not rest:
+            return tuple(param.shape)
+        if not rest:
+            return param.dim() if user.target in ("dim", "ndimension") else param.numel()
+    return _NO_VALUE
 
 
 def _match_gather(user: fx.Node, attr: fx.Node, weight_dim: int) -> _Gather | None:
