@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -92,7 +93,7 @@ def greedy_placement(dense: dict[str, nn.Parameter], sparse: dict[str, Table],
     load = [0] * num_servers
     for table in sparse.values():
         if isinstance(table, ShardedTable):
-            row_bytes = table.dtype.itemsize * max(1, _numel(table.row_shape))
+            row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
             for server, rows in enumerate(table.partitioning.shard_rows):
                 load[server] += rows * row_bytes
     placement = {}
@@ -103,9 +104,3 @@ def greedy_placement(dense: dict[str, nn.Parameter], sparse: dict[str, Table],
         load[server] += param.nbytes
     return placement
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

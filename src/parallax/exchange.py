@@ -27,6 +27,18 @@ class SparseIdError(IndexError):
     """A batch holds an id outside the rows of a sparse parameter."""
 
 
+def first_bad_id(sorted_ids: Tensor, num_rows: int) -> int | None:
+    """An id of ``sorted_ids`` (ascending, as ``torch.unique`` returns them) outside
+    ``[0, num_rows)``, or None: what `Hop.open` reports to every rank."""
+    if sorted_ids.numel() == 0:
+        return None
+    if sorted_ids[0] < 0:
+        return int(sorted_ids[0])
+    if sorted_ids[-1] >= num_rows:
+        return int(sorted_ids[-1])
+    return None
+
+
 @dataclass
 class Traffic:
     """Bytes this rank sent and received, per parameter, within and across machines.

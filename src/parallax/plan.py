@@ -9,6 +9,7 @@ Table 3 predicts under each of the four architectures (`parallax.cost`), so the 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -69,8 +70,8 @@ class Plan:
         """Element-weighted mean α over all trainable parameters (dense ones count as 1)."""
         if any(p.sparse and p.alpha is None for p in self.parameters):
             return None
-        total = sum(_numel(p.shape) for p in self.parameters)
-        used = sum(_numel(p.shape) * (p.alpha if p.sparse else 1.0) for p in self.parameters)
+        total = sum(math.prod(p.shape) for p in self.parameters)
+        used = sum(math.prod(p.shape) * (p.alpha if p.sparse else 1.0) for p in self.parameters)
         return used / total if total else None
 
     def predicted_total(self, architecture: str) -> float | None:
@@ -168,13 +169,6 @@ def _sparse_reason(use: SparseUse) -> str:
     reason = {"embedding": "nn.Embedding", "embedding_bag": "nn.EmbeddingBag",
               "gather": "row gathers only (fx trace)"}[use.kind]
     return reason + (", sparse grad" if use.sparse_grad else "")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _alpha(p: ParameterPlan) -> str:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.exchange import Hop, Traffic
+from parallax.exchange import Hop, Traffic, first_bad_id
 
 
 class ReplicatedTable:
@@ -46,9 +46,7 @@ class ReplicatedTable:
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Rows of the local replica, as `ShardedTable.lookup` returns them."""
         unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
-        bad_id = None
-        if unique.numel() and (unique[0] < 0 or unique[-1] >= self.num_rows):
-            bad_id = int(unique[0] if unique[0] < 0 else unique[-1])
+        bad_id = first_bad_id(unique, self.num_rows)
         # Every rank learns of a bad id on any rank (a count exchange), so none waits alone.
         world = self.worker.world_size
         Hop.open([0] * world, group=self.group, traffic=self.traffic, name=self.name,

@@ -85,8 +85,9 @@ class Runner:
             if table.shard is not None
         })
         self._sparse_group = sparse_group
-        self._all_rows = {name: torch.arange(t.num_rows, device=self.device)
-                          for name, t in self.layout.dense.items()}
+        self._dense_pulls = {name: (table, torch.arange(table.num_rows, device=self.device),
+                                    params[name].shape)
+                             for name, table in self.layout.dense.items()}
         self.last_grad_norm: float | None = None
 
     def _executed_model(self, model: nn.Module) -> nn.Module:
@@ -127,9 +128,8 @@ class Runner:
         if not self.layout.dense:
             return self.module(*args, **kwargs)
         # ps/optps: dense parameters too come from the servers, whole, every step.
-        params = dict(self.model.named_parameters())
-        pulled = {name: table.lookup(self._all_rows[name])[0].view(params[name].shape)
-                  for name, table in self.layout.dense.items()}
+        pulled = {name: table.lookup(rows)[0].view(shape)
+                  for name, (table, rows, shape) in self._dense_pulls.items()}
         return torch.func.functional_call(self.module, pulled, args, kwargs)
 
     def step(self, batch: Sequence[Any]) -> Tensor:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.exchange import Hop, SparseIdError, Traffic
+from parallax.exchange import Hop, SparseIdError, Traffic, first_bad_id
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError"]
 
@@ -136,9 +136,7 @@ class ShardedTable:
             raise TypeError(f"parameter '{self.name}' on rank {self.worker.rank}: ids must be "
                             f"an integer tensor, got {ids.dtype}")
         unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
-        bad_id = None
-        if unique.numel() and (unique[0] < 0 or unique[-1] >= self.num_rows):
-            bad_id = int(unique[0] if unique[0] < 0 else unique[-1])
+        bad_id = first_bad_id(unique, self.num_rows)
         if self.local_aggregation:
             lookup = self._pull_via_leader(unique, bad_id)
         else:
