@@ -35,7 +35,7 @@ def main() -> None:
             "--machines", str(args.machines), "--nproc-per-machine",
             str(args.nproc_per_machine), "--rate", rate, "--steps", str(args.steps),
             "--warmup", "2", "--systems", *args.systems, "--no-plot",
-            "--out", str(HERE / "results" / f"compare-{shape}-{rate}.json")])
+            "--out", str(HERE / "results" / f"compare-lm-{shape}-{rate}.json")])
         sweep[rate] = compare.run(run_args)
     out = HERE / "results" / f"bandwidth-{shape}.json"
     out.write_text(json.dumps(sweep, indent=1))
@@ -53,7 +53,7 @@ def plot(sweep: dict[str, list[dict]], path: Path, shape: str) -> None:
     systems = [r["system"] for r in sweep[rates[0]]]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for system in systems:
-        ax.plot(rates, [next(r["words_per_s"] for r in sweep[rate] if r["system"] == system)
+        ax.plot(rates, [next(r["items_per_s"] for r in sweep[rate] if r["system"] == system)
                         for rate in rates], marker="o", label=system)
     ax.set_xlabel("link rate (emulated)")
     ax.set_ylabel("words/s")

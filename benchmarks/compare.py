@@ -29,23 +29,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per system")
+    parser.add_argument("--workload", choices=["lm", "cnn"], default="lm",
+                        help="lm: LSTM + sampled softmax on a Zipf stream; cnn: small ResNet "
+                        "on Fashion-MNIST (every parameter dense)")
     parser.add_argument("--vocab", type=int, default=100_000)
     parser.add_argument("--emb", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16, help="per worker")
+    parser.add_argument("--batch", type=int, help="per worker (default: lm 16, cnn 64)")
     parser.add_argument("--out", type=Path, help="results JSON (default under results/)")
     parser.add_argument("--no-plot", action="store_true")
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    out = args.out or (HERE / "results" /
-                       f"compare-{args.machines}x{args.nproc_per_machine}-{args.rate}.json")
+    out = args.out or (HERE / "results" / f"compare-{args.workload}-{args.machines}x"
+                                          f"{args.nproc_per_machine}-{args.rate}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.workload == "lm":
+        options = {"vocab": args.vocab, "emb": args.emb, "hidden": args.hidden,
+                   "batch": args.batch or 16}
+    else:
+        options = {"batch": args.batch or 64}
     worker_args = {"systems": args.systems, "steps": args.steps, "warmup": args.warmup,
-                   "out": str(out.resolve()),
-                   "workload": {"vocab": args.vocab, "emb": args.emb, "hidden": args.hidden,
-                                "batch": args.batch}}
+                   "out": str(out.resolve()), "workload_name": args.workload,
+                   "workload": options}
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
            "--nproc-per-machine", str(args.nproc_per_machine), "--emulate-network", args.rate,
            str(HERE / "compare_worker.py"), json.dumps(worker_args)]
@@ -59,15 +66,18 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
     base = next((r for r in results if r["system"] == "ddp-dense"), results[-1])
+    unit = results[0]["unit"]
+    what = (f"LM vocab {args.vocab:,}, emb {args.emb}, hidden {args.hidden}"
+            if args.workload == "lm" else "small ResNet on Fashion-MNIST")
     lines = [f"{args.machines} machines x {args.nproc_per_machine} workers, {args.rate} "
-             f"(emulated), LM vocab {args.vocab:,}, emb {args.emb}, hidden {args.hidden}, "
-             f"batch {args.batch}/worker", "",
-             "| system | step (ms, median) | words/s | vs " + base["system"]
-             + " | wire bytes/machine/step |", "|---|---|---|---|---|"]
+             f"(emulated), {what}, batch {args.batch or (16 if args.workload == 'lm' else 64)}"
+             f"/worker", "",
+             f"| system | step (ms, median) | {unit}/s | vs {base['system']} | "
+             "wire bytes/machine/step |", "|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['system']} | {1e3 * r['median_step_s']:.0f} | "
-                     f"{r['words_per_s']:,.0f} | "
-                     f"{r['words_per_s'] / base['words_per_s']:.2f}x | "
+                     f"{r['items_per_s']:,.0f} | "
+                     f"{r['items_per_s'] / base['items_per_s']:.2f}x | "
                      f"{r['wire_bytes_per_machine_step']:,.0f} |")
     return "\n".join(lines)
 
@@ -79,9 +89,10 @@ def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar([r["system"] for r in results], [r["words_per_s"] for r in results])
-    ax.set_ylabel("words/s")
-    ax.set_title(f"LM, {args.machines}x{args.nproc_per_machine} workers, {args.rate} (emulated)")
+    ax.bar([r["system"] for r in results], [r["items_per_s"] for r in results])
+    ax.set_ylabel(f"{results[0]['unit']}/s")
+    ax.set_title(f"{args.workload.upper()}, {args.machines}x{args.nproc_per_machine} workers, "
+                 f"{args.rate} (emulated)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

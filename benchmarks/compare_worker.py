@@ -22,7 +22,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workloads import LMConfig, SampledSoftmaxLM, sampled_softmax_loss, zipf_lm_batch  # noqa: E402
+from workloads import (  # noqa: E402
+    LMConfig,
+    SampledSoftmaxLM,
+    SmallResNet,
+    fashion_batch,
+    sampled_softmax_loss,
+    zipf_lm_batch,
+)
 
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
@@ -35,25 +42,57 @@ def link_bytes() -> int:
     return int((stats / "tx_bytes").read_text()) + int((stats / "rx_bytes").read_text())
 
 
-def make_step(system: str, cfg: LMConfig):
+class Workload:
+    """A plain single-device program: model, optimizer, loss, batches, and what one batch
+    counts (words or samples) per worker."""
+
+    def __init__(self, name: str, options: dict):
+        self.name = name
+        if name == "lm":
+            self.cfg = LMConfig(**options)
+            self.loss = sampled_softmax_loss
+            self.items, self.unit = self.cfg.batch * self.cfg.seq_len, "words"
+        elif name == "cnn":
+            from parallax.data.fashion_mnist import load_fashion_mnist
+
+            self.images, self.labels = load_fashion_mnist("train")
+            self.batch_size = options.get("batch", 64)
+            self.loss = torch.nn.functional.cross_entropy
+            self.items, self.unit = self.batch_size, "samples"
+        else:
+            raise ValueError(f"unknown workload {name!r}")
+
+    def model_and_optimizer(self, sparse_grad: bool):
+        torch.manual_seed(0)
+        if self.name == "lm":
+            model = SampledSoftmaxLM(replace(self.cfg, sparse_grad=sparse_grad))
+            return model, torch.optim.Adagrad(model.parameters(), lr=0.1)
+        model = SmallResNet()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def batch(self, generator: torch.Generator):
+        if self.name == "lm":
+            return zipf_lm_batch(self.cfg, generator)
+        return fashion_batch(self.images, self.labels, self.batch_size, generator)
+
+
+def make_step(system: str, workload: Workload):
     """A ``step(batch) -> loss`` for ``system``, built from the same single-device program."""
-    cfg = replace(cfg, sparse_grad=system == "ddp-sparse")
-    torch.manual_seed(0)
-    model = SampledSoftmaxLM(cfg)
-    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    model, optimizer = workload.model_and_optimizer(sparse_grad=system == "ddp-sparse")
     if system.startswith("ddp"):
         ddp = DistributedDataParallel(model)
 
         def step(batch):
-            (tokens, candidates), targets = batch
+            inputs, targets = batch
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
             optimizer.zero_grad(set_to_none=True)
-            loss = sampled_softmax_loss(ddp(tokens, candidates), targets)
+            loss = workload.loss(ddp(*inputs), targets)
             loss.backward()
             optimizer.step()
             return loss
 
         return step
-    runner = parallax.get_runner(model, optimizer, sampled_softmax_loss,
+    runner = parallax.get_runner(model, optimizer, workload.loss,
                                  config=parallax.Config(architecture=system,
                                                         sparsity_warmup_steps=2))
     return runner.step
@@ -61,19 +100,19 @@ def make_step(system: str, cfg: LMConfig):
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    cfg = LMConfig(**args["workload"])
+    workload = Workload(args.get("workload_name", "lm"), args["workload"])
     worker = current_worker()
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     results = []
     for system in args["systems"]:
-        step = make_step(system, cfg)
+        step = make_step(system, workload)
         generator = torch.Generator().manual_seed(1000 + worker.rank)
         for _ in range(args["warmup"]):
-            step(zipf_lm_batch(cfg, generator))
+            step(workload.batch(generator))
         dist.barrier()
         before, times = link_bytes(), []
         for _ in range(args["steps"]):
-            batch = zipf_lm_batch(cfg, generator)
+            batch = workload.batch(generator)
             start = time.perf_counter()
             step(batch)
             times.append(time.perf_counter() - start)
@@ -85,7 +124,8 @@ def main() -> None:
         median = float(wire[1]) / worker.world_size
         results.append({
             "system": system, "median_step_s": median,
-            "words_per_s": worker.world_size * cfg.batch * cfg.seq_len / median,
+            "items_per_s": worker.world_size * workload.items / median,
+            "unit": workload.unit,
             "wire_bytes_per_machine_step": float(wire[0]) / machines / args["steps"],
         })
         if worker.rank == 0:

@@ -54,3 +54,27 @@ def zipf_lm_batch(cfg: LMConfig, generator: torch.Generator,
     sampled = ((cfg.vocab + 1) ** u - 1).long().clamp(0, cfg.vocab - 1)
     candidates = torch.cat([targets, sampled])
     return (tokens, candidates), torch.arange(targets.numel())
+
+
+class SmallResNet(nn.Module):
+    """A small ResNet-style CNN for 28x28 grey images: every parameter dense."""
+
+    def __init__(self, width: int = 32, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(1, width, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
+                                   nn.Conv2d(width, width, 3, padding=1))
+        self.down = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1)
+        self.head = nn.Linear(2 * width, classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = F.relu(self.stem(images))
+        x = F.relu(x + self.block(x))
+        x = F.relu(self.down(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def fashion_batch(images: Tensor, labels: Tensor, batch: int, generator: torch.Generator,
+                  ) -> tuple[Tensor, Tensor]:
+    index = torch.randint(0, len(labels), (batch,), generator=generator)
+    return images[index], labels[index]

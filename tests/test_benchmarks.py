@@ -27,6 +27,6 @@ def test_compare_smoke(tmp_path: Path) -> None:
     results = {r["system"]: r for r in json.loads(out.read_text())}
     assert set(results) == {"hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"}
     for system, result in results.items():
-        assert result["median_step_s"] > 0 and result["words_per_s"] > 0, system
+        assert result["median_step_s"] > 0 and result["items_per_s"] > 0, system
         assert result["wire_bytes_per_machine_step"] > 0, system
     assert "| hybrid |" in proc.stdout and "wire bytes/machine/step" in proc.stdout

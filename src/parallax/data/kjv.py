@@ -142,7 +142,7 @@ def fetch_kjv(cache_dir: Path | None = None) -> Path:
 def _build(target: Path, cache: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="kjv-", dir=cache) as tmp:
         work = Path(tmp)
-        deb = _download_deb(work)
+        deb = download_deb(work)
         _progress(f"unpacking {deb.name}")
         _run(["dpkg", "-x", str(deb), str(work / "root")])
         verses = verses_from_module(_find_module(work / "root"))
@@ -152,18 +152,18 @@ def _build(target: Path, cache: Path) -> None:
     _progress(f"wrote {len(verses):,} verses ({words:,} words) to {target}")
 
 
-def _download_deb(work: Path) -> Path:
-    """``apt-get download`` the package into ``work``; update empty apt lists once."""
+def download_deb(work: Path, package: str = PACKAGE) -> Path:
+    """``apt-get download`` a Debian package into ``work``; update empty apt lists once."""
     if shutil.which("apt-get") is None:
         raise RuntimeError(_manual_hint("apt-get not found (this needs a Debian/Ubuntu host)"))
     if not _apt_lists_present():
         _progress("apt package lists are empty; running apt-get update")
         _run(["apt-get", "update"], hint="apt-get update failed (are you root?)")
-    _progress(f"downloading {PACKAGE} with apt-get")
-    _run(["apt-get", "download", PACKAGE], cwd=work, hint=f"apt-get download {PACKAGE} failed")
-    debs = sorted(work.glob(f"{PACKAGE}_*.deb"))
+    _progress(f"downloading {package} with apt-get")
+    _run(["apt-get", "download", package], cwd=work, hint=f"apt-get download {package} failed")
+    debs = sorted(work.glob(f"{package}_*.deb"))
     if not debs:
-        raise RuntimeError(_manual_hint(f"apt-get download left no {PACKAGE} .deb"))
+        raise RuntimeError(_manual_hint(f"apt-get download left no {package} .deb"))
     return debs[-1]
 
 
