@@ -19,6 +19,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
+# Also: "hybrid-sparse" (and other "<architecture>-sparse"): the program with sparse=True
+# embeddings under parallax; "torchrec-rw" / "torchrec-tw": TorchRec (recsys workload only).
+ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "torchrec-rw", "torchrec-tw"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,12 +29,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--machines", type=int, default=2)
     parser.add_argument("--nproc-per-machine", type=int, default=2)
     parser.add_argument("--rate", default="1gbit", help="link rate (tc syntax)")
-    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=ALL_SYSTEMS)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per system")
-    parser.add_argument("--workload", choices=["lm", "cnn"], default="lm",
+    parser.add_argument("--workload", choices=["lm", "cnn", "recsys"], default="lm",
                         help="lm: LSTM + sampled softmax on a Zipf stream; cnn: small ResNet "
-                        "on Fashion-MNIST (every parameter dense)")
+                        "on Fashion-MNIST (every parameter dense); recsys: embeddings + MLP on "
+                        "MovieLens-100k (needs benchmarks/setup_bench.sh)")
+    parser.add_argument("--hash-multiplier", type=int, default=1,
+                        help="recsys: table rows = ids x this (large, sparsely used tables)")
     parser.add_argument("--vocab", type=int, default=100_000)
     parser.add_argument("--emb", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=128)
@@ -47,9 +53,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.workload == "lm":
         options = {"vocab": args.vocab, "emb": args.emb, "hidden": args.hidden,
-                   "batch": args.batch or 16}
+                   "batch": options_batch(args)}
+    elif args.workload == "recsys":
+        options = {"emb": 32, "hidden": 64, "batch": options_batch(args),
+                   "hash_multiplier": args.hash_multiplier}
     else:
-        options = {"batch": args.batch or 64}
+        options = {"batch": options_batch(args)}
     worker_args = {"systems": args.systems, "steps": args.steps, "warmup": args.warmup,
                    "out": str(out.resolve()), "workload_name": args.workload,
                    "workload": options}
@@ -64,17 +73,27 @@ def run(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def options_batch(args: argparse.Namespace) -> int:
+    return args.batch or {"lm": 16, "cnn": 64, "recsys": 256}[args.workload]
+
+
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
-    base = next((r for r in results if r["system"] == "ddp-dense"), results[-1])
-    unit = results[0]["unit"]
-    what = (f"LM vocab {args.vocab:,}, emb {args.emb}, hidden {args.hidden}"
-            if args.workload == "lm" else "small ResNet on Fashion-MNIST")
+    done = [r for r in results if "unavailable" not in r]
+    base = next((r for r in done if r["system"] == "ddp-dense"), done[-1])
+    unit = done[0]["unit"]
+    what = {"lm": f"LM vocab {args.vocab:,}, emb {args.emb}, hidden {args.hidden}",
+            "cnn": "small ResNet on Fashion-MNIST",
+            "recsys": f"recommender on MovieLens-100k, tables x{args.hash_multiplier}"}[
+                args.workload]
     lines = [f"{args.machines} machines x {args.nproc_per_machine} workers, {args.rate} "
-             f"(emulated), {what}, batch {args.batch or (16 if args.workload == 'lm' else 64)}"
+             f"(emulated), {what}, batch {options_batch(args)}"
              f"/worker", "",
              f"| system | step (ms, median) | {unit}/s | vs {base['system']} | "
              "wire bytes/machine/step |", "|---|---|---|---|---|"]
     for r in results:
+        if "unavailable" in r:
+            lines.append(f"| {r['system']} | unavailable: {r['unavailable']} | | | |")
+            continue
         lines.append(f"| {r['system']} | {1e3 * r['median_step_s']:.0f} | "
                      f"{r['items_per_s']:,.0f} | "
                      f"{r['items_per_s'] / base['items_per_s']:.2f}x | "
@@ -89,6 +108,7 @@ def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
+    results = [r for r in results if "unavailable" not in r]
     ax.bar([r["system"] for r in results], [r["items_per_s"] for r in results])
     ax.set_ylabel(f"{results[0]['unit']}/s")
     ax.set_title(f"{args.workload.upper()}, {args.machines}x{args.nproc_per_machine} workers, "

@@ -8,6 +8,7 @@ sparse gradient). Run through ``parallax run --emulate-network``; arguments come
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -52,6 +53,18 @@ class Workload:
             self.cfg = LMConfig(**options)
             self.loss = sampled_softmax_loss
             self.items, self.unit = self.cfg.batch * self.cfg.seq_len, "words"
+        elif name == "recsys":
+            from recsys import RecConfig, batches, load_movielens, rec_loss
+
+            self.cfg = RecConfig(**options)
+            worker = current_worker()
+            if worker.rank == 0:
+                load_movielens()  # download once, before the others read the cache
+            dist.barrier()
+            self.shards = itertools.cycle(batches(load_movielens(), self.cfg, worker.rank,
+                                                  worker.world_size))
+            self.loss = rec_loss
+            self.items, self.unit = self.cfg.batch, "samples"
         elif name == "cnn":
             from parallax.data.fashion_mnist import load_fashion_mnist
 
@@ -64,6 +77,11 @@ class Workload:
 
     def model_and_optimizer(self, sparse_grad: bool):
         torch.manual_seed(0)
+        if self.name == "recsys":
+            from recsys import RecModel
+
+            model = RecModel(replace(self.cfg, sparse_grad=sparse_grad))
+            return model, torch.optim.Adagrad(model.parameters(), lr=0.05)
         if self.name == "lm":
             model = SampledSoftmaxLM(replace(self.cfg, sparse_grad=sparse_grad))
             return model, torch.optim.Adagrad(model.parameters(), lr=0.1)
@@ -71,14 +89,23 @@ class Workload:
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def batch(self, generator: torch.Generator):
+        if self.name == "recsys":
+            return next(self.shards)
         if self.name == "lm":
             return zipf_lm_batch(self.cfg, generator)
         return fashion_batch(self.images, self.labels, self.batch_size, generator)
 
 
 def make_step(system: str, workload: Workload):
-    """A ``step(batch) -> loss`` for ``system``, built from the same single-device program."""
-    model, optimizer = workload.model_and_optimizer(sparse_grad=system == "ddp-sparse")
+    """A ``step(batch) -> loss`` for ``system``, built from the same single-device program.
+    ``-sparse`` systems run the program with ``sparse=True`` embeddings; ``torchrec-*`` the
+    recommender as a TorchRec EmbeddingBagCollection (row- or table-wise sharded)."""
+    if system.startswith("torchrec"):
+        from torchrec_peer import make_torchrec_step
+
+        return make_torchrec_step(system, workload.cfg, lr=0.05)
+    sparse_grad = system.endswith("-sparse")
+    model, optimizer = workload.model_and_optimizer(sparse_grad=sparse_grad)
     if system.startswith("ddp"):
         ddp = DistributedDataParallel(model)
 
@@ -93,19 +120,27 @@ def make_step(system: str, workload: Workload):
 
         return step
     runner = parallax.get_runner(model, optimizer, workload.loss,
-                                 config=parallax.Config(architecture=system,
+                                 config=parallax.Config(architecture=system.removesuffix(
+                                                            "-sparse"),
                                                         sparsity_warmup_steps=2))
     return runner.step
 
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    workload = Workload(args.get("workload_name", "lm"), args["workload"])
     worker = current_worker()
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    workload = Workload(args.get("workload_name", "lm"), args["workload"])
     results = []
     for system in args["systems"]:
-        step = make_step(system, workload)
+        try:
+            step = make_step(system, workload)
+        except Exception as error:  # a peer that cannot run here: record the exact error
+            if not system.startswith("torchrec"):
+                raise
+            results.append({"system": system, "unavailable": f"{type(error).__name__}: "
+                                                            f"{error}"})
+            continue
         generator = torch.Generator().manual_seed(1000 + worker.rank)
         for _ in range(args["warmup"]):
             step(workload.batch(generator))

