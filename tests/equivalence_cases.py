@@ -154,6 +154,7 @@ class Case:
     architecture: str = "hybrid"
     local_aggregation: bool | None = None
     migrate_after: int = 0  # > 0: alpha_threshold 0 moves every sparse table to AllReduce
+    lazy: bool = False  # Config(lazy_sparse_updates): equals the program with sparse=True
     seed: int = field(default=0)
 
     @property
@@ -173,6 +174,8 @@ class Case:
             parts.append("localagg" if self.local_aggregation else "nolocalagg")
         if self.migrate_after:
             parts.append(f"migrate{self.migrate_after}")
+        if self.lazy:
+            parts.append("lazy")
         return "-".join(parts)
 
     @property
@@ -225,6 +228,12 @@ def all_cases() -> list[Case]:
             continue
         cases.append(Case(model, opt, sparse_grad, clip, dtype, migrate_after=2 + len(cases) % 2,
                           scheduler=opt == "adagrad", seed=len(cases)))
+    # Lazy updates: a dense-gradient embedding trained as if it had sparse=True.
+    for architecture, model, opt, clip in itertools.product(
+            ("hybrid", "allreduce", "optps"), ("sparse", "mixed"),
+            ("sgd", "adagrad", "sparseadam"), (None, 0.05)):
+        cases.append(Case(model, opt, False, clip, "float64", architecture=architecture,
+                          lazy=True, seed=len(cases)))
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,
@@ -256,9 +265,13 @@ def loss_fn(output: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
-def build(case: Case) -> tuple[nn.Module, list[torch.optim.Optimizer], list]:
+def build(case: Case, *, reference: bool = False,
+          ) -> tuple[nn.Module, list[torch.optim.Optimizer], list]:
+    """The case's model and optimizers; the single-device ``reference`` of a lazy case has
+    sparse=True embeddings (what lazy updates are defined to equal)."""
     torch.manual_seed(case.seed)
-    model = MODELS[case.model](sparse_grad=case.sparse_grad).to(case.torch_dtype)
+    sparse_grad = case.sparse_grad or (reference and case.lazy)
+    model = MODELS[case.model](sparse_grad=sparse_grad).to(case.torch_dtype)
     optimizers = OPTIMIZERS[case.optimizer](model)
     schedulers = ([torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers]
                   if case.scheduler else [])
@@ -289,7 +302,7 @@ def clip_like_parallax(parameters: list[nn.Parameter], max_norm: float) -> float
 def single_device_reference(case: Case, world: int) -> dict[str, Tensor]:
     """The plain program with the global batch. ``world`` matters only for the documented sum
     semantics: summed gradients are ``world`` times the mean-loss gradients."""
-    model, optimizers, schedulers = build(case)
+    model, optimizers, schedulers = build(case, reference=True)
     sparse_names = _sparse_names(model)
     for x, y in global_batches(case):
         for opt in optimizers:

@@ -108,3 +108,14 @@ def test_exported_state_dict_loads_into_original_class_and_reproduces_outputs(
     assert proc.returncode == 0, proc.stderr[-4000:]
     outputs = torch.load(tmp_path / "export.pt")
     torch.testing.assert_close(outputs["single"], outputs["distributed"], rtol=0, atol=0)
+
+
+def test_lazy_updates_with_an_optimizer_without_sparse_gradients_fail_before_launch(
+        tmp_path: Path) -> None:
+    resources = tmp_path / "resources.txt"
+    resources.write_text("localhost\nlocalhost\n")
+    model = Mixed()
+    with pytest.raises(OptimizerError, match=r"lazy_sparse_updates.*'embedding.weight'.*Adam"):
+        parallax.get_runner(model, torch.optim.Adam(model.parameters()), loss_fn,
+                            resources=resources,
+                            config=parallax.Config(lazy_sparse_updates=True))

@@ -19,7 +19,7 @@ from parallax.architecture import server_held
 from parallax.cluster import WorkerInfo, current_worker, parse_resources
 from parallax.config import Config
 from parallax.launch import free_port, install_error_recorder, launch
-from parallax.optim import as_optimizer_list, check_per_shard
+from parallax.optim import as_optimizer_list, check_lazy, check_per_shard
 from parallax.runner import LossFn, Runner
 
 log = logging.getLogger("parallax")
@@ -109,7 +109,11 @@ def get_runner(model: torch.nn.Module,
 def _check_before_launch(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                          config: Config) -> None:
     """Fail in the launching process, before any worker starts, on what workers would reject."""
-    check_per_shard(optimizers, server_held(model, find_sparse_parameters(model), config))
+    sparse = find_sparse_parameters(model)
+    check_per_shard(optimizers, server_held(model, sparse, config))
+    if config.lazy_sparse_updates:
+        params = dict(model.named_parameters())
+        check_lazy(optimizers, {name: params[name] for name in sparse})
 
 
 def _single_process_worker() -> WorkerInfo:

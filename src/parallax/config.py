@@ -34,6 +34,11 @@ class Config:
         alpha_threshold: that threshold. ``None``: no fixed threshold; a table moves when the
             bytes model (`parallax.cost`), fed with its measured α (α_m of the machines' merged
             rows under local aggregation), predicts AllReduce to move fewer bytes than the PS.
+        lazy_sparse_updates: treat every sparse parameter as if its layer had ``sparse=True``:
+            servers update only the rows a step touched, instead of moving every row as a
+            dense-gradient embedding does on one device under Adagrad/momentum (exact, but its
+            cost grows with the table). Training then equals the single-device program with
+            ``sparse=True`` embeddings; needs SGD, Adagrad or SparseAdam for those parameters.
         average_dense: divide AllReduced dense gradients by the number of workers (mean of the
             per-worker gradients, as DDP does). False sums them.
         average_sparse: servers divide the aggregated sparse gradient rows by the number of
@@ -56,6 +61,7 @@ class Config:
     local_aggregation: bool | None = None
     sparsity_warmup_steps: int = 5
     alpha_threshold: float | None = None
+    lazy_sparse_updates: bool = False
     average_dense: bool = True
     average_sparse: bool = True
     clip_grad_norm: float | None = None
@@ -73,7 +79,8 @@ class Config:
             _require(not (self.local_aggregation and self.architecture == "allreduce"),
                      "local_aggregation", self.local_aggregation,
                      "None or False with architecture='allreduce' (it has no servers)")
-        for name in ("average_dense", "average_sparse", "find_unused_parameters"):
+        for name in ("average_dense", "average_sparse", "find_unused_parameters",
+                     "lazy_sparse_updates"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
         if self.clip_grad_norm is not None:
             value = self.clip_grad_norm

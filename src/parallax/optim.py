@@ -58,6 +58,26 @@ def check_per_shard(optimizers: Sequence[torch.optim.Optimizer],
                     )
 
 
+# Optimizers that accept sparse (COO) gradients: what `Config.lazy_sparse_updates` needs.
+SPARSE_GRAD_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
+def check_lazy(optimizers: Sequence[torch.optim.Optimizer],
+               sparse_params: dict[str, nn.Parameter]) -> None:
+    """Raise `OptimizerError` naming the parameter if lazy updates cannot apply to it."""
+    for name, param in sparse_params.items():
+        for opt in optimizers:
+            if any(p is param for g in opt.param_groups for p in g["params"]):
+                if not isinstance(opt, SPARSE_GRAD_OPTIMIZERS):
+                    raise OptimizerError(
+                        f"Config(lazy_sparse_updates=True) gives the sparse parameter '{name}' "
+                        f"sparse gradients, which {type(opt).__name__} does not take; use "
+                        f"SGD, Adagrad or SparseAdam for it (e.g. SparseAdam for the "
+                        f"embeddings and Adam for the rest)."
+                    )
+
+
 class ShardOptimizer:
     """On a server: the user's optimizer classes over this server's shards."""
 

@@ -28,7 +28,7 @@ from parallax.cost import Shape, allreduce_dense, ps_rows
 from parallax.dense import wrap_dense
 from parallax.exchange import Traffic
 from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
-from parallax.optim import ShardOptimizer, check_per_shard
+from parallax.optim import ShardOptimizer, check_lazy, check_per_shard
 from parallax.plan import Plan
 from parallax.replicated import ReplicatedTable
 from parallax.sparse import ShardedTable
@@ -62,8 +62,12 @@ class Runner:
                                    group=sparse_group, traffic=self.traffic)
         self.tables = self.layout.sparse
         check_per_shard(self.optimizers, server_held(model, self.sparse_uses, config))
+        if config.lazy_sparse_updates:
+            check_lazy(self.optimizers, {n: params[n] for n in self.sparse_uses})
         self.sparsity: dict[str, Sparsity] = {}
-        self._decisions: dict[str, str] = {}
+        self._decisions: dict[str, str] = (
+            dict.fromkeys(self.sparse_uses, "lazy: touched rows only")
+            if config.lazy_sparse_updates else {})
         self._steps = 0
         # Under ``parallax plan`` the warm-up is all that runs.
         self._warmup_steps = int(os.environ.get(PLAN_WARMUP_ENV,

@@ -38,6 +38,7 @@ def main() -> None:
                                  local_aggregation=case.local_aggregation,
                                  sparsity_warmup_steps=case.migrate_after or 5,
                                  alpha_threshold=0.0 if case.migrate_after else None,
+                                 lazy_sparse_updates=case.lazy,
                                  collective_timeout_s=60)
         runner = parallax.get_runner(model, optimizers, loss_fn, config=config,
                                      resources=resources)
