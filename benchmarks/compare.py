@@ -20,8 +20,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # Also: "hybrid-sparse" (and other "<architecture>-sparse"): the program with sparse=True
-# embeddings under parallax; "torchrec-rw" / "torchrec-tw": TorchRec (recsys workload only).
-ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "torchrec-rw", "torchrec-tw"]
+# embeddings under parallax; "hybrid-lazy": Config(lazy_sparse_updates=True);
+# "torchrec-rw" / "torchrec-tw": TorchRec (recsys workload only).
+ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "torchrec-rw",
+               "torchrec-tw"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -98,7 +98,8 @@ class Workload:
 
 def make_step(system: str, workload: Workload):
     """A ``step(batch) -> loss`` for ``system``, built from the same single-device program.
-    ``-sparse`` systems run the program with ``sparse=True`` embeddings; ``torchrec-*`` the
+    ``-sparse`` systems run the program with ``sparse=True`` embeddings, ``-lazy`` ones the
+    dense-gradient program with ``Config(lazy_sparse_updates=True)``; ``torchrec-*`` the
     recommender as a TorchRec EmbeddingBagCollection (row- or table-wise sharded)."""
     if system.startswith("torchrec"):
         from torchrec_peer import make_torchrec_step
@@ -119,9 +120,10 @@ def make_step(system: str, workload: Workload):
             return loss
 
         return step
+    architecture, _, variant = system.partition("-")
     runner = parallax.get_runner(model, optimizer, workload.loss,
-                                 config=parallax.Config(architecture=system.removesuffix(
-                                                            "-sparse"),
+                                 config=parallax.Config(architecture=architecture,
+                                                        lazy_sparse_updates=variant == "lazy",
                                                         sparsity_warmup_steps=2))
     return runner.step
 
