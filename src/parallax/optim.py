@@ -43,19 +43,27 @@ def as_optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Op
     return optimizers
 
 
+def optimizer_of(optimizers: Sequence[torch.optim.Optimizer],
+                 param: nn.Parameter) -> torch.optim.Optimizer | None:
+    """The optimizer whose param groups hold ``param`` (None: it is not optimized)."""
+    for opt in optimizers:
+        if any(p is param for g in opt.param_groups for p in g["params"]):
+            return opt
+    return None
+
+
 def check_per_shard(optimizers: Sequence[torch.optim.Optimizer],
                     sparse_params: dict[str, nn.Parameter]) -> None:
     """Raise `OptimizerError` naming the parameter if its optimizer cannot run per shard."""
     for name, param in sparse_params.items():
-        for opt in optimizers:
-            if any(p is param for g in opt.param_groups for p in g["params"]):
-                if not isinstance(opt, PER_SHARD_OPTIMIZERS):
-                    supported = ", ".join(c.__name__ for c in PER_SHARD_OPTIMIZERS)
-                    raise OptimizerError(
-                        f"optimizer {type(opt).__name__} cannot be applied per shard to the "
-                        f"sparse parameter '{name}': its update is not element-wise. "
-                        f"Supported for sparse parameters: {supported}."
-                    )
+        opt = optimizer_of(optimizers, param)
+        if opt is not None and not isinstance(opt, PER_SHARD_OPTIMIZERS):
+            supported = ", ".join(c.__name__ for c in PER_SHARD_OPTIMIZERS)
+            raise OptimizerError(
+                f"optimizer {type(opt).__name__} cannot be applied per shard to the "
+                f"sparse parameter '{name}': its update is not element-wise. "
+                f"Supported for sparse parameters: {supported}."
+            )
 
 
 # Optimizers that accept sparse (COO) gradients: what `Config.lazy_sparse_updates` needs.
@@ -67,15 +75,14 @@ def check_lazy(optimizers: Sequence[torch.optim.Optimizer],
                sparse_params: dict[str, nn.Parameter]) -> None:
     """Raise `OptimizerError` naming the parameter if lazy updates cannot apply to it."""
     for name, param in sparse_params.items():
-        for opt in optimizers:
-            if any(p is param for g in opt.param_groups for p in g["params"]):
-                if not isinstance(opt, SPARSE_GRAD_OPTIMIZERS):
-                    raise OptimizerError(
-                        f"Config(lazy_sparse_updates=True) gives the sparse parameter '{name}' "
-                        f"sparse gradients, which {type(opt).__name__} does not take; use "
-                        f"SGD, Adagrad or SparseAdam for it (e.g. SparseAdam for the "
-                        f"embeddings and Adam for the rest)."
-                    )
+        opt = optimizer_of(optimizers, param)
+        if opt is not None and not isinstance(opt, SPARSE_GRAD_OPTIMIZERS):
+            raise OptimizerError(
+                f"Config(lazy_sparse_updates=True) gives the sparse parameter '{name}' "
+                f"sparse gradients, which {type(opt).__name__} does not take; use SGD, "
+                f"Adagrad or SparseAdam for it (e.g. SparseAdam for the embeddings and Adam "
+                f"for the rest)."
+            )
 
 
 class ShardOptimizer:

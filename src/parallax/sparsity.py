@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.optim import ShardOptimizer
+from parallax.optim import ShardOptimizer, optimizer_of
 from parallax.replicated import ReplicatedTable
 from parallax.sparse import ShardedTable
 
@@ -67,9 +67,9 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
             moved[key] = table.full_weight(state.get(key)).view_as(param).clone()
         else:
             moved[key] = kind.clone() if isinstance(kind, Tensor) else kind
-    for optimizer in optimizers:
-        if any(p is param for g in optimizer.param_groups for p in g["params"]):
-            optimizer.state[param] = moved
+    owner = optimizer_of(optimizers, param)
+    if owner is not None:
+        owner.state[param] = moved
     sync = "allgatherv" if table.sparse_grad else "allreduce"  # SparseAdam needs sparse grads
     return ReplicatedTable(table.name, param, worker=worker, group=group, traffic=table.traffic,
                            sparse_grad=table.sparse_grad, average=table.average, sync=sync)
