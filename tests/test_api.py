@@ -83,3 +83,16 @@ def test_optimizer_argument_is_checked() -> None:
 def test_config_round_trips_through_a_dict() -> None:
     config = parallax.Config(clip_grad_norm=2.5, num_partitions=3, average_sparse=False)
     assert parallax.Config.from_dict(config.to_dict()) == config
+
+
+def test_lookup_ids_are_integers_deduplicated_and_range_checked() -> None:
+    from parallax.exchange import unique_ids
+
+    unique, inverse, bad = unique_ids(torch.tensor([[3, 1], [3, 7]]), 10, "emb", 0)
+    assert unique.tolist() == [1, 3, 7] and torch.equal(unique[inverse],
+                                                        torch.tensor([[3, 1], [3, 7]]))
+    assert bad is None
+    assert unique_ids(torch.tensor([2, 10]), 10, "emb", 0)[2] == 10
+    assert unique_ids(torch.tensor([-1, 2]), 10, "emb", 0)[2] == -1
+    with pytest.raises(TypeError, match="parameter 'emb' on rank 3: ids must be an integer"):
+        unique_ids(torch.tensor([1.0]), 10, "emb", 3)

@@ -27,16 +27,21 @@ class SparseIdError(IndexError):
     """A batch holds an id outside the rows of a sparse parameter."""
 
 
-def first_bad_id(sorted_ids: Tensor, num_rows: int) -> int | None:
-    """An id of ``sorted_ids`` (ascending, as ``torch.unique`` returns them) outside
-    ``[0, num_rows)``, or None: what `Hop.open` reports to every rank."""
-    if sorted_ids.numel() == 0:
-        return None
-    if sorted_ids[0] < 0:
-        return int(sorted_ids[0])
-    if sorted_ids[-1] >= num_rows:
-        return int(sorted_ids[-1])
-    return None
+def unique_ids(ids: Tensor, num_rows: int, name: str, rank: int,
+               ) -> tuple[Tensor, Tensor, int | None]:
+    """``(unique, inverse, bad_id)`` of a lookup's ids: sorted unique ids, the index of each
+    id among them, and an id outside ``[0, num_rows)`` (or None) for `Hop.open` to report to
+    every rank. Ids must be integers: float ids would be truncated silently."""
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"parameter '{name}' on rank {rank}: ids must be an integer tensor, "
+                        f"got {ids.dtype}")
+    unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
+    bad_id = None
+    if unique.numel() and unique[0] < 0:
+        bad_id = int(unique[0])
+    elif unique.numel() and unique[-1] >= num_rows:
+        bad_id = int(unique[-1])
+    return unique, inverse.view(ids.shape), bad_id
 
 
 @dataclass

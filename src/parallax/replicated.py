@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.exchange import Hop, Traffic, first_bad_id
+from parallax.exchange import Hop, Traffic, unique_ids
 
 
 class ReplicatedTable:
@@ -45,8 +45,7 @@ class ReplicatedTable:
 
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Rows of the local replica, as `ShardedTable.lookup` returns them."""
-        unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
-        bad_id = first_bad_id(unique, self.num_rows)
+        unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
         # Every rank learns of a bad id on any rank (a count exchange), so none waits alone.
         world = self.worker.world_size
         Hop.open([0] * world, group=self.group, traffic=self.traffic, name=self.name,
@@ -55,7 +54,7 @@ class ReplicatedTable:
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._pending.append((unique, rows))
-        return rows, inverse.view(ids.shape)
+        return rows, inverse
 
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
         return self.param.detach()[ids]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.exchange import Hop, SparseIdError, Traffic, first_bad_id
+from parallax.exchange import Hop, SparseIdError, Traffic, unique_ids
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError"]
 
@@ -132,11 +132,7 @@ class ShardedTable:
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Pull the rows ``ids`` needs. Returns ``(rows, inverse)`` with ``rows[inverse]`` the
         looked-up values; ``rows`` is a leaf whose gradient `push_gradients` sends back."""
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"parameter '{self.name}' on rank {self.worker.rank}: ids must be "
-                            f"an integer tensor, got {ids.dtype}")
-        unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
-        bad_id = first_bad_id(unique, self.num_rows)
+        unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
         if self.local_aggregation:
             lookup = self._pull_via_leader(unique, bad_id)
         else:
@@ -145,7 +141,7 @@ class ShardedTable:
         if torch.is_grad_enabled():
             lookup.rows.requires_grad_(True)
             self._pending.append(lookup)
-        return lookup.rows, inverse.view(ids.shape)
+        return lookup.rows, inverse
 
     def _pull_direct(self, unique: Tensor, bad_id: int | None,
                      source: Tensor | None = None) -> tuple[Tensor, _DirectRoute]:
