@@ -8,12 +8,10 @@ sparse gradient). Run through ``parallax run --emulate-network``; arguments come
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,14 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workloads import (  # noqa: E402
-    LMConfig,
-    SampledSoftmaxLM,
-    SmallResNet,
-    fashion_batch,
-    sampled_softmax_loss,
-    zipf_lm_batch,
-)
+from workloads import Workload  # noqa: E402
 
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
@@ -43,59 +34,6 @@ def link_bytes() -> int:
     return int((stats / "tx_bytes").read_text()) + int((stats / "rx_bytes").read_text())
 
 
-class Workload:
-    """A plain single-device program: model, optimizer, loss, batches, and what one batch
-    counts (words or samples) per worker."""
-
-    def __init__(self, name: str, options: dict):
-        self.name = name
-        if name == "lm":
-            self.cfg = LMConfig(**options)
-            self.loss = sampled_softmax_loss
-            self.items, self.unit = self.cfg.batch * self.cfg.seq_len, "words"
-        elif name == "recsys":
-            from recsys import RecConfig, batches, load_movielens, rec_loss
-
-            self.cfg = RecConfig(**options)
-            worker = current_worker()
-            if worker.rank == 0:
-                load_movielens()  # download once, before the others read the cache
-            dist.barrier()
-            self.shards = itertools.cycle(batches(load_movielens(), self.cfg, worker.rank,
-                                                  worker.world_size))
-            self.loss = rec_loss
-            self.items, self.unit = self.cfg.batch, "samples"
-        elif name == "cnn":
-            from parallax.data.fashion_mnist import load_fashion_mnist
-
-            self.images, self.labels = load_fashion_mnist("train")
-            self.batch_size = options.get("batch", 64)
-            self.loss = torch.nn.functional.cross_entropy
-            self.items, self.unit = self.batch_size, "samples"
-        else:
-            raise ValueError(f"unknown workload {name!r}")
-
-    def model_and_optimizer(self, sparse_grad: bool):
-        torch.manual_seed(0)
-        if self.name == "recsys":
-            from recsys import RecModel
-
-            model = RecModel(replace(self.cfg, sparse_grad=sparse_grad))
-            return model, torch.optim.Adagrad(model.parameters(), lr=0.05)
-        if self.name == "lm":
-            model = SampledSoftmaxLM(replace(self.cfg, sparse_grad=sparse_grad))
-            return model, torch.optim.Adagrad(model.parameters(), lr=0.1)
-        model = SmallResNet()
-        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def batch(self, generator: torch.Generator):
-        if self.name == "recsys":
-            return next(self.shards)
-        if self.name == "lm":
-            return zipf_lm_batch(self.cfg, generator)
-        return fashion_batch(self.images, self.labels, self.batch_size, generator)
-
-
 def make_step(system: str, workload: Workload):
     """A ``step(batch) -> loss`` for ``system``, built from the same single-device program.
     ``-sparse`` systems run the program with ``sparse=True`` embeddings, ``-lazy`` ones the
@@ -104,7 +42,7 @@ def make_step(system: str, workload: Workload):
     if system.startswith("torchrec"):
         from torchrec_peer import make_torchrec_step
 
-        return make_torchrec_step(system, workload.cfg, lr=0.05)
+        return make_torchrec_step(system, workload.cfg, lr=workload.lr)
     sparse_grad = system.endswith("-sparse")
     model, optimizer = workload.model_and_optimizer(sparse_grad=sparse_grad)
     if system.startswith("ddp"):

@@ -1,14 +1,19 @@
 """Benchmark workloads: plain single-device models and their data, run unchanged by every
-system. So far: the LM of the papers (LSTM, large embedding, sampled-softmax output) on a
-synthetic Zipf token stream, which reaches any vocabulary size offline."""
+system: the LM of the papers (LSTM, large embedding, sampled-softmax output) on a synthetic
+Zipf token stream, which reaches any vocabulary size offline; a small ResNet on Fashion-MNIST;
+the MovieLens recommender (`recsys.py`). `Workload` bundles one of them for the harness."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from parallax.cluster import current_worker
 
 
 @dataclass(frozen=True)
@@ -78,3 +83,59 @@ def fashion_batch(images: Tensor, labels: Tensor, batch: int, generator: torch.G
                   ) -> tuple[Tensor, Tensor]:
     index = torch.randint(0, len(labels), (batch,), generator=generator)
     return images[index], labels[index]
+
+
+class Workload:
+    """A plain single-device program: model, optimizer, loss, batches, and what one batch
+    counts (words or samples) per worker."""
+
+    def __init__(self, name: str, options: dict):
+        self.name = name
+        if name == "lm":
+            self.cfg = LMConfig(**options)
+            self.loss = sampled_softmax_loss
+            self.items, self.unit = self.cfg.batch * self.cfg.seq_len, "words"
+            self.lr = 0.1
+        elif name == "recsys":
+            from recsys import RecConfig, batches, load_movielens, rec_loss
+
+            self.cfg = RecConfig(**options)
+            worker = current_worker()
+            if worker.rank == 0:
+                load_movielens()  # download once, before the others read the cache
+            dist.barrier()
+            self.shards = itertools.cycle(batches(load_movielens(), self.cfg, worker.rank,
+                                                  worker.world_size))
+            self.loss = rec_loss
+            self.items, self.unit = self.cfg.batch, "samples"
+            self.lr = 0.05
+        elif name == "cnn":
+            from parallax.data.fashion_mnist import load_fashion_mnist
+
+            self.images, self.labels = load_fashion_mnist("train")
+            self.batch_size = options.get("batch", 64)
+            self.loss = torch.nn.functional.cross_entropy
+            self.items, self.unit = self.batch_size, "samples"
+            self.lr = 0.05
+        else:
+            raise ValueError(f"unknown workload {name!r}")
+
+    def model_and_optimizer(self, sparse_grad: bool):
+        torch.manual_seed(0)
+        if self.name == "recsys":
+            from recsys import RecModel
+
+            model = RecModel(replace(self.cfg, sparse_grad=sparse_grad))
+            return model, torch.optim.Adagrad(model.parameters(), lr=self.lr)
+        if self.name == "lm":
+            model = SampledSoftmaxLM(replace(self.cfg, sparse_grad=sparse_grad))
+            return model, torch.optim.Adagrad(model.parameters(), lr=self.lr)
+        model = SmallResNet()
+        return model, torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
+
+    def batch(self, generator: torch.Generator):
+        if self.name == "recsys":
+            return next(self.shards)
+        if self.name == "lm":
+            return zipf_lm_batch(self.cfg, generator)
+        return fashion_batch(self.images, self.labels, self.batch_size, generator)
