@@ -7,7 +7,8 @@ copied into the repository. Label: rating >= 4. Features: user id, item id, item
 (multi-hot bag). ``synthetic_movielens`` makes data of the same shape offline.
 
 ``RecModel`` takes plain tensors ``(users, items, genres, genre_offsets)``, so parallax and DDP run
-it unchanged; ``benchmarks/torchrec_peer.py`` builds the same model with TorchRec.
+it unchanged; ``benchmarks/torchrec_peer.py`` builds the same model with TorchRec. To compare the
+systems: ``benchmarks/compare.py --workload recsys``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -201,33 +202,3 @@ def synthetic_batch(cfg: RecConfig, generator: torch.Generator) -> RecBatch:
     labels = torch.randint(2, (b,), generator=generator).float()
     return (users, items, genres, offsets), labels
 
-
-def make_rec_step(system: str, cfg: RecConfig, lr: float = 0.05, seed: int = 0,
-                  optimizer: str = "adagrad"):
-    """``step(batch) -> loss`` of RecModel under a parallax architecture ("hybrid", "ps",
-    "optps", "allreduce") or DDP ("ddp-dense", "ddp-sparse"), inside an initialised group."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    import parallax
-
-    cfg = replace(cfg, sparse_grad=system == "ddp-sparse")
-    torch.manual_seed(seed)
-    model = RecModel(cfg)
-    opt_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[optimizer]
-    opt = opt_cls(model.parameters(), lr=lr)
-    if system.startswith("ddp"):
-        ddp = DistributedDataParallel(model)
-
-        def step(batch: RecBatch) -> Tensor:
-            inputs, labels = batch
-            opt.zero_grad(set_to_none=True)
-            loss = rec_loss(ddp(*inputs), labels)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
-        return step
-    runner = parallax.get_runner(model, opt, rec_loss,
-                                 config=parallax.Config(architecture=system,
-                                                        sparsity_warmup_steps=2))
-    return runner.step

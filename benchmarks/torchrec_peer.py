@@ -1,15 +1,16 @@
-"""TorchRec as a peer system on the recommender workload (benchmarks/recsys.py).
+"""TorchRec as a peer system: the benchmark workloads built the way a TorchRec user would.
 
-The same model as ``recsys.RecModel``, but its tables live in a TorchRec ``EmbeddingBagCollection``
-sharded by ``DistributedModelParallel`` on CPU (gloo): ``row_wise`` (each table split by rows over
-all ranks) or ``table_wise`` (each table whole on one rank). The MLP is replicated (DMP wraps
-it in DDP). Tables use TorchRec's fused (in-backward) optimizer kernels; the MLP a plain torch
-optimizer. Gradient division stays on (TorchRec's default), so, like DDP and parallax, a step
-uses the mean gradient of the global batch.
+Recommender (benchmarks/recsys.py): the same model as ``recsys.RecModel``, its tables in a TorchRec
+``EmbeddingBagCollection``. LM (benchmarks/workloads.py): see ``torchrec_lm.py``, which uses the
+helpers here. Tables are sharded by ``DistributedModelParallel`` on CPU (gloo): ``row_wise`` (each
+table split by rows over all ranks) or ``table_wise`` (each table whole on one rank). The dense
+part is replicated (DMP wraps it in DDP). Tables use TorchRec's fused (in-backward) optimizer
+kernels; the dense part a plain torch optimizer. Gradient division stays on (TorchRec's default),
+so, like DDP and parallax, a step uses the mean gradient of the global batch.
 
-Notes on CPU: TorchRec only offers ROW_WISE for CUDA, so a sharder subclass adds it on CPU; row-wise
-sharding requires the same batch size on every rank. If a sharding type cannot be built or run,
-``make_torchrec_step`` raises ``PeerUnavailable`` carrying the exact error text.
+Notes on CPU: TorchRec offers ROW_WISE for bags only on CUDA, so a sharder subclass adds it on
+CPU; row-wise sharding requires the same batch size on every rank. If a sharding type cannot be
+built, ``make_torchrec_step`` raises ``PeerUnavailable`` carrying the exact error text.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from recsys import RecBatch, RecConfig, RecModel, mlp, rec_loss  # noqa: E402
 
 SHARDINGS = {"torchrec-rw": "row_wise", "torchrec-tw": "table_wise"}
 FEATURES = ("user", "item", "genre")
+OPTIMIZERS = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 
 
 class PeerUnavailable(RuntimeError):
@@ -88,30 +90,34 @@ class TorchRecModel(nn.Module):
         return self.mlp(torch.cat([pooled[f] for f in FEATURES], dim=1)).squeeze(1)
 
 
-def _cpu_sharder() -> Any:
-    """An EmbeddingBagCollectionSharder that also offers ROW_WISE on CPU."""
+def _cpu_sharder(model: nn.Module) -> Any:
+    """The sharder for ``model``'s EmbeddingCollection (sequence) or EmbeddingBagCollection,
+    also offering ROW_WISE on CPU (the bag sharder lists it for CUDA only)."""
+    from torchrec import EmbeddingCollection
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.types import ShardingType
 
-    class CPUEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    sequence = any(isinstance(m, EmbeddingCollection) for m in model.modules())
+    base = EmbeddingCollectionSharder if sequence else EmbeddingBagCollectionSharder
+
+    class CPUSharder(base):  # type: ignore[misc, valid-type]
         def sharding_types(self, compute_device_type: str) -> list[str]:
             types = list(super().sharding_types(compute_device_type))
-            for extra in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value):
-                if extra not in types:
-                    types.append(extra)
+            if ShardingType.ROW_WISE.value not in types:
+                types.append(ShardingType.ROW_WISE.value)
             return types
 
-    return CPUEmbeddingBagCollectionSharder()
+    return CPUSharder()
 
 
-def _plan(model: TorchRecModel, sharding: str, world: int, sharder: Any) -> Any:
+def _plan(model: nn.Module, tables: list[str], sharding: str, world: int, sharder: Any) -> Any:
     """A sharding plan forcing ``sharding`` with the FUSED kernel on every table."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    constraints = {f"t_{f}": ParameterConstraints(sharding_types=[sharding],
-                                                  compute_kernels=["fused"])
-                   for f in FEATURES}
+    constraints = {t: ParameterConstraints(sharding_types=[sharding], compute_kernels=["fused"])
+                   for t in tables}
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
     # plan() on every rank (deterministic), not collective_plan(): a planning error then
@@ -120,20 +126,19 @@ def _plan(model: TorchRecModel, sharding: str, world: int, sharder: Any) -> Any:
 
 
 @torch.no_grad()
-def copy_weights(dmp: nn.Module, source: RecModel) -> None:
-    """Loads ``source``'s weights into the sharded model: each rank writes its own shards (the
-    state_dict's shards are views of the fused kernels' weights), the MLP is copied whole."""
+def load_weights(dmp: nn.Module, weights: dict[str, Tensor]) -> None:
+    """Loads full tensors, keyed like ``dmp.state_dict()``, into the sharded model: each rank
+    writes its own shards of a table (the state_dict's shards are views of the fused kernels'
+    weights); replicated tensors are copied whole."""
     state = dmp.state_dict()
-    for name, tensor in source.state_dict().items():
-        table = name.split(".")[0]
-        if table in FEATURES:
-            target = state[f"ebc.embedding_bags.t_{table}.weight"]
-            for shard in target.local_shards():
-                (row, col), (rows, cols) = (shard.metadata.shard_offsets,
-                                            shard.metadata.shard_sizes)
-                shard.tensor.copy_(tensor[row:row + rows, col:col + cols])
-        else:
-            state[name].copy_(tensor)
+    for name, tensor in weights.items():
+        target = state[name]
+        if not hasattr(target, "local_shards"):
+            target.copy_(tensor)
+            continue
+        for shard in target.local_shards():
+            (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            shard.tensor.copy_(tensor[row:row + rows, col:col + cols])
 
 
 def _agree(failed: bool) -> bool:
@@ -143,45 +148,81 @@ def _agree(failed: bool) -> bool:
     return bool(flag.item())
 
 
-def make_torchrec_step(system: str, cfg: RecConfig, optimizer: str = "adagrad",
-                       lr: float = 0.05, seed: int = 0,
-                       ) -> Callable[[RecBatch], Tensor]:
-    """``step(batch) -> loss`` for ``system`` in SHARDINGS, inside an initialised gloo group.
-    ``optimizer``: "adagrad" or "sgd" (tables: the fused kernel's equivalent). Raises
-    PeerUnavailable with the exact error when the configuration cannot be built
-    (building only: a failure in a later step raises the kernel's own error)."""
+def build_sharded(system: str, make_model: Callable[[torch.device], nn.Module],
+                  tables: list[str], weights: Callable[[], dict[str, Tensor]],
+                  optimizer: str = "adagrad", lr: float = 0.05,
+                  ) -> tuple[nn.Module, Any, Any]:
+    """``(dmp, optimizer, plan)``: ``make_model(meta)`` under DistributedModelParallel with
+    ``tables`` sharded per ``system``, the fused ``optimizer`` on the tables and the plain one
+    on the rest, starting from ``weights()`` (full tensors keyed like the DMP's state_dict).
+    Inside an initialised gloo group; every rank raises PeerUnavailable if any rank fails."""
     if system not in SHARDINGS:
         raise ValueError(f"unknown TorchRec system {system!r}; known: {sorted(SHARDINGS)}")
     stage = "import"
     try:
         import torchrec.distributed.comm_ops as comm_ops
+        from torchrec import EmbeddingBagCollection, EmbeddingCollection
         from torchrec.distributed import DistributedModelParallel
         from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+        stage = "model"
+        opt_cls = OPTIMIZERS[optimizer]
+        model = make_model(torch.device("meta"))
         stage = "shard"
         comm_ops.set_gradient_division(True)  # mean over the global batch, like DDP
-        opt_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[optimizer]
-        torch.manual_seed(seed)
-        model = TorchRecModel(cfg, device=torch.device("meta"))
-        apply_optimizer_in_backward(opt_cls, model.ebc.parameters(), {"lr": lr})
-        sharder = _cpu_sharder()
-        plan = _plan(model, SHARDINGS[system], dist.get_world_size(), sharder)
+        # torch's Adagrad eps (fbgemm's default is 1e-8), so the tables update as on one device
+        fused = {"lr": lr, **({"eps": 1e-10} if opt_cls is torch.optim.Adagrad else {})}
+        for module in model.modules():
+            if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
+                apply_optimizer_in_backward(opt_cls, module.parameters(), fused)
+        sharder = _cpu_sharder(model)
+        plan = _plan(model, tables, SHARDINGS[system], dist.get_world_size(), sharder)
         dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
                                        sharders=[sharder])
         dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                       lambda params: opt_cls(params, lr=lr))
         opt = CombinedOptimizer([dmp.fused_optimizer, dense])
         stage = "copy weights"
-        torch.manual_seed(seed)
-        copy_weights(dmp, RecModel(cfg))  # the same start as make_rec_step's RecModel
+        load_weights(dmp, weights())
     except Exception as error:
         traceback.print_exc()
         _agree(failed=True)
         raise PeerUnavailable(system, stage, error) from error
     if _agree(failed=False):
         raise PeerUnavailable(system, "shard", RuntimeError("another rank failed to build"))
+    return dmp, opt, plan
+
+
+def rec_weights(cfg: RecConfig, seed: int = 0) -> dict[str, Tensor]:
+    """``RecModel(cfg)``'s weights after ``torch.manual_seed(seed)`` (the harness's start),
+    keyed like TorchRecModel's sharded state_dict."""
+    torch.manual_seed(seed)
+    weights = {}
+    for name, tensor in RecModel(cfg).state_dict().items():
+        table = name.split(".")[0]
+        weights[f"ebc.embedding_bags.t_{table}.weight" if table in FEATURES else name] = tensor
+    return weights
+
+
+def make_torchrec_step(system: str, cfg: Any, optimizer: str = "adagrad", lr: float = 0.05,
+                       seed: int = 0) -> Callable[[Any], Tensor]:
+    """``step(batch) -> loss`` for ``system`` in SHARDINGS, inside an initialised gloo group:
+    the recommender for a ``RecConfig``, the LM (``torchrec_lm``) for an ``LMConfig``; the
+    batch is the workload's own. ``optimizer``: "adagrad" or "sgd" (tables: the fused kernel's
+    equivalent). Raises PeerUnavailable with the exact error when the configuration cannot be
+    built (building only: a failure in a later step raises the kernel's own error)."""
+    if not isinstance(cfg, RecConfig):
+        from torchrec_lm import make_torchrec_lm_step
+        from workloads import LMConfig
+
+        if not isinstance(cfg, LMConfig):
+            raise TypeError(f"TorchRec peer: no model for {type(cfg).__name__}")
+        return make_torchrec_lm_step(system, cfg, optimizer=optimizer, lr=lr, seed=seed)
+    dmp, opt, plan = build_sharded(
+        system, lambda device: TorchRecModel(cfg, device=device),
+        [f"t_{f}" for f in FEATURES], lambda: rec_weights(cfg, seed), optimizer, lr)
 
     def step(batch: RecBatch) -> Tensor:
         inputs, labels = batch
@@ -205,74 +246,3 @@ def plan_summary(plan: Any) -> dict[str, str]:
             out[table] = (f"{ps.sharding_type} {ps.compute_kernel} ranks={ps.ranks} "
                           f"rows={[s.shard_sizes[0] for s in shards]}")
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Smoke comparison on MovieLens-100k, run under ``parallax run`` or ``torchrun``:
-    every system trains from the same seed on the same shards; prints losses and step times."""
-    import argparse
-    import statistics
-    import time
-    from datetime import timedelta
-
-    from recsys import batches, load_movielens, make_rec_step
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--systems", nargs="+",
-                        default=["hybrid", "ddp-dense", "torchrec-rw", "torchrec-tw"])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=256, help="per worker")
-    parser.add_argument("--emb", type=int, default=32)
-    parser.add_argument("--hash-multiplier", type=int, default=1)
-    parser.add_argument("--optimizer", choices=["adagrad", "sgd"], default="adagrad")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--synthetic", action="store_true", help="no download")
-    args = parser.parse_args(argv)
-
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = RecConfig(batch=args.batch, emb=args.emb, hash_multiplier=args.hash_multiplier)
-    if args.synthetic:
-        from recsys import synthetic_movielens
-        data = synthetic_movielens(20_000)
-    else:
-        if rank == 0:
-            load_movielens()  # downloads once; the others wait
-        dist.barrier()
-        data = load_movielens()
-    shards = batches(data, cfg, rank, world, seed=0)
-    for system in args.systems:
-        try:
-            kwargs = {"optimizer": args.optimizer, "lr": args.lr}
-            step = (make_torchrec_step(system, cfg, **kwargs) if system in SHARDINGS
-                    else make_rec_step(system, cfg, **kwargs))
-        except PeerUnavailable as error:
-            if rank == 0:
-                print(f"[recsys] {system}: UNAVAILABLE {error.as_dict()}", flush=True)
-            continue
-        if rank == 0 and system in SHARDINGS:
-            print(f"[recsys] {system} plan: {plan_summary(step.plan)}", flush=True)
-        times, losses = [], []
-        for i in range(args.warmup + args.steps):
-            start = time.perf_counter()
-            losses.append(float(step(shards[i % len(shards)])))
-            if i >= args.warmup:
-                times.append(time.perf_counter() - start)
-        stats = torch.tensor([statistics.median(times), sum(losses[:5]) / 5,
-                              sum(losses[-5:]) / 5], dtype=torch.float64)
-        dist.all_reduce(stats)
-        stats /= world
-        if rank == 0:
-            print(f"[recsys] {system}: {stats[0] * 1e3:.1f} ms/step (median over ranks' "
-                  f"medians), loss first5 {stats[1]:.4f} last5 {stats[2]:.4f}", flush=True)
-        dist.barrier()
-    try:
-        import parallax
-        parallax.shutdown()
-    except Exception:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -124,6 +124,26 @@ def test_torchrec_model_equals_rec_model():
     torch.testing.assert_close(twin(peer.to_kjt(inputs)), model(*inputs))
 
 
+def test_torchrec_step_starts_from_rec_model(tmp_path):
+    """The sharded peer (single-process gloo group) starts from RecModel's seeded weights."""
+    peer = pytest.importorskip("torchrec_peer")
+    if not peer.torchrec_available():
+        pytest.skip("torchrec / fbgemm-gpu not installed (benchmarks/setup_bench.sh)")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        step = peer.make_torchrec_step("torchrec-tw", CFG, lr=0.05)
+        torch.manual_seed(0)
+        model = RecModel(CFG)
+        inputs, labels = make_batch(data(), CFG, torch.arange(32))
+        expected = rec_loss(model(*inputs), labels)
+        torch.testing.assert_close(step((inputs, labels)), expected.detach())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_peer_unavailable_is_structured():
     peer = pytest.importorskip("torchrec_peer")
     error = peer.PeerUnavailable("torchrec-rw", "shard", ValueError("no ROW_WISE"))
