@@ -109,6 +109,24 @@ class Workload:
             self.loss = rec_loss
             self.items, self.unit = self.cfg.batch, "samples"
             self.lr = 0.05
+        elif name == "nmt":
+            from nmt import NMTConfig, batches, encode_pairs, nmt_loss
+
+            from parallax.data.rv1909 import english_spanish_pairs
+
+            self.cfg = NMTConfig(**options)
+            worker = current_worker()
+            if worker.rank == 0:
+                english_spanish_pairs()  # download once, before the others read the cache
+            dist.barrier()
+            data = encode_pairs(english_spanish_pairs(), self.cfg)
+            self.shards = itertools.cycle(batches(data, self.cfg, worker.rank,
+                                                  worker.world_size))
+            self.loss = nmt_loss
+            # Real target tokens (words and </s>, pads excluded) per worker batch, on average.
+            self.items = self.cfg.batch * data.target_tokens_per_pair()
+            self.unit = "words"
+            self.lr = 0.1
         elif name == "cnn":
             from parallax.data.fashion_mnist import load_fashion_mnist
 
@@ -127,6 +145,11 @@ class Workload:
 
             model = RecModel(replace(self.cfg, sparse_grad=sparse_grad))
             return model, torch.optim.Adagrad(model.parameters(), lr=self.lr)
+        if self.name == "nmt":
+            from nmt import Seq2Seq
+
+            model = Seq2Seq(replace(self.cfg, sparse_grad=sparse_grad))
+            return model, torch.optim.Adagrad(model.parameters(), lr=self.lr)
         if self.name == "lm":
             model = SampledSoftmaxLM(replace(self.cfg, sparse_grad=sparse_grad))
             return model, torch.optim.Adagrad(model.parameters(), lr=self.lr)
@@ -135,6 +158,8 @@ class Workload:
 
     def batch(self, generator: torch.Generator):
         if self.name == "recsys":
+            return next(self.shards)
+        if self.name == "nmt":
             return next(self.shards)
         if self.name == "lm":
             return zipf_lm_batch(self.cfg, generator)

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallax.data.kjv import FIRST_VERSE, decode_ztext, fetch_kjv, strip_osis
+from parallax.data.kjv import (
+    FIRST_VERSE,
+    decode_ztext,
+    fetch_kjv,
+    module_conf,
+    strip_osis,
+    versified_verses,
+)
+from parallax.data.rv1909 import align_verses, english_spanish_pairs, fetch_verse_pairs
 from parallax.data.text import (
     LanguageModelDataset,
     Vocabulary,
@@ -89,6 +97,99 @@ def test_fetch_kjv_real(tmp_path: Path) -> None:
     # Temp files cleaned up; the lock that serialises concurrent workers stays.
     assert sorted(p.name for p in tmp_path.iterdir()) == [".kjv.lock", "kjv.txt"]
     assert fetch_kjv(tmp_path) == path  # cached: no second download
+
+
+# --------------------------------------------------------------------------- versified modules
+
+
+def write_module(root: Path, testaments: dict[str, list[str]], versification: str) -> Path:
+    """A SWORD tree under ``root`` with one zText module ``test`` and its mods.d conf."""
+    module = root / "modules" / "texts" / "ztext" / "test"
+    module.mkdir(parents=True)
+    for testament, entries in testaments.items():
+        for ext, data in zip(("bzs", "bzv", "bzz"), make_ztext([entries]), strict=True):
+            (module / f"{testament}.{ext}").write_bytes(data)
+    (root / "mods.d").mkdir()
+    (root / "mods.d" / "test.conf").write_text(
+        f"[Test]\n# Versification=NRSV is a comment\nDataPath=./modules/texts/ztext/test/\n"
+        f"ModDrv=zText\nVersification={versification}\n", encoding="utf-8")
+    return module
+
+
+def test_versified_verses_numbers_slots_after_headings(tmp_path: Path) -> None:
+    ot = [
+        "<milestone/>",  # testament heading (make_ztext adds the empty module heading)
+        '<div canonical="true" osisID="Gen" sID="b1" type="book"/> <title>Genesis</title>',
+        '<chapter n="1" osisID="Gen.1" sID="Gen.1"/> ',
+        "In the <w>beginning</w>.",
+        "",  # a verse this translation lacks: its slot stays, empty
+        '<chapter n="2" osisID="Gen.2" sID="Gen.2"/>',
+        'Thus. <chapter eID="Gen.2"/> <div canonical="true" eID="b1" osisID="Gen" type="book"/>',
+        '<div osisID="Exod" sID="b2" type="book"/>',
+        '<chapter osisID="Exod.1" sID="Exod.1"/>',
+        "Now these.",
+    ]
+    nt = ["<milestone/>", '<div osisID="John" sID="b3" type="book"/>',
+          '<chapter osisID="John.11" sID="John.11"/>', "Jesus wept."]
+    module = write_module(tmp_path, {"ot": ot, "nt": nt}, "KJV")
+    assert versified_verses(module) == [
+        ("Gen.1.1", "In the beginning."), ("Gen.1.2", ""), ("Gen.2.1", "Thus."),
+        ("Exod.1.1", "Now these."), ("John.11.1", "Jesus wept."),
+    ]
+    assert module_conf(module)["Versification"] == "KJV"
+
+
+def test_versified_verses_rejects_verse_before_chapter(tmp_path: Path) -> None:
+    entries = ["<milestone/>", '<div osisID="Gen" sID="b1" type="book"/>', "stray verse"]
+    module = write_module(tmp_path, {"ot": entries, "nt": entries[:1]}, "KJV")
+    with pytest.raises(ValueError, match="before any chapter heading"):
+        versified_verses(module)
+
+
+def test_align_verses_by_reference_and_drops_shifted_chapters() -> None:
+    english = [("Gen.1.1", "a"), ("Gen.1.2", "b"), ("Gen.1.3", "c"), ("Gen.2.1", "d"),
+               ("Gen.2.2", "e"), ("Gen.3.1", "f"), ("Gen.4.1", "g"), ("Exod.1.1", "h"),
+               ("Exod.1.2", "")]
+    spanish = [("Exod.1.2", ""), ("Exod.1.1", "H"), ("Gen.4.1", "G"), ("Gen.3.1", "F"),
+               ("Gen.2.2", ""), ("Gen.2.1", "D"), ("Gen.1.3", "C"), ("Gen.1.1", "A")]
+    # Gen.1.2 has no Spanish slot; Gen.2.2 is empty on one side only, so Gen.2 and the next
+    # chapter, Gen.3, may be shifted; Exod.1.2 is empty on both sides, which shifts nothing.
+    assert align_verses(english, spanish) == [
+        ("Gen.1.1", "a", "A"), ("Gen.1.3", "c", "C"), ("Gen.4.1", "g", "G"),
+        ("Exod.1.1", "h", "H"),
+    ]
+
+
+def test_missing_apt_get_names_the_package(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="(?s)not found.*sword-text-kjv sword-text-sparv"):
+        fetch_verse_pairs(tmp_path)
+
+
+@pytest.mark.network
+@pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs apt-get (Debian/Ubuntu)")
+def test_fetch_verse_pairs_real(tmp_path: Path) -> None:
+    path = fetch_verse_pairs(tmp_path)
+    assert path == tmp_path / "kjv-rv1909.tsv"
+    rows = [line.split("\t") for line in path.read_text(encoding="utf-8").splitlines()]
+    pairs = {ref: (english, spanish) for ref, english, spanish in rows}
+    assert rows[0] == ["Gen.1.1", "In the beginning God created the heaven and the earth.",
+                       "EN el principio crió Dios los cielos y la tierra."]
+    assert rows[-1][0] == "Rev.22.21"
+    assert 30_000 <= len(pairs) <= 31_102  # KJV versification has 31,102 verses
+    assert pairs["John.11.35"] == ("Jesus wept.", "Y lloró Jesús.")
+    assert pairs["Gen.1.3"] == ("And God said, Let there be light: and there was light.",
+                                "Y dijo Dios: Sea la luz: y fué la luz.")
+    assert pairs["Ps.23.1"][1] == "Salmo de David. JEHOVÁ es mi pastor; nada me faltará."
+    # RV1909 starts Jonah 2 with KJV's 1:17: both chapters are left out, Jonah 3 is aligned.
+    assert "Jonah.1.17" not in pairs and "Jonah.2.1" not in pairs
+    assert pairs["Jonah.3.1"][1].startswith("Y FUÉ palabra de Jehová segunda vez á Jonás")
+    assert all(english and spanish and "<" not in english + spanish for english, spanish
+               in pairs.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".kjv-rv1909.lock", "kjv-rv1909.tsv"]
+    assert fetch_verse_pairs(tmp_path) == path  # cached: no second download
+    assert english_spanish_pairs(tmp_path)[0] == tuple(rows[0][1:])
 
 
 # --------------------------------------------------------------------------- text pipeline

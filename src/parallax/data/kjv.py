@@ -11,6 +11,10 @@ CrossWire SWORD module ``engKJV2006eb`` in the compressed *zText* format:
 
 Entries are OSIS XML fragments. Besides the verses, the index holds empty or heading-only
 entries (module/testament/book/chapter introductions); they strip to nothing and are skipped.
+
+The download, unpacking and decoding helpers are shared with other SWORD Bibles
+(:mod:`parallax.data.rv1909`): :func:`unpack_module` fetches any zText package,
+:func:`versified_verses` decodes a module with its verse references.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ _TAG = re.compile(r"<[^>]*>")
 _USFM = re.compile(r"\\\+?[a-z]+\d*\*?")
 _PILCROW = "\u00b6"  # paragraph mark of the 1769 text: layout, not words
 _SPACE = re.compile(r"\s+")
+# Heading slots of the verse index open a book or chapter with a start milestone (``sID``);
+# the matching end milestones (``eID``) sit inside the last verse, so only ``sID`` counts.
+_START_TAG = re.compile(r"<(div|chapter)\b([^>]*\bsID=[^>]*)>")
+_ATTR = re.compile(r'(\w+)="([^"]*)"')
 
 
 def default_cache_dir() -> Path:
@@ -110,9 +118,71 @@ def verses_from_module(module_dir: Path) -> list[str]:
     """Plain verses of a zText module directory (``ot`` then ``nt``), empties skipped."""
     verses = []
     for testament in TESTAMENTS:
-        parts = [(module_dir / f"{testament}.{ext}").read_bytes() for ext in ("bzs", "bzv", "bzz")]
-        verses += [v for v in map(strip_osis, decode_ztext(*parts)) if v]
+        verses += [v for v in map(strip_osis, _testament(module_dir, testament)) if v]
     return verses
+
+
+def _testament(module_dir: Path, testament: str) -> list[str]:
+    parts = [(module_dir / f"{testament}.{ext}").read_bytes() for ext in ("bzs", "bzv", "bzz")]
+    return decode_ztext(*parts)
+
+
+def versified_verses(module_dir: Path) -> list[tuple[str, str]]:
+    """``(reference, plain text)`` for every verse slot of a zText module, in canonical order.
+
+    References are OSIS ids such as ``"John.11.35"``. SWORD lays a testament out as: module
+    heading, testament heading, then per book a book heading and per chapter a chapter heading
+    followed by one slot per verse of the module's versification. The heading slots are
+    recognised by their book/chapter start milestones and verses numbered from there, so the
+    result does not need a versification table; verses missing from a translation come back
+    as ``""`` (their slot exists but is empty), which keeps two modules comparable by reference.
+    """
+    verses: list[tuple[str, str]] = []
+    for testament in TESTAMENTS:
+        chapter, number = None, 0
+        for entry in _testament(module_dir, testament)[2:]:  # module and testament headings
+            kind, osis_id = _heading(entry)
+            if kind == "book":
+                chapter = None  # a new book: its first chapter heading follows
+            elif kind == "chapter":
+                chapter, number = osis_id, 0
+            elif chapter is None:
+                raise ValueError(f"{module_dir.name}: verse slot before any chapter heading "
+                                 f"({entry[:80]!r})")
+            else:
+                number += 1
+                verses.append((f"{chapter}.{number}", strip_osis(entry)))
+    return verses
+
+
+def _heading(entry: str) -> tuple[str | None, str]:
+    """``("book", "John")`` or ``("chapter", "John.11")`` if the entry opens one, else
+    ``(None, "")``."""
+    for tag, attrs in _START_TAG.findall(entry):
+        fields = dict(_ATTR.findall(attrs))
+        if tag == "chapter" and "osisID" in fields:
+            return "chapter", fields["osisID"]
+        if tag == "div" and fields.get("type") == "book":
+            return "book", fields.get("osisID", "")
+    return None, ""
+
+
+def module_conf(module_dir: Path) -> dict[str, str]:
+    """The ``mods.d/*.conf`` settings of an unpacked module (e.g. ``Versification``).
+
+    The conf lives beside ``modules/`` in the SWORD tree and names the module's directory in
+    its ``DataPath``; repeated keys (``GlobalOptionFilter``) keep their last value.
+    """
+    sword_root = module_dir.parents[3]  # <root>/modules/texts/ztext/<module>
+    for conf in sorted((sword_root / "mods.d").glob("*.conf")):
+        fields = {}
+        for line in conf.read_text(encoding="utf-8", errors="replace").splitlines():
+            key, sep, value = line.partition("=")
+            if sep and not line.lstrip().startswith("#"):
+                fields[key.strip()] = value.strip()
+        if fields.get("DataPath", "").rstrip("/").endswith(f"/{module_dir.name}"):
+            return fields
+    raise RuntimeError(f"no mods.d/*.conf with DataPath .../{module_dir.name}/ in {sword_root}")
 
 
 # --------------------------------------------------------------------------- fetching
@@ -141,11 +211,7 @@ def fetch_kjv(cache_dir: Path | None = None) -> Path:
 
 def _build(target: Path, cache: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="kjv-", dir=cache) as tmp:
-        work = Path(tmp)
-        deb = download_deb(work)
-        _progress(f"unpacking {deb.name}")
-        _run(["dpkg", "-x", str(deb), str(work / "root")])
-        verses = verses_from_module(_find_module(work / "root"))
+        verses = verses_from_module(unpack_module(Path(tmp)))
     _check_corpus(verses)
     _write_atomically(target, "".join(v + "\n" for v in verses))
     words = sum(len(v.split()) for v in verses)
@@ -155,16 +221,29 @@ def _build(target: Path, cache: Path) -> None:
 def download_deb(work: Path, package: str = PACKAGE) -> Path:
     """``apt-get download`` a Debian package into ``work``; update empty apt lists once."""
     if shutil.which("apt-get") is None:
-        raise RuntimeError(_manual_hint("apt-get not found (this needs a Debian/Ubuntu host)"))
+        raise RuntimeError(_manual_hint("apt-get not found (this needs a Debian/Ubuntu host)",
+                                        package))
     if not _apt_lists_present():
-        _progress("apt package lists are empty; running apt-get update")
-        _run(["apt-get", "update"], hint="apt-get update failed (are you root?)")
-    _progress(f"downloading {package} with apt-get")
-    _run(["apt-get", "download", package], cwd=work, hint=f"apt-get download {package} failed")
+        _progress("apt package lists are empty; running apt-get update", tag="apt")
+        _run(["apt-get", "update"], hint="apt-get update failed (are you root?)",
+             package=package)
+    _progress(f"downloading {package} with apt-get", tag="apt")
+    _run(["apt-get", "download", package], cwd=work, hint=f"apt-get download {package} failed",
+         package=package)
     debs = sorted(work.glob(f"{package}_*.deb"))
     if not debs:
-        raise RuntimeError(_manual_hint(f"apt-get download left no {package} .deb"))
+        raise RuntimeError(_manual_hint(f"apt-get download left no {package} .deb", package))
     return debs[-1]
+
+
+def unpack_module(work: Path, package: str = PACKAGE) -> Path:
+    """Download a SWORD zText package into ``work``, unpack it there and return the module
+    directory (the one holding ``ot.bzs`` ...; its conf is read by :func:`module_conf`)."""
+    deb = download_deb(work, package)
+    _progress(f"unpacking {deb.name}", tag="apt")
+    root = work / package  # one tree per package, so two Bibles never share a mods.d
+    _run(["dpkg", "-x", str(deb), str(root)], package=package)
+    return _find_module(root, package)
 
 
 def _apt_lists_present() -> bool:
@@ -172,13 +251,13 @@ def _apt_lists_present() -> bool:
     return lists.is_dir() and any(lists.glob("*_Packages*"))
 
 
-def _find_module(root: Path) -> Path:
+def _find_module(root: Path, package: str = PACKAGE) -> Path:
     """The directory holding the zText files; the module name varies between releases."""
     for bzs in sorted(root.glob("**/modules/texts/ztext/*/ot.bzs")):
         module = bzs.parent
         if all((module / f"{t}.{e}").exists() for t in TESTAMENTS for e in ("bzs", "bzv", "bzz")):
             return module
-    raise RuntimeError(f"no zText module (modules/texts/ztext/*/{{ot,nt}}.bz?) in {PACKAGE}")
+    raise RuntimeError(f"no zText module (modules/texts/ztext/*/{{ot,nt}}.bz?) in {package}")
 
 
 def _check_corpus(verses: list[str]) -> None:
@@ -202,24 +281,25 @@ def _write_atomically(target: Path, text: str) -> None:
         raise
 
 
-def _run(cmd: list[str], cwd: Path | None = None, hint: str | None = None) -> None:
+def _run(cmd: list[str], cwd: Path | None = None, hint: str | None = None,
+         package: str = PACKAGE) -> None:
     """Run a command quietly; on failure raise with its output and what to do by hand."""
     try:
         proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     except FileNotFoundError as e:
-        raise RuntimeError(_manual_hint(f"{cmd[0]} not found")) from e
+        raise RuntimeError(_manual_hint(f"{cmd[0]} not found", package)) from e
     if proc.returncode:
         output = (proc.stderr or proc.stdout).strip()
-        raise RuntimeError(_manual_hint(f"{hint or ' '.join(cmd)}:\n{output}"))
+        raise RuntimeError(_manual_hint(f"{hint or ' '.join(cmd)}:\n{output}", package))
 
 
-def _manual_hint(problem: str) -> str:
-    return (
-        f"{problem}\nTo fetch the KJV corpus, run as root: apt-get update && "
-        f"apt-get download {PACKAGE}; or put a ready kjv.txt (one verse per line) in the "
-        "cache directory ($PARALLAX_CACHE or ~/.cache/parallax)."
-    )
+def _manual_hint(problem: str, package: str = PACKAGE) -> str:
+    hint = f"{problem}\nTo fetch it, run as root: apt-get update && apt-get download {package}"
+    if package == PACKAGE:
+        hint += ("; or put a ready kjv.txt (one verse per line) in the cache directory "
+                 "($PARALLAX_CACHE or ~/.cache/parallax)")
+    return hint + "."
 
 
-def _progress(message: str) -> None:
-    print(f"[kjv] {message}", file=sys.stderr, flush=True)
+def _progress(message: str, tag: str = "kjv") -> None:
+    print(f"[{tag}] {message}", file=sys.stderr, flush=True)
