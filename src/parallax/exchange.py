@@ -1,9 +1,11 @@
 """One hop of the sparse exchange, and the bytes it moves.
 
-A `Hop` is one ``all_to_all_single`` over the whole world with split sizes fixed when it is
-opened; it can carry several payloads the same way (ids, then rows) and carry payloads back the
-opposite way (rows to the requesters, gradients to the owners). Ranks with nothing to send or
-receive take part with zero counts, so every rank issues the same collectives in the same order.
+A `Hop` is one ``all_to_all_single`` over the whole world with split sizes fixed, per table,
+when it is opened; it can carry several payloads the same way (ids, then rows) and carry
+payloads back the opposite way (rows to the requesters, gradients to the owners). One hop
+serves all tables of a step at once, so a step costs a few collectives, not a few per table.
+Ranks with nothing to send or receive take part with zero counts, so every rank issues the
+same collectives in the same order.
 
 Opening a hop exchanges the counts first, in their own small all_to_all, because gloo does not
 check that both sides' splits agree; that message also carries an error flag so that a bad id on
@@ -93,46 +95,105 @@ class Traffic:
 
 @dataclass
 class Hop:
-    """An all_to_all with fixed splits; `forward` sends along them, `backward` against them."""
+    """One all_to_all for several tables at once, with splits fixed per table and peer:
+    `forward_many` sends each table's payload along them, `backward_many` against them.
 
-    send_counts: list[int]
-    recv_counts: list[int]
+    Payloads of all tables travel in one message, viewed as bytes (tables may differ in row
+    width and dtype); on every rank each table's payload is sorted by peer and has the table's
+    row shape and dtype, so both sides can cut the message into the same pieces.
+    """
+
+    send_counts: dict[str, list[int]]
+    recv_counts: dict[str, list[int]]
     group: dist.ProcessGroup
     traffic: Traffic
-    name: str
 
     @classmethod
     def open(cls, send_counts: list[int], *, group: dist.ProcessGroup, traffic: Traffic,
              name: str, num_rows: int, bad_id: int | None = None,
              device: torch.device | None = None) -> Hop:
-        """Exchange the counts (and any bad id, raising `SparseIdError` on every rank)."""
-        world = len(send_counts)
-        message = torch.zeros(world, 3, dtype=torch.long, device=device)
-        message[:, 0] = torch.tensor(send_counts, dtype=torch.long)
-        if bad_id is not None:
-            message[:, 1] = 1
-            message[:, 2] = bad_id
+        """`open_many` for one table."""
+        return cls.open_many({name: send_counts}, group=group, traffic=traffic,
+                             num_rows={name: num_rows}, bad_ids={name: bad_id}, device=device)
+
+    @classmethod
+    def open_many(cls, send_counts: dict[str, list[int]], *, group: dist.ProcessGroup,
+                  traffic: Traffic, num_rows: dict[str, int],
+                  bad_ids: dict[str, int | None] | None = None,
+                  device: torch.device | None = None) -> Hop:
+        """Exchange every table's counts in one message (and any bad id, raising
+        `SparseIdError` on every rank)."""
+        names = list(send_counts)
+        world = len(send_counts[names[0]]) if names else dist.get_world_size(group)
+        message = torch.zeros(world, len(names), 3, dtype=torch.long)
+        for t, name in enumerate(names):
+            message[:, t, 0] = torch.tensor(send_counts[name], dtype=torch.long)
+            bad_id = (bad_ids or {}).get(name)
+            if bad_id is not None:
+                message[:, t, 1] = 1
+                message[:, t, 2] = bad_id
+        message = message.to(device)
         received = torch.empty_like(message)
         dist.all_to_all_single(received, message, group=group)
-        traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
-        failed = received[:, 1].nonzero().flatten().tolist()
-        if failed:
-            rank = failed[0]
-            machine = traffic.machine_of_rank[rank]
-            raise SparseIdError(
-                f"parallax: sparse parameter '{name}' got id {int(received[rank, 2])} on rank "
-                f"{rank} (machine {machine}), outside its rows [0, {num_rows})")
-        return cls(send_counts, received[:, 0].tolist(), group, traffic, name)
+        received = received.cpu()
+        for t, name in enumerate(names):
+            traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
+            failed = received[:, t, 1].nonzero().flatten().tolist()
+            if failed:
+                rank = failed[0]
+                machine = traffic.machine_of_rank[rank]
+                raise SparseIdError(
+                    f"parallax: sparse parameter '{name}' got id {int(received[rank, t, 2])} "
+                    f"on rank {rank} (machine {machine}), outside its rows "
+                    f"[0, {num_rows[name]})")
+        recv_counts = {name: received[:, t, 0].tolist() for t, name in enumerate(names)}
+        return cls(dict(send_counts), recv_counts, group, traffic)
 
     def forward(self, payload: Tensor) -> Tensor:
-        return self._send(payload, self.send_counts, self.recv_counts)
+        """`forward_many` for a hop of one table."""
+        (name,) = self.send_counts
+        return self.forward_many({name: payload})[name]
 
     def backward(self, payload: Tensor) -> Tensor:
-        return self._send(payload, self.recv_counts, self.send_counts)
+        (name,) = self.send_counts
+        return self.backward_many({name: payload})[name]
 
-    def _send(self, payload: Tensor, send: list[int], receive: list[int]) -> Tensor:
+    def forward_many(self, payloads: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self._send(payloads, self.send_counts, self.recv_counts)
+
+    def backward_many(self, payloads: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self._send(payloads, self.recv_counts, self.send_counts)
+
+    def _send(self, payloads: dict[str, Tensor], send: dict[str, list[int]],
+              receive: dict[str, list[int]]) -> dict[str, Tensor]:
+        names = list(self.send_counts)
+        if len(names) == 1:  # one table: no byte views needed
+            name = names[0]
+            return {name: self._send_one(name, payloads[name], send[name], receive[name])}
+        world = len(send[names[0]])
+        payloads = {name: payloads[name].contiguous() for name in names}
+        item = {name: p.element_size() * math.prod(p.shape[1:]) for name, p in payloads.items()}
+        pieces = {name: p.reshape(-1).view(torch.uint8).split(
+                      [count * item[name] for count in send[name]])
+                  for name, p in payloads.items()}
+        message = torch.cat([pieces[name][peer] for peer in range(world) for name in names])
+        send_splits = [sum(send[n][peer] * item[n] for n in names) for peer in range(world)]
+        recv_splits = [sum(receive[n][peer] * item[n] for n in names) for peer in range(world)]
+        out = message.new_empty(sum(recv_splits))
+        dist.all_to_all_single(out, message, recv_splits, send_splits, group=self.group)
+        cut = out.split([receive[n][peer] * item[n] for peer in range(world) for n in names])
+        result = {}
+        for t, name in enumerate(names):
+            payload = payloads[name]
+            own = torch.cat([cut[peer * len(names) + t] for peer in range(world)])
+            result[name] = own.view(payload.dtype).view(-1, *payload.shape[1:])
+            self.traffic.record(name, send[name], receive[name], item[name])
+        return result
+
+    def _send_one(self, name: str, payload: Tensor, send: list[int],
+                  receive: list[int]) -> Tensor:
         out = payload.new_empty((sum(receive), *payload.shape[1:]))
         dist.all_to_all_single(out, payload.contiguous(), receive, send, group=self.group)
         item_bytes = payload.element_size() * math.prod(payload.shape[1:])
-        self.traffic.record(self.name, send, receive, item_bytes)
+        self.traffic.record(name, send, receive, item_bytes)
         return out

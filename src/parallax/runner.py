@@ -27,11 +27,12 @@ from parallax.config import Config
 from parallax.cost import Shape, allreduce_dense, ps_rows
 from parallax.dense import wrap_dense
 from parallax.exchange import Traffic
+from parallax.lookahead import build_id_program
 from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
 from parallax.optim import ShardOptimizer, check_lazy, check_per_shard
 from parallax.plan import Plan
 from parallax.replicated import ReplicatedTable
-from parallax.sparse import ShardedTable
+from parallax.sparse import ShardedTable, prefetch, push_gradients
 from parallax.sparsity import Sparsity, measure, move_to_allreduce
 
 LossFn = Callable[[Any, Any], Tensor]
@@ -74,6 +75,9 @@ class Runner:
                                                 config.sparsity_warmup_steps))
         self._build_plan()
         executed = self._executed_model(model)
+        self._executed = executed
+        # All lookups' ids from the inputs, when the model allows: one pull for all tables.
+        self._id_program = build_id_program(executed) if self.tables else None
         # Gradients the runner AllReduces or replicates: clipped with the dense part.
         self.dense_parameters = [p for p in executed.parameters() if p.requires_grad]
         self.dense_parameters += [t.param for t in self.tables.values()
@@ -129,12 +133,34 @@ class Runner:
         inputs = _to_device(inputs, self.device)
         args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
             (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {}))
-        if not self.layout.dense:
-            return self.module(*args, **kwargs)
-        # ps/optps: dense parameters too come from the servers, whole, every step.
-        pulled = {name: table.lookup(rows)[0].view(shape)
-                  for name, (table, rows, shape) in self._dense_pulls.items()}
-        return torch.func.functional_call(self.module, pulled, args, kwargs)
+        ahead = self._pull_ahead(args, kwargs)
+        try:
+            if not self.layout.dense:
+                return self.module(*args, **kwargs)
+            # ps/optps: dense parameters too come from the servers, whole, every step.
+            pulled = {name: table.lookup(rows)[0].view(shape)
+                      for name, (table, rows, shape) in self._dense_pulls.items()}
+            return torch.func.functional_call(self.module, pulled, args, kwargs)
+        finally:
+            for table in ahead:
+                table.prefetched = None
+
+    def _pull_ahead(self, args: tuple, kwargs: dict) -> list[ShardedTable]:
+        """Pull, in one exchange, the rows of every server-held table this forward will read
+        (all of a ps model's dense parameters; sparse lookups whose ids the id program
+        computes from the inputs). Returns the tables served from the pulled rows."""
+        wanted: dict[str, tuple[ShardedTable, list[Tensor]]] = {}
+        if self._id_program is not None:
+            for path, ids in self._id_program(*args, **kwargs):
+                table = self._executed.get_submodule(path).table
+                if isinstance(table, ShardedTable):  # replicated tables look up locally
+                    wanted.setdefault(table.name, (table, []))[1].append(ids)
+        for name, (table, rows, _) in self._dense_pulls.items():
+            wanted[name] = (table, [rows])
+        if wanted:
+            prefetch([table for table, _ in wanted.values()],
+                     [ids for _, ids in wanted.values()])
+        return [table for table, _ in wanted.values()]
 
     def step(self, batch: Sequence[Any]) -> Tensor:
         """One synchronous training step on this worker's ``(inputs, targets)``; returns this
@@ -146,8 +172,11 @@ class Runner:
         self.zero_grad()
         loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
         loss.backward()
-        for table in self.layout.all_tables().values():
-            table.push_gradients()
+        tables = list(self.layout.all_tables().values())
+        push_gradients([t for t in tables if isinstance(t, ShardedTable)])  # one exchange
+        for table in tables:
+            if not isinstance(table, ShardedTable):
+                table.push_gradients()
         if self.config.clip_grad_norm is not None:
             self._clip(self.config.clip_grad_norm)
         for optimizer in self.optimizers:

@@ -14,6 +14,7 @@ leader before anything crosses machines.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,8 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.exchange import Hop, SparseIdError, Traffic, unique_ids
 
-__all__ = ["RowPartitioning", "ShardedTable", "SparseIdError"]
+__all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "prefetch", "pull",
+           "push_gradients"]
 
 
 class RowPartitioning:
@@ -66,22 +68,32 @@ class RowPartitioning:
 
 
 @dataclass
-class _DirectRoute:
-    """How unique ids travelled to their owners, so that gradients follow them."""
+class _Lookup:
+    """One table's part of a `_Pull`."""
 
-    order: Tensor            # permutation sorting the ids by owner rank
-    hop: Hop
-    recv_local_rows: Tensor  # on a server: the shard rows the received ids address
+    ids: Tensor                 # this worker's unique ids
+    rows: Tensor                # leaf [unique ids, *row]; its .grad is what gets pushed
+    order: Tensor               # permutation sorting the (merged) ids by owner rank
+    recv_local_rows: Tensor     # on a server: the shard rows the received ids address
+    merged_inverse: Tensor | None = None  # at a leader: received piece -> merged row
+    merged_count: int = 0
 
 
 @dataclass
-class _Lookup:
-    ids: Tensor                     # this worker's unique ids
-    rows: Tensor                    # leaf [unique ids, *row]; its .grad is what gets pushed
-    direct: _DirectRoute            # worker -> owners (or leader -> owners when aggregating)
-    to_leader: Hop | None = None    # worker -> its machine's leader (local aggregation)
-    merged_inverse: Tensor | None = None  # at the leader: received piece -> merged row
-    merged_count: int = 0
+class _Pull:
+    """Rows of several tables pulled in one exchange; their gradients go back the same way."""
+
+    lookups: dict[str, _Lookup]
+    direct: Hop                   # worker -> owners (leader -> owners when aggregating)
+    to_leader: Hop | None = None  # worker -> its machine's leader (local aggregation)
+
+
+@dataclass
+class _Prefetched:
+    """A table's rows pulled ahead of the forward, for all of the step's lookups at once."""
+
+    ids: Tensor   # sorted unique ids
+    rows: Tensor  # the pull's leaf rows
 
 
 class ShardedTable:
@@ -108,7 +120,8 @@ class ShardedTable:
         self.shard: nn.Parameter | None = None
         self.rows_used: list[int] = []          # per training step, this worker's rows
         self.machine_rows_used: list[int] = []  # per step at a leader: its machine's rows
-        self._pending: list[_Lookup] = []
+        self._pending: list[_Pull] = []  # this step's pulls that hold rows of this table
+        self.prefetched: _Prefetched | None = None
         self._sparse_pieces: list[tuple[Tensor, Tensor]] = []
         # Rank 0's initial values are the model's, whatever the other ranks' seeds were.
         initial = weight.detach().clone()
@@ -124,62 +137,36 @@ class ShardedTable:
     def _rows(self, count: int) -> Tensor:
         return torch.empty((count, *self.row_shape), dtype=self.dtype, device=self.device)
 
-    def _open(self, send_counts: list[int], bad_id: int | None = None) -> Hop:
-        return Hop.open(send_counts, group=self.group, traffic=self.traffic, name=self.name,
-                        num_rows=self.num_rows, bad_id=bad_id, device=self.device)
-
-    # ---- forward: pull -------------------------------------------------------------------
+    # ---- forward: pull ------------------------------------------------------------------
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Pull the rows ``ids`` needs. Returns ``(rows, inverse)`` with ``rows[inverse]`` the
-        looked-up values; ``rows`` is a leaf whose gradient `push_gradients` sends back."""
+        looked-up values; the gradient of ``rows`` is what `push_gradients` sends back. Served
+        from the rows `pull` prefetched for this step when there are any."""
+        if self.prefetched is None:
+            return pull([self], [ids])[0]
         unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
-        if self.local_aggregation:
-            lookup = self._pull_via_leader(unique, bad_id)
-        else:
-            rows, direct = self._pull_direct(unique, bad_id)
-            lookup = _Lookup(unique, rows, direct)
-        if torch.is_grad_enabled():
-            lookup.rows.requires_grad_(True)
-            self._pending.append(lookup)
-        return lookup.rows, inverse
-
-    def _pull_direct(self, unique: Tensor, bad_id: int | None,
-                     source: Tensor | None = None) -> tuple[Tensor, _DirectRoute]:
-        """Rows ``unique`` from their owners' shards (or from ``source``, a tensor shaped
-        like the shard, e.g. an optimizer state)."""
-        owner = self.partitioning.owner_rank(unique.clamp(0, max(self.num_rows - 1, 0)))
-        order = torch.argsort(owner, stable=True)
-        hop = self._open(torch.bincount(owner, minlength=self.worker.world_size).tolist(),
-                         bad_id)
-        recv_ids = hop.forward(unique[order])
-        local = self.partitioning.local_row(recv_ids)
-        held = source if source is not None else self.shard
-        served = held.detach()[local] if held is not None else self._rows(0)
-        rows = self._rows(unique.numel())
-        rows[order] = hop.backward(served)
-        return rows, _DirectRoute(order, hop, local)
-
-    def _pull_via_leader(self, unique: Tensor, bad_id: int | None) -> _Lookup:
-        counts = [0] * self.worker.world_size
-        counts[self._leader] = unique.numel()
-        to_leader = self._open(counts, bad_id)
-        pieces = to_leader.forward(unique)  # at a leader: every local worker's ids
-        merged, merged_inverse = torch.unique(pieces, return_inverse=True)
-        merged_rows, direct = self._pull_direct(merged, None)
-        rows = to_leader.backward(merged_rows[merged_inverse])
-        return _Lookup(unique, rows, direct, to_leader, merged_inverse, merged.numel())
+        held = self.prefetched.ids
+        position = torch.searchsorted(held, unique)
+        if bad_id is not None or (unique.numel() and (
+                held.numel() == 0 or not torch.equal(held[position.clamp_max(held.numel() - 1)],
+                                                     unique))):
+            raise RuntimeError(
+                f"parallax internal error: rank {self.worker.rank} looked up ids of "
+                f"'{self.name}' that were not pulled ahead for this step; please report it")
+        return self.prefetched.rows[position], inverse
 
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
         """Current values of rows ``ids`` (collective; for export and migration), from the
         shards or from ``source``, a tensor each server holds shaped like its shard."""
         with torch.no_grad():
             unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-            rows, _ = self._pull_direct(unique, None, source)
+            rows = _pull_direct([self], [unique], [None], source)[0][self.name]
         return rows[inverse].view(*ids.shape, *self.row_shape)
 
     # ---- backward: push ------------------------------------------------------------------
     def zero_grad(self) -> None:
         self._pending.clear()
+        self.prefetched = None
         self._sparse_pieces.clear()
         if self.shard is None:
             return
@@ -191,33 +178,17 @@ class ShardedTable:
             self.shard.grad.zero_()
 
     def push_gradients(self) -> None:
-        """Send each lookup's gradient rows to their servers (collective, in lookup order);
-        servers sum the rows of all workers and, by default, divide by the worker count."""
-        self._record_usage()
-        for lookup in self._pending:
-            grad = lookup.rows.grad
-            if grad is None:
-                grad = torch.zeros_like(lookup.rows)
-            if lookup.to_leader is not None:
-                pieces = lookup.to_leader.forward(grad)
-                grad = self._rows(lookup.merged_count).zero_()
-                grad.index_add_(0, lookup.merged_inverse, pieces)
-            route = lookup.direct
-            received = route.hop.forward(grad[route.order])
-            if self.shard is not None:
-                if self.average:
-                    received.div_(self.worker.world_size)
-                self._accumulate(route.recv_local_rows, received)
-        self._pending.clear()
-        self._finish_sparse_grad()
+        """`push_gradients` of this table alone."""
+        push_gradients([self])
 
     def _record_usage(self) -> None:
         if not self._pending:
             return
-        ids = torch.cat([lookup.ids for lookup in self._pending])
+        lookups = [pull.lookups[self.name] for pull in self._pending]
+        ids = torch.cat([lookup.ids for lookup in lookups])
         self.rows_used.append(int(torch.unique(ids).numel()))
         if self.local_aggregation and self.worker.rank == self._leader:
-            self.machine_rows_used.append(sum(lookup.merged_count for lookup in self._pending))
+            self.machine_rows_used.append(sum(lookup.merged_count for lookup in lookups))
 
     def _accumulate(self, local_rows: Tensor, grad_rows: Tensor) -> None:
         if self.sparse_grad:
@@ -256,3 +227,122 @@ class ShardedTable:
         """The whole table (or a shard-shaped ``source``), gathered from the servers
         (collective)."""
         return self.read_rows(torch.arange(self.num_rows, device=self.device), source)
+
+
+# ---- several tables at once ------------------------------------------------------------------
+def pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """Rows of ``ids[i]`` from ``tables[i]`` (distinct tables of one runner), all in one
+    exchange; ``(rows, inverse)`` per table as `ShardedTable.lookup` returns them."""
+    first = tables[0]
+    requests = [unique_ids(i, t.num_rows, t.name, t.worker.rank) for t, i in zip(tables, ids,
+                                                                                   strict=True)]
+    uniques = {t.name: unique for t, (unique, _, _) in zip(tables, requests, strict=True)}
+    bad_ids = {t.name: bad for t, (_, _, bad) in zip(tables, requests, strict=True)}
+    to_leader = None
+    if first.local_aggregation:
+        counts = {}
+        for table in tables:
+            counts[table.name] = [0] * first.worker.world_size
+            counts[table.name][table._leader] = uniques[table.name].numel()
+        to_leader = _open(tables, counts, bad_ids)
+        pieces = to_leader.forward_many(uniques)  # at a leader: every local worker's ids
+        merged = {name: torch.unique(piece, return_inverse=True)
+                  for name, piece in pieces.items()}
+        merged_rows, direct, lookups = _pull_direct(tables, [m for m, _ in merged.values()],
+                                                    [None] * len(tables))
+        rows = to_leader.backward_many({name: merged_rows[name][inverse]
+                                        for name, (_, inverse) in merged.items()})
+        for name, (ids_merged, inverse) in merged.items():
+            lookups[name].merged_inverse = inverse
+            lookups[name].merged_count = ids_merged.numel()
+    else:
+        rows, direct, lookups = _pull_direct(tables, list(uniques.values()),
+                                             list(bad_ids.values()))
+    for name, lookup in lookups.items():
+        lookup.ids, lookup.rows = uniques[name], rows[name]
+    if torch.is_grad_enabled():
+        record = _Pull(lookups, direct, to_leader)
+        for table in tables:
+            lookups[table.name].rows.requires_grad_(True)
+            table._pending.append(record)
+    return [(rows[t.name], inverse) for t, (_, inverse, _) in zip(tables, requests, strict=True)]
+
+
+def prefetch(tables: Sequence[ShardedTable], ids: Sequence[Sequence[Tensor]]) -> None:
+    """Pull, in one exchange, the rows of all lookups a forward is about to make: ``ids[i]``
+    lists the ids of every lookup of ``tables[i]``; each lookup is then served locally."""
+    unions = [torch.cat([i.reshape(-1) for i in table_ids]) if table_ids
+              else torch.empty(0, dtype=torch.long) for table_ids in ids]
+    for table, union, (rows, inverse) in zip(tables, unions, pull(tables, unions), strict=True):
+        unique = torch.empty(rows.shape[0], dtype=union.dtype, device=union.device)
+        unique[inverse] = union.long()
+        table.prefetched = _Prefetched(unique, rows)
+
+
+def _open(tables: Sequence[ShardedTable], counts: dict[str, list[int]],
+          bad_ids: dict[str, int | None]) -> Hop:
+    first = tables[0]
+    return Hop.open_many(counts, group=first.group, traffic=first.traffic,
+                         num_rows={t.name: t.num_rows for t in tables}, bad_ids=bad_ids,
+                         device=first.device)
+
+
+def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
+                 bad_ids: Sequence[int | None], source: Tensor | None = None,
+                 ) -> tuple[dict[str, Tensor], Hop, dict[str, _Lookup]]:
+    """Rows ``uniques[i]`` of ``tables[i]`` from their owners' shards (or from ``source``, a
+    tensor shaped like the shard, e.g. an optimizer state; one table only)."""
+    orders, counts = {}, {}
+    for table, unique in zip(tables, uniques, strict=True):
+        owner = table.partitioning.owner_rank(unique.clamp(0, max(table.num_rows - 1, 0)))
+        orders[table.name] = torch.argsort(owner, stable=True)
+        counts[table.name] = torch.bincount(owner, minlength=table.worker.world_size).tolist()
+    hop = _open(tables, counts, dict(zip(counts, bad_ids, strict=True)))
+    recv_ids = hop.forward_many({t.name: u[orders[t.name]]
+                                 for t, u in zip(tables, uniques, strict=True)})
+    served, lookups = {}, {}
+    for table in tables:
+        local = table.partitioning.local_row(recv_ids[table.name])
+        held = source if source is not None else table.shard
+        served[table.name] = held.detach()[local] if held is not None else table._rows(0)
+        lookups[table.name] = _Lookup(recv_ids[table.name], table._rows(0),
+                                      orders[table.name], local)
+    back = hop.backward_many(served)
+    rows = {}
+    for table, unique in zip(tables, uniques, strict=True):
+        rows[table.name] = table._rows(unique.numel())
+        rows[table.name][orders[table.name]] = back[table.name]
+    return rows, hop, lookups
+
+
+def push_gradients(tables: Sequence[ShardedTable]) -> None:
+    """Send the gradient rows of every pull of this step to their servers (collective, in pull
+    order, one exchange per pull for all its tables); servers sum the rows of all workers and,
+    by default, divide by the worker count. ``tables`` must hold every table of those pulls."""
+    by_name = {table.name: table for table in tables}
+    pulls: dict[int, _Pull] = {}
+    for table in tables:
+        table._record_usage()
+        for record in table._pending:
+            pulls.setdefault(id(record), record)
+    for record in pulls.values():  # dicts keep insertion order: the pull order of all ranks
+        grads = {}
+        for name, lookup in record.lookups.items():
+            grad = lookup.rows.grad
+            grads[name] = torch.zeros_like(lookup.rows) if grad is None else grad
+        if record.to_leader is not None:
+            pieces = record.to_leader.forward_many(grads)
+            for name, lookup in record.lookups.items():
+                merged = by_name[name]._rows(lookup.merged_count).zero_()
+                grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
+        received = record.direct.forward_many({name: grads[name][lookup.order]
+                                               for name, lookup in record.lookups.items()})
+        for name, lookup in record.lookups.items():
+            table = by_name[name]
+            if table.shard is not None:
+                if table.average:
+                    received[name].div_(table.worker.world_size)
+                table._accumulate(lookup.recv_local_rows, received[name])
+    for table in tables:
+        table._pending.clear()
+        table._finish_sparse_grad()

@@ -1,0 +1,115 @@
+"""Ids known before the forward: so one exchange can pull every table's rows for a step.
+
+A step that looks tables up one by one pays a few collectives per table, and with many small
+lookups the step is all latency. TorchRec avoids this by making the user hand over all ids
+up front (a KeyedJaggedTensor). We read them off the model instead: `build_id_program` traces
+the executed model with the lookup stand-ins as leaves and, when every lookup's ids are the
+forward's inputs, or plain reshapes / selections / casts of them, returns a small program that
+computes all of them from the inputs. Anything else (ids computed with parameters, random
+sampling inside ``forward``, untraceable control flow) gets no program, and lookups pull one
+by one as before: the look-ahead may only ever skip work, never change what is computed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
+
+__all__ = ["IdProgram", "build_id_program"]
+
+logger = logging.getLogger("parallax")
+
+_STAND_INS = (ShardedEmbedding, ShardedEmbeddingBag, ShardedGather)
+
+# Pure, deterministic functions of the inputs (re-arrangements, casts, id hashing): safe to run
+# twice, once ahead and once in the forward, with the same result.
+_SAFE_FUNCTIONS = {operator.getitem, builtins.getattr, operator.add, operator.sub, operator.mul,
+                   operator.floordiv, operator.mod, torch.reshape, torch.flatten, torch.cat,
+                   torch.stack, torch.squeeze, torch.unsqueeze, torch.t, torch.transpose,
+                   torch.narrow, torch.select, torch.remainder, torch.fmod, torch.clamp}
+_SAFE_METHODS = {"reshape", "view", "flatten", "long", "int", "to", "contiguous", "squeeze",
+                 "unsqueeze", "t", "transpose", "narrow", "select", "size", "__getitem__",
+                 "clone", "view_as", "reshape_as", "remainder", "fmod", "clamp", "add", "sub",
+                 "mul", "__mod__", "__add__", "__mul__", "__floordiv__"}
+
+
+@dataclass
+class IdProgram:
+    """Computes, from a forward's inputs, the ids of every lookup stand-in call of the step:
+    ``(module path, ids)`` in the order of the forward."""
+
+    module: fx.GraphModule
+    paths: tuple[str, ...]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[tuple[str, Tensor]]:
+        with torch.no_grad():
+            ids = self.module(*args, **kwargs)
+        return list(zip(self.paths, ids, strict=True))
+
+
+class _StandInsAsLeaves(fx.Tracer):
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, _STAND_INS) or super().is_leaf_module(module, qualified_name)
+
+
+def build_id_program(model: nn.Module) -> IdProgram | None:
+    """The ids program of ``model`` (the executed model, with lookup stand-ins), or None when
+    some lookup's ids cannot be computed from the inputs alone."""
+    try:
+        graph = _StandInsAsLeaves().trace(model)
+    except Exception as error:  # data-dependent control flow and the like
+        logger.debug("parallax: no id look-ahead, tracing failed: %s", error)
+        return None
+    calls = [node for node in graph.nodes if node.op == "call_module"
+             and isinstance(model.get_submodule(node.target), _STAND_INS)]
+    if not calls:
+        return None
+    ids_nodes = []
+    for call in calls:
+        ids = call.args[0] if call.args else call.kwargs.get("ids")
+        if not isinstance(ids, fx.Node) or not _from_inputs_only(ids):
+            logger.debug("parallax: no id look-ahead: ids of %s are computed", call.target)
+            return None
+        ids_nodes.append(ids)
+    program = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    needed = _ancestors(ids_nodes)
+    for node in graph.nodes:  # every placeholder, so the program takes the forward's inputs
+        if node.op == "placeholder" or node in needed:
+            env[node] = program.node_copy(node, lambda n: env[n])
+    program.output(tuple(env[node] for node in ids_nodes))
+    return IdProgram(fx.GraphModule(model, program), tuple(str(c.target) for c in calls))
+
+
+def _from_inputs_only(node: fx.Node) -> bool:
+    for ancestor in _ancestors([node]):
+        if ancestor.op == "placeholder":
+            continue
+        if ancestor.op == "call_function" and ancestor.target in _SAFE_FUNCTIONS:
+            continue
+        if ancestor.op == "call_method" and ancestor.target in _SAFE_METHODS:
+            continue
+        return False
+    return True
+
+
+def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = list(nodes)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+    return seen
+
