@@ -31,3 +31,11 @@ def test_one_machine_moves_nothing_across_machines() -> None:
     shape = cost.Shape(1, 4)
     assert cost.allreduce_dense(W, shape) == 0
     assert cost.ps_rows(100, ROW, shape, local_aggregation=True) == 0
+
+
+@pytest.mark.parametrize("machines,workers", [(2, 2), (4, 2), (2, 4)])
+def test_allreduce_crosses_machines_once_per_machine(machines: int, workers: int) -> None:
+    # Reduced inside each machine first: the workers per machine do not add link bytes.
+    n = machines
+    assert cost.allreduce_dense(W, cost.Shape(machines, workers)) == pytest.approx(
+        4 * W * (n - 1) / n)

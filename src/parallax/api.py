@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from parallax import hierarchy
 from parallax.analysis import find_sparse_parameters
 from parallax.architecture import server_held
 from parallax.cluster import WorkerInfo, current_worker, parse_resources
@@ -139,6 +140,7 @@ def _join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
         # Its own group keeps the PS exchange apart from DDP's bucketed AllReduce.
         backend = "nccl" if worker.device.type == "cuda" else "gloo"
         _sparse_group = dist.new_group(backend=backend, timeout=timeout)
+        hierarchy.join(worker, backend=backend, timeout=timeout)
         atexit.register(shutdown)
     return _sparse_group
 
@@ -147,6 +149,7 @@ def shutdown() -> None:
     """Destroy parallax's process groups: the PS group first, then the default group (the order
     that measured free of gloo aborts at exit). Safe to call twice."""
     global _sparse_group
+    hierarchy.leave()
     if _sparse_group is not None and dist.is_initialized():
         dist.destroy_process_group(_sparse_group)
     _sparse_group = None

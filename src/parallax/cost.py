@@ -7,7 +7,7 @@ machines (a dense parameter on a PS loads its own server's machine most: Table 3
 
 | parameter | architecture | bytes per machine and step |
 |---|---|---|
-| dense | AllReduce (ring over W ranks) | ``4 w (W-1) / W`` |
+| dense | AllReduce (ring over the N machines' leaders) | ``4 w (N-1) / N`` |
 | sparse | PS | ``2 k U (N-1)/N (8 + 2r)``: ids out, rows back, gradient rows out |
 | sparse | PS + local aggregation | ``2 U_m (N-1)/N (8 + 2r)``: one sender per machine |
 | dense | PS (whole on one server) | as sparse PS with ``U = w / r`` (every row, every step) |
@@ -46,9 +46,9 @@ def count_messages(shape: Shape, exchanges: int) -> float:
 
 
 def allreduce_dense(w: float, shape: Shape) -> float:
-    if shape.machines == 1:
-        return 0.0
-    return 4 * w * (shape.world - 1) / shape.world
+    """`parallax.hierarchy.all_reduce`: reduced inside machines, a ring among machines."""
+    n = shape.machines
+    return 4 * w * (n - 1) / n
 
 
 def ps_rows(rows: float, row_bytes: float, shape: Shape, *, local_aggregation: bool) -> float:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from parallax import hierarchy
 from parallax.exchange import Traffic
 
 
@@ -27,16 +28,23 @@ class _DenseTraffic:
 
 def _counting_allreduce(state: _DenseTraffic, bucket: dist.GradBucket,
                         ) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: AllReduce the bucket (mean or sum) and account its bytes per parameter
-    (ring schedule), so ``runner.stats()`` covers the dense part too."""
+    """DDP comm hook: AllReduce the bucket (mean or sum), machine by machine
+    (`parallax.hierarchy`), and account its bytes per parameter, so ``runner.stats()`` covers
+    the dense part too. The three collectives run before the hook returns: the backward waits
+    for them (on CPU there is little compute to overlap with)."""
     buffer = bucket.buffer()
-    for param in bucket.parameters():
+    offset = 0
+    for param in bucket.parameters():  # bytes per parameter: slices of the bucket
         name = state.names.get(id(param), "dense")
-        state.traffic.record_ring_allreduce(name, param.numel() * buffer.element_size())
-    work = dist.all_reduce(buffer, async_op=True)
-    if not state.average:
-        return work.get_future().then(lambda fut: fut.value()[0])
-    return work.get_future().then(lambda fut: fut.value()[0].div_(state.world))
+        piece = buffer.narrow(0, offset, param.numel())
+        offset += param.numel()
+        hierarchy.account(piece, traffic=state.traffic, name=name)
+    hierarchy.all_reduce(buffer)
+    if state.average:
+        buffer.div_(state.world)
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
 
 
 def wrap_dense(module: nn.Module, *, device: torch.device, average: bool,

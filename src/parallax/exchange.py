@@ -83,6 +83,27 @@ class Traffic:
         received[(self.rank - 1) % world] = volume
         self.record(name, sent, received, 1)
 
+    def record_hierarchical_allreduce(self, name: str, payload_bytes: int, *, leader: int,
+                                      num_machines: int) -> None:
+        """A `parallax.hierarchy.all_reduce`: inside the machine, each worker sends its
+        payload to the leader and gets the sum back (counted as direct transfers); across
+        machines, the leaders' ring sends ``2 (N-1)/N`` of the payload to the next leader."""
+        world = len(self.machine_of_rank)
+        sent, received = [0] * world, [0] * world
+        mine = self.machine_of_rank[self.rank]
+        if self.rank != leader:
+            sent[leader] = received[leader] = payload_bytes
+        else:
+            for peer in range(world):
+                if peer != leader and self.machine_of_rank[peer] == mine:
+                    sent[peer] = received[peer] = payload_bytes
+            leaders = [self.machine_of_rank.index(m) for m in range(num_machines)]
+            volume = 2 * (num_machines - 1) * payload_bytes // num_machines
+            position = leaders.index(leader)
+            sent[leaders[(position + 1) % num_machines]] += volume
+            received[leaders[(position - 1) % num_machines]] += volume
+        self.record(name, sent, received, 1)
+
     def per_step(self) -> dict[str, dict[str, float]]:
         steps = max(self.steps, 1)
         return {name: {k: v / steps for k, v in sorted(counts.items())}

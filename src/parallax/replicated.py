@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from parallax import hierarchy
 from parallax.cluster import WorkerInfo
 from parallax.exchange import Hop, Traffic, unique_ids
 
@@ -98,8 +99,8 @@ class ReplicatedTable:
             if rows.grad is not None:
                 grad.index_add_(0, unique, rows.grad)
         self._pending.clear()
-        self.traffic.record_ring_allreduce(self.name, grad.numel() * grad.element_size())
-        dist.all_reduce(grad, group=self.group)
+        hierarchy.account(grad, traffic=self.traffic, name=self.name)
+        hierarchy.all_reduce(grad, group=self.group)
         if self.average:
             grad /= self.worker.world_size
         self.param.grad = grad
