@@ -1,68 +1,96 @@
-"""Where does each system's advantage start and end? The LM comparison at several link rates.
+"""Where does each system's advantage start and end? One workload at several link rates.
 
     python benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit 5gbit
+    python benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit --systems hybrid ddp-dense \
+        --machines 2 --nproc-per-machine 1 --steps 2 --warmup 1 --vocab 2000   # smoke size
 
-runs benchmarks/compare.py once per rate (same cluster shape and workload) and writes
-benchmarks/results/bandwidth-<machines>x<workers>.json and .png (words/s against rate, one
-line per system). Needs root and iproute2; the network is emulated.
+runs compare.py once per rate (same cluster shape and workload) and writes
+benchmarks/results/bandwidth-<machines>x<workers>.json (its ``sweep`` maps each rate to
+compare's records, as before), .md (throughput per system and rate, and its ratio to the last
+system, ddp-dense by default) and .png (throughput against rate, one line per system). Needs
+root and iproute2; the network is emulated.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 import compare
+import experiment
+from experiment import by_system, with_ratio
 
-HERE = Path(__file__).resolve().parent
 
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "5gbit"])
-    parser.add_argument("--machines", type=int, default=2)
-    parser.add_argument("--nproc-per-machine", type=int, default=2)
-    parser.add_argument("--systems", nargs="+",
-                        default=["hybrid", "allreduce", "ddp-sparse", "ddp-dense"])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--no-plot", action="store_true")
-    args = parser.parse_args()
-    shape = f"{args.machines}x{args.nproc_per_machine}"
-    sweep = {}
-    for rate in args.rates:
-        run_args = compare.parse_args([
-            "--machines", str(args.machines), "--nproc-per-machine",
-            str(args.nproc_per_machine), "--rate", rate, "--steps", str(args.steps),
-            "--warmup", "2", "--systems", *args.systems, "--no-plot",
-            "--out", str(HERE / "results" / f"compare-lm-{shape}-{rate}.json")])
-        sweep[rate] = compare.run(run_args)
-    out = HERE / "results" / f"bandwidth-{shape}.json"
-    out.write_text(json.dumps(sweep, indent=1))
-    if not args.no_plot:
-        plot(sweep, out.with_suffix(".png"), shape)
+    parser.add_argument("--systems", nargs="+", choices=compare.ALL_SYSTEMS,
+                        default=["hybrid", "allreduce", "ddp-sparse", "ddp-dense"],
+                        help="the last is the ratios' base")
+    parser.add_argument("--workload", choices=compare.WORKLOADS, default="lm")
+    parser.add_argument("--name", help="output file stem (default bandwidth-<M>x<K>)")
+    experiment.add_common_arguments(parser, steps=4, warmup=2)
+    args = parser.parse_args(argv)
+    args.name = args.name or f"bandwidth-{args.machines}x{args.nproc_per_machine}"
+    return args
 
 
-def plot(sweep: dict[str, list[dict]], path: Path, shape: str) -> None:
-    import matplotlib
+def sweep(exp: experiment.Experiment) -> dict[str, list[dict]]:
+    """Rate -> compare's records (the JSON layout of the earlier version of this script)."""
+    return {run["label"]: run["results"] for run in exp.runs if "results" in run}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    rates = list(sweep)
-    systems = [r["system"] for r in sweep[rates[0]]]
+def summary(exp: experiment.Experiment) -> str:
+    args = exp.args
+    base = args.systems[-1]
+    lines = [f"Bandwidth sweep: {args.workload}, {args.machines} machines x "
+             f"{args.nproc_per_machine} workers, {args.warmup} warm-up + {args.steps} timed "
+             f"steps; throughput (vs {base})", "",
+             "| system | " + " | ".join(args.rates) + " |", "|---" * (len(args.rates) + 1) + "|"]
+    results = {run["label"]: by_system(run.get("results", [])) for run in exp.runs}
+    for system in args.systems:
+        cells = []
+        for rate in args.rates:
+            got = results.get(rate, {})
+            cells.append(with_ratio(got.get(system, {}).get("items_per_s"),
+                                    got.get(base, {}).get("items_per_s")))
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(exp: experiment.Experiment, path: Path) -> None:
+    plt = experiment.pyplot()
+    data = {rate: by_system(results) for rate, results in sweep(exp).items()}
+    rates = [rate for rate in exp.args.rates if rate in data]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for system in systems:
-        ax.plot(rates, [next(r["items_per_s"] for r in sweep[rate] if r["system"] == system)
-                        for rate in rates], marker="o", label=system)
+    unit = "items"
+    for system in exp.args.systems:
+        xy = [(rate, data[rate][system]["items_per_s"]) for rate in rates
+              if system in data[rate]]
+        if xy:
+            unit = data[xy[0][0]][system]["unit"]
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=system)
     ax.set_xlabel("link rate (emulated)")
-    ax.set_ylabel("words/s")
+    ax.set_ylabel(f"{unit}/s")
     ax.set_yscale("log")
-    ax.set_title(f"LM, {shape} workers")
-    ax.legend()
+    ax.set_title(f"{exp.args.workload.upper()}, {exp.args.machines}x"
+                 f"{exp.args.nproc_per_machine} workers")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    exp = experiment.Experiment(args.name, args)
+    for rate in args.rates:
+        exp.run(rate, len(args.rates), rate=rate, workload=args.workload,
+                systems=args.systems)
+    exp.write(summary(exp), lambda path: plot(exp, path), extra={"sweep": sweep(exp)})
+    return exp.exit_status()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

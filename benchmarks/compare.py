@@ -1,20 +1,57 @@
-"""Systems side by side on the emulated cluster, in one run: parallax's four architectures
-against PyTorch DDP (dense-gradient and sparse-gradient embeddings) on the LM workload.
+"""Systems side by side on the emulated cluster: parallax's four architectures against PyTorch
+DDP (dense-gradient and sparse-gradient embeddings) and TorchRec, on one workload.
 
     python benchmarks/compare.py --machines 2 --nproc-per-machine 2 --rate 1gbit
+    python benchmarks/compare.py --workload lm --seq-len 80 --vocab 10000 --isolate
 
-writes benchmarks/results/compare-<machines>x<workers>-<rate>.json, a markdown table on stdout
-and, unless --no-plot, a PNG next to the JSON (matplotlib: pip install -e '.[bench]').
-Needs root and iproute2 (network namespaces, tc). The network is emulated (tbf-limited veths,
-no delay), and all processes share this host's cores.
+writes benchmarks/results/compare-<workload>-<machines>x<workers>-<rate>.json (a list, one
+record per system), a markdown table on stdout and, unless --no-plot, a PNG next to the JSON
+(matplotlib: pip install -e '.[bench]'). Needs root and iproute2 (network namespaces, tc). The
+network is emulated (tbf-limited veths, no delay), and all processes share this host's cores.
+
+By default every system runs in turn inside one launch (one process group). With --isolate
+each system gets its own `parallax run` launch (fresh processes, fresh namespaces): slower by
+one launch per system (seconds), but no system's leftovers (memory the allocator kept, threads,
+warm caches) touch the next one's time or memory.
+
+Each record (per system; "median" etc. over the timed steps, after the untimed warm-up):
+
+* ``step_times_s``: the timed steps' times, each the mean over ranks of that step's time
+  (all ranks wait for each other every step: they differ only by where each rank's clock
+  starts); ``median_step_s``: their median; ``step_min_s``, ``step_p10_s``, ``step_p90_s``,
+  ``step_max_s``: their spread (10th/90th percentile, interpolated: with few steps, read
+  min/max). ``items_per_s``: world size x items per worker batch / median (``unit``: words or
+  samples).
+* ``wire_bytes_per_machine_step``: bytes sent + received on each machine's link (eth0 tx + rx
+  counters of its namespace, over the timed steps; intra-machine traffic stays on loopback),
+  averaged over machines, per step. Real wire bytes: payload plus TCP/IP/Ethernet headers,
+  gloo's framing and the few small collectives (barrier) of the harness.
+* ``peak_rss_mib``: peak resident memory of the worker process, max over ranks (MiB;
+  ``peak_rss_mib_per_rank`` lists all). The count (VmHWM) is reset just before the system is
+  built, so it covers building, warming up and timing this system; in a shared launch the
+  baseline still includes what earlier systems left resident (``isolated`` says which).
+* parallax systems only, from ``runner.plan`` once α is measured (over the warm-up steps):
+  ``alpha_model`` (element-weighted mean α, dense parameters count as 1), ``alphas`` (per
+  sparse parameter), ``predicted_bytes_per_machine_step`` = ``plan.predicted_total(arch)``:
+  the papers' Table 3 model for this engine (`parallax.cost`), the *inter-machine* bytes sent +
+  received per machine and step, averaged over machines, counting payloads (ids, rows, dense
+  buckets through DDP's ring, count messages) and no protocol headers;
+  ``engine_bytes_per_machine_step``: the same quantity counted by the engine over the timed
+  steps (``runner.inter_machine_bytes()``); ``wire_over_predicted`` = wire bytes / predicted
+  and ``engine_over_predicted`` = engine bytes / predicted (None on one machine, where nothing
+  is predicted to cross). Both sides are per machine, per step, sent + received, inter-machine
+  only: the wire ratio exceeds 1 by the protocol overhead and untracked traffic; the engine
+  ratio tests the model's row counts (e.g. α_m of one step against the warm-up mean).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -24,6 +61,8 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # "torchrec-rw" / "torchrec-tw": TorchRec (recsys workload only).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "torchrec-rw",
                "torchrec-tw"]
+WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
+DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,91 +72,202 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", default="1gbit", help="link rate (tc syntax)")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=ALL_SYSTEMS)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per system")
-    parser.add_argument("--workload", choices=["lm", "cnn", "recsys"], default="lm",
-                        help="lm: LSTM + sampled softmax on a Zipf stream; cnn: small ResNet "
-                        "on Fashion-MNIST (every parameter dense); recsys: embeddings + MLP on "
-                        "MovieLens-100k (needs benchmarks/setup_bench.sh)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps per system (α is measured over them, up to 5)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="lm",
+                        help="lm: LSTM + sampled softmax on a Zipf stream; nmt: translation "
+                        "model (words); cnn: small ResNet on Fashion-MNIST (every parameter "
+                        "dense); recsys: embeddings + MLP on MovieLens-100k (needs "
+                        "benchmarks/setup_bench.sh)")
     parser.add_argument("--hash-multiplier", type=int, default=1,
                         help="recsys: table rows = ids x this (large, sparsely used tables)")
-    parser.add_argument("--vocab", type=int, default=100_000)
-    parser.add_argument("--emb", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--batch", type=int, help="per worker (default: lm 16, cnn 64)")
+    parser.add_argument("--vocab", type=int, default=100_000, help="lm")
+    parser.add_argument("--emb", type=int, default=128, help="lm")
+    parser.add_argument("--hidden", type=int, default=128, help="lm")
+    parser.add_argument("--seq-len", type=int, default=20, help="lm: words per sequence")
+    parser.add_argument("--sampled", type=int, default=512,
+                        help="lm: sampled negative classes per step")
+    parser.add_argument("--batch", type=int,
+                        help="per worker (default: " + ", ".join(
+                            f"{w} {b}" for w, b in DEFAULT_BATCH.items()) + ")")
+    parser.add_argument("--workload-options", type=json.loads, default={},
+                        help="JSON object merged last into the workload's options, e.g. "
+                        "'{\"vocab\": 8000}' for an option this script has no flag for")
+    parser.add_argument("--isolate", action="store_true",
+                        help="one launch per system (per-system memory, no interference)")
     parser.add_argument("--out", type=Path, help="results JSON (default under results/)")
     parser.add_argument("--no-plot", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not isinstance(args.workload_options, dict):
+        parser.error("--workload-options must be a JSON object")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def workload_options(args: argparse.Namespace) -> dict:
+    """The options dict `Workload(args.workload, options)` is built from."""
+    batch = options_batch(args)
+    if args.workload == "lm":
+        options = {"vocab": args.vocab, "emb": args.emb, "hidden": args.hidden,
+                   "seq_len": args.seq_len, "sampled": args.sampled, "batch": batch}
+    elif args.workload == "recsys":
+        options = {"emb": 32, "hidden": 64, "batch": batch,
+                   "hash_multiplier": args.hash_multiplier}
+    else:  # nmt, cnn
+        options = {"batch": batch}
+    return {**options, **args.workload_options}
+
+
+def default_out(args: argparse.Namespace) -> Path:
+    return HERE / "results" / (f"compare-{args.workload}-{args.machines}x"
+                               f"{args.nproc_per_machine}-{args.rate}.json")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    out = args.out or (HERE / "results" / f"compare-{args.workload}-{args.machines}x"
-                                          f"{args.nproc_per_machine}-{args.rate}.json")
+    """Run every system of ``args`` (see `parse_args`), write the JSON (and PNG), print the
+    markdown table; returns the records. Raises RuntimeError when the workers fail."""
+    out = args.out or default_out(args)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.workload == "lm":
-        options = {"vocab": args.vocab, "emb": args.emb, "hidden": args.hidden,
-                   "batch": options_batch(args)}
-    elif args.workload == "recsys":
-        options = {"emb": 32, "hidden": 64, "batch": options_batch(args),
-                   "hash_multiplier": args.hash_multiplier}
+    if args.isolate:
+        results = []
+        with tempfile.TemporaryDirectory(prefix="compare-") as tmp:
+            for i, system in enumerate(args.systems, 1):
+                print(f"[compare] {args.workload} {args.machines}x{args.nproc_per_machine} "
+                      f"{args.rate}: launch {i}/{len(args.systems)} ({system})", flush=True)
+                part = Path(tmp) / f"{i}.json"
+                launch(args, [system], part)
+                results += json.loads(part.read_text())
     else:
-        options = {"batch": options_batch(args)}
-    worker_args = {"systems": args.systems, "steps": args.steps, "warmup": args.warmup,
-                   "out": str(out.resolve()), "workload_name": args.workload,
-                   "workload": options}
-    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
-           "--nproc-per-machine", str(args.nproc_per_machine), "--emulate-network", args.rate,
-           str(HERE / "compare_worker.py"), json.dumps(worker_args)]
-    subprocess.run(cmd, check=True)
-    results = json.loads(out.read_text())
-    print(markdown(results, args))
+        print(f"[compare] {args.workload} {args.machines}x{args.nproc_per_machine} {args.rate}: "
+              f"{' '.join(args.systems)}", flush=True)
+        launch(args, args.systems, out)
+        results = json.loads(out.read_text())
+    for result in results:  # what ran, so each record stands on its own in an experiment
+        result.update(workload=args.workload, rate=args.rate,
+                      nproc_per_machine=args.nproc_per_machine,
+                      workload_options=workload_options(args))
+    out.write_text(json.dumps(results, indent=1))
+    print(markdown(results, args), flush=True)
     if not args.no_plot:
         plot(results, out.with_suffix(".png"), args)
     return results
 
 
+def launch(args: argparse.Namespace, systems: list[str], out: Path) -> None:
+    """One `parallax run` of compare_worker.py over ``systems``, writing ``out``."""
+    worker_args = {"systems": systems, "steps": args.steps, "warmup": args.warmup,
+                   "out": str(out.resolve()), "workload_name": args.workload,
+                   "workload": workload_options(args), "isolated": args.isolate}
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
+           "--nproc-per-machine", str(args.nproc_per_machine), "--emulate-network", args.rate,
+           str(HERE / "compare_worker.py"), json.dumps(worker_args)]
+    out.unlink(missing_ok=True)
+    proc = subprocess.run(cmd)
+    if proc.returncode == 0:
+        return
+    if complete(out, systems):
+        # Rank 0 writes the results only after every rank took part in the last system's
+        # final reduction, so they are whole: the failure came during teardown (gloo has
+        # been seen to abort a worker at exit, rarely). Keep them, say so.
+        print(f"compare: warning: a worker failed at exit (status {proc.returncode}) after "
+              f"all results were recorded ({' '.join(systems)}); results kept",
+              file=sys.stderr, flush=True)
+        return
+    raise RuntimeError(
+        f"compare: the workers failed (exit status {proc.returncode}) running "
+        f"{' '.join(systems)} on {args.workload}, {args.machines}x"
+        f"{args.nproc_per_machine} at {args.rate}; their errors are printed above")
+
+
+def complete(out: Path, systems: list[str]) -> bool:
+    """Whether ``out`` holds one record per system, in order (a finished run's file)."""
+    try:
+        results = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return False
+    return [r.get("system") for r in results] == systems
+
+
 def options_batch(args: argparse.Namespace) -> int:
-    return args.batch or {"lm": 16, "cnn": 64, "recsys": 256}[args.workload]
+    return args.batch or DEFAULT_BATCH[args.workload]
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The workload in a few words, for titles."""
+    return {"lm": f"LM vocab {args.vocab:,}, emb {args.emb}, hidden {args.hidden}, "
+                  f"seq_len {args.seq_len}",
+            "nmt": "NMT",
+            "cnn": "small ResNet on Fashion-MNIST",
+            "recsys": f"recommender on MovieLens-100k, tables x{args.hash_multiplier}"}[
+                args.workload]
+
+
+def fmt(value: float | None, spec: str = ",.0f", suffix: str = "") -> str:
+    """``value`` formatted, or an en dash where there is none (DDP has no plan)."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return f"{value:{spec}}{suffix}"
+
+
+HEADER = ("| system | step (ms, median) | step p10–p90 (ms) | {unit}/s | vs {base} | "
+          "wire bytes/machine/step | predicted (Table 3) | wire/predicted | α_model | "
+          "peak RSS (MiB) |")
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
     done = [r for r in results if "unavailable" not in r]
+    if not done:
+        return "no system could run: " + "; ".join(r["unavailable"] for r in results)
     base = next((r for r in done if r["system"] == "ddp-dense"), done[-1])
     unit = done[0]["unit"]
-    what = {"lm": f"LM vocab {args.vocab:,}, emb {args.emb}, hidden {args.hidden}",
-            "cnn": "small ResNet on Fashion-MNIST",
-            "recsys": f"recommender on MovieLens-100k, tables x{args.hash_multiplier}"}[
-                args.workload]
     lines = [f"{args.machines} machines x {args.nproc_per_machine} workers, {args.rate} "
-             f"(emulated), {what}, batch {options_batch(args)}"
-             f"/worker", "",
-             f"| system | step (ms, median) | {unit}/s | vs {base['system']} | "
-             "wire bytes/machine/step |", "|---|---|---|---|---|"]
+             f"(emulated), {describe(args)}, batch {options_batch(args)}/worker, "
+             f"{args.warmup} warm-up + {args.steps} timed steps"
+             f"{', one launch per system' if args.isolate else ''}", "",
+             HEADER.format(unit=unit, base=base["system"]), "|---" * 10 + "|"]
     for r in results:
         if "unavailable" in r:
-            lines.append(f"| {r['system']} | unavailable: {r['unavailable']} | | | |")
+            lines.append(f"| {r['system']} | unavailable: {r['unavailable']} |" + " |" * 8)
             continue
-        lines.append(f"| {r['system']} | {1e3 * r['median_step_s']:.0f} | "
-                     f"{r['items_per_s']:,.0f} | "
-                     f"{r['items_per_s'] / base['items_per_s']:.2f}x | "
-                     f"{r['wire_bytes_per_machine_step']:,.0f} |")
+        lines.append(
+            f"| {r['system']} | {1e3 * r['median_step_s']:.0f} | "
+            f"{1e3 * r['step_p10_s']:.0f}–{1e3 * r['step_p90_s']:.0f} | "
+            f"{r['items_per_s']:,.0f} | {r['items_per_s'] / base['items_per_s']:.2f}x | "
+            f"{r['wire_bytes_per_machine_step']:,.0f} | "
+            f"{fmt(r.get('predicted_bytes_per_machine_step'))} | "
+            f"{fmt(r.get('wire_over_predicted'), '.2f')} | {fmt(r.get('alpha_model'), '.3f')} | "
+            f"{r['peak_rss_mib']:,.0f} |")
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
+    """Throughput per system; the whiskers are the p10–p90 step times as throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    done = [r for r in results if "unavailable" not in r]
+    if not done:
+        return
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    results = [r for r in results if "unavailable" not in r]
-    ax.bar([r["system"] for r in results], [r["items_per_s"] for r in results])
-    ax.set_ylabel(f"{results[0]['unit']}/s")
+    items = [r["items_per_s"] * r["median_step_s"] for r in done]  # per cluster step
+    heights = [r["items_per_s"] for r in done]
+    low = [h - n / r["step_p90_s"] for h, n, r in zip(heights, items, done, strict=True)]
+    high = [n / r["step_p10_s"] - h for h, n, r in zip(heights, items, done, strict=True)]
+    ax.bar([r["system"] for r in done], heights,
+           yerr=[[max(v, 0) for v in low], [max(v, 0) for v in high]], capsize=3)
+    ax.set_ylabel(f"{done[0]['unit']}/s")
     ax.set_title(f"{args.workload.upper()}, {args.machines}x{args.nproc_per_machine} workers, "
                  f"{args.rate} (emulated)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
-    run(parse_args())
+    try:
+        run(parse_args())
+    except RuntimeError as error:
+        sys.exit(str(error))

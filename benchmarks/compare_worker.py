@@ -1,19 +1,26 @@
 """Worker of benchmarks/compare.py: trains the workload under each system in turn, inside one
-group of processes, and records step times and the bytes on this machine's link.
+group of processes, and records step times, the bytes on this machine's link, peak memory and,
+for parallax systems, the plan's α_model and Table 3 prediction.
 
 Systems: parallax's four architectures, and PyTorch DDP over the whole model with a
 dense-gradient embedding (what most users run) or with ``sparse=True`` (gloo AllReduces the
 sparse gradient). Run through ``parallax run --emulate-network``; arguments come as JSON.
+What each recorded field means is in benchmarks/compare.py's docstring.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import re
+import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +33,9 @@ from workloads import Workload  # noqa: E402
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
 
+PARALLAX_ARCHITECTURES = ("hybrid", "optps", "ps", "allreduce")
+MAX_ALPHA_STEPS = 5  # Config's default warm-up: more steps only delay the plan
+
 
 def link_bytes() -> int:
     stats = Path("/sys/class/net/eth0/statistics")
@@ -34,15 +44,39 @@ def link_bytes() -> int:
     return int((stats / "tx_bytes").read_text()) + int((stats / "rx_bytes").read_text())
 
 
-def make_step(system: str, workload: Workload):
-    """A ``step(batch) -> loss`` for ``system``, built from the same single-device program.
+def reset_peak_rss() -> bool:
+    """Restart this process's peak-RSS count (VmHWM) from its current RSS, so that the peak
+    read after a system is that system's, not the process lifetime's. False where the kernel
+    does not allow it (not Linux): the peak then covers the process lifetime."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size, MiB: VmHWM (resettable), else ru_maxrss."""
+    try:
+        match = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        match = None
+    if match:
+        return int(match.group(1)) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def make_step(system: str, workload: Workload, alpha_steps: int,
+              ) -> tuple[Callable[[Any], Any], parallax.Runner | None]:
+    """A ``step(batch) -> loss`` for ``system``, built from the same single-device program,
+    and the parallax runner behind it (None for DDP and TorchRec).
     ``-sparse`` systems run the program with ``sparse=True`` embeddings, ``-lazy`` ones the
     dense-gradient program with ``Config(lazy_sparse_updates=True)``; ``torchrec-*`` the
     recommender as a TorchRec EmbeddingBagCollection (row- or table-wise sharded)."""
     if system.startswith("torchrec"):
         from torchrec_peer import make_torchrec_step
 
-        return make_torchrec_step(system, workload.cfg, lr=workload.lr)
+        return make_torchrec_step(system, workload.cfg, lr=workload.lr), None
     sparse_grad = system.endswith("-sparse")
     model, optimizer = workload.model_and_optimizer(sparse_grad=sparse_grad)
     if system.startswith("ddp"):
@@ -57,13 +91,105 @@ def make_step(system: str, workload: Workload):
             optimizer.step()
             return loss
 
-        return step
+        return step, None
     architecture, _, variant = system.partition("-")
+    if architecture not in PARALLAX_ARCHITECTURES:
+        raise ValueError(f"unknown system {system!r}")
     runner = parallax.get_runner(model, optimizer, workload.loss,
                                  config=parallax.Config(architecture=architecture,
                                                         lazy_sparse_updates=variant == "lazy",
-                                                        sparsity_warmup_steps=2))
-    return runner.step
+                                                        sparsity_warmup_steps=alpha_steps))
+    return runner.step, runner
+
+
+def spread(times: list[float]) -> dict[str, float]:
+    """Min, 10th and 90th percentile and max of step times (one step: all four equal)."""
+    if len(times) < 2:
+        return {"step_min_s": times[0], "step_p10_s": times[0], "step_p90_s": times[0],
+                "step_max_s": times[0]}
+    deciles = statistics.quantiles(times, n=10, method="inclusive")
+    return {"step_min_s": min(times), "step_p10_s": deciles[0], "step_p90_s": deciles[-1],
+            "step_max_s": max(times)}
+
+
+def plan_fields(runner: parallax.Runner, system: str, wire: float) -> dict[str, Any]:
+    """α_model, the Table 3 prediction for this system's architecture, the engine's own count
+    and the ratios (collective: every rank must call it)."""
+    architecture = system.partition("-")[0]
+    engine = sum(runner.inter_machine_bytes().values())  # per machine and step, like the plan
+    plan = runner.plan
+    predicted = plan.predicted_total(architecture)
+    return {
+        "architecture": architecture,
+        "alpha_model": plan.alpha_model,
+        "alphas": {p.name: p.alpha for p in plan.parameters if p.sparse},
+        "synced_by": {p.name: p.sync for p in plan.parameters if p.sparse},
+        "predicted_bytes_per_machine_step": predicted,
+        "engine_bytes_per_machine_step": engine,
+        # None where the model predicts nothing crosses machines (one machine): no ratio
+        "wire_over_predicted": wire / predicted if predicted else None,
+        "engine_over_predicted": engine / predicted if predicted else None,
+    }
+
+
+def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
+    """Build, warm up and time one system on every rank; the result is the same on all."""
+    worker = current_worker()
+    steps, warmup = args["steps"], args["warmup"]
+    # α is measured over the untimed warm-up steps when there are any (the plan, and hybrid's
+    # move of dense-enough tables to AllReduce, happen at its end); with none, in step 1.
+    alpha_steps = max(1, min(warmup, MAX_ALPHA_STEPS))
+    gc.collect()
+    rss_scoped = reset_peak_rss()
+    try:
+        step, runner = make_step(system, workload, alpha_steps)
+    except Exception as error:  # a peer that cannot run here: record the exact error
+        if not system.startswith("torchrec"):
+            raise
+        return {"system": system, "unavailable": f"{type(error).__name__}: {error}"}
+    generator = torch.Generator().manual_seed(1000 + worker.rank)
+    for _ in range(warmup):
+        step(workload.batch(generator))
+    dist.barrier()
+    if runner is not None:
+        runner.reset_stats()  # the engine's count then covers the timed steps only
+    before, times = link_bytes(), []
+    for _ in range(steps):
+        batch = workload.batch(generator)
+        start = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    # One reduction: this machine's link bytes (its first worker reads them), every rank's
+    # step times (summed, then averaged: all ranks wait for each other every step, so they
+    # differ only by where each rank's clock starts within the step) and every rank's peak
+    # RSS in its own slot.
+    world = worker.world_size
+    values = torch.zeros(1 + steps + world, dtype=torch.float64)
+    values[0] = float(link_bytes() - before) if worker.is_server else 0.0
+    values[1:1 + steps] = torch.tensor(times, dtype=torch.float64)
+    values[1 + steps + worker.rank] = peak_rss_mib()
+    dist.all_reduce(values)
+    machines = len(worker.server_ranks)
+    step_times = (values[1:1 + steps] / world).tolist()
+    median = statistics.median(step_times)
+    wire = float(values[0]) / machines / steps
+    rss = values[1 + steps:].tolist()
+    result: dict[str, Any] = {
+        "system": system, "median_step_s": median,
+        "items_per_s": world * workload.items / median,
+        "unit": workload.unit,
+        "wire_bytes_per_machine_step": wire,
+        "step_times_s": step_times,
+        **spread(step_times),
+        "peak_rss_mib": max(rss), "peak_rss_mib_per_rank": rss,
+        "peak_rss_scope": "system" if rss_scoped else "process lifetime",
+        "isolated": bool(args.get("isolated", False)),
+        "steps": steps, "warmup": warmup, "world_size": world, "machines": machines,
+    }
+    if runner is not None:
+        result.update(plan_fields(runner, system, wire))
+    return result
 
 
 def main() -> None:
@@ -73,40 +199,17 @@ def main() -> None:
     workload = Workload(args.get("workload_name", "lm"), args["workload"])
     results = []
     for system in args["systems"]:
-        try:
-            step = make_step(system, workload)
-        except Exception as error:  # a peer that cannot run here: record the exact error
-            if not system.startswith("torchrec"):
-                raise
-            results.append({"system": system, "unavailable": f"{type(error).__name__}: "
-                                                            f"{error}"})
-            continue
-        generator = torch.Generator().manual_seed(1000 + worker.rank)
-        for _ in range(args["warmup"]):
-            step(workload.batch(generator))
-        dist.barrier()
-        before, times = link_bytes(), []
-        for _ in range(args["steps"]):
-            batch = workload.batch(generator)
-            start = time.perf_counter()
-            step(batch)
-            times.append(time.perf_counter() - start)
-        dist.barrier()
-        wire = torch.tensor([float(link_bytes() - before) if worker.is_server else 0.0,
-                             statistics.median(times)], dtype=torch.float64)
-        dist.all_reduce(wire)
-        machines = len(worker.server_ranks)
-        median = float(wire[1]) / worker.world_size
-        results.append({
-            "system": system, "median_step_s": median,
-            "items_per_s": worker.world_size * workload.items / median,
-            "unit": workload.unit,
-            "wire_bytes_per_machine_step": float(wire[0]) / machines / args["steps"],
-        })
         if worker.rank == 0:
-            print(f"[bench] {system}: {median * 1e3:.0f} ms/step", flush=True)
+            print(f"[bench] {system}: running ({args['warmup']} warm-up + {args['steps']} "
+                  f"timed steps)", flush=True)
+        result = run_system(system, workload, args)
+        results.append(result)
+        if worker.rank == 0 and "unavailable" not in result:
+            print(f"[bench] {system}: {result['median_step_s'] * 1e3:.0f} ms/step, peak RSS "
+                  f"{result['peak_rss_mib']:.0f} MiB", flush=True)
     if worker.rank == 0:
         Path(args["out"]).write_text(json.dumps(results, indent=1))
+    dist.barrier()  # tear the groups down together (a peer still sending can abort gloo)
     parallax.shutdown()
 
 

@@ -1,9 +1,11 @@
-"""The benchmark harness runs end to end at tiny sizes, so it cannot rot (full runs: see
-BENCHMARKS.md)."""
+"""The benchmark harness runs end to end at tiny sizes (2 machines x 1 worker, 1-2 steps, a
+2,000-word vocabulary), so it cannot rot: compare.py and every experiment script, each writing
+its JSON, markdown and PNG with sane values (full runs: scripts/bench.sh, BENCHMARKS.md)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -13,20 +15,154 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+TINY = ["--steps", "2", "--warmup", "1", "--vocab", "2000"]
+PARALLAX = {"hybrid", "optps", "ps", "allreduce"}
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"),
+                                reason="the emulated network needs root and iproute2")
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"),
-                    reason="the emulated network needs root and iproute2")
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
+
+
+def check_record(result: dict, *, machines: int = 2) -> None:
+    """The fields every compare record has, and the plan's for parallax systems."""
+    system = result["system"]
+    assert result["median_step_s"] > 0 and result["items_per_s"] > 0, system
+    assert (result["step_min_s"] <= result["step_p10_s"] <= result["median_step_s"]
+            <= result["step_p90_s"] <= result["step_max_s"]), system
+    assert len(result["step_times_s"]) == result["steps"], system
+    assert result["peak_rss_mib"] > 0 and len(result["peak_rss_mib_per_rank"]) == machines
+    assert result["peak_rss_scope"] == "system"
+    if machines > 1:
+        assert result["wire_bytes_per_machine_step"] > 0, system
+    if system.partition("-")[0] in PARALLAX:
+        assert 0 < result["alpha_model"] <= 1, system
+        if machines > 1:
+            assert result["predicted_bytes_per_machine_step"] > 0, system
+            assert math.isfinite(result["wire_over_predicted"]), system
+            # wire bytes add protocol headers to the payload the model counts, nothing else
+            # of size: the ratio sits a little above 1
+            assert 0.7 < result["wire_over_predicted"] < 1.5, (system, result)
+            assert 0.7 < result["engine_over_predicted"] < 1.3, (system, result)
+    else:
+        assert result.get("alpha_model") is None, system
+
+
+def check_outputs(out_dir: Path, name: str) -> dict:
+    """<name>.json (every run succeeded), .md and a non-empty .png; the JSON."""
+    data = json.loads((out_dir / f"{name}.json").read_text())
+    assert data["experiment"] == name
+    assert data["runs"] and all("results" in run for run in data["runs"]), data["runs"]
+    markdown = (out_dir / f"{name}.md").read_text()
+    assert "## Runs" in markdown and "wire/predicted" in markdown
+    assert (out_dir / f"{name}.png").stat().st_size > 1000
+    return data
+
+
 def test_compare_smoke(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--machines", "2",
-           "--nproc-per-machine", "1", "--steps", "2", "--warmup", "1", "--vocab", "2000",
-           "--no-plot", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_script("compare.py", "--machines", "2", "--nproc-per-machine", "1", *TINY,
+                      "--out", str(out))
     results = {r["system"]: r for r in json.loads(out.read_text())}
     assert set(results) == {"hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"}
-    for system, result in results.items():
-        assert result["median_step_s"] > 0 and result["items_per_s"] > 0, system
-        assert result["wire_bytes_per_machine_step"] > 0, system
+    for result in results.values():
+        check_record(result)
+        assert result["isolated"] is False and result["workload"] == "lm"
+    # every parallax system sees the same batches, so measures the same α_model
+    alphas = {results[s]["alpha_model"] for s in PARALLAX}
+    assert max(alphas) - min(alphas) < 1e-9, alphas
     assert "| hybrid |" in proc.stdout and "wire bytes/machine/step" in proc.stdout
+    assert "wire/predicted" in proc.stdout and "peak RSS (MiB)" in proc.stdout
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+@pytest.mark.network  # may fetch Fashion-MNIST (Debian package) on first use
+def test_table1_smoke(tmp_path: Path) -> None:
+    run_script("table1.py", "--workloads", "lm", "cnn", "--machines", "2",
+               "--nproc-per-machine", "1", *TINY, "--batch", "8", "--out-dir", str(tmp_path))
+    data = check_outputs(tmp_path, "table1")
+    runs = {run["label"]: run for run in data["runs"]}
+    assert set(runs) == {"lm", "cnn"}
+    for label, run in runs.items():
+        assert {r["system"] for r in run["results"]} == {"ps", "allreduce"}, label
+        for result in run["results"]:
+            check_record(result)
+    cnn = runs["cnn"]["results"][0]
+    assert cnn["alpha_model"] == 1.0 and cnn["unit"] == "samples"  # every parameter dense
+    assert runs["lm"]["results"][0]["alpha_model"] < 1
+    assert "| lm | words |" in (tmp_path / "table1.md").read_text()
+
+
+def nmt_cached() -> bool:
+    """Whether the NMT workload's verse pairs are already in the cache (else: no download)."""
+    from parallax.data.kjv import default_cache_dir
+
+    return (default_cache_dir() / "kjv-rv1909.tsv").exists()
+
+
+def test_table4_smoke(tmp_path: Path) -> None:
+    workloads = ["lm", "nmt"] if nmt_cached() else ["lm"]
+    run_script("table4.py", "--workloads", *workloads, "--systems", "allreduce", "hybrid",
+               "--machines", "2", "--nproc-per-machine", "1", *TINY, "--batch", "4",
+               "--out-dir", str(tmp_path))
+    data = check_outputs(tmp_path, "table4")
+    assert [run["label"] for run in data["runs"]] == workloads
+    for run in data["runs"]:
+        results = run["results"]
+        assert [r["system"] for r in results] == ["allreduce", "hybrid"]
+        for result in results:
+            check_record(result)
+            assert result["unit"] == "words"
+    assert "Table 4 analog" in (tmp_path / "table4.md").read_text()
+
+
+def test_scaling_smoke(tmp_path: Path) -> None:
+    run_script("scaling.py", "--machines", "1", "2", "--systems", "hybrid", "ddp-dense", *TINY,
+               "--out-dir", str(tmp_path))
+    data = check_outputs(tmp_path, "scaling")
+    assert [run["settings"]["machines"] for run in data["runs"]] == [1, 2]
+    for run in data["runs"]:
+        for result in run["results"]:
+            check_record(result, machines=run["settings"]["machines"])
+    one = data["runs"][0]["results"][0]
+    assert one["wire_over_predicted"] is None  # nothing crosses machines on one machine
+    for system in ("hybrid", "ddp-dense"):
+        normalised = data["normalised"][system]
+        assert normalised["1"] == 1.0 and normalised["2"] > 0
+
+
+def test_sparsity_sweep_smoke(tmp_path: Path) -> None:
+    run_script("sparsity_sweep.py", "--points", "2000:5", "200:40", "--systems", "hybrid",
+               "allreduce", "--machines", "2", "--nproc-per-machine", "1", "--steps", "2",
+               "--warmup", "1", "--out-dir", str(tmp_path))
+    data = check_outputs(tmp_path, "sparsity")
+    for run in data["runs"]:
+        for result in run["results"]:
+            check_record(result)
+    points = data["points"]
+    assert [(p["vocab"], p["seq_len"]) for p in points] == [(2000, 5), (200, 40)]
+    # more words per batch over fewer rows: the sweep reaches from sparse towards dense
+    assert 0 < points[0]["alpha_model"] < 0.5 < points[1]["alpha_model"] <= 1, points
+    assert "α_model reached" in (tmp_path / "sparsity.md").read_text()
+
+
+def test_bandwidth_sweep_smoke_isolated(tmp_path: Path) -> None:
+    """One rate (the loop over rates is the other experiments' loop), each system in its own
+    launch: --isolate's path."""
+    run_script("bandwidth_sweep.py", "--rates", "100mbit", "--systems", "hybrid", "ddp-dense",
+               "--machines", "2", "--nproc-per-machine", "1", *TINY, "--isolate",
+               "--out-dir", str(tmp_path))
+    data = check_outputs(tmp_path, "bandwidth-2x1")
+    assert list(data["sweep"]) == ["100mbit"]
+    results = data["sweep"]["100mbit"]
+    assert [r["system"] for r in results] == ["hybrid", "ddp-dense"]
+    for result in results:
+        check_record(result)
+        assert result["isolated"] is True and result["rate"] == "100mbit"
+    assert "| hybrid |" in (tmp_path / "bandwidth-2x1.md").read_text()
