@@ -14,7 +14,11 @@ run() {
 }
 # Systems side by side (one table each)
 run $py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 --rate 1gbit
-run $py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 --rate 1gbit
+run $py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 --rate 1gbit \
+  --systems hybrid optps ps allreduce ddp-sparse ddp-dense torchrec-rw torchrec-tw --isolate
+run $py benchmarks/compare.py --workload recsys --machines 2 --nproc-per-machine 2 --rate 1gbit \
+  --hash-multiplier 1000 --systems hybrid-lazy hybrid-sparse hybrid ddp-sparse torchrec-rw \
+  torchrec-tw --steps 10 --isolate
 run $py benchmarks/compare.py --workload cnn --machines 2 --nproc-per-machine 2 --rate 1gbit \
   --systems ddp-dense hybrid allreduce ps --steps 30
 # Issue 4's experiments; --isolate: one launch per system, so peak memory is per system
