@@ -58,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # Also: "hybrid-sparse" (and other "<architecture>-sparse"): the program with sparse=True
 # embeddings under parallax; "hybrid-lazy": Config(lazy_sparse_updates=True);
-# "torchrec-rw" / "torchrec-tw": TorchRec (recsys workload only).
+# "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys and lm workloads).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "torchrec-rw",
                "torchrec-tw"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]

@@ -72,7 +72,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     and the parallax runner behind it (None for DDP and TorchRec).
     ``-sparse`` systems run the program with ``sparse=True`` embeddings, ``-lazy`` ones the
     dense-gradient program with ``Config(lazy_sparse_updates=True)``; ``torchrec-*`` the
-    recommender as a TorchRec EmbeddingBagCollection (row- or table-wise sharded)."""
+    recommender as a TorchRec EmbeddingBagCollection, or the LM as an EmbeddingCollection
+    (row- or table-wise sharded)."""
     if system.startswith("torchrec"):
         from torchrec_peer import make_torchrec_step
 
