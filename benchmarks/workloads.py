@@ -25,6 +25,7 @@ class LMConfig:
     batch: int = 16          # per worker
     sampled: int = 512       # negative classes per step, shared by the batch
     sparse_grad: bool = False
+    corpus: str = "zipf"     # "zipf": synthetic stream of `vocab` words; "kjv": the KJV Bible
 
 
 class SampledSoftmaxLM(nn.Module):
@@ -48,17 +49,47 @@ def sampled_softmax_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits, targets)
 
 
+def log_uniform(vocab: int, count: int, generator: torch.Generator) -> Tensor:
+    """``count`` ids drawn log-uniformly (P(k) ∝ log((k+2)/(k+1)), Zipf-like for ids sorted by
+    frequency): the papers' token stream, and TensorFlow's sampled-softmax candidate sampler."""
+    u = torch.rand(count, generator=generator, dtype=torch.float64)
+    return ((vocab + 1) ** u - 1).long().clamp(0, vocab - 1)
+
+
+def _with_candidates(cfg: LMConfig, ids: Tensor, generator: torch.Generator,
+                     ) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    tokens, targets = ids[:, :-1], ids[:, 1:].reshape(-1)
+    candidates = torch.cat([targets, log_uniform(cfg.vocab, cfg.sampled, generator)])
+    return (tokens, candidates), torch.arange(targets.numel())
+
+
 def zipf_lm_batch(cfg: LMConfig, generator: torch.Generator,
                   ) -> tuple[tuple[Tensor, Tensor], Tensor]:
     """One worker's batch: Zipf(≈1) token ids, as in natural text, and sampled candidates."""
-    count = cfg.batch * (cfg.seq_len + 1)
-    u = torch.rand(count, generator=generator, dtype=torch.float64)
-    ids = ((cfg.vocab + 1) ** u - 1).long().clamp(0, cfg.vocab - 1).view(cfg.batch, -1)
-    tokens, targets = ids[:, :-1], ids[:, 1:].reshape(-1)
-    u = torch.rand(cfg.sampled, generator=generator, dtype=torch.float64)
-    sampled = ((cfg.vocab + 1) ** u - 1).long().clamp(0, cfg.vocab - 1)
-    candidates = torch.cat([targets, sampled])
-    return (tokens, candidates), torch.arange(targets.numel())
+    ids = log_uniform(cfg.vocab, cfg.batch * (cfg.seq_len + 1), generator)
+    return _with_candidates(cfg, ids.view(cfg.batch, -1), generator)
+
+
+def text_lm_batch(cfg: LMConfig, windows: Tensor, generator: torch.Generator,
+                  ) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """One worker's batch of random ``seq_len + 1``-token windows of a real corpus (ids sorted
+    by frequency, as `parallax.data.text.Vocabulary` numbers them), and sampled candidates."""
+    index = torch.randint(len(windows), (cfg.batch,), generator=generator)
+    return _with_candidates(cfg, windows[index], generator)
+
+
+def kjv_windows(cfg: LMConfig) -> tuple[Tensor, int]:
+    """The KJV Bible as ``[n, seq_len + 1]`` token windows, and its vocabulary size (at most
+    ``cfg.vocab``). Rank 0 downloads it first when run in a group."""
+    from parallax.data.kjv import fetch_kjv
+    from parallax.data.text import load_text_corpus
+
+    if dist.is_initialized():
+        if dist.get_rank() == 0:
+            fetch_kjv()
+        dist.barrier()
+    train, _, vocab = load_text_corpus(fetch_kjv(), cfg.vocab, cfg.seq_len)
+    return train.windows, len(vocab)
 
 
 class SmallResNet(nn.Module):
@@ -93,6 +124,11 @@ class Workload:
         self.name = name
         if name == "lm":
             self.cfg = LMConfig(**options)
+            if self.cfg.corpus == "kjv":
+                self.windows, vocab = kjv_windows(self.cfg)
+                self.cfg = replace(self.cfg, vocab=vocab)
+            elif self.cfg.corpus != "zipf":
+                raise ValueError(f"LM corpus must be 'zipf' or 'kjv', got {self.cfg.corpus!r}")
             self.loss = sampled_softmax_loss
             self.items, self.unit = self.cfg.batch * self.cfg.seq_len, "words"
             self.lr = 0.1
@@ -161,6 +197,8 @@ class Workload:
             return next(self.shards)
         if self.name == "nmt":
             return next(self.shards)
+        if self.name == "lm" and self.cfg.corpus == "kjv":
+            return text_lm_batch(self.cfg, self.windows, generator)
         if self.name == "lm":
             return zipf_lm_batch(self.cfg, generator)
         return fashion_batch(self.images, self.labels, self.batch_size, generator)

@@ -166,3 +166,17 @@ def test_bandwidth_sweep_smoke_isolated(tmp_path: Path) -> None:
         check_record(result)
         assert result["isolated"] is True and result["rate"] == "100mbit"
     assert "| hybrid |" in (tmp_path / "bandwidth-2x1.md").read_text()
+
+
+@pytest.mark.network  # fetches the KJV (Debian sword-text-kjv) on first use
+def test_compare_lm_on_real_text(tmp_path: Path) -> None:
+    out = tmp_path / "kjv.json"
+    run_script("compare.py", "--machines", "2", "--nproc-per-machine", "1", *TINY,
+               "--systems", "hybrid", "ddp-sparse", "--workload-options",
+               '{"corpus": "kjv"}', "--no-plot", "--out", str(out))
+    results = {r["system"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {"hybrid", "ddp-sparse"}
+    for result in results.values():
+        check_record(result)
+    # both tables sparse: only the LSTM's elements count fully
+    assert results["hybrid"]["alpha_model"] < 0.5

@@ -146,6 +146,11 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str]) -> int:
                 master_port=args.master_port or 29400,
                 # c10d warns once per connection that the namespace cannot resolve names.
                 env={"TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                     # All machines share this host's cores: without this each agent sizes
+                     # its workers' thread pools for the whole host, and the oversubscribed
+                     # OpenMP threads spin against each other (3-5x slower steps, measured).
+                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(
+                         1, (os.cpu_count() or 1) // (args.machines * args.nproc_per_machine))),
                      **env, "GLOO_SOCKET_IFNAME": "eth0"})
             for machine, link in enumerate(net.counters()):
                 print(f"parallax: machine {machine} link ({args.emulate_network}): sent "
