@@ -16,6 +16,9 @@ run() {
 run $py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 --rate 1gbit
 run $py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 --rate 1gbit \
   --systems hybrid optps ps allreduce ddp-sparse ddp-dense torchrec-rw torchrec-tw --isolate
+run $py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 --rate 1gbit \
+  --workload-options '{"corpus": "kjv"}' --systems hybrid ddp-sparse ddp-dense torchrec-rw \
+  --isolate --out benchmarks/results/compare-lm-kjv-2x2-1gbit.json
 run $py benchmarks/compare.py --workload recsys --machines 2 --nproc-per-machine 2 --rate 1gbit \
   --hash-multiplier 1000 --systems hybrid-lazy hybrid-sparse hybrid ddp-sparse torchrec-rw \
   torchrec-tw --steps 10 --isolate
