@@ -1,0 +1,113 @@
+"""The partition-count search (issue 5, part 3) against known curves, with an injected timer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parallax.partition_search import Sample, fit_cost_model, search_partitions, time_steps
+
+
+def curve(t0: float, t1: float, t2: float):
+    return lambda p: t0 + t1 / p + t2 * p
+
+
+def recorder(measure):
+    calls = []
+
+    def timed(p: int) -> float:
+        calls.append(p)
+        return measure(p)
+
+    return timed, calls
+
+
+def test_convex_curve_doubles_past_the_optimum_then_fits_it() -> None:
+    # t(P) = 1 + 64/P + P: minimum at P = 8
+    timed, calls = recorder(curve(1.0, 64.0, 1.0))
+    result = search_partitions(timed, start=2, max_partitions=1024)
+    assert calls == [2, 4, 8, 16, 1]  # double while faster, then halve from the start once
+    assert result.partitions == 8
+    assert result.theta == pytest.approx((1.0, 64.0, 1.0))
+    assert len(result.samples) <= 6
+
+
+def test_optimum_below_the_start_is_found_by_halving() -> None:
+    # minimum at P = 2 (t1 = 4, t2 = 1), start at 16 servers
+    timed, calls = recorder(curve(0.5, 4.0, 1.0))
+    result = search_partitions(timed, start=16, max_partitions=1024)
+    assert calls == [16, 32, 8, 4, 2, 1]
+    assert result.partitions == 2
+
+
+def test_fitted_minimum_between_samples_is_an_integer_inside_the_range() -> None:
+    # minimum of 1 + 50/P + P is at sqrt(50) ≈ 7.07: between the samples 4 and 8
+    result = search_partitions(curve(1.0, 50.0, 1.0), start=1, max_partitions=64)
+    assert [s.partitions for s in result.samples] == [1, 2, 4, 8, 16]
+    assert result.partitions == 7
+
+
+def test_monotone_decreasing_curve_stops_at_the_maximum() -> None:
+    timed, calls = recorder(curve(1.0, 100.0, 0.0))
+    result = search_partitions(timed, start=4, max_partitions=32)
+    assert calls == [4, 8, 16, 32, 2]
+    assert result.partitions == 32
+
+
+def test_monotone_increasing_curve_goes_to_one_partition() -> None:
+    result = search_partitions(curve(1.0, 0.0, 0.5), start=4, max_partitions=32)
+    assert [s.partitions for s in result.samples] == [4, 8, 2, 1]
+    assert result.partitions == 1
+
+
+def test_a_single_possible_count_is_one_sample_and_no_fit() -> None:
+    timed, calls = recorder(curve(1.0, 1.0, 1.0))
+    result = search_partitions(timed, start=1, max_partitions=1)
+    assert calls == [1] and result.partitions == 1 and result.theta is None
+
+
+def test_two_samples_choose_the_faster_without_a_fit() -> None:
+    result = search_partitions(curve(0.0, 10.0, 0.0), start=1, max_partitions=2)
+    assert result.theta is None and result.partitions == 2
+
+
+def test_noisy_convex_curve_lands_near_the_true_optimum() -> None:
+    rng = np.random.default_rng(0)
+    true = curve(2.0, 128.0, 2.0)  # minimum at P = 8, t = 34
+    result = search_partitions(lambda p: true(p) * (1 + 0.03 * rng.standard_normal()),
+                               start=2, max_partitions=256)
+    assert true(result.partitions) <= 1.06 * true(8)  # the papers' bar: within 6 %
+
+
+def test_start_outside_the_bounds_is_refused() -> None:
+    with pytest.raises(ValueError, match="start=8"):
+        search_partitions(curve(1, 1, 1), start=8, max_partitions=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(t0=st.floats(0.0, 10.0), t1=st.floats(0.01, 1000.0), t2=st.floats(0.001, 10.0),
+       start=st.sampled_from([1, 2, 4, 8]))
+def test_exact_convex_curves_are_solved_within_the_sampled_range(t0, t1, t2, start) -> None:
+    t = curve(t0, t1, t2)
+    result = search_partitions(t, start=start, max_partitions=4096)
+    sampled = [s.partitions for s in result.samples]
+    assert min(sampled) <= result.partitions <= max(sampled)
+    best = min(range(min(sampled), max(sampled) + 1), key=t)
+    assert t(result.partitions) <= t(best) * (1 + 1e-6) + 1e-9
+    assert len(sampled) <= 14
+
+
+def test_fit_recovers_the_parameters() -> None:
+    samples = [Sample(p, 3.0 + 12.0 / p + 0.5 * p) for p in (1, 2, 4, 8)]
+    assert fit_cost_model(samples) == pytest.approx((3.0, 12.0, 0.5))
+
+
+def test_time_steps_discards_the_first_half() -> None:
+    ticks = iter([0, 10, 10, 15, 15, 16, 16, 17])  # step durations 10, 5, 1, 1
+    calls = []
+    assert time_steps(lambda: calls.append(1), 4, clock=lambda: next(ticks)) == 1.0
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="at least 2"):
+        time_steps(lambda: None, 1)
