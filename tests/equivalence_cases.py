@@ -155,6 +155,7 @@ class Case:
     local_aggregation: bool | None = None
     migrate_after: int = 0  # > 0: alpha_threshold 0 moves every sparse table to AllReduce
     lazy: bool = False  # Config(lazy_sparse_updates): equals the program with sparse=True
+    repartition: tuple[int, int] | None = None  # (after step, into P): Runner.repartition
     seed: int = field(default=0)
 
     @property
@@ -176,6 +177,8 @@ class Case:
             parts.append(f"migrate{self.migrate_after}")
         if self.lazy:
             parts.append("lazy")
+        if self.repartition:
+            parts.append("repartition{}to{}".format(*self.repartition))
         return "-".join(parts)
 
     @property
@@ -234,6 +237,19 @@ def all_cases() -> list[Case]:
             ("sgd", "adagrad", "sparseadam"), (None, 0.05)):
         cases.append(Case(model, opt, False, clip, "float64", architecture=architecture,
                           lazy=True, seed=len(cases)))
+    # Re-partitioning in the middle of training (values and optimizer state move): as if
+    # nothing happened.
+    for (architecture, aggregation), model, opt in itertools.product(
+            (("hybrid", None), ("ps", None), ("hybrid", False)), ("sparse", "mixed", "gather"),
+            ("sgd", "momentum", "adagrad", "adam", "sparseadam")):
+        sparse_grad = opt == "sparseadam"
+        if sparse_grad and (model == "gather" or (architecture == "ps" and model == "mixed")):
+            continue
+        cases.append(Case(model, opt, sparse_grad, 0.05 if len(cases) % 2 else None,
+                          "float64", num_partitions=2, architecture=architecture,
+                          local_aggregation=aggregation,
+                          repartition=(2 + len(cases) % 2, (5, 3, 1)[len(cases) % 3]),
+                          seed=len(cases)))
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,

@@ -111,3 +111,36 @@ def test_time_steps_discards_the_first_half() -> None:
     assert len(calls) == 4
     with pytest.raises(ValueError, match="at least 2"):
         time_steps(lambda: None, 1)
+
+
+def test_repartition_in_process_keeps_training_and_checks_its_argument() -> None:
+    import torch
+    from torch import nn
+
+    import parallax
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Embedding(30, 4), nn.Flatten(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Embedding(30, 4), nn.Flatten(), nn.Linear(8, 1))
+    model.load_state_dict(reference.state_dict())
+    runner = parallax.get_runner(model, torch.optim.Adam(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss)
+    try:
+        optimizer = torch.optim.Adam(reference.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(6):
+            ids, target = torch.randint(30, (5, 2), generator=generator), torch.rand(5, 1)
+            runner.step((ids, target))
+            optimizer.zero_grad()
+            nn.functional.mse_loss(reference(ids), target).backward()
+            optimizer.step()
+            if step == 2:
+                runner.repartition(7)
+        assert [p.partitions for p in runner.plan.parameters if p.sparse] == [7]
+        with pytest.raises(ValueError, match=r"'0.weight'.*\[1, 30\]"):
+            runner.repartition(31)
+        trained = runner.state_dict()
+    finally:
+        parallax.shutdown()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[name], value, msg=name)

@@ -118,6 +118,26 @@ class ShardOptimizer:
                     return server_opt.state.pop(shard, {})
         return {}
 
+    def optimizer_state(self, shard: nn.Parameter) -> dict:
+        """The server optimizer's state of ``shard`` (empty before its first step)."""
+        for server_opt, _ in self._pairs:
+            if shard in server_opt.state:
+                return dict(server_opt.state[shard])
+        return {}
+
+    def replace_shard(self, old: nn.Parameter, new: nn.Parameter, state: dict) -> None:
+        """Update ``new`` (with optimizer ``state``) where ``old`` was updated: a table's shard
+        after re-partitioning."""
+        for server_opt, _ in self._pairs:
+            for group in server_opt.param_groups:
+                if any(p is old for p in group["params"]):
+                    group["params"] = [new if p is old else p for p in group["params"]]
+                    server_opt.state.pop(old, None)
+                    if state:
+                        server_opt.state[new] = state
+                    return
+        raise KeyError("parallax internal error: the shard to replace has no optimizer")
+
     def state_dicts(self) -> list[dict]:
         return [opt.state_dict() for opt, _ in self._pairs]
 

@@ -31,6 +31,7 @@ from parallax.lookahead import build_id_program
 from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
 from parallax.optim import ShardOptimizer, check_lazy, check_per_shard
 from parallax.plan import Plan
+from parallax.repartition import repartition
 from parallax.replicated import ReplicatedTable
 from parallax.sparse import ShardedTable, prefetch, push_gradients
 from parallax.sparsity import Sparsity, measure, move_to_allreduce
@@ -231,6 +232,20 @@ class Runner:
         for table in tables:
             table.scale_grad(factor)
         self.last_grad_norm = float(total)
+
+    def repartition(self, num_partitions: int, names: Iterable[str] | None = None) -> None:
+        """Split the server-held sparse tables (all, or those in ``names``) into
+        ``num_partitions`` partitions each, keeping their values and optimizer state; training
+        continues exactly as before (collective)."""
+        wanted = None if names is None else set(names)
+        for name, table in self.tables.items():
+            if not isinstance(table, ShardedTable) or (wanted is not None
+                                                       and name not in wanted):
+                continue
+            repartition(table, num_partitions, self.shard_optimizer)
+            sync, _, servers = self.layout.placements[name]
+            self.layout.placements[name] = (sync, num_partitions, servers)
+        self._build_plan()
 
     # ---- plan ----------------------------------------------------------------------------
     def _build_plan(self) -> None:

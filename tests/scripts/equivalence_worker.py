@@ -43,8 +43,10 @@ def main() -> None:
         runner = parallax.get_runner(model, optimizers, loss_fn, config=config,
                                      resources=resources)
         worker = runner.worker
-        for batch in global_batches(case):
+        for step, batch in enumerate(global_batches(case), 1):
             runner.step(worker_slice(batch, worker.rank, worker.world_size))
+            if case.repartition and step == case.repartition[0]:
+                runner.repartition(case.repartition[1])
             for sched in schedulers:
                 sched.step()
         state = runner.state_dict()

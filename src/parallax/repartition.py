@@ -1,0 +1,53 @@
+"""Changing a server-held table's partition count in process, values and optimizer state kept.
+
+Every server computes which rows its shard holds under the new count, and reads those rows
+(and each per-row optimizer-state tensor) from the old shards with the table's own pull; then
+the table switches to the new partitioning and the server optimizer to the new shard. Training
+goes on exactly as before: only where rows live has changed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from parallax.optim import ShardOptimizer
+from parallax.sparse import RowPartitioning, ShardedTable
+
+__all__ = ["repartition"]
+
+
+def repartition(table: ShardedTable, num_partitions: int,
+                shard_optimizer: ShardOptimizer) -> None:
+    """Re-partition ``table`` into ``num_partitions`` (collective over all ranks)."""
+    if not 1 <= num_partitions <= max(table.num_rows, 1):
+        raise ValueError(f"parameter '{table.name}': num_partitions must be in "
+                         f"[1, {table.num_rows}] (its rows), got {num_partitions}")
+    worker = table.worker
+    new = RowPartitioning(table.num_rows, num_partitions, worker.server_ranks,
+                          table.partitioning.first_server)
+    mine = (new.rows_of_server(worker.server_ranks.index(worker.rank)) if worker.is_server
+            else torch.empty(0, dtype=torch.long)).to(table.device)
+    old_shard = table.shard
+    state = (shard_optimizer.optimizer_state(old_shard) if old_shard is not None else {})
+    # Rank 0 is a server: its state's keys (and which are per-row) are everyone's.
+    per_row = sorted(key for key, value in state.items()
+                     if isinstance(value, Tensor) and value.shape == old_shard.shape)
+    per_row = _agree(per_row, table)
+    values = table.read_rows(mine)
+    moved = {key: table.read_rows(mine, state.get(key)) for key in per_row}
+    table.partitioning = new
+    if old_shard is None:
+        return
+    table.shard = nn.Parameter(values.clone(), requires_grad=old_shard.requires_grad)
+    new_state = {key: (moved[key].clone() if key in moved else value)
+                 for key, value in state.items()}
+    shard_optimizer.replace_shard(old_shard, table.shard, new_state)
+    table.zero_grad()
+
+
+def _agree(keys: list[str], table: ShardedTable) -> list[str]:
+    box = [keys]
+    dist.broadcast_object_list(box, src=0, group=table.group)
+    return box[0]
