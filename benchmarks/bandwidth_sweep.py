@@ -76,10 +76,7 @@ def plot(exp: experiment.Experiment, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title(f"{exp.args.workload.upper()}, {exp.args.machines}x"
                  f"{exp.args.nproc_per_machine} workers")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    experiment.save_figure(fig, ax, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -163,3 +163,11 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, ax: Any, path: Path) -> None:
+    """Legend, tight layout, PNG at ``path``, and the figure closed (pyplot keeps it alive)."""
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)

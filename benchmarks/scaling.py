@@ -94,10 +94,7 @@ def plot(exp: experiment.Experiment, path: Path) -> None:
     ax.set_xlabel(f"machines ({args.nproc_per_machine} worker(s) each)")
     ax.set_ylabel(f"throughput / {first}-machine throughput")
     ax.set_title(f"{args.workload.upper()} scaling, {args.rate} (emulated)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    experiment.save_figure(fig, ax, path)
 
 
 def main(argv: list[str] | None = None) -> int:

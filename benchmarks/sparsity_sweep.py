@@ -110,10 +110,7 @@ def plot(exp: experiment.Experiment, path: Path) -> None:
     ax.set_ylabel("words/s")
     ax.set_title(f"LM, {exp.args.machines}x{exp.args.nproc_per_machine}, {exp.args.rate} "
                  "(emulated)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    experiment.save_figure(fig, ax, path)
 
 
 def main(argv: list[str] | None = None) -> int:

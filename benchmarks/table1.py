@@ -85,10 +85,7 @@ def plot(exp: experiment.Experiment, systems: list[str], title: str, path: Path)
     ax.set_ylabel(f"throughput / {systems[0]}")
     ax.set_title(f"{title}, {exp.args.machines}x{exp.args.nproc_per_machine}, "
                  f"{exp.args.rate} (emulated)", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    experiment.save_figure(fig, ax, path)
 
 
 def run(args: argparse.Namespace, title: str) -> int:

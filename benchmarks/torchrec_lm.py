@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torchrec_peer import build_sharded  # noqa: E402
+from torchrec_peer import build_sharded, training_step  # noqa: E402
 from workloads import LMConfig, SampledSoftmaxLM, sampled_softmax_loss  # noqa: E402
 
 LMBatch = tuple[tuple[Tensor, Tensor], Tensor]
@@ -87,14 +87,4 @@ def make_torchrec_lm_step(system: str, cfg: LMConfig, optimizer: str = "adagrad"
                                    list(TABLES.values()), lambda: lm_weights(cfg, seed),
                                    optimizer, lr)
 
-    def step(batch: LMBatch) -> Tensor:
-        inputs, targets = batch
-        opt.zero_grad()
-        loss = sampled_softmax_loss(dmp(to_lm_kjt(inputs)), targets)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    step.model = dmp  # type: ignore[attr-defined]
-    step.plan = plan  # type: ignore[attr-defined]
-    return step
+    return training_step(dmp, opt, plan, to_lm_kjt, sampled_softmax_loss)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recsys import RecBatch, RecConfig, RecModel, mlp, rec_loss  # noqa: E402
+from recsys import RecConfig, RecModel, mlp, rec_loss  # noqa: E402
 
 SHARDINGS = {"torchrec-rw": "row_wise", "torchrec-tw": "table_wise"}
 FEATURES = ("user", "item", "genre")
@@ -224,10 +224,18 @@ def make_torchrec_step(system: str, cfg: Any, optimizer: str = "adagrad", lr: fl
         system, lambda device: TorchRecModel(cfg, device=device),
         [f"t_{f}" for f in FEATURES], lambda: rec_weights(cfg, seed), optimizer, lr)
 
-    def step(batch: RecBatch) -> Tensor:
-        inputs, labels = batch
+    return training_step(dmp, opt, plan, to_kjt, rec_loss)
+
+
+def training_step(dmp: nn.Module, opt: Any, plan: Any, to_input: Callable[[Any], Any],
+                  loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Any], Tensor]:
+    """``step((inputs, targets)) -> loss`` of a sharded TorchRec model, with the model and its
+    plan attached for inspection."""
+
+    def step(batch: Any) -> Tensor:
+        inputs, targets = batch
         opt.zero_grad()
-        loss = rec_loss(dmp(to_kjt(inputs)), labels)
+        loss = loss_fn(dmp(to_input(inputs)), targets)
         loss.backward()
         opt.step()
         return loss.detach()
