@@ -6,7 +6,9 @@ the MovieLens recommender (`recsys.py`). `Workload` bundles one of them for the 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.cluster import current_worker
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,17 +82,23 @@ def text_lm_batch(cfg: LMConfig, windows: Tensor, generator: torch.Generator,
     return _with_candidates(cfg, windows[index], generator)
 
 
+def fetched_once(fetch: Callable[[], T]) -> T:
+    """``fetch()``, run by rank 0 first when in a group, so that one rank downloads and the
+    others read its cache."""
+    if dist.is_initialized():
+        if dist.get_rank() == 0:
+            fetch()
+        dist.barrier()
+    return fetch()
+
+
 def kjv_windows(cfg: LMConfig) -> tuple[Tensor, int]:
     """The KJV Bible as ``[n, seq_len + 1]`` token windows, and its vocabulary size (at most
     ``cfg.vocab``). Rank 0 downloads it first when run in a group."""
     from parallax.data.kjv import fetch_kjv
     from parallax.data.text import load_text_corpus
 
-    if dist.is_initialized():
-        if dist.get_rank() == 0:
-            fetch_kjv()
-        dist.barrier()
-    train, _, vocab = load_text_corpus(fetch_kjv(), cfg.vocab, cfg.seq_len)
+    train, _, vocab = load_text_corpus(fetched_once(fetch_kjv), cfg.vocab, cfg.seq_len)
     return train.windows, len(vocab)
 
 
@@ -137,11 +147,8 @@ class Workload:
 
             self.cfg = RecConfig(**options)
             worker = current_worker()
-            if worker.rank == 0:
-                load_movielens()  # download once, before the others read the cache
-            dist.barrier()
-            self.shards = itertools.cycle(batches(load_movielens(), self.cfg, worker.rank,
-                                                  worker.world_size))
+            self.shards = itertools.cycle(batches(fetched_once(load_movielens), self.cfg,
+                                                  worker.rank, worker.world_size))
             self.loss = rec_loss
             self.items, self.unit = self.cfg.batch, "samples"
             self.lr = 0.05
@@ -152,10 +159,7 @@ class Workload:
 
             self.cfg = NMTConfig(**options)
             worker = current_worker()
-            if worker.rank == 0:
-                english_spanish_pairs()  # download once, before the others read the cache
-            dist.barrier()
-            data = encode_pairs(english_spanish_pairs(), self.cfg)
+            data = encode_pairs(fetched_once(english_spanish_pairs), self.cfg)
             self.shards = itertools.cycle(batches(data, self.cfg, worker.rank,
                                                   worker.world_size))
             self.loss = nmt_loss

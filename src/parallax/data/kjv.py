@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PACKAGE = "sword-text-kjv"
@@ -196,16 +196,22 @@ def fetch_kjv(cache_dir: Path | None = None) -> Path:
     and decodes the module. The result is written atomically so a crash never leaves a
     truncated corpus behind.
     """
+    return build_once(cache_dir, CORPUS_NAME, _build)
+
+
+def build_once(cache_dir: Path | None, name: str, build: Callable[[Path, Path], None]) -> Path:
+    """``cache/name``, made by ``build(target, cache)`` if it does not exist yet (``cache``:
+    ``cache_dir`` or `default_cache_dir`). Every worker of a local cluster may ask at once:
+    one builds under a file lock, the others wait for it."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache / CORPUS_NAME
+    target = cache / name
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    # Every worker of a local cluster may ask at once: one builds, the others wait for it.
-    with open(cache / ".kjv.lock", "w") as lock:
+    with open(cache / f".{Path(name).stem}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
-            _build(target, cache)
+            build(target, cache)
     return target
 
 

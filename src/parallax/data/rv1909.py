@@ -18,7 +18,6 @@ line) in :func:`~parallax.data.kjv.default_cache_dir`.
 
 from __future__ import annotations
 
-import fcntl
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,16 +38,7 @@ def fetch_verse_pairs(cache_dir: Path | None = None) -> Path:
     :func:`align_verses`. Concurrent callers wait for one builder; the file is written
     atomically.
     """
-    cache = Path(cache_dir) if cache_dir is not None else kjv.default_cache_dir()
-    target = cache / CORPUS_NAME
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".kjv-rv1909.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.exists():
-            _build(target, cache)
-    return target
+    return kjv.build_once(cache_dir, CORPUS_NAME, _build)
 
 
 def load_verse_pairs(cache_dir: Path | None = None) -> dict[str, tuple[str, str]]:
