@@ -31,6 +31,9 @@ run $py benchmarks/scaling.py --machines 1 2 4 8 --nproc-per-machine 1 --rate 1g
 run $py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate
 run $py benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit 5gbit --isolate
 run $py benchmarks/alpha_crossover.py
+# Issue 5: partition counts, brute force against the in-process search (Tables 2 and 5)
+run $py benchmarks/partitions.py --machines 2 --nproc-per-machine 2 --rate 1gbit
+run $py benchmarks/partitions.py --machines 4 --nproc-per-machine 1 --rate 1gbit
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'bench.sh: failed: %s\n' "${failed[@]}" >&2
   exit 1

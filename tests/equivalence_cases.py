@@ -156,6 +156,10 @@ class Case:
     migrate_after: int = 0  # > 0: alpha_threshold 0 moves every sparse table to AllReduce
     lazy: bool = False  # Config(lazy_sparse_updates): equals the program with sparse=True
     repartition: tuple[int, int] | None = None  # (after step, into P): Runner.repartition
+    # "context": model built inside parallax.partitioner(); "call": parallax.partition(model).
+    # The partition count is then searched in process during training (2 steps per sample).
+    search: str | None = None
+    steps: int = STEPS
     seed: int = field(default=0)
 
     @property
@@ -179,6 +183,8 @@ class Case:
             parts.append("lazy")
         if self.repartition:
             parts.append("repartition{}to{}".format(*self.repartition))
+        if self.search:
+            parts.append(f"search{self.search}")
         return "-".join(parts)
 
     @property
@@ -250,6 +256,18 @@ def all_cases() -> list[Case]:
                           local_aggregation=aggregation,
                           repartition=(2 + len(cases) % 2, (5, 3, 1)[len(cases) % 3]),
                           seed=len(cases)))
+    # The partition-count search in the middle of training: each sample re-partitions the
+    # tables, as if nothing happened.
+    for (architecture, aggregation), model, opt in itertools.product(
+            (("hybrid", None), ("optps", None), ("hybrid", False)), ("sparse", "mixed"),
+            ("momentum", "adagrad", "adam", "sparseadam")):
+        sparse_grad = opt == "sparseadam"
+        if sparse_grad and architecture == "optps" and model == "mixed":
+            continue
+        cases.append(Case(model, opt, sparse_grad, 0.05 if len(cases) % 2 else None,
+                          "float64", architecture=architecture, local_aggregation=aggregation,
+                          search=("context", "call")[len(cases) % 2], steps=10,
+                          seed=len(cases)))
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,
@@ -259,10 +277,10 @@ def all_cases() -> list[Case]:
 
 # ---- data, model and program -----------------------------------------------------------------
 def global_batches(case: Case) -> list[tuple[Tensor, Tensor]]:
-    """STEPS global batches of GLOBAL_BATCH samples, deterministic per case."""
+    """``case.steps`` global batches of GLOBAL_BATCH samples, deterministic per case."""
     gen = torch.Generator().manual_seed(1000 + case.seed)
     batches = []
-    for _ in range(STEPS):
+    for _ in range(case.steps):
         if case.model == "dense":
             x = torch.randn(GLOBAL_BATCH, 6, generator=gen, dtype=case.torch_dtype)
         else:

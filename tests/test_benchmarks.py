@@ -180,3 +180,23 @@ def test_compare_lm_on_real_text(tmp_path: Path) -> None:
         check_record(result)
     # both tables sparse: only the LSTM's elements count fully
     assert results["hybrid"]["alpha_model"] < 0.5
+
+
+def test_partitions_smoke(tmp_path: Path) -> None:
+    """Table 2/5 analog: brute force over counts, then the in-process search on a fresh runner;
+    the verdict compares the searched count's brute-force time with the best."""
+    run_script("partitions.py", "--machines", "2", "--nproc-per-machine", "1", "--partitions",
+               "1", "2", "4", "--steps", "2", "--settle", "1", "--search-steps", "2",
+               "--alpha-steps", "1", "--vocab", "2000", "--out-dir", str(tmp_path))
+    name = "partitions-lm-2x1-1gbit"
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert [r["partitions"] for r in data["brute_force"]] == [1, 2, 4]
+    assert all(r["median_step_s"] > 0 for r in data["brute_force"])
+    search = data["search"]
+    assert search["source"] == "searched" and search["samples"][0]["partitions"] == 2
+    assert set(search["tables"]) == {"embedding.weight", "softmax_weight"}
+    verdict = data["verdict"]
+    assert verdict["chosen_partitions"] in (1, 2, 4) and verdict["chosen_over_best"] >= 1
+    assert verdict["samples"] == len(search["samples"]) <= 3
+    assert "Searched P's brute-force time / best" in (tmp_path / f"{name}.md").read_text()
+    assert (tmp_path / f"{name}.png").stat().st_size > 0

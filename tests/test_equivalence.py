@@ -61,7 +61,7 @@ def test_distributed_equals_single_device(distributed, case: Case) -> None:
     topology, results = distributed
     machines, per_machine = TOPOLOGIES[topology]
     world = machines * per_machine
-    got = {k: v for k, v in results[case.key].items() if k != "__plan__"}
+    got = {k: v for k, v in results[case.key].items() if not k.startswith("__")}
     want = _reference(case, world)
     assert set(got) == set(want)
     difference = relative_difference(got, want)
@@ -84,7 +84,8 @@ def test_training_moves_every_parameter(case: Case) -> None:
 def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
     topology, results = distributed
     plans = {tuple(key.split("-")[:2]): json.loads(r["__plan__"]) for key, r in results.items()
-             if "migrate" not in key and "lazy" not in key and "repartition" not in key}
+             if not any(variant in key for variant in ("migrate", "lazy", "repartition",
+                                                       "search"))}
     by_arch = {key: {p["name"]: p["sync"] for p in plan["parameters"]}
                for key, plan in plans.items()}
     sync = {model: placement for (arch, model), placement in by_arch.items() if arch == "hybrid"}
@@ -124,6 +125,27 @@ def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
             assert all(0 < p["alpha"] <= 1 for p in plan["parameters"] if p["sparse"])
 
 
+def test_search_in_training_sampled_chose_and_applied_a_count(distributed) -> None:
+    """The search cases above really searched: samples taken as the papers sample (start at
+    #servers, then doubling or halving), a count chosen within max_partitions=4 and applied
+    to every table of the group (the equality with single-device training is checked above)."""
+    topology, results = distributed
+    servers = TOPOLOGIES[topology][0]
+    searched = [key for key in results if "search" in key]
+    assert len(searched) == len([c for c in CASES if c.search])
+    for key in searched:
+        plan = json.loads(results[key]["__plan__"])
+        (record,) = plan["partition_searches"]
+        counts = [sample["partitions"] for sample in record["samples"]]
+        assert record["source"] == "searched" and counts[0] == servers, (key, record)
+        assert all(1 <= c <= 4 for c in counts) and len(set(counts)) == len(counts), record
+        assert min(counts) <= record["partitions"] <= max(counts), record
+        on_servers = {p["name"] for p in plan["parameters"] if p["sync"] == "ps" and p["sparse"]}
+        assert set(record["tables"]) == on_servers, (key, record)
+        for name in record["tables"]:
+            assert results[key]["__partitions__"][name] == record["partitions"], key
+
+
 START_MODE_FILTER = "mixed-adam-densegrad-clip0.05"
 
 
@@ -146,5 +168,5 @@ def test_other_start_modes_train_the_same(mode: str, tmp_path: Path) -> None:
     cases = [c for c in CASES if START_MODE_FILTER in c.key]
     assert cases and set(results) == {c.key for c in cases}
     for case in cases:
-        got = {k: v for k, v in results[case.key].items() if k != "__plan__"}
+        got = {k: v for k, v in results[case.key].items() if not k.startswith("__")}
         assert relative_difference(got, _reference(case, 2)) <= TOLERANCE[case.dtype]

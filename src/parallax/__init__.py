@@ -9,11 +9,16 @@ other row-gathered weights) are row-partitioned on parameter servers. The whole 
     for batch in loader:
         loss = runner.step(batch)
     state = runner.state_dict()   # plain single-device state_dict
+
+Tables created inside ``with parallax.partitioner():`` (or passed to `parallax.partition`) get
+their partition count searched in process during the first steps after the warm-up.
 """
 
 from parallax.api import get_runner, shard, shutdown
 from parallax.config import Config, ConfigError
+from parallax.partitioner import partition, partitioner
 from parallax.runner import Runner
 
-__all__ = ["Config", "ConfigError", "Runner", "get_runner", "shard", "shutdown"]
+__all__ = ["Config", "ConfigError", "Runner", "get_runner", "partition", "partitioner", "shard",
+           "shutdown"]
 __version__ = "0.1.0"

@@ -134,7 +134,9 @@ def parse_resources(path: str | os.PathLike[str]) -> ResourceSpec:
 def parse_resource_text(text: str, source: str = "<string>") -> ResourceSpec:
     """Parse resource-file text; ``source`` names it in error messages."""
     machines = []
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    # Only newlines end lines: str.splitlines() would also split at form feeds and other
+    # separators, turning the rest of a comment into a machine line.
+    for lineno, raw in enumerate(text.replace("\r\n", "\n").split("\n"), start=1):
         body = raw.split("#", 1)[0].strip()
         if not body:
             continue

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 ARCHITECTURES = ("hybrid", "allreduce", "ps", "optps")
@@ -51,6 +53,16 @@ class Config:
         num_partitions: row partitions per sparse parameter; partition ``p`` holds the rows with
             ``id % num_partitions == p`` and lives on server ``p % num_servers``. ``None`` means
             one partition per server.
+        server_threads: threads with which a server aggregates and updates its partitions in
+            parallel. ``None``: this process's torch thread count.
+        partition_search_steps: training steps timed per sample of the partition-count search
+            of the tables created inside `parallax.partitioner` (the first half of them is
+            discarded as warm-up after re-partitioning).
+        max_partitions: the largest partition count that search tries. ``None``: 64 per
+            server, and never more than the smallest searched table's rows.
+        partition_cache: JSON file remembering searched partition counts per model signature
+            and cluster shape, so the next run of the same job skips the search. ``None``: no
+            cache. ``~`` is expanded.
         collective_timeout_s: every collective and wait gives up after this many seconds with
             an error instead of hanging.
         find_unused_parameters: passed to DDP for models whose dense parameters are not all
@@ -67,6 +79,10 @@ class Config:
     clip_grad_norm: float | None = None
     seed: int = 0
     num_partitions: int | None = None
+    server_threads: int | None = None
+    partition_search_steps: int = 8
+    max_partitions: int | None = None
+    partition_cache: str | None = "~/.cache/parallax/partitions.json"
     collective_timeout_s: float = 300.0
     find_unused_parameters: bool = False
 
@@ -86,7 +102,8 @@ class Config:
             value = self.clip_grad_norm
             ok = _is_number(value) and math.isfinite(value) and value > 0
             _require(ok, "clip_grad_norm", value, "None or a finite number > 0")
-        _require(_is_int(self.seed), "seed", self.seed, "an int")
+        _require(_is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", self.seed,
+                 "an int in [-2**63, 2**64) (what torch.manual_seed takes)")
         steps = self.sparsity_warmup_steps
         _require(_is_int(steps) and steps >= 0, "sparsity_warmup_steps", steps, "an int >= 0")
         if self.alpha_threshold is not None:
@@ -96,9 +113,23 @@ class Config:
         if self.num_partitions is not None:
             ok = _is_int(self.num_partitions) and self.num_partitions >= 1
             _require(ok, "num_partitions", self.num_partitions, "None or an int >= 1")
+        for name in ("server_threads", "max_partitions"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(_is_int(value) and value >= 1, name, value, "None or an int >= 1")
+        steps = self.partition_search_steps
+        _require(_is_int(steps) and steps >= 2, "partition_search_steps", steps,
+                 "an int >= 2 (the first half of each sample's steps is discarded)")
+        if isinstance(self.partition_cache, os.PathLike):
+            object.__setattr__(self, "partition_cache", os.fspath(self.partition_cache))
+        if self.partition_cache is not None:
+            _require(isinstance(self.partition_cache, str) and self.partition_cache != "",
+                     "partition_cache", self.partition_cache, "None or a file path")
         timeout = self.collective_timeout_s
-        ok = _is_number(timeout) and math.isfinite(timeout) and timeout > 0
-        _require(ok, "collective_timeout_s", timeout, "a finite number of seconds > 0")
+        ok = (_is_number(timeout) and math.isfinite(timeout)
+              and 0 < timeout < timedelta.max.total_seconds())
+        _require(ok, "collective_timeout_s", timeout,
+                 "a number of seconds > 0 and below timedelta.max")
 
     @property
     def aggregates_locally(self) -> bool:
@@ -111,7 +142,7 @@ class Config:
     def from_dict(cls, values: dict[str, Any]) -> Config:
         """Build from a mapping (e.g. parsed JSON/YAML), naming any unknown field."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - known, key=repr)  # keys of any type (YAML's yes: True)
         if unknown:
             raise ConfigError(
                 f"unknown Config field(s) {unknown}; valid fields are {sorted(known)}"

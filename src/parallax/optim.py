@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from parallax.partition_pool import SERIAL, PartitionPool
 
 # torch's own sparse optimizers (Adagrad, SGD) build sparse tensors without opting in or out of
 # invariant checks; the warning says nothing about the user's program.
@@ -26,6 +29,15 @@ PER_SHARD_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SparseAdam, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
     torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta,
 )
+
+
+class ServerTable(Protocol):
+    """What the servers' optimizer needs of a table (`parallax.sparse.ShardedTable`)."""
+
+    name: str
+    shard: nn.Parameter | None
+    parts: list[nn.Parameter]
+    blocks: list[tuple[int, int]]
 
 
 class OptimizerError(ValueError):
@@ -86,60 +98,112 @@ def check_lazy(optimizers: Sequence[torch.optim.Optimizer],
 
 
 class ShardOptimizer:
-    """On a server: the user's optimizer classes over this server's shards."""
+    """On a server: the user's optimizer classes over this server's shards, partition by
+    partition.
+
+    Server optimizer ``i`` of a user optimizer updates the ``i``-th partition of every table the
+    user optimizer holds (with each table's param-group hyper-parameters), so the partitions
+    are updated side by side in the `PartitionPool`; with one partition per server there is one
+    server optimizer per user optimizer.
+    """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer],
-                 shard_of: dict[int, nn.Parameter]):
-        """``shard_of`` maps ``id(original sparse parameter)`` to this server's shard of it."""
-        self._pairs: list[tuple[torch.optim.Optimizer, list[dict]]] = []
+                 tables: dict[int, ServerTable], pool: PartitionPool = SERIAL):
+        """``tables`` maps ``id(original parameter)`` to its table, for the tables with a
+        shard on this server."""
+        self.pool = pool
+        # Per table: the user optimizer and param group that hold its parameter.
+        self._owners: dict[str, tuple[torch.optim.Optimizer, dict]] = {}
+        self._tables: dict[str, ServerTable] = {}
         for opt in optimizers:
-            groups, user_groups = [], []
             for group in opt.param_groups:
-                shards = [shard_of[id(p)] for p in group["params"] if id(p) in shard_of]
-                if shards:
-                    groups.append({**_hyper_parameters(group), "params": shards})
-                    user_groups.append(group)
-            if groups:
-                self._pairs.append((type(opt)(groups), user_groups))
+                for param in group["params"]:
+                    table = tables.get(id(param))
+                    if table is not None:
+                        self._owners[table.name] = (opt, group)
+                        self._tables[table.name] = table
+        self._slots: list[tuple[torch.optim.Optimizer, list[dict]]] = []
+        self._rebuild({})
+
+    def _rebuild(self, states: dict[nn.Parameter, dict]) -> None:
+        """Server optimizers over the tables' current partitions, with ``states`` (keyed by
+        partition parameter) carried over."""
+        for server_opt, _ in self._slots:
+            states = {**server_opt.state, **states} if server_opt.state else states
+        self._slots = []
+        user_optimizers = list(dict.fromkeys(opt for opt, _ in self._owners.values()))
+        for user_opt in user_optimizers:
+            depth = max(len(self._tables[name].parts) for name, (opt, _) in self._owners.items()
+                        if opt is user_opt)
+            for slot in range(depth):
+                groups, user_groups = [], []
+                for user_group in user_opt.param_groups:
+                    parts = [self._tables[name].parts[slot]
+                             for name, (opt, group) in self._owners.items()
+                             if opt is user_opt and group is user_group
+                             and slot < len(self._tables[name].parts)]
+                    if parts:
+                        groups.append({**_hyper_parameters(user_group), "params": parts})
+                        user_groups.append(user_group)
+                server_opt = type(user_opt)(groups)
+                for group in server_opt.param_groups:
+                    for part in group["params"]:
+                        if part in states:
+                            server_opt.state[part] = states[part]
+                self._slots.append((server_opt, user_groups))
 
     def step(self) -> None:
-        for server_opt, user_groups in self._pairs:
+        for server_opt, user_groups in self._slots:
             for server_group, user_group in zip(server_opt.param_groups, user_groups,
                                                 strict=True):
                 server_group.update(_hyper_parameters(user_group))
-            server_opt.step()
+        self.pool.run([server_opt.step for server_opt, _ in self._slots])
 
-    def pop_shard(self, shard: nn.Parameter) -> dict:
-        """Stop updating ``shard``; return its optimizer state (for moving it elsewhere)."""
-        for server_opt, _ in self._pairs:
-            for group in server_opt.param_groups:
-                if any(p is shard for p in group["params"]):
-                    group["params"] = [p for p in group["params"] if p is not shard]
-                    return server_opt.state.pop(shard, {})
+    def _state_of(self, part: nn.Parameter) -> dict:
+        for server_opt, _ in self._slots:
+            if part in server_opt.state:
+                return server_opt.state[part]
         return {}
 
-    def optimizer_state(self, shard: nn.Parameter) -> dict:
-        """The server optimizer's state of ``shard`` (empty before its first step)."""
-        for server_opt, _ in self._pairs:
-            if shard in server_opt.state:
-                return dict(server_opt.state[shard])
-        return {}
+    def table_state(self, table: ServerTable) -> dict:
+        """The optimizer state of ``table``'s whole shard (empty before its first step):
+        per-row tensors of its partitions joined in shard order, the rest (step counts) as
+        its first partition has them."""
+        states = [self._state_of(part) for part in table.parts]
+        if not states[0]:
+            return {}
+        joined = dict(states[0])
+        for key, value in states[0].items():
+            if _per_row(value, table.parts[0]):
+                joined[key] = torch.cat([state[key] for state in states])
+        return joined
 
-    def replace_shard(self, old: nn.Parameter, new: nn.Parameter, state: dict) -> None:
-        """Update ``new`` (with optimizer ``state``) where ``old`` was updated: a table's shard
-        after re-partitioning."""
-        for server_opt, _ in self._pairs:
-            for group in server_opt.param_groups:
-                if any(p is old for p in group["params"]):
-                    group["params"] = [new if p is old else p for p in group["params"]]
-                    server_opt.state.pop(old, None)
-                    if state:
-                        server_opt.state[new] = state
-                    return
-        raise KeyError("parallax internal error: the shard to replace has no optimizer")
+    def remove_table(self, table: ServerTable) -> dict:
+        """Stop updating ``table``; return its shard's optimizer state (for moving it)."""
+        state = self.table_state(table)
+        parts = {id(part) for part in table.parts}
+        del self._owners[table.name], self._tables[table.name]
+        kept = {p: s for server_opt, _ in self._slots for p, s in server_opt.state.items()
+                if id(p) not in parts}
+        self._slots = []
+        self._rebuild(kept)
+        return state
 
-    def state_dicts(self) -> list[dict]:
-        return [opt.state_dict() for opt, _ in self._pairs]
+    def table_repartitioned(self, table: ServerTable, state: dict) -> None:
+        """Update ``table``'s new partitions from now on, with its shard's optimizer ``state``
+        (as `table_state` returned it, rows already in the new shard's order)."""
+        states: dict[nn.Parameter, dict] = {}
+        if state:
+            for part, (start, stop) in zip(table.parts, table.blocks, strict=True):
+                states[part] = {
+                    key: (value[start:stop].clone() if _per_row(value, table.shard)
+                          else value.clone() if isinstance(value, Tensor) else value)
+                    for key, value in state.items()}
+        self._rebuild(states)
+
+
+def _per_row(value: object, part: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.shape == part.shape
 
 
 def _hyper_parameters(group: dict) -> dict:

@@ -17,12 +17,13 @@ clock. `time_steps` is the measurement the papers use: run K steps, discard the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Sample", "SearchResult", "fit_cost_model", "search_partitions", "time_steps"]
+__all__ = ["Sample", "SearchResult", "fit_cost_model", "sampling", "search_partitions",
+           "second_half_mean", "time_steps"]
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,11 @@ def fit_cost_model(samples: list[Sample]) -> tuple[float, float, float]:
     return float(theta[0]), float(theta[1]), float(theta[2])
 
 
-def search_partitions(measure: Callable[[int], float], start: int, *,
-                      max_partitions: int, min_partitions: int = 1) -> SearchResult:
-    """Sample ``measure(P)`` (seconds per iteration with ``P`` partitions) as the papers do and
-    choose ``P``. ``start`` is usually the number of servers; counts stay within
+def sampling(start: int, *, max_partitions: int, min_partitions: int = 1,
+             ) -> Generator[int, float, SearchResult]:
+    """The search as a generator, for callers that time training steps as they come: it yields
+    the next count to sample, is sent that count's seconds per iteration, and returns the
+    `SearchResult`. ``start`` is usually the number of servers; counts stay within
     ``[min_partitions, max_partitions]`` (e.g. at most the table's rows)."""
     if not min_partitions <= start <= max_partitions:
         raise ValueError(f"start={start} must lie in [min_partitions={min_partitions}, "
@@ -67,17 +69,19 @@ def search_partitions(measure: Callable[[int], float], start: int, *,
     taken: list[Sample] = []
     seconds: dict[int, float] = {}
 
-    def sample(partitions: int) -> float:
-        seconds[partitions] = float(measure(partitions))
+    def record(partitions: int, measured: float) -> float:
+        seconds[partitions] = float(measured)
         taken.append(Sample(partitions, seconds[partitions]))
         return seconds[partitions]
 
-    sample(start)
+    record(start, (yield start))
     current = start
-    while current * 2 <= max_partitions and sample(current * 2) < seconds[current]:
+    while current * 2 <= max_partitions and record(current * 2,
+                                                   (yield current * 2)) < seconds[current]:
         current *= 2
     current = start
-    while current // 2 >= min_partitions and sample(current // 2) < seconds[current]:
+    while current // 2 >= min_partitions and record(current // 2,
+                                                    (yield current // 2)) < seconds[current]:
         current //= 2
     if len(seconds) < 3:
         best = min(seconds, key=seconds.__getitem__)
@@ -87,6 +91,26 @@ def search_partitions(measure: Callable[[int], float], start: int, *,
     candidates = np.arange(low, high + 1, dtype=np.float64)
     fitted = theta[0] + theta[1] / candidates + theta[2] * candidates
     return SearchResult(int(candidates[int(np.argmin(fitted))]), tuple(taken), theta)
+
+
+def search_partitions(measure: Callable[[int], float], start: int, *,
+                      max_partitions: int, min_partitions: int = 1) -> SearchResult:
+    """Sample ``measure(P)`` (seconds per iteration with ``P`` partitions) as the papers do and
+    choose ``P`` (see `sampling`)."""
+    search = sampling(start, max_partitions=max_partitions, min_partitions=min_partitions)
+    partitions = next(search)
+    while True:
+        try:
+            partitions = search.send(measure(partitions))
+        except StopIteration as done:
+            return done.value
+
+
+def second_half_mean(durations: list[float]) -> float:
+    """Mean of the second half of a sample's step durations: the first half warms caches and
+    connections after a re-partition."""
+    kept = durations[len(durations) // 2:]
+    return sum(kept) / len(kept)
 
 
 def time_steps(step: Callable[[], object], iterations: int,
@@ -100,5 +124,4 @@ def time_steps(step: Callable[[], object], iterations: int,
         begin = clock()
         step()
         durations.append(clock() - begin)
-    kept = durations[iterations // 2:]
-    return sum(kept) / len(kept)
+    return second_half_mean(durations)

@@ -17,6 +17,7 @@ from torch import nn
 from parallax import cost
 from parallax.analysis import SparseUse
 from parallax.config import ARCHITECTURES
+from parallax.partition_tuner import SearchRecord
 from parallax.sparsity import Sparsity
 
 Placement = tuple[str, int, tuple[int, ...]]  # (sync, partitions, server ranks)
@@ -64,6 +65,7 @@ class Plan:
     world_size: int
     num_machines: int
     architecture: str = "hybrid"
+    searches: tuple[SearchRecord, ...] = ()
 
     @property
     def alpha_model(self) -> float | None:
@@ -82,10 +84,12 @@ class Plan:
     def build(cls, model: nn.Module, sparse: dict[str, SparseUse], *,
               placements: dict[str, Placement], world_size: int, num_machines: int,
               architecture: str = "hybrid", sparsity: dict[str, Sparsity] | None = None,
-              reasons: dict[str, str] | None = None, hybrid_aggregates: bool = True) -> Plan:
+              reasons: dict[str, str] | None = None, hybrid_aggregates: bool = True,
+              searches: tuple[SearchRecord, ...] = ()) -> Plan:
         """``placements[name]`` for every parameter held otherwise than replicated and
         AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it;
-        ``hybrid_aggregates`` False when the hybrid runs without local aggregation."""
+        ``hybrid_aggregates`` False when the hybrid runs without local aggregation;
+        ``searches`` how the partition groups' counts were chosen."""
         shape = cost.Shape(num_machines, max(1, world_size // num_machines))
         sparsity = sparsity or {}
         entries = []
@@ -107,7 +111,7 @@ class Plan:
                 alpha_machine=measured.alpha_machine if measured else None,
                 predicted_bytes=_predictions(param, use is not None, measured, sync, shape,
                                              hybrid_aggregates)))
-        return cls(tuple(entries), world_size, num_machines, architecture)
+        return cls(tuple(entries), world_size, num_machines, architecture, searches)
 
     def table(self) -> str:
         header = ("parameter", "shape", "bytes", "kind", "alpha", "why", "lives on",
@@ -128,7 +132,8 @@ class Plan:
         totals = ", ".join(f"{a} {_size(self.predicted_total(a))}" for a in ARCHITECTURES)
         footer = (f"predicted inter-machine bytes per machine and step (B/step columns: per "
                   f"parameter, papers' Table 3 for this engine): {totals}")
-        return "\n".join([title, *lines, footer])
+        searched = [record.summary() for record in self.searches]
+        return "\n".join([title, *lines, footer, *searched])
 
     def to_json(self) -> str:
         return json.dumps({
@@ -136,6 +141,7 @@ class Plan:
             "num_machines": self.num_machines, "alpha_model": self.alpha_model,
             "predicted_bytes": {a: self.predicted_total(a) for a in ARCHITECTURES},
             "parameters": [asdict(p) for p in self.parameters],
+            "partition_searches": [record.to_dict() for record in self.searches],
         }, indent=2)
 
 

@@ -30,7 +30,7 @@ def repartition(table: ShardedTable, num_partitions: int,
     mine = (new.rows_of_server(worker.server_ranks.index(worker.rank)) if worker.is_server
             else torch.empty(0, dtype=torch.long)).to(table.device)
     old_shard = table.shard
-    state = (shard_optimizer.optimizer_state(old_shard) if old_shard is not None else {})
+    state = shard_optimizer.table_state(table) if old_shard is not None else {}
     # Rank 0 is a server: its state's keys (and which are per-row) are everyone's.
     per_row = sorted(key for key, value in state.items()
                      if isinstance(value, Tensor) and value.shape == old_shard.shape)
@@ -40,10 +40,9 @@ def repartition(table: ShardedTable, num_partitions: int,
     table.partitioning = new
     if old_shard is None:
         return
-    table.shard = nn.Parameter(values.clone(), requires_grad=old_shard.requires_grad)
-    new_state = {key: (moved[key].clone() if key in moved else value)
-                 for key, value in state.items()}
-    shard_optimizer.replace_shard(old_shard, table.shard, new_state)
+    table.set_shard(nn.Parameter(values.clone(), requires_grad=old_shard.requires_grad))
+    shard_optimizer.table_repartitioned(table, {
+        key: (moved[key].clone() if key in moved else value) for key, value in state.items()})
     table.zero_grad()
 
 

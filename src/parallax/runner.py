@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ from parallax.exchange import Traffic
 from parallax.lookahead import build_id_program
 from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
 from parallax.optim import ShardOptimizer, check_lazy, check_per_shard
+from parallax.partition_pool import default_threads, shared_pool
+from parallax.partition_tuner import DEFAULT_MAX_PER_SERVER, PartitionTuner, SearchRecord
+from parallax.partitioner import group_of
 from parallax.plan import Plan
 from parallax.repartition import repartition
 from parallax.replicated import ReplicatedTable
@@ -71,6 +75,7 @@ class Runner:
             dict.fromkeys(self.sparse_uses, "lazy: touched rows only")
             if config.lazy_sparse_updates else {})
         self._steps = 0
+        self._tuner: PartitionTuner | None = None  # built once the tables exist
         # Under ``parallax plan`` the warm-up is all that runs.
         self._warmup_steps = int(os.environ.get(PLAN_WARMUP_ENV,
                                                 config.sparsity_warmup_steps))
@@ -89,15 +94,20 @@ class Runner:
                                      average=config.average_dense,
                                      find_unused_parameters=config.find_unused_parameters,
                                      traffic=self.traffic)
+        self.pool = shared_pool(config.server_threads or default_threads())
+        for table in self.layout.all_tables().values():
+            table.pool = self.pool
         self.shard_optimizer = ShardOptimizer(self.optimizers, {
-            id(params[name]): table.shard for name, table in self.layout.all_tables().items()
+            id(params[name]): table for name, table in self.layout.all_tables().items()
             if table.shard is not None
-        })
+        }, self.pool)
         self._sparse_group = sparse_group
         self._dense_pulls = {name: (table, torch.arange(table.num_rows, device=self.device),
                                     params[name].shape)
                              for name, table in self.layout.dense.items()}
         self.last_grad_norm: float | None = None
+        self._tuner = self._build_tuner()
+        self._batch_signature: Any = None
 
     def _executed_model(self, model: nn.Module) -> nn.Module:
         """A copy of the module tree sharing every tensor, with sparse reads sent to the PS."""
@@ -170,6 +180,9 @@ class Runner:
             raise TypeError(f"rank {self.worker.rank}: Runner.step expects a batch "
                             f"(inputs, targets), got {type(batch).__name__}")
         inputs, targets = batch
+        began = time.perf_counter()
+        if self._batch_signature is None:
+            self._batch_signature = _shapes(batch)
         self.zero_grad()
         loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
         loss.backward()
@@ -185,8 +198,16 @@ class Runner:
         self.shard_optimizer.step()
         self.traffic.steps += 1
         self._steps += 1
+        elapsed = time.perf_counter() - began
+        if self._tuner is not None and self._tuner.active:
+            self._tuner.after_step(elapsed)
+            if not self._tuner.active:
+                self._build_plan()
+                self._exit_if_plan_only()
         if self._steps == self._warmup_steps:
             self._complete_plan()
+        elif self._warmup_steps == 0 and self._steps == 1:
+            self._start_search()
         return loss.detach()
 
     def evaluate(self, batches: Iterable[Sequence[Any]]) -> float:
@@ -242,9 +263,63 @@ class Runner:
             if not isinstance(table, ShardedTable) or (wanted is not None
                                                        and name not in wanted):
                 continue
+            if table.partitioning.num_partitions == num_partitions:
+                continue
             repartition(table, num_partitions, self.shard_optimizer)
             sync, _, servers = self.layout.placements[name]
             self.layout.placements[name] = (sync, num_partitions, servers)
+        self._build_plan()
+
+    @property
+    def partition_searches(self) -> dict[str, SearchRecord]:
+        """Per partition group (`parallax.partitioner`), how its count was chosen (empty
+        until the search, which starts after the warm-up steps, has finished a group)."""
+        return {} if self._tuner is None else dict(self._tuner.records)
+
+    # ---- partition search ----------------------------------------------------------------
+    def _build_tuner(self) -> PartitionTuner | None:
+        """A tuner for the server-held sparse tables created in a `parallax.partitioner`."""
+        params = dict(self.model.named_parameters())
+        groups: dict[str, tuple[list[str], int]] = {}
+        servers = len(self.worker.server_ranks)
+        for name, table in sorted(self.tables.items()):
+            group = group_of(params[name])
+            if group is None or not isinstance(table, ShardedTable):
+                continue
+            cap = group.max_partitions or self.config.max_partitions or (
+                DEFAULT_MAX_PER_SERVER * servers)
+            tables, previous = groups.get(group.name, ([], cap))
+            groups[group.name] = ([*tables, name], max(1, min(previous, cap, table.num_rows)))
+        everyone = [groups]
+        dist.broadcast_object_list(everyone, src=0, group=self._sparse_group)
+        if everyone[0] != groups:
+            raise RuntimeError(
+                f"rank {self.worker.rank}: the partition groups differ from rank 0's "
+                f"(rank 0: {everyone[0]}, here: {groups}); every worker must create its model "
+                f"the same way, with the same parallax.partitioner blocks")
+        if not groups:
+            return None
+        signature = {
+            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in params.items()],
+            "architecture": self.config.architecture,
+            "local_aggregation": self.config.aggregates_locally,
+            "lazy_sparse_updates": self.config.lazy_sparse_updates,
+            "server_threads": self.pool.threads,
+            "machines": servers, "world_size": self.worker.world_size,
+            "device": self.device.type,
+        }
+        return PartitionTuner(
+            groups, repartition=lambda count, names: self.repartition(count, names),
+            start=servers, steps_per_sample=self.config.partition_search_steps,
+            cache_path=self.config.partition_cache, signature=signature,
+            rank=self.worker.rank, group=self._sparse_group, device=self.device)
+
+    def _start_search(self) -> None:
+        if self._tuner is None:
+            return
+        self._tuner.groups_on_servers({name for name, table in self.tables.items()
+                                       if isinstance(table, ShardedTable)})
+        self._tuner.begin(self._batch_signature)
         self._build_plan()
 
     # ---- plan ----------------------------------------------------------------------------
@@ -254,7 +329,8 @@ class Runner:
                                num_machines=len(self.worker.server_ranks),
                                architecture=self.config.architecture, sparsity=self.sparsity,
                                reasons=self._decisions,
-                               hybrid_aggregates=self.config.aggregates_locally)
+                               hybrid_aggregates=self.config.aggregates_locally,
+                               searches=tuple(self.partition_searches.values()))
 
     def _complete_plan(self) -> None:
         """After the warm-up steps: measure α; under hybrid, move to AllReduce what the bytes
@@ -271,9 +347,14 @@ class Runner:
                     worker=self.worker, group=self._sparse_group))
                 self.dense_parameters.append(params[name])
                 self._decisions[name] = why
+        self._start_search()
         self._build_plan()
+        self._exit_if_plan_only()
+
+    def _exit_if_plan_only(self) -> None:
+        """Under ``parallax plan``, stop once α is measured and any search is done."""
         plan_only = os.environ.get(PLAN_ONLY_ENV)
-        if plan_only is not None:
+        if plan_only is not None and not (self._tuner is not None and self._tuner.active):
             self._print_plan_and_exit(plan_only)
 
     def _prefers_allreduce(self, name: str, table: Any) -> tuple[bool, str]:
@@ -350,6 +431,17 @@ class Runner:
 
     def reset_stats(self) -> None:
         self.traffic.reset()
+
+
+def _shapes(value: Any) -> Any:
+    """The tensor shapes of a batch (what the search's cache entry is valid for)."""
+    if isinstance(value, Tensor):
+        return [list(value.shape), str(value.dtype)]
+    if isinstance(value, dict):
+        return {str(k): _shapes(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (tuple, list)):
+        return [_shapes(v) for v in value]
+    return type(value).__name__
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

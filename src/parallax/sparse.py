@@ -14,7 +14,7 @@ leader before anything crosses machines.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.exchange import Hop, SparseIdError, Traffic, unique_ids
+from parallax.partition_pool import SERIAL, PartitionPool
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "prefetch", "pull",
            "push_gradients"]
@@ -46,6 +47,8 @@ class RowPartitioning:
             owners.append(server_ranks[server])
             offsets.append(self.shard_rows[server])
             self.shard_rows[server] += size
+        self._sizes = sizes
+        self._offsets = offsets
         self._owner_of_partition = torch.tensor(owners, dtype=torch.long)
         self._offset_of_partition = torch.tensor(offsets, dtype=torch.long)
 
@@ -58,6 +61,12 @@ class RowPartitioning:
     def local_row(self, ids: Tensor) -> Tensor:
         offsets = self._offset_of_partition.to(ids.device)
         return offsets[ids % self.num_partitions] + ids // self.num_partitions
+
+    def shard_blocks(self, server_index: int) -> list[tuple[int, int]]:
+        """``(start, stop)`` in one server's shard of each of its partitions, in shard order:
+        a partition is a contiguous block of its server's shard."""
+        return [(self._offsets[p], self._offsets[p] + self._sizes[p])
+                for p in range(self.num_partitions) if self.server_of_partition(p) == server_index]
 
     def rows_of_server(self, server_index: int) -> Tensor:
         """Global ids held by one server, in the order of its shard."""
@@ -118,6 +127,11 @@ class ShardedTable:
         self.partitioning = RowPartitioning(self.num_rows, num_partitions, worker.server_ranks,
                                             first_server)
         self.shard: nn.Parameter | None = None
+        # The shard's partitions as parameters viewing its storage: the unit of the servers'
+        # parallel aggregation and update (the shard itself when it holds one partition).
+        self.parts: list[nn.Parameter] = []
+        self.blocks: list[tuple[int, int]] = []
+        self.pool: PartitionPool = SERIAL
         self.rows_used: list[int] = []          # per training step, this worker's rows
         self.machine_rows_used: list[int] = []  # per step at a leader: its machine's rows
         self._pending: list[_Pull] = []  # this step's pulls that hold rows of this table
@@ -128,7 +142,18 @@ class ShardedTable:
         dist.broadcast(initial, src=0, group=group)
         if worker.is_server:
             mine = self.partitioning.rows_of_server(worker.server_ranks.index(worker.rank))
-            self.shard = nn.Parameter(initial[mine.to(initial.device)].clone())
+            self.set_shard(nn.Parameter(initial[mine.to(initial.device)].clone()))
+
+    def set_shard(self, shard: nn.Parameter) -> None:
+        """Hold ``shard`` (this server's rows under the current partitioning)."""
+        self.shard = shard
+        self.blocks = self.partitioning.shard_blocks(
+            self.worker.server_ranks.index(self.worker.rank)) or [(0, 0)]
+        if len(self.blocks) == 1:
+            self.parts = [shard]
+        else:
+            self.parts = [nn.Parameter(shard.data[start:stop], requires_grad=shard.requires_grad)
+                          for start, stop in self.blocks]
 
     @property
     def _leader(self) -> int:
@@ -171,11 +196,16 @@ class ShardedTable:
         if self.shard is None:
             return
         if self.sparse_grad:
-            self.shard.grad = None
-        elif self.shard.grad is None:
+            for part in self.parts:
+                part.grad = None
+            return
+        if self.shard.grad is None:
             self.shard.grad = torch.zeros_like(self.shard)
         else:
             self.shard.grad.zero_()
+        if len(self.parts) > 1:
+            for part, (start, stop) in zip(self.parts, self.blocks, strict=True):
+                part.grad = self.shard.grad[start:stop]
 
     def push_gradients(self) -> None:
         """`push_gradients` of this table alone."""
@@ -191,13 +221,16 @@ class ShardedTable:
             self.machine_rows_used.append(sum(lookup.merged_count for lookup in lookups))
 
     def _accumulate(self, local_rows: Tensor, grad_rows: Tensor) -> None:
-        if self.sparse_grad:
+        if self.sparse_grad or len(self.parts) > 1:
             self._sparse_pieces.append((local_rows, grad_rows))
         else:
             self.shard.grad.index_add_(0, local_rows, grad_rows)
 
-    def _finish_sparse_grad(self) -> None:
-        if self.shard is None or not self.sparse_grad:
+    def _finish_aggregation(self) -> None:
+        """Sum the received gradient rows per partition, the partitions in parallel: into the
+        shard's gradient (dense gradients), or into each partition's coalesced sparse gradient.
+        With one partition, dense rows were summed as they arrived."""
+        if self.shard is None or not (self.sparse_grad or len(self.parts) > 1):
             return
         if self._sparse_pieces:
             rows = torch.cat([rows for rows, _ in self._sparse_pieces])
@@ -205,23 +238,52 @@ class ShardedTable:
         else:
             rows = torch.empty(0, dtype=torch.long, device=self.device)
             values = self._rows(0)
-        grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, self.shard.shape,
-                                       check_invariants=False)
-        self.shard.grad = grad.coalesce()
         self._sparse_pieces.clear()
+        if len(self.parts) > 1:  # group the rows by partition: one slice each
+            rows, order = torch.sort(rows, stable=True)
+            values = values[order]
+            starts = torch.tensor([start for start, _ in self.blocks] + [self.shard.shape[0]],
+                                  dtype=rows.dtype, device=rows.device)
+            bounds = torch.searchsorted(rows, starts).tolist()
+        else:
+            bounds = [0, rows.numel()]
+        tasks = [self._aggregate_task(part, start, rows[bounds[i]:bounds[i + 1]],
+                                      values[bounds[i]:bounds[i + 1]])
+                 for i, (part, (start, _)) in enumerate(zip(self.parts, self.blocks, strict=True))]
+        self.pool.run(tasks)
+
+    def _aggregate_task(self, part: nn.Parameter, start: int, rows: Tensor,
+                        values: Tensor) -> Callable[[], None]:
+        def aggregate() -> None:
+            if not self.sparse_grad:
+                part.grad.index_add_(0, rows - start, values)
+                return
+            grad = torch.sparse_coo_tensor((rows - start).unsqueeze(0), values, part.shape,
+                                           check_invariants=False)
+            part.grad = grad.coalesce()
+        return aggregate
+
+    def _gradients(self) -> list[Tensor]:
+        """This server's aggregated gradient, as whole tensors (the shard's, or its
+        partitions' sparse ones)."""
+        if self.shard is None:
+            return []
+        if not self.sparse_grad:
+            return [] if self.shard.grad is None else [self.shard.grad]
+        return [part.grad for part in self.parts if part.grad is not None]
 
     def grad_norm_squared(self) -> Tensor:
         """This server's part of the squared global gradient norm (0 on non-servers): computed
         where the aggregated gradient lives, so only a scalar travels."""
-        grad = None if self.shard is None else self.shard.grad
-        if grad is None:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        values = grad._values() if grad.is_sparse else grad
-        return torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
+        squared = torch.zeros((), dtype=torch.float64, device=self.device)
+        for grad in self._gradients():
+            values = grad._values() if grad.is_sparse else grad
+            squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
+        return squared
 
     def scale_grad(self, factor: Tensor) -> None:
-        if self.shard is not None and self.shard.grad is not None:
-            self.shard.grad.mul_(factor.to(self.dtype))
+        for grad in self._gradients():
+            grad.mul_(factor.to(self.dtype))
 
     def full_weight(self, source: Tensor | None = None) -> Tensor:
         """The whole table (or a shard-shaped ``source``), gathered from the servers
@@ -345,4 +407,4 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
                 table._accumulate(lookup.recv_local_rows, received[name])
     for table in tables:
         table._pending.clear()
-        table._finish_sparse_grad()
+        table._finish_aggregation()

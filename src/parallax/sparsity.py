@@ -56,7 +56,7 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
     every worker (collective); the user's optimizer updates it from now on."""
     with torch.no_grad():
         param.copy_(table.full_weight().view_as(param))
-    state = shard_optimizer.pop_shard(table.shard) if table.shard is not None else {}
+    state = shard_optimizer.remove_table(table) if table.shard is not None else {}
     # Rank 0 is always a server: it tells everyone which entries are per-row tensors.
     layout = [{key: ("rows" if _per_row(value, table) else value)
                for key, value in state.items()}]

@@ -30,13 +30,22 @@ def main() -> None:
     for case in all_cases():
         if only not in case.key:
             continue
-        model, optimizers, schedulers = build(case)
+        if case.search == "context":
+            with parallax.partitioner(max_partitions=4):
+                model, optimizers, schedulers = build(case)
+        else:
+            model, optimizers, schedulers = build(case)
+        if case.search == "call":
+            parallax.partition(model, max_partitions=4)
         config = parallax.Config(clip_grad_norm=case.clip, average_sparse=case.average_sparse,
                                  average_dense=case.average_dense,
                                  num_partitions=case.num_partitions, seed=case.seed,
                                  architecture=case.architecture,
                                  local_aggregation=case.local_aggregation,
-                                 sparsity_warmup_steps=case.migrate_after or 5,
+                                 sparsity_warmup_steps=(case.migrate_after or
+                                                        (1 if case.search else 5)),
+                                 partition_search_steps=2, partition_cache=None,
+                                 server_threads=2,
                                  alpha_threshold=0.0 if case.migrate_after else None,
                                  lazy_sparse_updates=case.lazy,
                                  collective_timeout_s=60)
@@ -53,6 +62,9 @@ def main() -> None:
         if worker.rank == 0:
             results[case.key] = {k: v.detach().clone() for k, v in state.items()}
             results[case.key]["__plan__"] = runner.plan.to_json()
+            results[case.key]["__partitions__"] = {
+                name: table.partitioning.num_partitions
+                for name, table in runner.tables.items() if hasattr(table, "partitioning")}
     if runner.worker.rank == 0:
         tmp = out.with_suffix(".tmp")
         torch.save(results, tmp)

@@ -1,0 +1,174 @@
+"""Table 2 and Table 5 analogs (Parallax papers): step time at every partition count of a range
+(brute force) next to the count the in-process search chooses, with its number of samples and
+the time it took. Target (Table 5): the searched count within 6 % of the brute-force best, in at
+most 6 samples.
+
+    python benchmarks/partitions.py --machines 2 --nproc-per-machine 2 --rate 1gbit
+    python benchmarks/partitions.py --machines 2 --nproc-per-machine 1 --partitions 1 2 4 \
+        --steps 2 --settle 1 --vocab 2000          # smoke size
+
+writes benchmarks/results/partitions-<workload>-<M>x<L>-<rate>.json, .md and .png. Brute force
+uses one runner, re-partitioned in process between counts (``--settle`` untimed steps after
+each re-partition, then ``--steps`` timed ones); the search run is a fresh runner over the
+same program built inside ``parallax.partitioner()``, trained until the search has chosen
+(``--search-steps`` steps per sample, the first half discarded), then timed for ``--steps``.
+Needs root and iproute2 (emulated network: tbf-limited veths, no delay; all processes share
+this host's cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import compare
+
+HERE = Path(__file__).resolve().parent
+TARGET = 1.06
+MAX_SAMPLES = 6
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=["lm", "nmt", "recsys"], default="lm")
+    parser.add_argument("--machines", type=int, default=2)
+    parser.add_argument("--nproc-per-machine", type=int, default=2)
+    parser.add_argument("--rate", default="1gbit", help="emulated link rate (tc syntax)")
+    parser.add_argument("--partitions", type=int, nargs="+",
+                        default=list(range(1, 17)) + [20, 24, 32],
+                        help="brute-force counts (the search's largest is their maximum)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per count")
+    parser.add_argument("--settle", type=int, default=2,
+                        help="untimed steps after each re-partition")
+    parser.add_argument("--search-steps", type=int, default=6,
+                        help="Config.partition_search_steps: steps per search sample")
+    parser.add_argument("--alpha-steps", type=int, default=3,
+                        help="Config.sparsity_warmup_steps before anything is timed")
+    parser.add_argument("--server-threads", type=int,
+                        help="Config.server_threads (default: the torch thread count)")
+    parser.add_argument("--vocab", type=int, default=100_000, help="lm")
+    parser.add_argument("--emb", type=int, default=128, help="lm")
+    parser.add_argument("--hidden", type=int, default=128, help="lm")
+    parser.add_argument("--seq-len", type=int, default=20, help="lm")
+    parser.add_argument("--sampled", type=int, default=512, help="lm")
+    parser.add_argument("--batch", type=int, help="per worker")
+    parser.add_argument("--workload-options", type=json.loads, default={})
+    parser.add_argument("--hash-multiplier", type=int, default=1, help="recsys")
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    if min(args.partitions) < 1 or args.steps < 1 or args.search_steps < 2:
+        parser.error("--partitions must be >= 1, --steps >= 1, --search-steps >= 2")
+    args.partitions = sorted(set(args.partitions))
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    name = f"partitions-{args.workload}-{args.machines}x{args.nproc_per_machine}-{args.rate}"
+    out = args.out_dir / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    worker_args = {"workload_name": args.workload,
+                   "workload": compare.workload_options(args),
+                   "partitions": args.partitions, "steps": args.steps, "settle": args.settle,
+                   "search_steps": args.search_steps, "alpha_steps": args.alpha_steps,
+                   "server_threads": args.server_threads, "out": str(out.resolve())}
+    command = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
+               "--nproc-per-machine", str(args.nproc_per_machine), "--emulate-network",
+               args.rate, str(HERE / "partitions_worker.py"), json.dumps(worker_args)]
+    out.unlink(missing_ok=True)
+    proc = subprocess.run(command)
+    if proc.returncode != 0 and not out.exists():
+        raise RuntimeError(f"partitions: the workers failed (exit status {proc.returncode}); "
+                           f"their errors are printed above")
+    result = json.loads(out.read_text())
+    result.update(command=" ".join(["python", "benchmarks/partitions.py", *sys.argv[1:]]),
+                  options={k: (str(v) if isinstance(v, Path) else v)
+                           for k, v in vars(args).items()},
+                  verdict=verdict(result))
+    out.write_text(json.dumps(result, indent=1))
+    text = markdown(result, args)
+    out.with_suffix(".md").write_text(text)
+    print(text, flush=True)
+    if not args.no_plot:
+        plot(result, out.with_suffix(".png"), args)
+    return result
+
+
+def verdict(result: dict[str, Any]) -> dict[str, Any]:
+    """The searched count's brute-force step time against the best one (Table 5)."""
+    brute = {r["partitions"]: r["median_step_s"] for r in result["brute_force"]}
+    best = min(brute, key=brute.__getitem__)
+    chosen = result["search"]["partitions"]
+    ratio = brute[chosen] / brute[best] if chosen in brute else None
+    samples = len(result["search"]["samples"])
+    return {"best_partitions": best, "best_step_s": brute[best], "chosen_partitions": chosen,
+            "chosen_step_s": brute.get(chosen), "chosen_over_best": ratio,
+            "samples": samples,
+            "met": ratio is not None and ratio <= TARGET and samples <= MAX_SAMPLES}
+
+
+def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
+    v = result["verdict"]
+    search = result["search"]
+    lines = [f"### Partition counts: {compare.describe(args)}, {args.machines}x"
+             f"{args.nproc_per_machine} at {args.rate}", "",
+             "| P | median ms/step | min | max | vs best |", "|---|---|---|---|---|"]
+    for r in result["brute_force"]:
+        marks = (" (best)" if r["partitions"] == v["best_partitions"] else "") + (
+            " (searched)" if r["partitions"] == v["chosen_partitions"] else "")
+        lines.append(f"| {r['partitions']}{marks} | {r['median_step_s'] * 1e3:.1f} | "
+                     f"{r['step_min_s'] * 1e3:.1f} | {r['step_max_s'] * 1e3:.1f} | "
+                     f"{r['median_step_s'] / v['best_step_s']:.3f} |")
+    samples = ", ".join(f"P={s['partitions']}: {s['seconds'] * 1e3:.1f} ms"
+                        for s in search["samples"])
+    fit = ("none (fewer than 3 samples)" if not search["theta"] else
+           "t(P) = {:.4g} + {:.4g}/P + {:.4g}·P s".format(*search["theta"]))
+    ratio = v["chosen_over_best"]
+    lines += ["", f"Search: P={v['chosen_partitions']} from {v['samples']} samples ({samples}); "
+              f"fit {fit}; {search['search_seconds']:.1f} s of training "
+              f"({search['steps_until_chosen']} steps including {search['alpha_steps']} warm-up"
+              f" steps); afterwards {search['after']['median_step_s'] * 1e3:.1f} ms/step.",
+              f"Searched P's brute-force time / best: "
+              f"{'n/a' if ratio is None else f'{ratio:.3f}'} (target ≤ {TARGET}, in ≤ "
+              f"{MAX_SAMPLES} samples): {'met' if v['met'] else 'NOT met'}.",
+              "", f"Command: `{result['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    brute = result["brute_force"]
+    search = result["search"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["partitions"] for r in brute], [r["median_step_s"] * 1e3 for r in brute],
+            "o-", label="brute force (median)")
+    ax.plot([s["partitions"] for s in search["samples"]],
+            [s["seconds"] * 1e3 for s in search["samples"]], "s", label="search samples")
+    if search["theta"]:
+        t0, t1, t2 = search["theta"]
+        p = np.linspace(min(args.partitions), max(args.partitions), 200)
+        ax.plot(p, (t0 + t1 / p + t2 * p) * 1e3, "--", label="fitted t(P)")
+    ax.axvline(search["partitions"], color="grey", linestyle=":", label="searched P")
+    ax.set_xlabel("partitions P")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"{args.workload} {args.machines}x{args.nproc_per_machine} {args.rate}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    try:
+        run(parse_args())
+    except RuntimeError as error:
+        sys.exit(str(error))
