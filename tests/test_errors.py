@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from equivalence_cases import Mixed, loss_fn
+from torch import nn
 
 import parallax
 from parallax.cluster import ResourceError
 from parallax.config import ConfigError
 from parallax.optim import OptimizerError
+from parallax.sparse import SparseIdError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = ROOT / "tests" / "scripts" / "faulty_worker.py"
@@ -94,6 +96,28 @@ def test_lbfgs_inside_workers_fails_with_the_cause(tmp_path: Path) -> None:
     assert_no_worker_left(tmp_path)
 
 
+def test_workers_with_different_configs_or_models_fail_at_start_naming_them(
+        tmp_path: Path) -> None:
+    proc, seconds = run_faulty("mismatch", tmp_path)
+    assert proc.returncode != 0
+    assert ("workers disagree with rank 0: rank 1's Config differs in clip_grad_norm (1.0 vs "
+            "None); rank 1's model differs in parameter(s) ['out.bias', 'out.weight']"
+            ) in proc.stderr
+    assert seconds < COLLECTIVE_TIMEOUT_S
+    assert_no_worker_left(tmp_path)
+
+
+def test_nan_loss_on_one_worker_stops_every_worker_or_is_skipped_by_all(tmp_path: Path) -> None:
+    proc, seconds = run_faulty("nan", tmp_path)
+    assert proc.returncode != 0
+    assert "step 3: NaN or infinite loss on rank(s) [1]" in proc.stderr
+    assert "no parameter was updated" in proc.stderr and seconds < COLLECTIVE_TIMEOUT_S
+    assert_no_worker_left(tmp_path)
+    proc, _ = run_faulty("nan-skip", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(tmp_path / f"skipped-{r}").read_text() for r in range(2)] == ["1", "1"]
+
+
 def test_one_failing_worker_ends_all_and_launcher_names_it(tmp_path: Path) -> None:
     proc, seconds = run_faulty("raise", tmp_path)
     assert proc.returncode != 0
@@ -119,3 +143,18 @@ def test_lazy_updates_with_an_optimizer_without_sparse_gradients_fail_before_lau
         parallax.get_runner(model, torch.optim.Adam(model.parameters()), loss_fn,
                             resources=resources,
                             config=parallax.Config(lazy_sparse_updates=True))
+
+
+def test_negative_id_is_named_and_nothing_is_updated() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 3), nn.Flatten(), nn.Linear(6, 1))
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss)
+    try:
+        before = {k: v.clone() for k, v in runner.state_dict().items()}
+        with pytest.raises(SparseIdError, match=r"'0.weight' got id -3 on rank 0.*\[0, 10\)"):
+            runner.step((torch.tensor([[1, -3]]), torch.zeros(1, 1)))
+        after = runner.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        parallax.shutdown()

@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 ARCHITECTURES = ("hybrid", "allreduce", "ps", "optps")
+NONFINITE = ("raise", "skip", "ignore")
 
 
 class ConfigError(ValueError):
@@ -63,6 +64,20 @@ class Config:
         partition_cache: JSON file remembering searched partition counts per model signature
             and cluster shape, so the next run of the same job skips the search. ``None``: no
             cache. ``~`` is expanded.
+        checkpoint_dir: where `Runner.save` writes sharded checkpoints (``step-<N>``
+            directories; a shared file system when machines are separate hosts), and where a
+            new run looks for the newest complete one to resume from. ``None``: no automatic
+            checkpoints.
+        checkpoint_every_steps: save every this many training steps (needs checkpoint_dir).
+        checkpoint_every_secs: save when this many seconds passed since the last save
+            (rank 0's clock decides, for all ranks; needs checkpoint_dir).
+        checkpoint_keep: complete checkpoints kept in checkpoint_dir (older ones are deleted).
+        resume: at start, load the newest complete checkpoint in checkpoint_dir if there is one
+            (how a job restarted by ``parallax run --max-restarts`` goes on).
+        nonfinite: what a step does when the loss on any worker or any aggregated gradient is
+            NaN or infinite: ``"raise"`` (every worker raises ``FloatingPointError`` naming
+            the ranks and parameters, before any update), ``"skip"`` (every worker skips the
+            update consistently and training goes on) or ``"ignore"`` (no check, no cost).
         collective_timeout_s: every collective and wait gives up after this many seconds with
             an error instead of hanging.
         find_unused_parameters: passed to DDP for models whose dense parameters are not all
@@ -83,6 +98,12 @@ class Config:
     partition_search_steps: int = 8
     max_partitions: int | None = None
     partition_cache: str | None = "~/.cache/parallax/partitions.json"
+    checkpoint_dir: str | None = None
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_secs: float | None = None
+    checkpoint_keep: int = 2
+    resume: bool = True
+    nonfinite: str = "raise"
     collective_timeout_s: float = 300.0
     find_unused_parameters: bool = False
 
@@ -125,6 +146,27 @@ class Config:
         if self.partition_cache is not None:
             _require(isinstance(self.partition_cache, str) and self.partition_cache != "",
                      "partition_cache", self.partition_cache, "None or a file path")
+        if isinstance(self.checkpoint_dir, os.PathLike):
+            object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
+        if self.checkpoint_dir is not None:
+            _require(isinstance(self.checkpoint_dir, str) and self.checkpoint_dir != "",
+                     "checkpoint_dir", self.checkpoint_dir, "None or a directory path")
+        every = self.checkpoint_every_steps
+        if every is not None:
+            _require(_is_int(every) and every >= 1, "checkpoint_every_steps", every,
+                     "None or an int >= 1")
+        secs = self.checkpoint_every_secs
+        if secs is not None:
+            _require(_is_number(secs) and math.isfinite(secs) and secs > 0,
+                     "checkpoint_every_secs", secs, "None or a finite number of seconds > 0")
+        if (every is not None or secs is not None) and self.checkpoint_dir is None:
+            raise ConfigError("Config.checkpoint_every_steps / checkpoint_every_secs need "
+                              "Config.checkpoint_dir (where to write the checkpoints)")
+        _require(_is_int(self.checkpoint_keep) and self.checkpoint_keep >= 1,
+                 "checkpoint_keep", self.checkpoint_keep, "an int >= 1")
+        _require(isinstance(self.resume, bool), "resume", self.resume, "a bool")
+        _require(self.nonfinite in NONFINITE, "nonfinite", self.nonfinite,
+                 f"one of {NONFINITE}")
         timeout = self.collective_timeout_s
         ok = (_is_number(timeout) and math.isfinite(timeout)
               and 0 < timeout < timedelta.max.total_seconds())

@@ -112,23 +112,25 @@ class ShardOptimizer:
         """``tables`` maps ``id(original parameter)`` to its table, for the tables with a
         shard on this server."""
         self.pool = pool
-        # Per table: the user optimizer and param group that hold its parameter.
-        self._owners: dict[str, tuple[torch.optim.Optimizer, dict]] = {}
+        # Per table: the user optimizer and the index of the param group holding its
+        # parameter (an index: load_state_dict replaces the group dicts).
+        self._owners: dict[str, tuple[torch.optim.Optimizer, int]] = {}
         self._tables: dict[str, ServerTable] = {}
         for opt in optimizers:
-            for group in opt.param_groups:
+            for index, group in enumerate(opt.param_groups):
                 for param in group["params"]:
                     table = tables.get(id(param))
                     if table is not None:
-                        self._owners[table.name] = (opt, group)
+                        self._owners[table.name] = (opt, index)
                         self._tables[table.name] = table
-        self._slots: list[tuple[torch.optim.Optimizer, list[dict]]] = []
+        # (server optimizer, user optimizer, user group index of each server group)
+        self._slots: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer, list[int]]] = []
         self._rebuild({})
 
     def _rebuild(self, states: dict[nn.Parameter, dict]) -> None:
         """Server optimizers over the tables' current partitions, with ``states`` (keyed by
         partition parameter) carried over."""
-        for server_opt, _ in self._slots:
+        for server_opt, _, _ in self._slots:
             states = {**server_opt.state, **states} if server_opt.state else states
         self._slots = []
         user_optimizers = list(dict.fromkeys(opt for opt, _ in self._owners.values()))
@@ -136,31 +138,30 @@ class ShardOptimizer:
             depth = max(len(self._tables[name].parts) for name, (opt, _) in self._owners.items()
                         if opt is user_opt)
             for slot in range(depth):
-                groups, user_groups = [], []
-                for user_group in user_opt.param_groups:
+                groups, indices = [], []
+                for index, user_group in enumerate(user_opt.param_groups):
                     parts = [self._tables[name].parts[slot]
-                             for name, (opt, group) in self._owners.items()
-                             if opt is user_opt and group is user_group
+                             for name, (opt, i) in self._owners.items()
+                             if opt is user_opt and i == index
                              and slot < len(self._tables[name].parts)]
                     if parts:
                         groups.append({**_hyper_parameters(user_group), "params": parts})
-                        user_groups.append(user_group)
+                        indices.append(index)
                 server_opt = type(user_opt)(groups)
                 for group in server_opt.param_groups:
                     for part in group["params"]:
                         if part in states:
                             server_opt.state[part] = states[part]
-                self._slots.append((server_opt, user_groups))
+                self._slots.append((server_opt, user_opt, indices))
 
     def step(self) -> None:
-        for server_opt, user_groups in self._slots:
-            for server_group, user_group in zip(server_opt.param_groups, user_groups,
-                                                strict=True):
-                server_group.update(_hyper_parameters(user_group))
-        self.pool.run([server_opt.step for server_opt, _ in self._slots])
+        for server_opt, user_opt, indices in self._slots:
+            for server_group, index in zip(server_opt.param_groups, indices, strict=True):
+                server_group.update(_hyper_parameters(user_opt.param_groups[index]))
+        self.pool.run([server_opt.step for server_opt, _, _ in self._slots])
 
     def _state_of(self, part: nn.Parameter) -> dict:
-        for server_opt, _ in self._slots:
+        for server_opt, _, _ in self._slots:
             if part in server_opt.state:
                 return server_opt.state[part]
         return {}
@@ -183,11 +184,20 @@ class ShardOptimizer:
         state = self.table_state(table)
         parts = {id(part) for part in table.parts}
         del self._owners[table.name], self._tables[table.name]
-        kept = {p: s for server_opt, _ in self._slots for p, s in server_opt.state.items()
+        kept = {p: s for server_opt, _, _ in self._slots for p, s in server_opt.state.items()
                 if id(p) not in parts}
         self._slots = []
         self._rebuild(kept)
         return state
+
+    def set_table_state(self, table: ServerTable, state: dict) -> None:
+        """Replace the optimizer state of ``table``'s shard (a checkpoint's), ``{}`` for a
+        fresh one."""
+        parts = {id(part) for part in table.parts}
+        for server_opt, _, _ in self._slots:
+            for part in [p for p in server_opt.state if id(p) in parts]:
+                del server_opt.state[part]
+        self.table_repartitioned(table, state)
 
     def table_repartitioned(self, table: ServerTable, state: dict) -> None:
         """Update ``table``'s new partitions from now on, with its shard's optimizer ``state``

@@ -35,6 +35,8 @@ class ReplicatedTable:
         self.machine_rows_used: list[int] = []
         self.param = param
         self.num_rows = param.shape[0]
+        self.row_shape = tuple(param.shape[1:])
+        self.dtype = param.dtype
         self.worker = worker
         self.group = group
         self.traffic = traffic

@@ -10,8 +10,10 @@ same optimizer class over its shard.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from parallax import checkpoint
 from parallax.analysis import SparseUse, find_sparse_parameters, rewrite_gathers
 from parallax.architecture import build_layout, server_held
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
@@ -41,6 +44,7 @@ from parallax.sparse import ShardedTable, prefetch, push_gradients
 from parallax.sparsity import Sparsity, measure, move_to_allreduce
 
 LossFn = Callable[[Any, Any], Tensor]
+log = logging.getLogger("parallax")
 
 
 class Runner:
@@ -61,6 +65,8 @@ class Runner:
         self.config = config
         self.device = worker.device
         model.to(self.device)  # in place: the optimizer's Parameter objects stay the same
+        self._sparse_group = sparse_group
+        _check_same_everywhere(model, config, worker, sparse_group)
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
         params = dict(model.named_parameters())
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
@@ -74,7 +80,10 @@ class Runner:
         self._decisions: dict[str, str] = (
             dict.fromkeys(self.sparse_uses, "lazy: touched rows only")
             if config.lazy_sparse_updates else {})
-        self._steps = 0
+        self._steps = 0  # in this process (the warm-up counts these)
+        self.global_step = 0  # since the start of training, across resumes
+        self.skipped_steps = 0  # steps whose update Config.nonfinite="skip" skipped
+        self._sparse_squared: Tensor | None = None  # servers' squared gradient norm, this step
         self._tuner: PartitionTuner | None = None  # built once the tables exist
         # Under ``parallax plan`` the warm-up is all that runs.
         self._warmup_steps = int(os.environ.get(PLAN_WARMUP_ENV,
@@ -101,13 +110,15 @@ class Runner:
             id(params[name]): table for name, table in self.layout.all_tables().items()
             if table.shard is not None
         }, self.pool)
-        self._sparse_group = sparse_group
         self._dense_pulls = {name: (table, torch.arange(table.num_rows, device=self.device),
                                     params[name].shape)
                              for name, table in self.layout.dense.items()}
         self.last_grad_norm: float | None = None
         self._tuner = self._build_tuner()
         self._batch_signature: Any = None
+        self._last_save = time.monotonic()
+        if config.checkpoint_dir is not None and config.resume:
+            self._resume_from_newest(config.checkpoint_dir)
 
     def _executed_model(self, model: nn.Module) -> nn.Module:
         """A copy of the module tree sharing every tensor, with sparse reads sent to the PS."""
@@ -191,13 +202,15 @@ class Runner:
         for table in tables:
             if not isinstance(table, ShardedTable):
                 table.push_gradients()
-        if self.config.clip_grad_norm is not None:
-            self._clip(self.config.clip_grad_norm)
-        for optimizer in self.optimizers:
-            optimizer.step()
-        self.shard_optimizer.step()
+        if self._finite_or_skip(loss):
+            if self.config.clip_grad_norm is not None:
+                self._clip(self.config.clip_grad_norm)
+            for optimizer in self.optimizers:
+                optimizer.step()
+            self.shard_optimizer.step()
         self.traffic.steps += 1
         self._steps += 1
+        self.global_step += 1
         elapsed = time.perf_counter() - began
         if self._tuner is not None and self._tuner.active:
             self._tuner.after_step(elapsed)
@@ -208,6 +221,8 @@ class Runner:
             self._complete_plan()
         elif self._warmup_steps == 0 and self._steps == 1:
             self._start_search()
+        if self._checkpoint_due():
+            self.save()
         return loss.detach()
 
     def evaluate(self, batches: Iterable[Sequence[Any]]) -> float:
@@ -234,15 +249,59 @@ class Runner:
         for table in self.layout.all_tables().values():
             table.zero_grad()
 
+    def _finite_or_skip(self, loss: Tensor) -> bool:
+        """Whether to apply this step's update under `Config.nonfinite`: every worker's loss and
+        every aggregated gradient are checked in one small collective (which also yields the
+        servers' part of the norm that clipping needs), so all workers decide alike before
+        anything is updated."""
+        self._sparse_squared = None
+        if self.config.nonfinite == "ignore":
+            return True
+        world = self.worker.world_size
+        tables = list(self.layout.all_tables().items())
+        values = torch.zeros(world + len(tables), dtype=torch.float64, device=self.device)
+        values[self.worker.rank] = float(not bool(torch.isfinite(loss.detach()).all()))
+        for i, (_, table) in enumerate(tables):  # server-held: each server its own rows
+            values[world + i] = table.grad_norm_squared()
+        dist.all_reduce(values, group=self._sparse_group)
+        self._sparse_squared = values[world:].sum()
+        bad_ranks = [r for r in range(world) if values[r] > 0]
+        bad = [name for i, (name, _) in enumerate(tables)
+               if not math.isfinite(float(values[world + i]))]
+        bad += [name for name, p in self._dense_named_parameters()
+                if p.grad is not None and not _all_finite(p.grad)]
+        if not (bad_ranks or bad):
+            return True
+        what = " and ".join(part for part in (
+            f"loss on rank(s) {bad_ranks}" if bad_ranks else "",
+            f"aggregated gradient of {bad}" if bad else "") if part)
+        if self.config.nonfinite == "raise":
+            raise FloatingPointError(
+                f"rank {self.worker.rank}, step {self.global_step + 1}: NaN or infinite "
+                f"{what}; no parameter was updated. Config(nonfinite='skip') skips such steps.")
+        self.skipped_steps += 1
+        if self.worker.rank == 0:
+            log.warning("parallax: step %d skipped (NaN or infinite %s)", self.global_step + 1,
+                        what)
+        self.zero_grad()
+        return False
+
+    def _dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        ids = {id(p) for p in self.dense_parameters}
+        return [(n, p) for n, p in self.model.named_parameters() if id(p) in ids]
+
     def _clip(self, max_norm: float) -> None:
         """Clip by the norm of all aggregated gradients, as clip_grad_norm_ on one device."""
         dense_grads = [p.grad for p in self.dense_parameters if p.grad is not None]
-        squared = torch.zeros((), dtype=torch.float64, device=self.device)
         tables = self.layout.all_tables().values()
-        for table in tables:
-            squared += table.grad_norm_squared()
-        if tables:
-            dist.all_reduce(squared, group=self._sparse_group)
+        if self._sparse_squared is not None:  # the finiteness check summed them already
+            squared = self._sparse_squared.clone()
+        else:
+            squared = torch.zeros((), dtype=torch.float64, device=self.device)
+            for table in tables:
+                squared += table.grad_norm_squared()
+            if tables:
+                dist.all_reduce(squared, group=self._sparse_group)
         for grad in dense_grads:  # replicated sparse-gradient tables arrive coalesced
             values = grad._values() if grad.is_sparse else grad
             squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
@@ -321,6 +380,52 @@ class Runner:
                                        if isinstance(table, ShardedTable)})
         self._tuner.begin(self._batch_signature)
         self._build_plan()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike | None = None, *, extra: Any = None) -> Path:
+        """Write a sharded checkpoint of this step under ``path`` (default
+        `Config.checkpoint_dir`): servers write their rows and optimizer state, rank 0 the
+        dense part, the positions of the `parallax.shard` loaders and ``extra`` (anything
+        ``torch.save`` takes, e.g. an lr scheduler's state). Collective; returns the step
+        directory."""
+        root = path if path is not None else self.config.checkpoint_dir
+        if root is None:
+            raise ValueError("Runner.save needs a path, or Config(checkpoint_dir=...)")
+        keep = self.config.checkpoint_keep if path is None else None
+        directory = checkpoint.save(self, root, keep=keep, extra=extra)
+        self._last_save = time.monotonic()
+        return directory
+
+    def load(self, path: str | os.PathLike | None = None) -> Any:
+        """Restore the checkpoint at ``path`` (a step directory), or the newest complete one
+        under it (default `Config.checkpoint_dir`), on this cluster whatever its shape and
+        partition counts were: parameters, optimizer state, step, loader positions (and
+        random generators when the worker count is the same). Returns the saved ``extra``.
+        Collective."""
+        root = path if path is not None else self.config.checkpoint_dir
+        if root is None:
+            raise ValueError("Runner.load needs a path, or Config(checkpoint_dir=...)")
+        return checkpoint.load(self, root)
+
+    def _resume_from_newest(self, root: str) -> None:
+        box = [checkpoint.find(root) is not None if self.worker.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._sparse_group)
+        if box[0]:
+            self.load(root)
+            if self.worker.rank == 0:
+                print(f"parallax: resumed from step {self.global_step} ({root})",
+                      file=sys.stderr, flush=True)
+
+    def _checkpoint_due(self) -> bool:
+        config = self.config
+        if config.checkpoint_every_steps and self.global_step % config.checkpoint_every_steps == 0:
+            return True
+        if config.checkpoint_every_secs is None:
+            return False
+        due = torch.tensor(float(time.monotonic() - self._last_save
+                                 >= config.checkpoint_every_secs), device=self.device)
+        dist.broadcast(due, src=0, group=self._sparse_group)  # rank 0's clock decides
+        return bool(due)
 
     # ---- plan ----------------------------------------------------------------------------
     def _build_plan(self) -> None:
@@ -431,6 +536,39 @@ class Runner:
 
     def reset_stats(self) -> None:
         self.traffic.reset()
+
+
+def _check_same_everywhere(model: nn.Module, config: Config, worker: WorkerInfo,
+                           group: dist.ProcessGroup) -> None:
+    """Every worker must run the same model with the same Config: compared with rank 0's at
+    start-up, before anything is exchanged (collective)."""
+    mine = {"config": config.to_dict(),
+            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]}
+    everyone: list[Any] = [None] * worker.world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    problems = []
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        fields = sorted(k for k in reference["config"]
+                        if theirs["config"].get(k) != reference["config"][k])
+        if fields:
+            problems.append(f"rank {rank}'s Config differs in " + ", ".join(
+                f"{k} ({theirs['config'].get(k)!r} vs {reference['config'][k]!r})"
+                for k in fields))
+        if theirs["parameters"] != reference["parameters"]:
+            ours = {n: (s, d) for n, s, d in reference["parameters"]}
+            odd = [n for n, s, d in theirs["parameters"] if ours.get(n) != (s, d)]
+            odd += [n for n in ours if n not in {t[0] for t in theirs["parameters"]}]
+            problems.append(f"rank {rank}'s model differs in parameter(s) {sorted(set(odd))}")
+    if problems:
+        raise ValueError(f"rank {worker.rank}: workers disagree with rank 0: "
+                         + "; ".join(problems) + ". Every worker must build the same model "
+                         "and Config.")
+
+
+def _all_finite(grad: Tensor) -> bool:
+    values = grad._values() if grad.is_sparse else grad
+    return bool(torch.isfinite(values).all())
 
 
 def _shapes(value: Any) -> Any:

@@ -4,6 +4,8 @@ Usage: faulty_worker.py MODE OUT_DIR, MODE one of
   bad_id   rank 1's batch holds an embedding id outside the table
   raise    rank 1 raises in its 3rd step while the others wait in collectives
   lbfgs    the optimizer cannot be applied per shard
+  mismatch rank 1 builds another Config and model head than rank 0
+  nan      rank 1's loss is NaN in step 3 (nan-skip: with Config(nonfinite="skip"))
   export   no fault: train, export, and check the export reproduces the runner's outputs
 Every worker writes OUT_DIR/pid-RANK so the test can check no process is left behind.
 """
@@ -31,16 +33,30 @@ def main() -> None:
         optimizer = torch.optim.LBFGS(model.parameters())
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    runner = parallax.get_runner(model, optimizer, loss_fn,
-                                 config=parallax.Config(collective_timeout_s=60))
+    config = parallax.Config(collective_timeout_s=60)
+    if mode == "mismatch" and worker.rank == 1:
+        config = parallax.Config(collective_timeout_s=60, clip_grad_norm=1.0)
+        model.out = torch.nn.Linear(10, 5)  # a different head: another model signature
+    poisoned = [False]
+
+    def loss(output, target):  # NaN on rank 1 alone, in mode nan/nan-skip, step 3
+        value = loss_fn(output, target)
+        return value * float("nan") if poisoned[0] else value
+
+    if mode == "nan-skip":
+        config = parallax.Config(collective_timeout_s=60, nonfinite="skip")
+    runner = parallax.get_runner(model, optimizer, loss, config=config)
     for step, batch in enumerate(global_batches(Case("mixed", "adam"))):
         x, y = worker_slice(batch, worker.rank, worker.world_size)
+        poisoned[0] = mode.startswith("nan") and worker.rank == 1 and step == 2
         if mode == "bad_id" and worker.rank == 1 and step == 2:
             x = x.clone()
             x[0, 0] = 123_456
         if mode == "raise" and worker.rank == 1 and step == 2:
             raise RuntimeError("deliberate failure in the user's training loop")
         runner.step((x, y))
+    if mode == "nan-skip":
+        (out / f"skipped-{worker.rank}").write_text(str(runner.skipped_steps))
     if mode == "export":
         probe = torch.randint(0, 40, (16, 5), generator=torch.Generator().manual_seed(7))
         with torch.no_grad():

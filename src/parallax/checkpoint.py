@@ -1,0 +1,352 @@
+"""Sharded checkpoints of a `Runner`: every server writes its own rows, rank 0 the rest.
+
+A checkpoint of step ``s`` is the directory ``<root>/step-<s>`` (`parallax.checkpoint_files`):
+
+* ``tables/<name>/server-<k>.pt``, written by server ``k`` for each table it holds: the global
+  ids of its rows, their values, the per-row optimizer state and the scalar state (step
+  counts). Tables replicated on the workers (AllReduce/AllGatherv) are written by rank 0 the
+  same way (``replica.pt``), so every table has one format whatever its placement was;
+* ``dense.pt`` (rank 0): the model's other entries and the user's optimizers' state dicts;
+* ``rng/rank-<r>.pt``: each rank's random generator states; ``extra.pt``: the caller's extra;
+* ``manifest.json`` last (rank 0), after every rank reported its files and their checksums:
+  step, parameters, tables, config, cluster shape, data position.
+
+Because rows are stored with their global ids, a checkpoint loads on any cluster shape and
+partition count: each server reads the rows it owns under the *new* partitioning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parallax.checkpoint_files import (
+    CheckpointError,
+    FileRecord,
+    Manifest,
+    load_object,
+    newest_complete,
+    prune,
+    read_manifest,
+    save_object,
+    step_dir,
+    write_manifest,
+)
+from parallax.optim import optimizer_of
+from parallax.replicated import ReplicatedTable
+from parallax.sparse import ShardedTable
+
+if TYPE_CHECKING:
+    from parallax.runner import Runner
+
+__all__ = ["CheckpointError", "find", "load", "save"]
+
+log = logging.getLogger("parallax")
+FORMAT = "parallax-checkpoint"
+
+
+# ---- saving ------------------------------------------------------------------------------------
+def save(runner: Runner, root: str | os.PathLike, *, keep: int | None = None,
+         extra: Any = None) -> Path:
+    """Write step ``runner.global_step`` under ``root`` (collective). A failure on any rank
+    raises on every rank and writes no manifest: the previous checkpoint stays the newest."""
+    worker = runner.worker
+    directory = step_dir(root, runner.global_step)
+    records: dict[str, FileRecord] = {}
+    error = None
+    try:
+        records.update(_save_rank_files(runner, directory, extra))
+    except Exception as failure:  # reported on every rank below, not left to hang them
+        error = f"rank {worker.rank}: {type(failure).__name__}: {failure}"
+    gathered: list[Any] = [None] * worker.world_size
+    dist.all_gather_object(gathered, (records, error), group=runner._sparse_group)
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise CheckpointError(f"saving step {runner.global_step} to {directory} failed "
+                              f"({'; '.join(errors)}); the previous checkpoint is intact")
+    outcome: list[Any] = [""]
+    if worker.rank == 0:
+        try:
+            files = {path: record for rank_files, _ in gathered for path, record in
+                     rank_files.items()}
+            write_manifest(directory, Manifest(runner.global_step, files,
+                                               _meta(runner, files, extra is not None)))
+        except Exception as failure:
+            outcome[0] = f"rank 0: {type(failure).__name__}: {failure}"
+        if keep is not None and not outcome[0]:
+            try:
+                prune(root, keep)
+            except OSError as failure:  # the new checkpoint is complete: only tidying failed
+                log.warning("parallax: could not delete old checkpoints under %s: %s", root,
+                            failure)
+    # Complete (or failed) on every rank's return.
+    dist.broadcast_object_list(outcome, src=0, group=runner._sparse_group)
+    if outcome[0]:
+        raise CheckpointError(f"saving step {runner.global_step} to {directory} failed "
+                              f"({outcome[0]}); the previous checkpoint is intact")
+    return directory
+
+
+def _save_rank_files(runner: Runner, directory: Path, extra: Any) -> dict[str, FileRecord]:
+    worker = runner.worker
+    records = {}
+    for name, table in runner.layout.all_tables().items():
+        if isinstance(table, ShardedTable) and table.shard is not None:
+            server = worker.server_ranks.index(worker.rank)
+            rows, scalars = _split_state(runner.shard_optimizer.table_state(table),
+                                         table.shard.shape)
+            path = f"tables/{name}/server-{server}.pt"
+            records[path] = save_object(directory / path, {
+                "ids": table.partitioning.rows_of_server(server),
+                "values": table.shard.detach(), "state": rows, "scalars": scalars})
+        elif isinstance(table, ReplicatedTable) and worker.rank == 0:
+            owner = optimizer_of(runner.optimizers, table.param)
+            state = dict(owner.state.get(table.param, {})) if owner is not None else {}
+            rows, scalars = _split_state(state, table.param.shape)
+            path = f"tables/{name}/replica.pt"
+            records[path] = save_object(directory / path, {
+                "ids": torch.arange(table.num_rows), "values": table.param.detach(),
+                "state": rows, "scalars": scalars})
+    if worker.rank == 0:
+        held = _table_keys(runner)
+        model = {k: v for k, v in runner.model.state_dict().items() if k not in held}
+        records["dense.pt"] = save_object(directory / "dense.pt", {
+            "model": model, "optimizers": [opt.state_dict() for opt in runner.optimizers]})
+        if extra is not None:
+            records["extra.pt"] = save_object(directory / "extra.pt", extra)
+    path = f"rng/rank-{worker.rank}.pt"
+    records[path] = save_object(directory / path, _rng_state())
+    return records
+
+
+def _meta(runner: Runner, files: dict[str, FileRecord], has_extra: bool) -> dict[str, Any]:
+    from parallax.api import sharded_loaders
+
+    tables = {}
+    for name, table in runner.layout.all_tables().items():
+        placement = runner.layout.placements.get(name, ("allreduce", 0, ()))
+        tables[name] = {
+            "files": sorted(p for p in files if p.startswith(f"tables/{name}/")),
+            "num_rows": table.num_rows, "row_shape": list(table.row_shape),
+            "dtype": _dtype_name(table.dtype), "sync": placement[0],
+            "partitions": placement[1]}
+    return {
+        "format": FORMAT, "step": runner.global_step,
+        "parameters": {n: {"shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
+                       for n, p in runner.model.named_parameters()},
+        "aliases": _aliases(runner.model),
+        "tables": tables, "dense_file": "dense.pt",
+        "extra_file": "extra.pt" if has_extra else None,
+        "rng_files": {str(r): f"rng/rank-{r}.pt" for r in range(runner.worker.world_size)},
+        "config": runner.config.to_dict(),
+        "cluster": {"machines": len(runner.worker.server_ranks),
+                    "world_size": runner.worker.world_size},
+        "data": [loader.position() for loader in sharded_loaders()],
+        "torch": torch.__version__,
+    }
+
+
+# ---- finding and loading ----------------------------------------------------------------------
+def find(path: str | os.PathLike) -> Path | None:
+    """``path`` itself when it is a checkpoint (holds a manifest), else the newest complete
+    checkpoint under it; None when there is none."""
+    path = Path(path)
+    if (path / "manifest.json").exists():
+        return path
+    return newest_complete(path) if path.is_dir() else None
+
+
+def load(runner: Runner, path: str | os.PathLike) -> Any:
+    """Restore ``runner`` (and the `parallax.shard` loaders) from the checkpoint at ``path``
+    or the newest complete one under it; returns the saved ``extra`` (collective)."""
+    worker = runner.worker
+    box: list[Any] = [str(find(path) or "") if worker.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=runner._sparse_group)
+    if not box[0]:
+        raise CheckpointError(f"no complete checkpoint at or under {path}")
+    directory = Path(box[0])
+    manifest = read_manifest(directory)
+    meta = manifest.meta
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{directory}: not a parallax checkpoint")
+    _check_compatible(directory, meta, runner)
+
+    def read(relative: str, **kwargs: Any) -> Any:
+        if relative not in manifest.files:
+            raise CheckpointError(f"{directory}: {relative} is not listed in the manifest")
+        return load_object(directory / relative, manifest.files[relative], **kwargs)
+
+    dense = read(meta["dense_file"])
+    missing, unexpected = runner.model.load_state_dict(dense["model"], strict=False)
+    held = _table_keys(runner, meta)
+    if unexpected or set(missing) - held:
+        raise CheckpointError(f"{directory}: dense state does not fit the model (missing "
+                              f"{sorted(set(missing) - held)}, unexpected {unexpected})")
+    for optimizer, state in zip(runner.optimizers, dense["optimizers"], strict=True):
+        optimizer.load_state_dict(state)
+    tables = runner.layout.all_tables()
+    params = dict(runner.model.named_parameters())
+    for name, info in meta["tables"].items():  # server-held there, dense here (ps -> hybrid)
+        if name not in tables:
+            _load_into(runner, params[name], info["num_rows"], tuple(info["row_shape"]),
+                       [read(f) for f in info["files"]])
+    for name, table in tables.items():
+        pieces = ([read(f) for f in meta["tables"][name]["files"]] if name in meta["tables"]
+                  else [_piece_from_model(runner, table)])
+        if isinstance(table, ShardedTable):
+            _load_shard(runner, table, pieces, directory)
+        else:
+            _load_into(runner, table.param, table.num_rows, table.row_shape, pieces)
+    if meta["cluster"]["world_size"] == worker.world_size:
+        _set_rng_state(read(meta["rng_files"][str(worker.rank)]))
+    elif worker.rank == 0:
+        log.warning("parallax: %s was saved by %d workers, resumed on %d: random generators "
+                    "start afresh (the data order is restored)", directory,
+                    meta["cluster"]["world_size"], worker.world_size)
+    _resume_loaders(meta.get("data", []), directory, worker.rank)
+    runner.global_step = manifest.step
+    return read(meta["extra_file"], weights_only=False) if meta.get("extra_file") else None
+
+
+def _check_compatible(directory: Path, meta: dict[str, Any], runner: Runner) -> None:
+    saved = meta["parameters"]
+    here = {n: {"shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
+            for n, p in runner.model.named_parameters()}
+    problems = [f"'{n}' is not in the model" for n in sorted(set(saved) - set(here))]
+    problems += [f"'{n}' is not in the checkpoint" for n in sorted(set(here) - set(saved))]
+    problems += [f"'{n}' has shape {here[n]['shape']} {here[n]['dtype']} here, "
+                 f"{saved[n]['shape']} {saved[n]['dtype']} in the checkpoint"
+                 for n in sorted(set(saved) & set(here)) if saved[n] != here[n]]
+    if problems:
+        raise CheckpointError(f"{directory} does not belong to this model: "
+                              + "; ".join(problems))
+
+
+def _piece_from_model(runner: Runner, table: ShardedTable | ReplicatedTable) -> dict[str, Any]:
+    """A parameter the checkpoint holds with the dense state (replicated there, server-held
+    here, e.g. a dense parameter resumed under ``ps``): already loaded into the model and the
+    user's optimizer, read back as one piece."""
+    param = dict(runner.model.named_parameters())[table.name]
+    owner = optimizer_of(runner.optimizers, param)
+    rows, scalars = _split_state(dict(owner.state.get(param, {})) if owner else {}, param.shape)
+    shape = (table.num_rows, *table.row_shape)
+    return {"ids": torch.arange(table.num_rows), "values": param.detach().reshape(shape),
+            "state": {key: value.reshape(shape) for key, value in rows.items()},
+            "scalars": scalars}
+
+
+def _load_shard(runner: Runner, table: ShardedTable, pieces: list[dict[str, Any]],
+                directory: Path) -> None:
+    """This server's rows of ``table`` under its current partitioning, from any pieces."""
+    if table.shard is None:
+        return
+    rank = runner.worker.rank
+    values = torch.empty_like(table.shard)
+    rows: dict[str, Tensor] = {}
+    filled = 0
+    for piece in pieces:
+        ids = piece["ids"].to(table.device)
+        mine = table.partitioning.owner_rank(ids) == rank
+        local = table.partitioning.local_row(ids[mine])
+        values[local] = piece["values"].to(table.device, table.dtype).reshape(
+            -1, *table.row_shape)[mine]
+        for key, value in piece["state"].items():
+            target = rows.setdefault(key, torch.zeros(table.shard.shape, dtype=value.dtype,
+                                                      device=table.device))
+            target[local] = value.to(table.device).reshape(-1, *table.row_shape)[mine]
+        filled += int(mine.sum())
+    if filled != table.shard.shape[0]:
+        raise CheckpointError(f"{directory}: table '{table.name}' restores {filled} of the "
+                              f"{table.shard.shape[0]} rows rank {rank} holds")
+    with torch.no_grad():
+        table.shard.copy_(values)  # in place: the partitions view the shard's storage
+    state = {**pieces[0]["scalars"], **rows} if rows or pieces[0]["scalars"] else {}
+    runner.shard_optimizer.set_table_state(table, state)
+    table.zero_grad()
+
+
+def _load_into(runner: Runner, param: torch.nn.Parameter, num_rows: int,
+               row_shape: tuple[int, ...], pieces: list[dict[str, Any]]) -> None:
+    """A parameter every worker holds whole: all its rows, and its optimizer state in the
+    user's optimizer."""
+    full = torch.empty(num_rows, *row_shape, dtype=param.dtype, device=param.device)
+    rows: dict[str, Tensor] = {}
+    for piece in pieces:
+        ids = piece["ids"].to(param.device)
+        full[ids] = piece["values"].to(param.device, param.dtype).reshape(-1, *row_shape)
+        for key, value in piece["state"].items():
+            rows.setdefault(key, torch.zeros_like(full, dtype=value.dtype))[ids] = value.to(
+                param.device).reshape(-1, *row_shape)
+    with torch.no_grad():
+        param.copy_(full.view_as(param))
+    owner = optimizer_of(runner.optimizers, param)
+    if owner is not None and (rows or pieces[0]["scalars"]):
+        owner.state[param] = {**pieces[0]["scalars"],
+                              **{k: v.view_as(param) for k, v in rows.items()}}
+
+
+def _resume_loaders(positions: list[dict[str, Any]], directory: Path, rank: int) -> None:
+    from parallax.api import sharded_loaders
+
+    loaders = sharded_loaders()
+    if len(loaders) != len(positions) and rank == 0:
+        log.warning("parallax: %s holds the position of %d parallax.shard loader(s), this "
+                    "program has %d: %s", directory, len(positions), len(loaders),
+                    "only the first ones resume" if loaders else "none resumes")
+    for loader, position in zip(loaders, positions, strict=False):
+        loader.resume(position)
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _split_state(state: dict[str, Any], shape: torch.Size) -> tuple[dict[str, Tensor],
+                                                                    dict[str, Any]]:
+    rows = {k: v.detach() for k, v in state.items()
+            if isinstance(v, Tensor) and v.shape == shape}
+    return rows, {k: v for k, v in state.items() if k not in rows}
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, str]:
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+            if canonical[id(p)] != n}
+
+
+def _table_keys(runner: Runner, meta: dict[str, Any] | None = None) -> set[str]:
+    """State-dict keys whose values live in table files (tables and their aliases)."""
+    names = set(runner.layout.all_tables())
+    if meta is not None:
+        names |= set(meta["tables"])
+    aliases = _aliases(runner.model)
+    return names | {alias for alias, name in aliases.items() if name in names}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _rng_state() -> dict[str, Any]:
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [kind, torch.from_numpy(np.asarray(keys).copy()), position, has_gauss,
+                       gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, gauss_value = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), position, has_gauss, gauss_value))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

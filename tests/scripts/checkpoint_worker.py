@@ -1,0 +1,71 @@
+"""Worker of the checkpoint tests: the equivalence suite's mixed model (embedding, bag, MLP;
+Adam everywhere, clipping, float64) trained on a parallax.shard-ed loader with global batch
+12, checkpointing every 2 steps into DIR and resuming from the newest checkpoint at start.
+
+Usage: parallax run ... checkpoint_worker.py DIR STOP OUT [PARTITIONS] [--kill-at N]
+trains until global step STOP (or the data ends), then rank 0 writes the exported state_dict
+to OUT ("-": nowhere). --kill-at N: in the job's first attempt, rank 1 SIGKILLs itself in
+step N (a crashed machine)."""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from equivalence_cases import Mixed, loss_fn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import parallax  # noqa: E402
+from parallax.cluster import current_worker  # noqa: E402
+
+GLOBAL_BATCH, STEPS, VOCAB = 12, 10, 40
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(5)
+    u = torch.rand(GLOBAL_BATCH * STEPS, 5, generator=generator, dtype=torch.float64)
+    ids = (VOCAB ** u - 1).long().clamp(0, VOCAB - 1)
+    return TensorDataset(ids, torch.randint(0, 4, (GLOBAL_BATCH * STEPS,), generator=generator))
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Mixed().double()
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    kill_at = None
+    if "--kill-at" in args:
+        at = args.index("--kill-at")
+        kill_at = int(args[at + 1])
+        del args[at:at + 2]
+    directory, stop, out = args[0], int(args[1]), args[2]
+    partitions = int(args[3]) if len(args) > 3 else None
+    worker = current_worker()
+    loader = parallax.shard(DataLoader(dataset(), batch_size=GLOBAL_BATCH // worker.world_size))
+    model, optimizer = build()
+    config = parallax.Config(clip_grad_norm=0.05, num_partitions=partitions,
+                             checkpoint_dir=directory, checkpoint_every_steps=2,
+                             collective_timeout_s=30)
+    runner = parallax.get_runner(model, optimizer, loss_fn, config=config)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    for batch in loader:
+        if runner.global_step >= stop:
+            break
+        if kill_at is not None and first_attempt and worker.rank == 1 \
+                and runner.global_step + 1 == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        runner.step(batch)
+    state = runner.state_dict()
+    if worker.rank == 0 and out != "-":
+        torch.save({k: v.detach().clone() for k, v in state.items()}, out)
+    parallax.shutdown()
+
+
+if __name__ == "__main__":
+    main()

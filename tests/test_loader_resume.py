@@ -1,0 +1,217 @@
+"""Loader positions: a checkpoint resumes the data stream where it stopped, on any worker count.
+
+No process group: each test builds the loaders of all W workers in this one process by faking
+`current_worker`, and steps them in lock step as a real job would.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, TensorDataset
+
+import parallax
+from parallax import api
+from parallax.api import ShardedLoader, sharded_loaders
+from parallax.cluster import WorkerInfo
+
+SEED = 7
+
+
+def _loaders(n: int, world: int, batch: int, *, shuffle: bool,
+             drop_last: bool) -> list[ShardedLoader]:
+    """The ShardedLoaders of ranks 0..world-1 over samples 0..n-1."""
+    data = TensorDataset(torch.arange(n))
+    loaders = []
+    for rank in range(world):
+        worker = WorkerInfo(rank=rank, world_size=world, local_rank=rank, machine=0,
+                            num_machines=1, machine_of_rank=(0,) * world)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(api, "current_worker", lambda worker=worker: worker)
+            loader = parallax.shard(DataLoader(data, batch_size=batch, shuffle=shuffle,
+                                               drop_last=drop_last), seed=SEED)
+        assert isinstance(loader, ShardedLoader)
+        loaders.append(loader)
+    return loaders
+
+
+def _global_batches(iterators: list[Iterator], steps: int | None = None) -> list[list[int]]:
+    """Step all workers together; interleave their k-th batches back into global order
+    (rank r's j-th sample of a batch is global position j*W + r within it)."""
+    out = []
+    for batches in zip(*iterators, strict=True):
+        out.append(torch.stack([b[0] for b in batches], dim=1).flatten().tolist())
+        if steps is not None and len(out) == steps:
+            break
+    return out
+
+
+def _expected(n: int, world: int, batch: int, *, shuffle: bool, drop_last: bool,
+              epoch: int) -> list[list[int]]:
+    """The uninterrupted program's global batches of ``world * batch`` in an epoch: the epoch's
+    permutation, cyclically padded to a multiple of ``world`` (drop_last False) or cut to whole
+    global batches (drop_last True), as torch's DistributedSampler documents."""
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
+    else:
+        order = list(range(n))
+    size = world * batch
+    if drop_last:
+        order = order[:n // size * size]
+    else:
+        total = math.ceil(n / world) * world
+        order = (order * world)[:total]
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def _positions(loaders: list[ShardedLoader]) -> dict[str, int]:
+    positions = [loader.position() for loader in loaders]
+    assert all(p == positions[0] for p in positions), positions
+    return positions[0]
+
+
+FLAGS = [(s, d) for s in (False, True) for d in (False, True)]
+
+
+@pytest.mark.parametrize(("shuffle", "drop_last"), FLAGS)
+@pytest.mark.parametrize(("n", "world"), [(24, 2), (29, 2), (29, 3), (7, 4)])
+def test_workers_kth_batches_interleave_to_the_global_batch(n: int, world: int, shuffle: bool,
+                                                            drop_last: bool) -> None:
+    loaders = _loaders(n, world, 2, shuffle=shuffle, drop_last=drop_last)
+    for epoch in range(2):
+        got = _global_batches([iter(loader) for loader in loaders])
+        assert got == _expected(n, world, 2, shuffle=shuffle, drop_last=drop_last, epoch=epoch)
+        assert len(got) == len(loaders[0])
+    single = _expected(n, 1, 2 * world, shuffle=shuffle, drop_last=drop_last, epoch=1)
+    if drop_last:
+        assert got == single
+    else:  # the same samples; the last batch may carry up to W-1 padding duplicates
+        assert sum(got, [])[:n] == sum(single, [])
+
+
+def test_unshuffled_single_device_reference_is_the_plain_dataloader() -> None:
+    data = TensorDataset(torch.arange(29))
+    for drop_last in (False, True):
+        plain = [b[0].tolist() for b in DataLoader(data, batch_size=6, drop_last=drop_last)]
+        assert plain == _expected(29, 1, 6, shuffle=False, drop_last=drop_last, epoch=0)
+
+
+def _stop_and_resume(n: int, steps: int, epochs_before: int, shuffle: bool,
+                     drop_last: bool) -> None:
+    """Run W=2 (b=3) for ``steps`` global batches, then resume on W'=3 (b=2) and W'=1 (b=6)."""
+    flags = {"shuffle": shuffle, "drop_last": drop_last}
+    old = _loaders(n, 2, 3, **flags)
+    for _ in range(epochs_before):
+        _global_batches([iter(loader) for loader in old])
+    epoch = epochs_before
+    full = _expected(n, 2, 3, **flags, epoch=epoch)
+    steps = min(steps, len(full))
+    done = _global_batches([iter(loader) for loader in old], steps) if steps else []
+    assert done == full[:steps]
+    position = _positions(old)
+    if steps and steps == len(full):  # the last batch is out: the stream is at the next epoch
+        assert position == {"epoch": epoch + 1, "samples": 0}
+        epoch, steps = epoch + 1, 0
+    else:
+        assert position == {"epoch": epoch, "samples": steps * 6}
+
+    for world, batch in ((3, 2), (1, 6)):
+        new = _loaders(n, world, batch, **flags)
+        for loader in new:
+            loader.resume(position)
+        assert _positions(new) == position
+        expected = _expected(n, world, batch, **flags, epoch=epoch)
+        rest = _global_batches([iter(loader) for loader in new])
+        assert rest == expected[steps:], (world, batch)
+        assert len(new[0]) == len(expected), "len() is a full epoch's"
+        assert _positions(new) == {"epoch": epoch + 1, "samples": 0}
+        following = _global_batches([iter(loader) for loader in new])
+        assert following == _expected(n, world, batch, **flags, epoch=epoch + 1)
+
+
+@pytest.mark.parametrize(("shuffle", "drop_last"), FLAGS)
+@pytest.mark.parametrize("n", [24, 29, 31])
+def test_resume_on_other_worker_counts_continues_the_stream(n: int, shuffle: bool,
+                                                            drop_last: bool) -> None:
+    for steps in range(6):
+        _stop_and_resume(n, steps, 0, shuffle, drop_last)
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 40), steps=st.integers(0, 8), epochs_before=st.integers(0, 1),
+       shuffle=st.booleans(), drop_last=st.booleans())
+def test_resume_property(n: int, steps: int, epochs_before: int, shuffle: bool,
+                         drop_last: bool) -> None:
+    _stop_and_resume(n, steps, epochs_before, shuffle, drop_last)
+
+
+def test_position_counts_batches_of_a_resumed_epoch_and_resumes_again() -> None:
+    flags = {"shuffle": True, "drop_last": False}
+    first = _loaders(30, 2, 3, **flags)
+    _global_batches([iter(loader) for loader in first], 2)
+    second = _loaders(30, 3, 2, **flags)
+    for loader in second:
+        loader.resume(_positions(first))
+    _global_batches([iter(loader) for loader in second], 1)
+    assert _positions(second) == {"epoch": 0, "samples": 18}
+    third = _loaders(30, 1, 6, **flags)
+    third[0].resume(_positions(second))
+    assert _global_batches([iter(third[0])]) == _expected(30, 1, 6, **flags, epoch=0)[3:]
+
+
+def test_resume_at_a_sample_count_the_new_workers_cannot_split_names_both() -> None:
+    (loader,) = _loaders(30, 1, 2, shuffle=False, drop_last=False)
+    _global_batches([iter(loader)], 3)
+    position = loader.position()
+    assert position == {"epoch": 0, "samples": 6}
+    for new in _loaders(30, 4, 1, shuffle=False, drop_last=False):
+        with pytest.raises(ValueError, match=r"samples=6 on 4 workers.*global batch"):
+            new.resume(position)
+
+
+@pytest.mark.parametrize("bad", [{"epoch": 0}, {"epoch": -1, "samples": 0},
+                                 {"epoch": 0, "samples": 1.5}, {"epoch": 0, "samples": 31},
+                                 [0, 0]])
+def test_resume_rejects_malformed_positions(bad: object) -> None:
+    (loader,) = _loaders(30, 1, 2, shuffle=False, drop_last=False)
+    with pytest.raises(ValueError, match="samples|position"):
+        loader.resume(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_position_after_an_exhausted_epoch_is_the_next_epoch(drop_last: bool) -> None:
+    (loader,) = _loaders(7, 1, 3, shuffle=True, drop_last=drop_last)
+    assert loader.position() == {"epoch": 0, "samples": 0}
+    batches = iter(loader)
+    for _ in range(len(loader) - 1):
+        next(batches)
+    assert loader.position() == {"epoch": 0, "samples": 3 * (len(loader) - 1)}
+    next(batches)  # the last batch: the epoch is used up before StopIteration
+    assert loader.position() == {"epoch": 1, "samples": 0}
+    assert list(batches) == []
+    assert loader.position() == {"epoch": 1, "samples": 0}
+
+
+def test_a_stale_iterator_does_not_move_the_position() -> None:
+    (loader,) = _loaders(12, 1, 2, shuffle=False, drop_last=False)
+    stale = iter(loader)
+    next(stale)
+    current = iter(loader)
+    next(stale)
+    next(current)
+    assert loader.position() == {"epoch": 1, "samples": 2}
+
+
+def test_registry_lists_live_loaders_in_creation_order() -> None:
+    before = sharded_loaders()
+    loaders = _loaders(8, 2, 2, shuffle=False, drop_last=False)
+    assert sharded_loaders()[len(before):] == loaders
+    del loaders
+    gc.collect()
+    assert sharded_loaders() == before
