@@ -2,13 +2,15 @@
 
 ``parallax run`` starts a training script on every worker; ``parallax plan`` runs it only for
 the warm-up steps that measure sparsity, then prints the per-parameter plan (and writes it as
-JSON) and stops.
+JSON) and stops.  ``parallax export`` turns a sharded checkpoint into one plain state_dict file.
 
 Examples::
 
     parallax run --machines 2 --nproc-per-machine 2 train.py --epochs 3
     parallax run --resources cluster.txt --machine-index 0 train.py   # on each machine
+    parallax run --machines 1 --nproc-per-machine 4 --max-restarts 3 train.py
     parallax plan --machines 2 --nproc-per-machine 2 --json plan.json train.py
+    parallax export checkpoints/ model.pt    # the newest complete step under checkpoints/
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ USAGE_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``parallax`` argument parser (sub-commands ``run`` and ``plan``)."""
+    """The ``parallax`` argument parser (sub-commands ``run``, ``plan`` and ``export``)."""
     parser = argparse.ArgumentParser(
         prog="parallax", description="Hybrid data-parallel training for PyTorch."
     )
@@ -42,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="launch a script on every worker of a cluster",
         description="Launch SCRIPT with the python running parallax on every worker.",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a worker fails, restart all workers up to N times before giving up "
+        "(torch elastic restarts; the script must resume itself, e.g. from a checkpoint; "
+        "default 0)",
     )
     _add_cluster_arguments(run)
     plan = commands.add_parser(
@@ -54,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--warmup-steps", type=int, default=5, metavar="K",
                       help="training steps that measure alpha (default 5)")
     _add_cluster_arguments(plan)
+    export = commands.add_parser(
+        "export",
+        help="write a sharded checkpoint's model as one plain state_dict file",
+        description="Assemble CHECKPOINT (a step directory, or a checkpoint root whose newest "
+        "complete step is used) into a single-device state_dict and torch.save it to OUT; "
+        "every file read is checked against the manifest's checksums.",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="step directory or root")
+    export.add_argument("out", metavar="OUT", help="the .pt file to write")
     return parser
 
 
@@ -87,7 +107,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     return _run(parser, args)
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``parallax export``: a bad or corrupt checkpoint is the user's problem, not a bug, so
+    it gets a one-line error naming the file rather than a traceback."""
+    from parallax.checkpoint_files import CheckpointError  # imports torch
+    from parallax.export import read_checkpoint, save_state_dict
+
+    try:
+        exported = read_checkpoint(args.checkpoint)
+    except CheckpointError as err:
+        return _fail(str(err))
+    try:
+        out = save_state_dict(exported.state_dict, args.out)
+    except OSError as err:
+        return _fail(f"cannot write {args.out}: {err}")
+    print(f"parallax: exported step {exported.step} ({len(exported.state_dict)} tensors) "
+          f"to {out}")
+    return 0
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -99,6 +140,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not os.path.isfile(args.script):
         return _fail(f"no such script: {args.script}")
 
+    max_restarts = getattr(args, "max_restarts", 0)  # only ``run`` has the flag
+    if max_restarts < 0:
+        return _fail(f"--max-restarts must be at least 0, got {max_restarts}")
+
     from parallax.launch import launch  # imports torch: keep usage errors fast
 
     env = {}
@@ -108,7 +153,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         json_path = os.path.abspath(args.json) if args.json else ""
         env = {PLAN_ONLY_ENV: json_path, PLAN_WARMUP_ENV: str(args.warmup_steps)}
     if args.emulate_network:
-        return _run_emulated(args, env)
+        return _run_emulated(args, env, max_restarts)
     try:
         return launch(
             spec,
@@ -117,12 +162,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             master_addr=args.master_addr,
             master_port=args.master_port,
             env=env,
+            max_restarts=max_restarts,
         )
     except ValueError as err:
         return _fail(str(err))
 
 
-def _run_emulated(args: argparse.Namespace, env: dict[str, str]) -> int:
+def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: int) -> int:
     """Each emulated machine in a network namespace with a rate-limited link; one elastic
     agent per machine; the links' byte counters reported at the end."""
     import tempfile
@@ -140,8 +186,12 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str]) -> int:
             spec_file = os.path.join(tmp, "resources.txt")
             with open(spec_file, "w") as out:
                 out.write(text)
+            # launch_machines runs ``parallax run <its options> CMD`` per machine: options
+            # put before the script reach each machine's ``run`` (``--max-restarts`` there).
+            restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
             code = launch_machines(
-                spec_file, parse_resources(spec_file), [args.script, *args.script_args],
+                spec_file, parse_resources(spec_file),
+                [*restarts, args.script, *args.script_args],
                 [NamespaceExecutor(net.namespace(m)) for m in range(args.machines)],
                 master_port=args.master_port or 29400,
                 # c10d warns once per connection that the namespace cannot resolve names.

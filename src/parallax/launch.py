@@ -3,8 +3,10 @@
 Using ``torch.distributed.launcher`` (what ``torchrun`` uses) gives us its rendezvous, its
 per-worker environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and, above all, its failure
 handling: when one worker dies the agent terminates the others instead of letting them hang
-in a collective.  We add the resource spec (``PARALLAX_RESOURCES``) so that workers know
-the machine layout, and a one-line-per-rank failure report.
+in a collective, and, with ``max_restarts``, starts them all again (a fresh rendezvous; the
+workers see TORCHELASTIC_RESTART_COUNT) until the restarts are used up.  We add the
+resource spec (``PARALLAX_RESOURCES``) so that workers know the machine layout, and a
+one-line-per-rank failure report.
 """
 
 from __future__ import annotations
@@ -19,12 +21,25 @@ import tempfile
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
+from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ErrorHandler,
     ProcessFailure,
+)
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
+    StaticTCPRendezvous,
+    create_rdzv_handler,
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -39,11 +54,18 @@ RUN_ID = "parallax"
 MONITOR_INTERVAL = 0.1
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
 _ELASTIC_LOG_LEVEL = logging.ERROR
+#: The agent's logger that says (at INFO) when it restarts the worker group.
+_AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
 _SUMMARY_CHARS = 200
 # Signals the elastic agent takes over while it runs; we restore our handlers afterwards.
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # Signals the agent itself uses to stop workers after another one failed.
-_STOP_SIGNALS = frozenset({-signal.SIGTERM, -signal.SIGKILL})
+# The agent stops healthy workers with SIGTERM (SIGKILL only after a long grace period), so a
+# SIGKILL is somebody else's: the OOM killer, an operator, a crashed machine.
+_STOP_SIGNALS = frozenset({-signal.SIGTERM})
+#: Our rendezvous backend for jobs that may restart (see `_RestartableRendezvous`).
+RESTARTABLE_RDZV_BACKEND = "parallax-static"
+_WORKER_PORT_KEY = "parallax/worker_store_port"
 
 
 @dataclass(frozen=True)
@@ -115,11 +137,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch_config(plan: AgentPlan, log_dir: str) -> LaunchConfig:
-    """torch's launch config for ``plan``: static rendezvous, no restarts, fast monitoring.
+def _launch_config(plan: AgentPlan, log_dir: str, max_restarts: int = 0) -> LaunchConfig:
+    """torch's launch config for ``plan``: static rendezvous, fast monitoring, and up to
+    ``max_restarts`` restarts of the whole worker group.
 
     ``log_dir`` receives the workers' error files (torch would leave a temp dir behind).
+    With restarts the rendezvous is our restartable variant of torch's static one (same node
+    ranks, a fresh store for each attempt's workers).
     """
+    if max_restarts:
+        rendezvous_handler_registry.register(RESTARTABLE_RDZV_BACKEND, _restartable_handler)
     host = f"[{plan.master_addr}]" if ":" in plan.master_addr else plan.master_addr
     return LaunchConfig(
         min_nodes=plan.nnodes,
@@ -128,13 +155,73 @@ def _launch_config(plan: AgentPlan, log_dir: str) -> LaunchConfig:
         run_id=RUN_ID,
         role="parallax",
         rdzv_endpoint=f"{host}:{plan.master_port}",
-        rdzv_backend="static",
+        rdzv_backend=RESTARTABLE_RDZV_BACKEND if max_restarts else "static",
         rdzv_configs={"rank": plan.node_rank},
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=MONITOR_INTERVAL,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
+
+
+class _RestartableRendezvous(RendezvousHandler):
+    """torch's static rendezvous (node rank = machine index), giving every attempt's workers
+    a store of their own.
+
+    With the static backend all attempts' workers share the agents' store, and the keys a
+    first attempt's ``init_process_group`` left there (peer addresses, barrier counters) make
+    a restarted attempt's workers connect to dead peers or wait forever; torch's dynamic
+    backends avoid that by creating a store per round, but number the nodes as they arrive,
+    not by machine.  Here the agent of node 0 starts a new TCPStore on a free port for each
+    round and tells the others its port through the agents' store, under the round's prefix
+    (the agents' own keys are per round too).
+    """
+
+    def __init__(self, static: StaticTCPRendezvous) -> None:
+        self._static = static
+        self._round = 0
+        self._worker_store: TCPStore | None = None  # node 0 keeps the current one serving
+
+    def get_backend(self) -> str:
+        return RESTARTABLE_RDZV_BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the workers connect to the store we give them, as with static
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = self._static.next_rendezvous()
+        store = PrefixStore(f"round-{self._round}", info.store)
+        self._round += 1
+        static = self._static
+        if info.rank == 0:
+            self._worker_store = TCPStore(static.master_addr, 0, None, True, static.timeout,
+                                          wait_for_workers=False)
+            store.set(_WORKER_PORT_KEY, str(self._worker_store.port))
+        port = int(store.get(_WORKER_PORT_KEY))
+        return RendezvousInfo(store, info.rank, info.world_size,
+                              RendezvousStoreInfo(static.master_addr, port))
+
+    def is_closed(self) -> bool:
+        return self._static.is_closed()
+
+    def set_closed(self) -> None:
+        self._static.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._static.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._static.get_run_id()
+
+    def shutdown(self) -> bool:
+        self._worker_store = None
+        return self._static.shutdown()
+
+
+def _restartable_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's rendezvous registry entry for `RESTARTABLE_RDZV_BACKEND`."""
+    return _RestartableRendezvous(cast(StaticTCPRendezvous, create_rdzv_handler(params)))
 
 
 def launch(
@@ -145,15 +232,27 @@ def launch(
     master_addr: str | None = None,
     master_port: int | None = None,
     env: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``python -u *cmd`` as this host's workers of ``spec``; return an exit status.
 
-    Returns 0 when every worker succeeded.  When one fails the agent stops the others, a
-    line per failed rank goes to stderr and the first failure's exit code is returned.
+    Returns 0 when every worker succeeded.  When one fails the agent stops the others; with
+    restarts left it starts all of this host's workers again (``max_restarts`` times at most:
+    transient faults need not end a long job).  Once none are left, a line per failed rank
+    of the last attempt goes to stderr and the first failure's exit code is returned.
     ``env`` adds variables to the workers' environment.
+
+    With one agent per machine (``machine_index``) each agent restarts only its own workers;
+    the other machines' workers restart when their collectives fail against the dead peer
+    (gloo at once, NCCL after its watchdog timeout), and then all meet in the next round's
+    fresh store (`_RestartableRendezvous`).  A machine whose workers never notice (they had
+    finished, or talk to no one) does not restart, and the rest wait in the rendezvous until
+    its timeout (600 s).
     """
     if not cmd:
         raise ValueError("nothing to launch: cmd is empty")
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
     plan = plan_agent(
         spec, machine_index=machine_index, master_addr=master_addr, master_port=master_port
     )
@@ -162,12 +261,18 @@ def launch(
     with (
         tempfile.TemporaryDirectory(prefix="parallax-") as log_dir,
         _quiet_elastic_logs(),
+        _announced_restarts(),
         _restored_signal_handlers(),
         _patched_environ(worker_env),
     ):
         try:
-            elastic_launch(_launch_config(plan, log_dir), sys.executable)("-u", *cmd)
+            elastic_launch(
+                _launch_config(plan, log_dir, max_restarts), sys.executable
+            )("-u", *cmd)
         except ChildFailedError as err:
+            if max_restarts:
+                print(f"parallax: the job still failed after {max_restarts} restart(s)",
+                      file=sys.stderr)
             return _report_failures(err.failures, spec)
         except SignalException as err:
             print(f"parallax: launcher got {err.sigval.name}; workers stopped", file=sys.stderr)
@@ -238,6 +343,42 @@ def _quiet_elastic_logs() -> Iterator[None]:
             lg.setLevel(old)
 
 
+class _RestartAnnouncer(logging.Filter):
+    """Print a parallax line when the agent restarts the workers; let the agent logger's other
+    records through only from ``threshold`` up (its level before we lowered it to INFO)."""
+
+    def __init__(self, threshold: int) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if "attempts left" in str(record.msg) and isinstance(args, tuple) and len(args) == 4:
+            _role, state, left, total = args
+            with contextlib.suppress(TypeError, ValueError):
+                print(f"parallax: worker group {str(state).lower()}; restarting all workers "
+                      f"(restart {int(total) - int(left) + 1} of {int(total)})",
+                      file=sys.stderr)
+        return record.levelno >= self.threshold
+
+
+@contextlib.contextmanager
+def _announced_restarts() -> Iterator[None]:
+    """Say when the agent restarts the workers: the worker failure it follows is logged at
+    ERROR, but the restart itself only at INFO, below what we (or the user) let through, and a
+    job that silently started over would be puzzling."""
+    agent_logger = logging.getLogger(_AGENT_LOGGER)
+    saved_level = agent_logger.level
+    announcer = _RestartAnnouncer(agent_logger.getEffectiveLevel())
+    agent_logger.setLevel(min(logging.INFO, announcer.threshold))
+    agent_logger.addFilter(announcer)
+    try:
+        yield
+    finally:
+        agent_logger.removeFilter(announcer)
+        agent_logger.setLevel(saved_level)
+
+
 def _report_failures(failures: Mapping[int, ProcessFailure], spec: ResourceSpec) -> int:
     """Print a line per failed rank (root cause first); return the root cause's status."""
     own, stopped = _split_stopped(failures)
@@ -262,13 +403,21 @@ def _split_stopped(failures: Mapping[int, ProcessFailure]) -> tuple[list[int], l
     """
     stopped = [r for r, f in failures.items() if _was_stopped(f)]
     own = [r for r in failures if r not in stopped] or list(failures)
-    own.sort(key=lambda r: (failures[r].timestamp, _error_file_mtime(failures[r]), r))
+    # A worker killed by a signal leaves no error file, and the others' errors (connection
+    # closed by peer) follow from its death: within a second, it comes first.
+    own.sort(key=lambda r: (failures[r].timestamp, not _killed(failures[r]),
+                            _error_file_mtime(failures[r]), r))
     return own, sorted(set(stopped) - set(own))
 
 
 def _was_stopped(failure: ProcessFailure) -> bool:
     """Whether a failure looks like the agent's own termination of a healthy worker."""
     return failure.exitcode in _STOP_SIGNALS and not os.path.isfile(failure.error_file)
+
+
+def _killed(failure: ProcessFailure) -> bool:
+    """Whether the worker died by a signal before it could record an error."""
+    return failure.exitcode < 0 and not os.path.isfile(failure.error_file)
 
 
 def _error_file_mtime(failure: ProcessFailure) -> float:

@@ -1,0 +1,275 @@
+"""Turn a sharded checkpoint into one plain ``state_dict`` for inference or other tools.
+
+A checkpoint written during training is spread over files: the dense part of the model in
+one file, every sparse table in row shards keyed by row id (one shard per server and
+partition). Serving a model, fine-tuning it elsewhere or handing it to someone without
+parallax needs the ordinary single-file form, ``model.load_state_dict(torch.load(f))``.
+Exporting re-assembles the tables row by row, checks that their shards cover every row once,
+gives tied parameters back their other names and leaves the optimizer state behind.
+
+Every file read is checked against the manifest's size and SHA-256 first (`load_object`), so
+an export never silently carries a corrupt shard into a model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallax.checkpoint_files import (
+    MANIFEST_NAME,
+    CheckpointError,
+    Manifest,
+    load_object,
+    newest_complete,
+    read_manifest,
+)
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "ExportedCheckpoint",
+    "export",
+    "export_state_dict",
+    "read_checkpoint",
+    "resolve_checkpoint",
+    "save_state_dict",
+]
+
+#: ``meta["format"]`` of the runner's checkpoints; anything else is not ours to export.
+CHECKPOINT_FORMAT = "parallax-checkpoint"
+_STEP_DIR_RE = re.compile(r"step-\d{9,}")
+
+
+@dataclass(frozen=True)
+class ExportedCheckpoint:
+    """A checkpoint assembled into one state_dict, with where and which step it came from."""
+
+    directory: Path
+    step: int
+    state_dict: dict[str, torch.Tensor]
+
+
+def resolve_checkpoint(checkpoint: str | os.PathLike[str]) -> Path:
+    """The step directory ``checkpoint`` names: itself when it is one, else the newest
+    complete one below it (a checkpoint root), so users can point at the root they trained
+    with and get the latest state."""
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if (path / MANIFEST_NAME).exists() or _STEP_DIR_RE.fullmatch(path.name):
+        return path  # a step directory, complete or not: read_manifest says which
+    newest = newest_complete(path)
+    if newest is None:
+        raise CheckpointError(
+            f"{path}: no complete checkpoint here (no step-NNNNNNNNN directory with a "
+            f"readable {MANIFEST_NAME})"
+        )
+    return newest
+
+
+def read_checkpoint(checkpoint: str | os.PathLike[str]) -> ExportedCheckpoint:
+    """Assemble the checkpoint ``checkpoint`` (step directory or root) into one state_dict.
+
+    Raises CheckpointError naming the file or table at fault when a file is missing or
+    corrupt, the manifest's meta is malformed, or a table's shards miss or repeat rows.
+    """
+    directory = resolve_checkpoint(checkpoint)
+    manifest = read_manifest(directory)
+    meta = _Meta.parse(directory, manifest)
+    state: dict[str, torch.Tensor] = {}
+    dense = _load(directory, manifest, meta.dense_file)
+    model = dense.get("model") if isinstance(dense, dict) else None
+    if not isinstance(model, dict):
+        raise CheckpointError(
+            f"{directory / meta.dense_file}: expected a dict with a 'model' state_dict, "
+            f"got {type(dense).__name__}" + (f" with keys {sorted(dense)}"
+                                             if isinstance(dense, dict) else "")
+        )
+    for key, value in model.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"{directory / meta.dense_file}: model[{key!r}] is a {type(value).__name__}, "
+                "not a tensor"
+            )
+        state[key] = value.detach().cpu()
+    for name, table in meta.tables.items():
+        if name in state:
+            raise CheckpointError(
+                f"{directory / MANIFEST_NAME}: table {name!r} is also in "
+                f"{meta.dense_file}'s model state"
+            )
+        state[name] = _assemble_table(directory, manifest, name, table, meta.shape(name))
+    _add_aliases(directory, meta, state)
+    missing = [name for name in meta.parameters if name not in state]
+    if missing:
+        raise CheckpointError(
+            f"{directory / MANIFEST_NAME}: parameter(s) {', '.join(map(repr, missing))} are "
+            f"neither tables nor in {meta.dense_file}"
+        )
+    return ExportedCheckpoint(directory=directory, step=manifest.step, state_dict=state)
+
+
+def export_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The model of checkpoint ``checkpoint`` as a plain CPU state_dict (tied parameters
+    under all their names, sharing one tensor); see `read_checkpoint`."""
+    return read_checkpoint(checkpoint).state_dict
+
+
+def save_state_dict(state_dict: Mapping[str, torch.Tensor], out: str | os.PathLike[str]) -> Path:
+    """``torch.save`` ``state_dict`` to ``out`` atomically: a crash mid-write leaves either
+    the previous file or none, never a truncated one that loads as garbage later."""
+    out = Path(out)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{out.name[:200]}-", dir=out.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(dict(state_dict), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write checkpoint ``checkpoint``'s model to ``out`` as a single-file state_dict."""
+    return save_state_dict(export_state_dict(checkpoint), out)
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """The parts of a manifest's meta that export needs, checked for shape and type."""
+
+    parameters: dict[str, dict[str, Any]]
+    aliases: dict[str, str]
+    tables: dict[str, dict[str, Any]]
+    dense_file: str
+    where: Path
+
+    @classmethod
+    def parse(cls, directory: Path, manifest: Manifest) -> _Meta:
+        where = directory / MANIFEST_NAME
+        meta = manifest.meta
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(
+                f"{where}: meta.format is {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}"
+            )
+        fields = {}
+        for key, kind in (("parameters", dict), ("aliases", dict), ("tables", dict),
+                          ("dense_file", str)):
+            value = meta.get(key)
+            if not isinstance(value, kind):
+                raise CheckpointError(
+                    f"{where}: meta.{key} must be a {kind.__name__}, got {value!r:.80}"
+                )
+            fields[key] = value
+        for name, entry in fields["tables"].items():
+            if name not in fields["parameters"]:
+                raise CheckpointError(f"{where}: table {name!r} is not in meta.parameters")
+            for key in ("files", "num_rows", "row_shape", "dtype"):
+                if key not in entry:
+                    raise CheckpointError(f"{where}: table {name!r} has no {key!r}")
+        return cls(**fields, where=where)
+
+    def shape(self, name: str) -> list[int]:
+        """The full shape of parameter ``name``."""
+        shape = self.parameters[name].get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(
+                f"{self.where}: meta.parameters[{name!r}].shape must be a list of ints >= 0, "
+                f"got {shape!r}"
+            )
+        return shape
+
+
+def _load(directory: Path, manifest: Manifest, relpath: str) -> Any:
+    """Load one listed file after checking it against the manifest."""
+    record = manifest.files.get(relpath)
+    if record is None:
+        raise CheckpointError(
+            f"{directory / MANIFEST_NAME}: meta names {relpath!r}, which the manifest's file "
+            "list does not record"
+        )
+    return load_object(directory / relpath, record)
+
+
+def _assemble_table(directory: Path, manifest: Manifest, name: str,
+                    table: Mapping[str, Any], shape: list[int]) -> torch.Tensor:
+    """Put table ``name``'s row shards back together and give it the parameter's shape."""
+    num_rows, row_shape = table["num_rows"], table["row_shape"]
+    dtype = getattr(torch, str(table["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{directory / MANIFEST_NAME}: table {name!r} has unknown "
+                              f"dtype {table['dtype']!r}")
+    if (not isinstance(num_rows, int) or num_rows < 0 or not isinstance(row_shape, list)
+            or not shape or shape[0] != num_rows or math.prod(shape) != num_rows
+            * math.prod(row_shape)):
+        raise CheckpointError(
+            f"{directory / MANIFEST_NAME}: table {name!r} of {num_rows!r} rows of shape "
+            f"{row_shape!r} does not fit its parameter's shape {shape}"
+        )
+    values = torch.empty((num_rows, *row_shape), dtype=dtype)
+    counts = torch.zeros(num_rows, dtype=torch.long)
+    for relpath in table["files"]:
+        ids, rows = _table_shard(directory, manifest, relpath, name, num_rows, row_shape, dtype)
+        values[ids] = rows
+        counts += torch.bincount(ids, minlength=num_rows)
+    missing, repeated = int((counts == 0).sum()), int((counts > 1).sum())
+    if missing or repeated:
+        first = int(torch.nonzero(counts != 1)[0])
+        raise CheckpointError(
+            f"{directory}: table {name!r}: its {len(table['files'])} file(s) leave {missing} of "
+            f"{num_rows} rows missing and {repeated} repeated (first bad row {first})"
+        )
+    return values.reshape(shape)
+
+
+def _table_shard(directory: Path, manifest: Manifest, relpath: str, name: str,
+                 num_rows: int, row_shape: list[int],
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One shard's (ids, rows), checked against the table's row count, row shape and dtype."""
+    path = directory / relpath
+    shard = _load(directory, manifest, relpath)
+    ids = shard.get("ids") if isinstance(shard, dict) else None
+    rows = shard.get("values") if isinstance(shard, dict) else None
+    if not isinstance(ids, torch.Tensor) or not isinstance(rows, torch.Tensor):
+        raise CheckpointError(f"{path}: table {name!r} shard must be a dict with tensors "
+                              "'ids' and 'values'")
+    if ids.dim() != 1 or ids.dtype != torch.long:
+        raise CheckpointError(f"{path}: table {name!r} ids must be a 1-D int64 tensor, got "
+                              f"{ids.dtype} of shape {list(ids.shape)}")
+    if list(rows.shape) != [len(ids), *row_shape] or rows.dtype != dtype:
+        raise CheckpointError(
+            f"{path}: table {name!r} values are {rows.dtype} of shape {list(rows.shape)}, "
+            f"expected {dtype} of shape {[len(ids), *row_shape]}"
+        )
+    ids = ids.cpu()
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
+        raise CheckpointError(f"{path}: table {name!r} has row ids outside 0..{num_rows - 1}")
+    return ids, rows.detach().cpu()
+
+
+def _add_aliases(directory: Path, meta: _Meta, state: dict[str, torch.Tensor]) -> None:
+    """Give tied parameters their other names, sharing the canonical tensor as in the model."""
+    for alias, canonical in meta.aliases.items():
+        if canonical not in state:
+            raise CheckpointError(
+                f"{directory / MANIFEST_NAME}: alias {alias!r} names {canonical!r}, which is "
+                "neither a table nor in the dense state"
+            )
+        if alias in state and canonical in meta.tables:
+            raise CheckpointError(
+                f"{directory / MANIFEST_NAME}: alias {alias!r} of table {canonical!r} is also "
+                f"in {meta.dense_file}'s model state"
+            )
+        state.setdefault(alias, state[canonical])
