@@ -9,7 +9,8 @@ most 6 samples.
 
 writes benchmarks/results/partitions-<workload>-<M>x<L>-<rate>.json, .md and .png. Brute force
 uses one runner, re-partitioned in process between counts (``--settle`` untimed steps after
-each re-partition, then ``--steps`` timed ones); the search run is a fresh runner over the
+each re-partition, then ``--steps`` timed ones), in ``--rounds`` passes over all counts so that
+the shared host's slow spells spread over them; the search run is a fresh runner over the
 same program built inside ``parallax.partitioner()``, trained until the search has chosen
 (``--search-steps`` steps per sample, the first half discarded), then timed for ``--steps``.
 Needs root and iproute2 (emulated network: tbf-limited veths, no delay; all processes share
@@ -37,11 +38,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workload", choices=["lm", "nmt", "recsys"], default="lm")
     parser.add_argument("--machines", type=int, default=2)
     parser.add_argument("--nproc-per-machine", type=int, default=2)
-    parser.add_argument("--rate", default="1gbit", help="emulated link rate (tc syntax)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="emulated link rate (tc syntax); none: no emulated network (the "
+                        "machines' processes talk over this host's loopback)")
     parser.add_argument("--partitions", type=int, nargs="+",
                         default=list(range(1, 17)) + [20, 24, 32],
                         help="brute-force counts (the search's largest is their maximum)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per count")
+    parser.add_argument("--steps", type=int, default=6,
+                        help="timed steps per count and round")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="brute force passes over all counts (steps per count add up)")
     parser.add_argument("--settle", type=int, default=2,
                         help="untimed steps after each re-partition")
     parser.add_argument("--search-steps", type=int, default=6,
@@ -61,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
-    if min(args.partitions) < 1 or args.steps < 1 or args.search_steps < 2:
-        parser.error("--partitions must be >= 1, --steps >= 1, --search-steps >= 2")
+    if min(args.partitions) < 1 or args.steps < 1 or args.search_steps < 2 or args.rounds < 1:
+        parser.error("--partitions must be >= 1, --steps and --rounds >= 1, --search-steps >= 2")
     args.partitions = sorted(set(args.partitions))
     return args
 
@@ -74,11 +80,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     worker_args = {"workload_name": args.workload,
                    "workload": compare.workload_options(args),
                    "partitions": args.partitions, "steps": args.steps, "settle": args.settle,
+                   "rounds": args.rounds,
                    "search_steps": args.search_steps, "alpha_steps": args.alpha_steps,
                    "server_threads": args.server_threads, "out": str(out.resolve())}
+    network = [] if args.rate == "none" else ["--emulate-network", args.rate]
     command = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
-               "--nproc-per-machine", str(args.nproc_per_machine), "--emulate-network",
-               args.rate, str(HERE / "partitions_worker.py"), json.dumps(worker_args)]
+               "--nproc-per-machine", str(args.nproc_per_machine), *network,
+               str(HERE / "partitions_worker.py"), json.dumps(worker_args)]
     out.unlink(missing_ok=True)
     proc = subprocess.run(command)
     if proc.returncode != 0 and not out.exists():

@@ -64,16 +64,18 @@ def brute_force(workload: Workload, args: dict[str, Any]) -> list[dict[str, Any]
     for _ in range(args["alpha_steps"]):
         runner.step(workload.batch(generator))
     tables = [p.name for p in runner.plan.parameters if p.sync == "ps"]
-    results = []
-    for partitions in args["partitions"]:
-        runner.repartition(partitions)
-        timed(runner, workload, generator, args["settle"])
-        record = {"partitions": partitions,
-                  **summary(timed(runner, workload, generator, args["steps"]))}
-        results.append(record)
-        say(f"brute force P={partitions}: {record['median_step_s'] * 1e3:.1f} ms/step "
-            f"({', '.join(tables)})")
-    return results
+    # Rounds over all counts, so that a slow spell of the shared host spreads over the counts
+    # instead of landing on a few of them.
+    times: dict[int, list[float]] = {p: [] for p in args["partitions"]}
+    for round_index in range(args["rounds"]):
+        for partitions in args["partitions"]:
+            runner.repartition(partitions)
+            timed(runner, workload, generator, args["settle"])
+            times[partitions] += timed(runner, workload, generator, args["steps"])
+            say(f"brute force round {round_index + 1}/{args['rounds']} P={partitions}: "
+                f"{statistics.median(times[partitions]) * 1e3:.1f} ms/step so far "
+                f"({', '.join(tables)})")
+    return [{"partitions": p, **summary(t), "step_times_s": t} for p, t in times.items()]
 
 
 def searched(workload: Workload, args: dict[str, Any]) -> dict[str, Any]:

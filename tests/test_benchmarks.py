@@ -186,12 +186,13 @@ def test_partitions_smoke(tmp_path: Path) -> None:
     """Table 2/5 analog: brute force over counts, then the in-process search on a fresh runner;
     the verdict compares the searched count's brute-force time with the best."""
     run_script("partitions.py", "--machines", "2", "--nproc-per-machine", "1", "--partitions",
-               "1", "2", "4", "--steps", "2", "--settle", "1", "--search-steps", "2",
-               "--alpha-steps", "1", "--vocab", "2000", "--out-dir", str(tmp_path))
+               "1", "2", "4", "--steps", "2", "--settle", "1", "--rounds", "2",
+               "--search-steps", "2", "--alpha-steps", "1", "--vocab", "2000", "--out-dir", str(tmp_path))
     name = "partitions-lm-2x1-1gbit"
     data = json.loads((tmp_path / f"{name}.json").read_text())
     assert [r["partitions"] for r in data["brute_force"]] == [1, 2, 4]
-    assert all(r["median_step_s"] > 0 for r in data["brute_force"])
+    assert all(r["median_step_s"] > 0 and len(r["step_times_s"]) == 4  # 2 rounds x 2 steps
+               for r in data["brute_force"])
     search = data["search"]
     assert search["source"] == "searched" and search["samples"][0]["partitions"] == 2
     assert set(search["tables"]) == {"embedding.weight", "softmax_weight"}

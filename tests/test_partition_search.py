@@ -144,3 +144,15 @@ def test_repartition_in_process_keeps_training_and_checks_its_argument() -> None
         parallax.shutdown()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(trained[name], value, msg=name)
+
+
+def test_balanced_choice_keeps_every_server_equally_loaded() -> None:
+    # t(P) = 1 + 36/P + P: minimum at P = 6, which 4 servers cannot share evenly
+    timed, calls = recorder(curve(1.0, 36.0, 1.0))
+    assert search_partitions(timed, start=4, max_partitions=64).partitions == 6
+    balanced = search_partitions(curve(1.0, 36.0, 1.0), start=4, max_partitions=64, balance=4)
+    assert [s.partitions for s in balanced.samples] == [4, 8, 16, 2]
+    assert balanced.partitions == 8  # t(8) = 13.5 < t(4) = 14 < t(12) = 16
+    # a sampled count below the servers stays a candidate (here the best one)
+    low = search_partitions(curve(0.0, 1.0, 1.0), start=4, max_partitions=64, balance=4)
+    assert low.partitions == 1

@@ -151,7 +151,8 @@ class PartitionTuner:
         self.active = True
         self._began = time.perf_counter()
         start = min(self._start, self._current.max_partitions)
-        self._search = sampling(start, max_partitions=self._current.max_partitions)
+        self._search = sampling(start, max_partitions=self._current.max_partitions,
+                                balance=self._start)
         self._switch(next(self._search))
 
     def _switch(self, partitions: int) -> None:
