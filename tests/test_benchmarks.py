@@ -187,7 +187,8 @@ def test_partitions_smoke(tmp_path: Path) -> None:
     the verdict compares the searched count's brute-force time with the best."""
     run_script("partitions.py", "--machines", "2", "--nproc-per-machine", "1", "--partitions",
                "1", "2", "4", "--steps", "2", "--settle", "1", "--rounds", "2",
-               "--search-steps", "2", "--alpha-steps", "1", "--vocab", "2000", "--out-dir", str(tmp_path))
+               "--search-steps", "2", "--alpha-steps", "1", "--vocab", "2000",
+               "--out-dir", str(tmp_path))
     name = "partitions-lm-2x1-1gbit"
     data = json.loads((tmp_path / f"{name}.json").read_text())
     assert [r["partitions"] for r in data["brute_force"]] == [1, 2, 4]
