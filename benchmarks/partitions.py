@@ -163,8 +163,9 @@ def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
             [s["seconds"] * 1e3 for s in search["samples"]], "s", label="search samples")
     if search["theta"]:
         t0, t1, t2 = search["theta"]
-        p = np.linspace(min(args.partitions), max(args.partitions), 200)
-        ax.plot(p, (t0 + t1 / p + t2 * p) * 1e3, "--", label="fitted t(P)")
+        sampled = [s["partitions"] for s in search["samples"]]
+        p = np.linspace(min(sampled), max(sampled), 200)  # the fit holds where it was sampled
+        ax.plot(p, (t0 + t1 / p + t2 * p) * 1e3, "--", label="fitted t(P), sampled range")
     ax.axvline(search["partitions"], color="grey", linestyle=":", label="searched P")
     ax.set_xlabel("partitions P")
     ax.set_ylabel("ms per step")

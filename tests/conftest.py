@@ -1,6 +1,20 @@
 """Shared pytest configuration."""
 
+import os
+from collections.abc import Iterator
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environment() -> Iterator[None]:
+    """Each test starts from the same environment variables: a one-worker runner sets RANK and
+    WORLD_SIZE, which a later test's launched workers must not inherit (parallax.shutdown
+    restores them; this also covers a test that failed before calling it)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -96,3 +97,18 @@ def test_lookup_ids_are_integers_deduplicated_and_range_checked() -> None:
     assert unique_ids(torch.tensor([-1, 2]), 10, "emb", 0)[2] == -1
     with pytest.raises(TypeError, match="parameter 'emb' on rank 3: ids must be an integer"):
         unique_ids(torch.tensor([1.0]), 10, "emb", 3)
+
+
+def test_a_one_worker_run_leaves_no_launch_variables_behind(monkeypatch) -> None:
+    """Else a job launched later from the same process inherits RANK=0, WORLD_SIZE=1 and every
+    one of its workers trains alone (found by scripts/flake_check.sh)."""
+    from torch import nn
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    model = nn.Sequential(nn.Embedding(5, 2))
+    parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        lambda out, y: out.sum())
+    assert os.environ["WORLD_SIZE"] == "1"
+    parallax.shutdown()
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"} & set(os.environ)

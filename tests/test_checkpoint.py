@@ -4,6 +4,7 @@ count, with the data stream and optimizer state; bad checkpoints named, never ha
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,14 @@ def assert_same(got: dict, want: dict) -> None:
     for name, value in want.items():
         difference = float((got[name] - value).abs().max() / value.abs().max())
         assert difference < 1e-9, (name, difference)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # zombies are gone too
+    except (ProcessLookupError, FileNotFoundError):
+        return False
 
 
 def run(shape: tuple[int, int], *args: str, restarts: int = 0, timeout: int = 300,
@@ -88,6 +97,8 @@ def test_killed_worker_stops_the_job_and_restarts_resume_it(tmp_path: Path) -> N
     assert proc.returncode != 0
     assert time.monotonic() - began < 120
     assert "rank 1" in proc.stderr and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    pids = [int(p.read_text()) for p in (tmp_path / "no-restart").glob("pid-*")]
+    assert len(pids) == 2 and not [pid for pid in pids if alive(pid)]
     out = tmp_path / "out.pt"
     proc = run((2, 1), str(tmp_path / "restart"), "10", str(out), "--kill-at", "5",
                restarts=1)
@@ -176,6 +187,8 @@ def test_corrupted_checkpoint_is_detected_and_a_failed_save_keeps_the_previous(
         assert checkpoint_files.newest_complete(tmp_path) == good
         assert not (tmp_path / "step-000000002" / "manifest.json").exists()
         checkpoint_files.verify(good)
+        runner.load()  # the previous checkpoint still loads
+        assert runner.global_step == 1
         shard = good / "tables" / "embedding.weight" / "server-0.pt"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF

@@ -261,14 +261,32 @@ def _check_before_launch(model: torch.nn.Module, optimizers: list[torch.optim.Op
         check_lazy(optimizers, {name: params[name] for name in sparse})
 
 
+# Environment variables a one-worker run set, with their earlier values: `shutdown` puts them
+# back, or a later launch from this process (a notebook, a test) would inherit RANK=0 and
+# WORLD_SIZE=1 and its workers would each believe they are alone.
+_saved_environment: dict[str, str | None] = {}
+
+
 def _single_process_worker() -> WorkerInfo:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      GROUP_RANK="0")
+    values = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+              "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port()),
+              "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+              "GROUP_RANK": "0"}
+    for name, value in values.items():
+        _saved_environment.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
     worker = current_worker()
     assert worker is not None
     return worker
+
+
+def _restore_environment() -> None:
+    for name, value in _saved_environment.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved_environment.clear()
 
 
 def _join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
@@ -293,6 +311,7 @@ def shutdown() -> None:
     """Destroy parallax's process groups: the PS group first, then the default group (the order
     that measured free of gloo aborts at exit). Safe to call twice."""
     global _sparse_group
+    _restore_environment()
     hierarchy.leave()
     if _sparse_group is not None and dist.is_initialized():
         dist.destroy_process_group(_sparse_group)

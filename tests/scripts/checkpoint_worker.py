@@ -47,6 +47,8 @@ def main() -> None:
     directory, stop, out = args[0], int(args[1]), args[2]
     partitions = int(args[3]) if len(args) > 3 else None
     worker = current_worker()
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / f"pid-{worker.rank}").write_text(str(os.getpid()))
     loader = parallax.shard(DataLoader(dataset(), batch_size=GLOBAL_BATCH // worker.world_size))
     model, optimizer = build()
     config = parallax.Config(clip_grad_norm=0.05, num_partitions=partitions,
