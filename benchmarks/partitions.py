@@ -148,15 +148,12 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from experiment import pyplot, save_figure
 
     brute = result["brute_force"]
     search = result["search"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     ax.plot([r["partitions"] for r in brute], [r["median_step_s"] * 1e3 for r in brute],
             "o-", label="brute force (median)")
     ax.plot([s["partitions"] for s in search["samples"]],
@@ -170,10 +167,7 @@ def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
     ax.set_xlabel("partitions P")
     ax.set_ylabel("ms per step")
     ax.set_title(f"{args.workload} {args.machines}x{args.nproc_per_machine} {args.rate}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, ax, path)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,8 @@ def test_workers_with_different_configs_or_models_fail_at_start_naming_them(
     assert ("workers disagree with rank 0: rank 1's Config differs in clip_grad_norm (1.0 vs "
             "None); rank 1's model differs in parameter(s) ['out.bias', 'out.weight']"
             ) in proc.stderr
+    assert ("rank 1's parallax.partitioner groups differ ({'embedding.weight': ['tables', "
+            "None]} vs {})") in proc.stderr
     assert seconds < COLLECTIVE_TIMEOUT_S
     assert_no_worker_left(tmp_path)
 

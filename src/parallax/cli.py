@@ -1,8 +1,9 @@
 """``parallax`` command line.
 
 ``parallax run`` starts a training script on every worker; ``parallax plan`` runs it only for
-the warm-up steps that measure sparsity, then prints the per-parameter plan (and writes it as
-JSON) and stops.  ``parallax export`` turns a sharded checkpoint into one plain state_dict file.
+the warm-up steps that measure sparsity (and, for tables in a `parallax.partitioner`, the
+partition-count search), then prints the per-parameter plan (and writes it as JSON) and stops.
+``parallax export`` turns a sharded checkpoint into one plain state_dict file.
 
 Examples::
 
@@ -57,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_arguments(run)
     plan = commands.add_parser(
         "plan",
-        help="measure sparsity over the warm-up steps, print the plan, stop",
-        description="Run SCRIPT on every worker for the warm-up steps only; print the "
-        "per-parameter plan (alpha, placement, predicted bytes per architecture).",
+        help="measure sparsity (and search partition counts), print the plan, stop",
+        description="Run SCRIPT on every worker for the warm-up steps, and the partition-count "
+        "search of tables created in a parallax.partitioner (unless cached); print the "
+        "per-parameter plan (alpha, placement, partitions, predicted bytes per architecture) "
+        "and how each partition count was chosen.",
     )
     plan.add_argument("--json", metavar="FILE", default="", help="also write the plan here")
     plan.add_argument("--warmup-steps", type=int, default=5, metavar="K",

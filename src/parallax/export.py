@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from parallax.checkpoint_files import (
     load_object,
     newest_complete,
     read_manifest,
+    save_object,
 )
 
 __all__ = [
@@ -126,19 +126,8 @@ def export_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Ten
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], out: str | os.PathLike[str]) -> Path:
     """``torch.save`` ``state_dict`` to ``out`` atomically: a crash mid-write leaves either
     the previous file or none, never a truncated one that loads as garbage later."""
-    out = Path(out)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{out.name[:200]}-", dir=out.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(dict(state_dict), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+    save_object(Path(out), dict(state_dict))
+    return Path(out)
 
 
 def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:

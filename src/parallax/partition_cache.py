@@ -13,9 +13,10 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from parallax.checkpoint_files import write_atomic
 
 __all__ = ["cache_key", "load_entry", "store_entry"]
 
@@ -52,16 +53,6 @@ def load_entry(path: str | os.PathLike, key: str) -> dict[str, Any] | None:
 def store_entry(path: str | os.PathLike, key: str, entry: dict[str, Any]) -> None:
     """Add or replace ``key`` (atomic: a crash leaves the previous file)."""
     target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
     entries = _read(target)
     entries[key] = entry
-    fd, tmp = tempfile.mkstemp(prefix=".partitions-", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(entries, out, indent=1, sort_keys=True)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(target, json.dumps(entries, indent=1, sort_keys=True).encode())

@@ -349,14 +349,7 @@ class Runner:
                 DEFAULT_MAX_PER_SERVER * servers)
             tables, previous = groups.get(group.name, ([], cap))
             groups[group.name] = ([*tables, name], max(1, min(previous, cap, table.num_rows)))
-        everyone = [groups]
-        dist.broadcast_object_list(everyone, src=0, group=self._sparse_group)
-        if everyone[0] != groups:
-            raise RuntimeError(
-                f"rank {self.worker.rank}: the partition groups differ from rank 0's "
-                f"(rank 0: {everyone[0]}, here: {groups}); every worker must create its model "
-                f"the same way, with the same parallax.partitioner blocks")
-        if not groups:
+        if not groups:  # (the same on every rank: checked at start-up)
             return None
         signature = {
             "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in params.items()],
@@ -543,7 +536,9 @@ def _check_same_everywhere(model: nn.Module, config: Config, worker: WorkerInfo,
     """Every worker must run the same model with the same Config: compared with rank 0's at
     start-up, before anything is exchanged (collective)."""
     mine = {"config": config.to_dict(),
-            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]}
+            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()],
+            "partition_groups": {n: [g.name, g.max_partitions] for n, p in model.named_parameters()
+                                 if (g := group_of(p)) is not None}}
     everyone: list[Any] = [None] * worker.world_size
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
@@ -560,6 +555,9 @@ def _check_same_everywhere(model: nn.Module, config: Config, worker: WorkerInfo,
             odd = [n for n, s, d in theirs["parameters"] if ours.get(n) != (s, d)]
             odd += [n for n in ours if n not in {t[0] for t in theirs["parameters"]}]
             problems.append(f"rank {rank}'s model differs in parameter(s) {sorted(set(odd))}")
+        if theirs["partition_groups"] != reference["partition_groups"]:
+            problems.append(f"rank {rank}'s parallax.partitioner groups differ "
+                            f"({theirs['partition_groups']} vs {reference['partition_groups']})")
     if problems:
         raise ValueError(f"rank {worker.rank}: workers disagree with rank 0: "
                          + "; ".join(problems) + ". Every worker must build the same model "
