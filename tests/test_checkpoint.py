@@ -193,8 +193,13 @@ def test_corrupted_checkpoint_is_detected_and_a_failed_save_keeps_the_previous(
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
-        with pytest.raises(CheckpointError, match=r"server-0.pt.*checksum mismatch"):
+        runner.step(batches(1, 2)[0])
+        before = runner.state_dict()
+        with pytest.raises(CheckpointError, match=r"server-0.pt.*checksum mismatch.*nothing "
+                           r"was loaded"):
             runner.load()
+        assert runner.global_step == 2
+        assert all(torch.equal(value, runner.state_dict()[k]) for k, value in before.items())
     finally:
         parallax.shutdown()
 

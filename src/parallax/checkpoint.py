@@ -166,13 +166,88 @@ def find(path: str | os.PathLike) -> Path | None:
 
 def load(runner: Runner, path: str | os.PathLike) -> Any:
     """Restore ``runner`` (and the `parallax.shard` loaders) from the checkpoint at ``path``
-    or the newest complete one under it; returns the saved ``extra`` (collective)."""
+    or the newest complete one under it; returns the saved ``extra`` (collective).
+
+    Every rank first reads and checks all it needs (checksums, the model's parameters, every
+    row it will hold); only when every rank succeeded does anything change, so a bad
+    checkpoint raises on every rank and leaves the runner as it was."""
     worker = runner.worker
     box: list[Any] = [str(find(path) or "") if worker.rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=runner._sparse_group)
     if not box[0]:
         raise CheckpointError(f"no complete checkpoint at or under {path}")
     directory = Path(box[0])
+    restore, error = None, None
+    try:
+        restore = _prepare(runner, directory)
+    except Exception as failure:  # reported on every rank below
+        error = f"rank {worker.rank}: {failure}"
+    errors: list[Any] = [None] * worker.world_size
+    dist.all_gather_object(errors, error, group=runner._sparse_group)
+    failed = [e for e in errors if e]
+    if failed:
+        raise CheckpointError(f"cannot load {directory} ({'; '.join(failed)}); nothing was "
+                              f"loaded")
+    assert restore is not None
+    return restore.apply(runner)
+
+
+class _Restore:
+    """What `load` applies once every rank has read and checked its part."""
+
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        self.directory, self.manifest = directory, manifest
+        self.dense: dict[str, Any] = {}
+        self.full: dict[str, tuple[Tensor, dict[str, Any]]] = {}   # whole on every worker
+        self.shards: dict[str, tuple[Tensor, dict[str, Any]]] = {}  # this server's rows
+        self.from_model: list[str] = []  # dense in the checkpoint, server-held here
+        self.rng: dict[str, Any] | None = None
+        self.extra: Any = None
+
+    def apply(self, runner: Runner) -> Any:
+        meta = self.manifest.meta
+        runner.model.load_state_dict(self.dense["model"], strict=False)
+        for optimizer, state in zip(runner.optimizers, self.dense["optimizers"], strict=True):
+            optimizer.load_state_dict(state)
+        params = dict(runner.model.named_parameters())
+        tables = runner.layout.all_tables()
+        for name in self.from_model:  # now that the dense state is in the model
+            table = tables[name]
+            if isinstance(table, ShardedTable):
+                if table.shard is not None:
+                    self.shards[name] = _assemble_shard(table, [_piece_from_model(runner, table)],
+                                                        self.directory, runner.worker.rank)
+            else:
+                self.full[name] = _assemble_full(table.param, table.num_rows, table.row_shape,
+                                                 [_piece_from_model(runner, table)])
+        for name, (full, state) in self.full.items():
+            param = params[name]
+            with torch.no_grad():
+                param.copy_(full.view_as(param))
+            owner = optimizer_of(runner.optimizers, param)
+            if owner is not None and state:
+                owner.state[param] = {k: v.view_as(param) if isinstance(v, Tensor)
+                                      and v.shape == full.shape else v
+                                      for k, v in state.items()}
+        for name, (values, state) in self.shards.items():
+            table = tables[name]
+            with torch.no_grad():
+                table.shard.copy_(values)  # in place: the partitions view the shard's storage
+            runner.shard_optimizer.set_table_state(table, state)
+            table.zero_grad()
+        if self.rng is not None:
+            _set_rng_state(self.rng)
+        elif runner.worker.rank == 0:
+            log.warning("parallax: %s was saved by %d workers, resumed on %d: random "
+                        "generators start afresh (the data order is restored)", self.directory,
+                        meta["cluster"]["world_size"], runner.worker.world_size)
+        _resume_loaders(meta.get("data", []), self.directory, runner.worker.rank)
+        runner.global_step = self.manifest.step
+        return self.extra
+
+
+def _prepare(runner: Runner, directory: Path) -> _Restore:
+    """Read and check everything this rank needs from ``directory``, changing nothing."""
     manifest = read_manifest(directory)
     meta = manifest.meta
     if meta.get("format") != FORMAT:
@@ -184,36 +259,40 @@ def load(runner: Runner, path: str | os.PathLike) -> Any:
             raise CheckpointError(f"{directory}: {relative} is not listed in the manifest")
         return load_object(directory / relative, manifest.files[relative], **kwargs)
 
-    dense = read(meta["dense_file"])
-    missing, unexpected = runner.model.load_state_dict(dense["model"], strict=False)
-    held = _table_keys(runner, meta)
-    if unexpected or set(missing) - held:
+    restore = _Restore(directory, manifest)
+    restore.dense = read(meta["dense_file"])
+    expected = set(runner.model.state_dict())
+    given = set(restore.dense["model"])
+    missing = expected - given - _table_keys(runner, meta)
+    if missing or given - expected:
         raise CheckpointError(f"{directory}: dense state does not fit the model (missing "
-                              f"{sorted(set(missing) - held)}, unexpected {unexpected})")
-    for optimizer, state in zip(runner.optimizers, dense["optimizers"], strict=True):
-        optimizer.load_state_dict(state)
+                              f"{sorted(missing)}, unexpected {sorted(given - expected)})")
+    if len(restore.dense["optimizers"]) != len(runner.optimizers):
+        raise CheckpointError(f"{directory} holds {len(restore.dense['optimizers'])} "
+                              f"optimizer(s), this program has {len(runner.optimizers)}")
     tables = runner.layout.all_tables()
     params = dict(runner.model.named_parameters())
     for name, info in meta["tables"].items():  # server-held there, dense here (ps -> hybrid)
         if name not in tables:
-            _load_into(runner, params[name], info["num_rows"], tuple(info["row_shape"]),
-                       [read(f) for f in info["files"]])
+            restore.full[name] = _assemble_full(params[name], info["num_rows"],
+                                                tuple(info["row_shape"]),
+                                                [read(f) for f in info["files"]])
     for name, table in tables.items():
-        pieces = ([read(f) for f in meta["tables"][name]["files"]] if name in meta["tables"]
-                  else [_piece_from_model(runner, table)])
-        if isinstance(table, ShardedTable):
-            _load_shard(runner, table, pieces, directory)
+        if name not in meta["tables"]:
+            restore.from_model.append(name)
+        elif isinstance(table, ShardedTable):
+            if table.shard is not None:
+                restore.shards[name] = _assemble_shard(
+                    table, [read(f) for f in meta["tables"][name]["files"]], directory,
+                    runner.worker.rank)
         else:
-            _load_into(runner, table.param, table.num_rows, table.row_shape, pieces)
-    if meta["cluster"]["world_size"] == worker.world_size:
-        _set_rng_state(read(meta["rng_files"][str(worker.rank)]))
-    elif worker.rank == 0:
-        log.warning("parallax: %s was saved by %d workers, resumed on %d: random generators "
-                    "start afresh (the data order is restored)", directory,
-                    meta["cluster"]["world_size"], worker.world_size)
-    _resume_loaders(meta.get("data", []), directory, worker.rank)
-    runner.global_step = manifest.step
-    return read(meta["extra_file"], weights_only=False) if meta.get("extra_file") else None
+            restore.full[name] = _assemble_full(table.param, table.num_rows, table.row_shape,
+                                                [read(f) for f in meta["tables"][name]["files"]])
+    if meta["cluster"]["world_size"] == runner.worker.world_size:
+        restore.rng = read(meta["rng_files"][str(runner.worker.rank)])
+    if meta.get("extra_file"):
+        restore.extra = read(meta["extra_file"], weights_only=False)
+    return restore
 
 
 def _check_compatible(directory: Path, meta: dict[str, Any], runner: Runner) -> None:
@@ -243,12 +322,10 @@ def _piece_from_model(runner: Runner, table: ShardedTable | ReplicatedTable) -> 
             "scalars": scalars}
 
 
-def _load_shard(runner: Runner, table: ShardedTable, pieces: list[dict[str, Any]],
-                directory: Path) -> None:
-    """This server's rows of ``table`` under its current partitioning, from any pieces."""
-    if table.shard is None:
-        return
-    rank = runner.worker.rank
+def _assemble_shard(table: ShardedTable, pieces: list[dict[str, Any]], directory: Path,
+                    rank: int) -> tuple[Tensor, dict[str, Any]]:
+    """This server's rows of ``table`` under its current partitioning, and their optimizer
+    state, from pieces of any partitioning."""
     values = torch.empty_like(table.shard)
     rows: dict[str, Tensor] = {}
     filled = 0
@@ -266,17 +343,12 @@ def _load_shard(runner: Runner, table: ShardedTable, pieces: list[dict[str, Any]
     if filled != table.shard.shape[0]:
         raise CheckpointError(f"{directory}: table '{table.name}' restores {filled} of the "
                               f"{table.shard.shape[0]} rows rank {rank} holds")
-    with torch.no_grad():
-        table.shard.copy_(values)  # in place: the partitions view the shard's storage
-    state = {**pieces[0]["scalars"], **rows} if rows or pieces[0]["scalars"] else {}
-    runner.shard_optimizer.set_table_state(table, state)
-    table.zero_grad()
+    return values, ({**pieces[0]["scalars"], **rows} if rows or pieces[0]["scalars"] else {})
 
 
-def _load_into(runner: Runner, param: torch.nn.Parameter, num_rows: int,
-               row_shape: tuple[int, ...], pieces: list[dict[str, Any]]) -> None:
-    """A parameter every worker holds whole: all its rows, and its optimizer state in the
-    user's optimizer."""
+def _assemble_full(param: torch.nn.Parameter, num_rows: int, row_shape: tuple[int, ...],
+                   pieces: list[dict[str, Any]]) -> tuple[Tensor, dict[str, Any]]:
+    """A parameter every worker holds whole: all its rows and their optimizer state."""
     full = torch.empty(num_rows, *row_shape, dtype=param.dtype, device=param.device)
     rows: dict[str, Tensor] = {}
     for piece in pieces:
@@ -285,12 +357,7 @@ def _load_into(runner: Runner, param: torch.nn.Parameter, num_rows: int,
         for key, value in piece["state"].items():
             rows.setdefault(key, torch.zeros_like(full, dtype=value.dtype))[ids] = value.to(
                 param.device).reshape(-1, *row_shape)
-    with torch.no_grad():
-        param.copy_(full.view_as(param))
-    owner = optimizer_of(runner.optimizers, param)
-    if owner is not None and (rows or pieces[0]["scalars"]):
-        owner.state[param] = {**pieces[0]["scalars"],
-                              **{k: v.view_as(param) for k, v in rows.items()}}
+    return full, ({**pieces[0]["scalars"], **rows} if rows or pieces[0]["scalars"] else {})
 
 
 def _resume_loaders(positions: list[dict[str, Any]], directory: Path, rank: int) -> None:

@@ -136,7 +136,8 @@ class ShardedTable:
         self.machine_rows_used: list[int] = []  # per step at a leader: its machine's rows
         self._pending: list[_Pull] = []  # this step's pulls that hold rows of this table
         self.prefetched: _Prefetched | None = None
-        self._sparse_pieces: list[tuple[Tensor, Tensor]] = []
+        # (shard rows, gradient rows) received this step, summed by `_finish_aggregation`
+        self._received: list[tuple[Tensor, Tensor]] = []
         # Rank 0's initial values are the model's, whatever the other ranks' seeds were.
         initial = weight.detach().clone()
         dist.broadcast(initial, src=0, group=group)
@@ -192,7 +193,7 @@ class ShardedTable:
     def zero_grad(self) -> None:
         self._pending.clear()
         self.prefetched = None
-        self._sparse_pieces.clear()
+        self._received.clear()
         if self.shard is None:
             return
         if self.sparse_grad:
@@ -222,7 +223,7 @@ class ShardedTable:
 
     def _accumulate(self, local_rows: Tensor, grad_rows: Tensor) -> None:
         if self.sparse_grad or len(self.parts) > 1:
-            self._sparse_pieces.append((local_rows, grad_rows))
+            self._received.append((local_rows, grad_rows))
         else:
             self.shard.grad.index_add_(0, local_rows, grad_rows)
 
@@ -232,13 +233,13 @@ class ShardedTable:
         With one partition, dense rows were summed as they arrived."""
         if self.shard is None or not (self.sparse_grad or len(self.parts) > 1):
             return
-        if self._sparse_pieces:
-            rows = torch.cat([rows for rows, _ in self._sparse_pieces])
-            values = torch.cat([values for _, values in self._sparse_pieces])
+        if self._received:
+            rows = torch.cat([rows for rows, _ in self._received])
+            values = torch.cat([values for _, values in self._received])
         else:
             rows = torch.empty(0, dtype=torch.long, device=self.device)
             values = self._rows(0)
-        self._sparse_pieces.clear()
+        self._received.clear()
         if len(self.parts) > 1:  # group the rows by partition: one slice each
             rows, order = torch.sort(rows, stable=True)
             values = values[order]
