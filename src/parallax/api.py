@@ -31,6 +31,7 @@ from parallax.cluster import WorkerInfo, current_worker, parse_resources
 from parallax.config import Config
 from parallax.launch import free_port, install_error_recorder, launch
 from parallax.optim import as_optimizer_list, check_lazy, check_per_shard
+from parallax.partition_pool import close_shared_pools
 from parallax.runner import LossFn, Runner
 
 log = logging.getLogger("parallax")
@@ -312,6 +313,7 @@ def shutdown() -> None:
     that measured free of gloo aborts at exit). Safe to call twice."""
     global _sparse_group
     _restore_environment()
+    close_shared_pools()
     hierarchy.leave()
     if _sparse_group is not None and dist.is_initialized():
         dist.destroy_process_group(_sparse_group)

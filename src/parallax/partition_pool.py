@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["PartitionPool", "default_threads", "shared_pool"]
+__all__ = ["PartitionPool", "close_shared_pools", "default_threads", "shared_pool"]
 
 
 def default_threads() -> int:
@@ -62,3 +62,12 @@ def shared_pool(threads: int) -> PartitionPool:
     if threads not in _shared:
         _shared[threads] = PartitionPool(threads)
     return _shared[threads]
+
+
+def close_shared_pools() -> None:
+    """Join the shared pools' threads (`parallax.shutdown`): no torch op of a partition may
+    still run while the process groups are destroyed."""
+    for threads, pool in list(_shared.items()):
+        if threads != 1:
+            pool.close()
+            del _shared[threads]

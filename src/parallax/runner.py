@@ -491,7 +491,15 @@ class Runner:
             if path:
                 Path(path).write_text(self.plan.to_json())
         dist.barrier(group=self._sparse_group)
-        raise SystemExit(0)
+        # All the work is done and written: leave without the interpreter's teardown, where
+        # gloo now and then aborts a process (SIGABRT) that would turn a finished plan into a
+        # failed job.
+        from parallax.api import shutdown
+
+        shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     # ---- export --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:
