@@ -232,7 +232,8 @@ def test_nonfinite_loss_raises_or_skips_on_every_worker_alike(tmp_path: Path, mo
 
 
 def test_checkpoint_config_is_checked() -> None:
-    with pytest.raises(parallax.ConfigError, match="need Config.checkpoint_dir"):
+    with pytest.raises(parallax.ConfigError, match="Config.checkpoint_every_steps must be None "
+                       "unless Config.checkpoint_dir says where checkpoints go, got 5"):
         parallax.Config(checkpoint_every_steps=5)
     with pytest.raises(parallax.ConfigError, match="Config.nonfinite must be one of"):
         parallax.Config(nonfinite="warn")

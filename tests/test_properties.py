@@ -25,7 +25,7 @@ from parallax.cluster import (
     parse_resource_text,
     parse_resources,
 )
-from parallax.config import ARCHITECTURES, Config, ConfigError
+from parallax.config import ARCHITECTURES, NONFINITE, Config, ConfigError
 
 # Derandomised and without an example database: the same examples on every run and machine,
 # and nothing written into the repository.
@@ -304,14 +304,23 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     "average_dense": lambda v, _: isinstance(v, bool),
     "average_sparse": lambda v, _: isinstance(v, bool),
     "clip_grad_norm": lambda v, _: v is None or _finite_positive(v),
-    "seed": lambda v, _: _is_int(v),
+    "seed": lambda v, _: _is_int(v) and -(2**63) <= v < 2**64,
     "num_partitions": lambda v, _: v is None or (_is_int(v) and v >= 1),
     "server_threads": lambda v, _: v is None or (_is_int(v) and v >= 1),
     "partition_search_steps": lambda v, _: _is_int(v) and v >= 2,
     "max_partitions": lambda v, _: v is None or (_is_int(v) and v >= 1),
     "partition_cache": lambda v, _: v is None or (
         isinstance(v, (str, os.PathLike)) and os.fspath(v) != ""),
-    "collective_timeout_s": lambda v, _: _finite_positive(v),
+    "checkpoint_dir": lambda v, _: v is None or (
+        isinstance(v, (str, os.PathLike)) and os.fspath(v) != ""),
+    # without checkpoint_dir (as here), automatic saves cannot be asked for
+    "checkpoint_every_steps": lambda v, _: v is None,
+    "checkpoint_every_secs": lambda v, _: v is None,
+    "checkpoint_keep": lambda v, _: _is_int(v) and v >= 1,
+    "resume": lambda v, _: isinstance(v, bool),
+    "nonfinite": lambda v, _: isinstance(v, str) and v in NONFINITE,
+    "collective_timeout_s": lambda v, _: _finite_positive(v)
+    and v < timedelta.max.total_seconds(),
     "find_unused_parameters": lambda v, _: isinstance(v, bool),
 }
 FIELDS = [f.name for f in dataclasses.fields(Config)]
@@ -358,6 +367,10 @@ def valid_configs(draw: st.DrawFn) -> Config:
         "partition_search_steps": st.integers(2, 100),
         "max_partitions": st.none() | st.integers(1, 1024),
         "partition_cache": st.none() | st.text(min_size=1, max_size=20),
+        "checkpoint_dir": st.none() | st.text(min_size=1, max_size=20),
+        "checkpoint_keep": st.integers(1, 10),
+        "resume": st.booleans(),
+        "nonfinite": st.sampled_from(NONFINITE),
         "collective_timeout_s": positive,
         "find_unused_parameters": st.booleans(),
     }

@@ -159,9 +159,10 @@ class Config:
         if secs is not None:
             _require(_is_number(secs) and math.isfinite(secs) and secs > 0,
                      "checkpoint_every_secs", secs, "None or a finite number of seconds > 0")
-        if (every is not None or secs is not None) and self.checkpoint_dir is None:
-            raise ConfigError("Config.checkpoint_every_steps / checkpoint_every_secs need "
-                              "Config.checkpoint_dir (where to write the checkpoints)")
+        if self.checkpoint_dir is None:
+            for name in ("checkpoint_every_steps", "checkpoint_every_secs"):
+                _require(getattr(self, name) is None, name, getattr(self, name),
+                         "None unless Config.checkpoint_dir says where checkpoints go")
         _require(_is_int(self.checkpoint_keep) and self.checkpoint_keep >= 1,
                  "checkpoint_keep", self.checkpoint_keep, "an int >= 1")
         _require(isinstance(self.resume, bool), "resume", self.resume, "a bool")
