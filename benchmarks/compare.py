@@ -54,6 +54,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from workloads import fetch_data
+
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # Also: "hybrid-sparse" (and other "<architecture>-sparse"): the program with sparse=True
@@ -129,6 +131,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     markdown table; returns the records. Raises RuntimeError when the workers fail."""
     out = args.out or default_out(args)
     out.parent.mkdir(parents=True, exist_ok=True)
+    fetch_data(args.workload, workload_options(args))  # workers in namespaces cannot download
     if args.isolate:
         results = []
         with tempfile.TemporaryDirectory(prefix="compare-") as tmp:

@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "--nproc-per-machine", str(args.nproc_per_machine), *network,
                str(HERE / "partitions_worker.py"), json.dumps(worker_args)]
     out.unlink(missing_ok=True)
+    compare.fetch_data(args.workload, worker_args["workload"])  # workers cannot download
     proc = subprocess.run(command)
     if proc.returncode != 0 and not out.exists():
         raise RuntimeError(f"partitions: the workers failed (exit status {proc.returncode}); "

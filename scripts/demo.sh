@@ -4,4 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The corpus is fetched here, once, before any worker starts (workers of an emulated cluster
+# cannot download); --corpus FILE trains on a file of yours instead.
+case " $* " in
+  *" --corpus "*|*" --corpus="*) ;;
+  *) .venv/bin/parallax fetch kjv ;;
+esac
 exec .venv/bin/parallax run --machines 2 --nproc-per-machine 2 examples/train_lm.py "$@"

@@ -32,6 +32,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from parallax.data.cache import default_cache_dir, require_online
+
 PACKAGE = "sword-text-kjv"
 CORPUS_NAME = "kjv.txt"
 FIRST_VERSE = "In the beginning God created the heaven and the earth."
@@ -51,12 +53,6 @@ _SPACE = re.compile(r"\s+")
 # the matching end milestones (``eID``) sit inside the last verse, so only ``sID`` counts.
 _START_TAG = re.compile(r"<(div|chapter)\b([^>]*\bsID=[^>]*)>")
 _ATTR = re.compile(r'(\w+)="([^"]*)"')
-
-
-def default_cache_dir() -> Path:
-    """Where downloaded corpora live: ``$PARALLAX_CACHE`` or ``~/.cache/parallax``."""
-    env = os.environ.get("PARALLAX_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "parallax"
 
 
 # --------------------------------------------------------------------------- decoding
@@ -196,13 +192,15 @@ def fetch_kjv(cache_dir: Path | None = None) -> Path:
     and decodes the module. The result is written atomically so a crash never leaves a
     truncated corpus behind.
     """
-    return build_once(cache_dir, CORPUS_NAME, _build)
+    return build_once(cache_dir, CORPUS_NAME, _build, "parallax fetch kjv")
 
 
-def build_once(cache_dir: Path | None, name: str, build: Callable[[Path, Path], None]) -> Path:
+def build_once(cache_dir: Path | None, name: str, build: Callable[[Path, Path], None],
+               fetch_command: str) -> Path:
     """``cache/name``, made by ``build(target, cache)`` if it does not exist yet (``cache``:
     ``cache_dir`` or `default_cache_dir`). Every worker of a local cluster may ask at once:
-    one builds under a file lock, the others wait for it."""
+    one builds under a file lock, the others wait for it. A process marked offline refuses
+    to build, naming ``fetch_command`` (`parallax.data.cache.require_online`)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache / name
     if target.exists():
@@ -211,6 +209,7 @@ def build_once(cache_dir: Path | None, name: str, build: Callable[[Path, Path], 
     with open(cache / f".{Path(name).stem}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
+            require_online(name, fetch_command)
             build(target, cache)
     return target
 
@@ -224,8 +223,15 @@ def _build(target: Path, cache: Path) -> None:
     _progress(f"wrote {len(verses):,} verses ({words:,} words) to {target}")
 
 
+FETCH_COMMANDS = {PACKAGE: "parallax fetch kjv", "sword-text-sparv": "parallax fetch kjv-rv1909",
+                  "dataset-fashion-mnist": "parallax fetch fashion-mnist"}
+
+
 def download_deb(work: Path, package: str = PACKAGE) -> Path:
-    """``apt-get download`` a Debian package into ``work``; update empty apt lists once."""
+    """``apt-get download`` a Debian package into ``work``; update empty apt lists once.
+    Refuses at once in a process marked offline (`parallax.data.cache.require_online`)."""
+    require_online(f"{package} (Debian package)",
+                   FETCH_COMMANDS.get(package, f"apt-get download {package}"))
     if shutil.which("apt-get") is None:
         raise RuntimeError(_manual_hint("apt-get not found (this needs a Debian/Ubuntu host)",
                                         package))

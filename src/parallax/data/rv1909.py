@@ -38,7 +38,7 @@ def fetch_verse_pairs(cache_dir: Path | None = None) -> Path:
     :func:`align_verses`. Concurrent callers wait for one builder; the file is written
     atomically.
     """
-    return kjv.build_once(cache_dir, CORPUS_NAME, _build)
+    return kjv.build_once(cache_dir, CORPUS_NAME, _build, "parallax fetch kjv-rv1909")
 
 
 def load_verse_pairs(cache_dir: Path | None = None) -> dict[str, tuple[str, str]]:

