@@ -107,10 +107,72 @@ class Untraceable(nn.Module):
         return self.out(pooled)
 
 
+class FrequencyScaled(nn.Module):
+    """scale_grad_by_freq on an Embedding (with padding) and on a functional gather: each
+    row's gradient over its count in the global batch. (nn.EmbeddingBag with it is refused:
+    torch 2.13's CPU kernel divides by the wrong count, pytorch/pytorch#190063.)"""
+
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 4, scale_grad_by_freq=True, padding_idx=0)
+        self.table = nn.Parameter(torch.randn(VOCAB, 3))
+        self.out = nn.Linear(7, 4)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        gathered = F.embedding(ids, self.table, scale_grad_by_freq=True).mean(dim=1)
+        return self.out(torch.cat([self.embedding(ids).mean(dim=1), gathered], dim=1))
+
+
+class MaxNormed(nn.Module):
+    """max_norm on an Embedding, a mean EmbeddingBag (L1 norm) and a functional gather: every
+    row the global batch looks up is renormalised in place before the lookup."""
+
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 4, max_norm=1.0, sparse=sparse_grad)
+        self.bag = nn.EmbeddingBag(VOCAB // 2, 3, mode="mean", max_norm=0.8, norm_type=1.0,
+                                   sparse=sparse_grad)
+        self.table = nn.Parameter(torch.randn(VOCAB, 2) * 2)
+        self.out = nn.Linear(9, 4)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        gathered = F.embedding(ids, self.table, max_norm=1.5).mean(dim=1)
+        return self.out(torch.cat([self.embedding(ids).mean(dim=1),
+                                   self.bag(ids % (VOCAB // 2)), gathered], dim=1))
+
+
+class BagOptions(nn.Module):
+    """The other lookup options: sum bags over flat ids with offsets, include_last_offset,
+    per-sample weights and a padding_idx; max bags; a frozen pretrained table
+    (from_pretrained); F.embedding_bag on a plain parameter (read densely by the bag kernel:
+    the parameter stays dense)."""
+
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.sum_bag = nn.EmbeddingBag(VOCAB, 3, mode="sum", padding_idx=0,
+                                       include_last_offset=True)
+        self.max_bag = nn.EmbeddingBag(VOCAB // 2, 3, mode="max")
+        self.frozen = nn.Embedding.from_pretrained(torch.randn(VOCAB, 2), freeze=True)
+        self.functional = nn.Parameter(torch.randn(VOCAB, 2))
+        self.out = nn.Linear(10, 4)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)
+        offsets = torch.arange(0, flat.numel() + 1, ids.shape[1])  # one more: the last end
+        weights = 0.5 + (flat % 3).to(self.out.weight.dtype) * 0.5
+        summed = self.sum_bag(flat, offsets, per_sample_weights=weights)
+        maxed = self.max_bag(ids % (VOCAB // 2))
+        bagged = F.embedding_bag(ids, self.functional, mode="sum")
+        return self.out(torch.cat([summed, maxed, self.frozen(ids).mean(dim=1), bagged], dim=1))
+
+
 MODELS: dict[str, type[nn.Module]] = {
     "dense": DenseOnly, "sparse": SparseOnly, "mixed": Mixed, "tied": TiedLM,
     "gather": CustomGather, "untraceable": Untraceable,
 }
+# Lookup options (README's audit table): their own rows of the matrix, not every combination.
+OPTION_MODELS: dict[str, type[nn.Module]] = {"freq": FrequencyScaled, "maxnorm": MaxNormed,
+                                             "bags": BagOptions}
 
 
 # ---- optimizers ------------------------------------------------------------------------------
@@ -268,6 +330,23 @@ def all_cases() -> list[Case]:
                           "float64", architecture=architecture, local_aggregation=aggregation,
                           search=("context", "call")[len(cases) % 2], steps=10,
                           seed=len(cases)))
+    # Every lookup option; max_norm and scale_grad_by_freq over the global batch wherever the
+    # table lives: on servers (with and without local aggregation), replicated (AllGatherv),
+    # and moved to AllReduce by the hybrid after measuring α; max_norm also with sparse
+    # gradients and lazy updates.
+    variants = [("hybrid", None, 0), ("hybrid", False, 0), ("allreduce", None, 0),
+                ("ps", None, 0), ("optps", None, 0), ("hybrid", None, 2)]
+    for (architecture, aggregation, migrate), model, opt in itertools.product(
+            variants, OPTION_MODELS, ("sgd", "momentum", "adagrad", "adam")):
+        cases.append(Case(model, opt, False, 0.05 if len(cases) % 2 else None, "float64",
+                          num_partitions=(None, 3)[len(cases) % 2], architecture=architecture,
+                          local_aggregation=aggregation, migrate_after=migrate,
+                          seed=len(cases)))
+    for architecture in ("hybrid", "allreduce", "optps"):
+        cases.append(Case("maxnorm", "sgd", True, None, "float64", architecture=architecture,
+                          seed=len(cases)))
+        cases.append(Case("maxnorm", "adagrad", False, 0.05, "float64",
+                          architecture=architecture, lazy=True, seed=len(cases)))
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,
@@ -305,7 +384,8 @@ def build(case: Case, *, reference: bool = False,
     sparse=True embeddings (what lazy updates are defined to equal)."""
     torch.manual_seed(case.seed)
     sparse_grad = case.sparse_grad or (reference and case.lazy)
-    model = MODELS[case.model](sparse_grad=sparse_grad).to(case.torch_dtype)
+    model_class = {**MODELS, **OPTION_MODELS}[case.model]
+    model = model_class(sparse_grad=sparse_grad).to(case.torch_dtype)
     optimizers = OPTIMIZERS[case.optimizer](model)
     schedulers = ([torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers]
                   if case.scheduler else [])

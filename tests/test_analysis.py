@@ -10,7 +10,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from parallax.analysis import SparseUse, find_sparse_parameters, rewrite_gathers
+from parallax.analysis import (
+    BatchDependent,
+    SparseUse,
+    batch_dependent_reads,
+    find_sparse_parameters,
+    rewrite_gathers,
+)
 
 VOCAB, DIM = 20, 6
 
@@ -162,8 +168,48 @@ def test_embedding_weight_read_in_forward_is_dense() -> None:
     assert list(uses) == ["other.weight"]
 
 
-def test_max_norm_and_scale_grad_by_freq_are_dense() -> None:
-    assert find_sparse_parameters(MaxNormModel()) == {}
+def test_max_norm_and_scale_grad_by_freq_are_sparse_with_their_options() -> None:
+    uses = find_sparse_parameters(MaxNormModel())
+    assert uses == {
+        "emb.weight": SparseUse("emb.weight", "embedding", "emb", VOCAB, False,
+                                BatchDependent(max_norm=1.0)),
+        "freq.weight": SparseUse("freq.weight", "embedding", "freq", VOCAB, False,
+                                 BatchDependent(scale_grad_by_freq=True)),
+    }
+    assert uses["emb.weight"].batch_dependent.describe() == "max_norm=1.0"
+
+
+def test_batch_dependent_reads_name_every_parameter_and_where() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, DIM, max_norm=1.0, norm_type=1.0)
+            self.head = nn.Linear(DIM, VOCAB)
+            self.head.weight = self.emb.weight
+            self.w = nn.Parameter(torch.randn(VOCAB, DIM))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids) + F.embedding(ids, self.w, scale_grad_by_freq=True)
+            return self.head(x)
+
+    reads = batch_dependent_reads(Tied())
+    assert reads == {"emb.weight": ("emb", BatchDependent(1.0, 1.0, False)),
+                     "w": ("F.embedding", BatchDependent(scale_grad_by_freq=True))}
+    assert reads["emb.weight"][1].describe() == "max_norm=1.0, norm_type=1.0"
+
+
+def test_gathers_of_one_parameter_with_different_options_are_refused() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(VOCAB, DIM))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return F.embedding(ids, self.w, max_norm=1.0) + F.embedding(ids, self.w)
+
+    with pytest.raises(ValueError, match=r"parameter 'w' is looked up with different "
+                                         r"batch-dependent options \(max_norm=1.0; none\)"):
+        find_sparse_parameters(M())
 
 
 def test_custom_gathers_detected() -> None:
@@ -189,7 +235,10 @@ def test_functional_embedding_sparse_flag_and_options() -> None:
             return a + b + c
 
     uses = find_sparse_parameters(M())
-    assert uses == {"a": SparseUse("a", "gather", None, VOCAB, True)}
+    assert uses == {"a": SparseUse("a", "gather", None, VOCAB, True),
+                    "b": SparseUse("b", "gather", None, VOCAB, False, BatchDependent(1.0)),
+                    "c": SparseUse("c", "gather", None, VOCAB, False,
+                                   BatchDependent(scale_grad_by_freq=True))}
 
 
 def test_gather_and_other_uses_are_dense() -> None:
@@ -213,7 +262,7 @@ def test_untraceable_model_uses_module_rule_and_warns_once(
     assert "\n" not in message
 
 
-def test_untraceable_model_still_excludes_ties_and_max_norm(
+def test_untraceable_model_still_excludes_ties_and_keeps_max_norm(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     class M(UntraceableModel):
@@ -225,7 +274,9 @@ def test_untraceable_model_still_excludes_ties_and_max_norm(
             self.normed = nn.EmbeddingBag(VOCAB, DIM, max_norm=2.0)
 
     with caplog.at_level(logging.WARNING, logger="parallax"):
-        assert list(find_sparse_parameters(M())) == ["emb.weight"]
+        uses = find_sparse_parameters(M())
+    assert list(uses) == ["emb.weight", "normed.weight"]
+    assert uses["normed.weight"].batch_dependent == BatchDependent(max_norm=2.0)
 
 
 def test_frozen_parameters_excluded() -> None:

@@ -36,7 +36,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SparseUse", "find_sparse_parameters", "rewrite_gathers"]
+__all__ = ["BatchDependent", "SparseUse", "batch_dependent_reads", "find_sparse_parameters",
+           "rewrite_gathers"]
 
 logger = logging.getLogger("parallax")
 
@@ -59,6 +60,40 @@ class SparseUse:
     module_path: str | None
     num_rows: int
     sparse_grad: bool
+    batch_dependent: BatchDependent | None = None
+
+
+@dataclass(frozen=True)
+class BatchDependent:
+    """The embedding options whose effect depends on the whole batch, as one lookup set them.
+
+    ``max_norm`` (with ``norm_type``) renormalises, in place and before the lookup, every row
+    the batch looks up; ``scale_grad_by_freq`` divides each row's gradient by its count in the
+    batch. Distributed, "the batch" is the *global* batch: the servers (or every replica) see
+    every worker's ids, so they apply both exactly (see `parallax.sparse`, `parallax.replicated`).
+    """
+
+    max_norm: float | None = None
+    norm_type: float = 2.0
+    scale_grad_by_freq: bool = False
+
+    def describe(self) -> str:
+        """The options as written in the model, e.g. ``max_norm=1.0, scale_grad_by_freq=True``."""
+        parts = []
+        if self.max_norm is not None:
+            parts.append(f"max_norm={self.max_norm}"
+                         + (f", norm_type={self.norm_type}" if self.norm_type != 2.0 else ""))
+        if self.scale_grad_by_freq:
+            parts.append("scale_grad_by_freq=True")
+        return ", ".join(parts)
+
+
+def _batch_dependent(max_norm: Any, norm_type: Any, scale: Any) -> BatchDependent | None:
+    """The options, or None when both are off."""
+    if max_norm is None and not scale:
+        return None
+    return BatchDependent(None if max_norm is None else float(max_norm), float(norm_type),
+                          bool(scale))
 
 
 @dataclass(frozen=True)
@@ -68,6 +103,7 @@ class _Gather:
     ids: fx.Node
     padding_idx: int | None
     sparse: bool
+    batch_dependent: BatchDependent | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,9 +119,9 @@ def find_sparse_parameters(model: nn.Module) -> dict[str, SparseUse]:
     is a row gather, because only then is its gradient confined to the gathered rows:
 
     * ``nn.Embedding`` / ``nn.EmbeddingBag`` weights are sparse unless tied to another
-      registration, configured with ``max_norm`` (rows are renormalised in place, outside
-      autograd) or ``scale_grad_by_freq`` (the gradient depends on the whole batch), or, when
-      the model can be traced, also read outside the module call (e.g. an output projection);
+      registration or, when the model can be traced, also read outside the module call (e.g.
+      an output projection); ``max_norm`` and ``scale_grad_by_freq`` are recorded in
+      :attr:`SparseUse.batch_dependent`, for the servers to apply over the global batch;
     * with a trace, any other parameter with at least two dimensions whose every use is
       ``F.embedding(ids, w)``, ``w[ids]`` or ``index_select(w, 0, ids)`` is sparse with kind
       ``"gather"``;
@@ -126,6 +162,54 @@ def find_sparse_parameters(model: nn.Module) -> dict[str, SparseUse]:
         if use is not None:
             result[name] = use
     return result
+
+
+def batch_dependent_reads(model: nn.Module) -> dict[str, tuple[str, BatchDependent]]:
+    """Every parameter of ``model`` read with ``max_norm`` or ``scale_grad_by_freq``: its name
+    -> (where: the module path or ``F.embedding``, the options).
+
+    Such a read is exact distributed only where parallax applies the options over the global
+    batch (sparse tables); the runner refuses the others (a tied weight, a frozen table with
+    ``max_norm``), since each worker would apply them to its own part of the batch.
+    """
+    names: dict[int, str] = {}  # a tied parameter by its first name, as named_parameters()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    found: dict[str, tuple[str, BatchDependent]] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, _EMBEDDING_TYPES) and id(module.weight) in names:
+            options = _batch_dependent(module.max_norm, module.norm_type,
+                                       module.scale_grad_by_freq)
+            if options is not None:
+                found.setdefault(names[id(module.weight)], (path, options))
+    try:
+        gm = fx.symbolic_trace(model)
+    except Exception:  # find_sparse_parameters already said why; modules were scanned above
+        return found
+    for node in gm.graph.nodes:
+        signature = _FUNCTIONAL_LOOKUPS.get(node.target) if node.op == "call_function" else None
+        if signature is None:
+            continue
+        try:
+            bound = signature.bind(*node.args, **node.kwargs)
+        except TypeError:
+            continue
+        bound.apply_defaults()
+        args = bound.arguments
+        weight = args["weight"]
+        value = (_resolve(model, str(weight.target))
+                 if isinstance(weight, fx.Node) and weight.op == "get_attr" else None)
+        if not isinstance(value, nn.Parameter) or id(value) not in names:
+            continue
+        where = f"F.{node.target.__name__}"
+        if any(isinstance(args[k], fx.Node) for k in ("max_norm", "scale_grad_by_freq")):
+            found.setdefault(names[id(value)], (where, BatchDependent()))
+            continue
+        options = _batch_dependent(args["max_norm"], args["norm_type"],
+                                   args["scale_grad_by_freq"])
+        if options is not None:
+            found.setdefault(names[id(value)], (where, options))
+    return found
 
 
 def rewrite_gathers(
@@ -291,12 +375,20 @@ def _traced_rule(
         gathers = [_match_gather(user, attr, param.dim()) for user, attr in reads]
         if not gathers or any(g is None for g in gathers):
             return None
+        options = {g.batch_dependent for g in gathers if g is not None}
+        if len(options) > 1:
+            raise ValueError(
+                f"parameter '{name}' is looked up with different batch-dependent options "
+                f"({'; '.join(sorted(o.describe() if o else 'none' for o in options))}); "
+                "parallax applies one set per table over the global batch: use the same "
+                "max_norm / norm_type / scale_grad_by_freq in every F.embedding call of it")
         return SparseUse(
             name=name,
             kind="gather",
             module_path=None,
             num_rows=param.shape[0],
             sparse_grad=all(g is not None and g.sparse for g in gathers),
+            batch_dependent=options.pop(),
         )
 
     # Not read by the traced forward at all (e.g. an embedding in an unused branch): keep the
@@ -317,14 +409,14 @@ def _module_rule(
     ((module, attr),) = registrations
     if attr != "weight" or not isinstance(module, _EMBEDDING_TYPES):
         return None
-    if module.max_norm is not None or module.scale_grad_by_freq:
-        return None
     return SparseUse(
         name=name,
         kind="embedding" if isinstance(module, nn.Embedding) else "embedding_bag",
         module_path=module_paths[id(module)],
         num_rows=param.shape[0],
         sparse_grad=bool(module.sparse),
+        batch_dependent=_batch_dependent(module.max_norm, module.norm_type,
+                                         module.scale_grad_by_freq),
     )
 
 
@@ -348,6 +440,8 @@ def _parameter_owners(model: nn.Module) -> dict[int, set[tuple[nn.Module, str]]]
 # --------------------------------------------------------------------------------------------
 
 _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
+_FUNCTIONAL_LOOKUPS = {F.embedding: _EMBEDDING_SIGNATURE,
+                       F.embedding_bag: inspect.signature(F.embedding_bag)}
 
 # Ops whose result is a Python number / shape, not an index tensor: ``w[x.size(0)]`` selects one
 # row by an int and must not be handed to a gather module as ``ids``.
@@ -483,7 +577,8 @@ def _match_gather(user: fx.Node, attr: fx.Node, weight_dim: int) -> _Gather | No
 
 
 def _match_embedding(user: fx.Node, attr: fx.Node) -> _Gather | None:
-    """``F.embedding(ids, w, padding_idx=?, sparse=?)`` with the batch-dependent options off."""
+    """``F.embedding(ids, w, padding_idx=?, max_norm=?, norm_type=?, scale_grad_by_freq=?,
+    sparse=?)`` with every option a constant."""
     try:
         bound = _EMBEDDING_SIGNATURE.bind(*user.args, **user.kwargs)
     except TypeError:
@@ -493,9 +588,10 @@ def _match_embedding(user: fx.Node, attr: fx.Node) -> _Gather | None:
     ids, padding_idx, sparse = args["input"], args["padding_idx"], args["sparse"]
     if args["weight"] is not attr or not isinstance(ids, fx.Node):
         return None
-    if args["max_norm"] is not None or args["scale_grad_by_freq"] is not False:
-        return None
-    if isinstance(args["norm_type"], fx.Node):
+    options = (args["max_norm"], args["norm_type"], args["scale_grad_by_freq"])
+    if any(isinstance(option, fx.Node) for option in options):
+        return None  # computed in forward: not one fixed option per table
+    if not isinstance(options[2], bool):
         return None
     if padding_idx is not None and (
         isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
@@ -503,7 +599,8 @@ def _match_embedding(user: fx.Node, attr: fx.Node) -> _Gather | None:
         return None
     if not isinstance(sparse, bool):
         return None
-    return _Gather(ids=ids, padding_idx=padding_idx, sparse=sparse)
+    return _Gather(ids=ids, padding_idx=padding_idx, sparse=sparse,
+                   batch_dependent=_batch_dependent(*options))
 
 
 def _bind_index_select(

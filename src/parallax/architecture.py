@@ -66,13 +66,14 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
             layout.sparse[name] = ReplicatedTable(
                 name, params[name], worker=worker, group=group, traffic=traffic,
                 sparse_grad=use.sparse_grad or config.lazy_sparse_updates,
-                average=config.average_sparse)
+                average=config.average_sparse, batch_dependent=use.batch_dependent)
             layout.placements[name] = ("allgatherv", 0, ())
         else:
             layout.sparse[name] = ShardedTable(
                 name, params[name], num_partitions=num_partitions, worker=worker, group=group,
                 traffic=traffic, sparse_grad=use.sparse_grad or config.lazy_sparse_updates,
-                average=config.average_sparse, local_aggregation=config.aggregates_locally)
+                average=config.average_sparse, local_aggregation=config.aggregates_locally,
+                batch_dependent=use.batch_dependent)
             layout.placements[name] = ("ps", num_partitions, servers)
     if config.architecture in ("ps", "optps"):
         dense = {n: p for n, p in params.items() if p.requires_grad and n not in sparse_uses}

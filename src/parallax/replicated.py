@@ -5,6 +5,11 @@ worker sends its (unique ids, gradient rows) to every other worker — an AllGat
 ``all_to_all_single`` because gloo refuses uneven ``all_gather`` — and each replica sums all
 workers' rows into the table's gradient, which the user's own optimizer then applies on every
 replica alike.
+
+Batch-dependent embedding options hold over the global batch, so every replica stays equal
+and equal to the single-device table: with ``max_norm`` each lookup first exchanges the ids of
+all workers and every replica renormalises their union; with ``scale_grad_by_freq`` the lookup
+counts travel with the gradient rows and each row is divided by its global count.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax import hierarchy
+from parallax.analysis import BatchDependent
 from parallax.cluster import WorkerInfo
 from parallax.exchange import Hop, Traffic, unique_ids
+from parallax.sparse import check_batch_dependent, one_lookup_message, split_counts, with_counts
 
 
 class ReplicatedTable:
@@ -28,8 +35,11 @@ class ReplicatedTable:
 
     def __init__(self, name: str, param: nn.Parameter, *, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
-                 sync: str = "allgatherv"):
+                 sync: str = "allgatherv", batch_dependent: BatchDependent | None = None):
+        check_batch_dependent(name, batch_dependent, sparse_grad)
         self.name = name
+        self.batch_dependent = batch_dependent
+        self._lookups = 0  # with gradients, this step (scale_grad_by_freq allows one)
         self.sync = sync
         self.rows_used: list[int] = []
         self.machine_rows_used: list[int] = []
@@ -42,21 +52,37 @@ class ReplicatedTable:
         self.traffic = traffic
         self.sparse_grad = sparse_grad
         self.average = average
-        self._pending: list[tuple[Tensor, Tensor]] = []
+        self._pending: list[tuple[Tensor, Tensor, Tensor | None]] = []  # ids, rows, counts
         with torch.no_grad():  # rank 0's initial values, as DDP does for dense parameters
             dist.broadcast(param.data, src=0, group=group)
 
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Rows of the local replica, as `ShardedTable.lookup` returns them."""
         unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
-        # Every rank learns of a bad id on any rank (a count exchange), so none waits alone.
+        options = self.batch_dependent
+        scales = options is not None and options.scale_grad_by_freq
+        if scales and torch.is_grad_enabled():
+            self._lookups += 1
+            if self._lookups > 1:
+                raise RuntimeError(one_lookup_message(self.name, self.worker.rank))
+        # Every rank learns of a bad id on any rank (a count exchange), so none waits alone;
+        # with max_norm the ids themselves go to every replica.
         world = self.worker.world_size
-        Hop.open([0] * world, group=self.group, traffic=self.traffic, name=self.name,
-                 num_rows=self.num_rows, bad_id=bad_id, device=self.param.device)
+        renorm = options is not None and options.max_norm is not None
+        hop = Hop.open([unique.numel() if renorm else 0] * world, group=self.group,
+                       traffic=self.traffic, name=self.name, num_rows=self.num_rows,
+                       bad_id=bad_id, device=self.param.device)
+        if renorm:
+            everyone = hop.forward(unique.repeat(world))
+            with torch.no_grad():
+                torch.embedding_renorm_(self.param.detach(), everyone, options.max_norm,
+                                        options.norm_type)
         rows = self.param.detach()[unique].clone()
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
-            self._pending.append((unique, rows))
+            counts = (torch.bincount(inverse.reshape(-1), minlength=unique.numel())
+                      if scales else None)
+            self._pending.append((unique, rows, counts))
         return rows, inverse
 
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
@@ -64,20 +90,23 @@ class ReplicatedTable:
 
     def zero_grad(self) -> None:
         self._pending.clear()
+        self._lookups = 0
         self.param.grad = None
 
     def push_gradients(self) -> None:
         """AllGatherv of every lookup's (ids, rows); each replica sums them into its grad."""
         world = self.worker.world_size
         if self._pending:
-            used = torch.unique(torch.cat([unique for unique, _ in self._pending]))
+            used = torch.unique(torch.cat([unique for unique, _, _ in self._pending]))
             self.rows_used.append(int(used.numel()))
         if self.sync == "allreduce":
             self._allreduce()
             return
         ids_parts, row_parts = [], []
-        for unique, rows in self._pending:
+        for unique, rows, counts in self._pending:
             grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+            if counts is not None:  # counts travel as one more column of the rows
+                grad = with_counts(grad, counts)
             hop = Hop.open([unique.numel()] * world, group=self.group, traffic=self.traffic,
                            name=self.name, num_rows=self.num_rows, device=self.param.device)
             ids_parts.append(hop.forward(unique.repeat(world)))
@@ -86,6 +115,9 @@ class ReplicatedTable:
         if not ids_parts:
             return
         ids, rows = torch.cat(ids_parts), torch.cat(row_parts)
+        counts = None
+        if self._scales_by_freq:
+            rows, counts = split_counts(rows, self.row_shape)
         if self.average:
             rows = rows / world
         if self.sparse_grad:
@@ -93,18 +125,41 @@ class ReplicatedTable:
                                            check_invariants=False).coalesce()
         else:
             grad = torch.zeros_like(self.param).index_add_(0, ids, rows)
+            if counts is not None:
+                self._divide_by_counts(grad, torch.zeros(self.num_rows, dtype=self.dtype,
+                                                         device=ids.device).index_add_(
+                                                             0, ids, counts))
         self.param.grad = grad
+
+    @property
+    def _scales_by_freq(self) -> bool:
+        return self.batch_dependent is not None and self.batch_dependent.scale_grad_by_freq
+
+    def _divide_by_counts(self, grad: Tensor, total: Tensor) -> None:
+        """scale_grad_by_freq: each row over its count in the global batch."""
+        scale = torch.where(total > 0, 1 / total.clamp_min(1), torch.ones_like(total))
+        grad.mul_(scale.view(-1, *[1] * len(self.row_shape)))
 
     def _allreduce(self) -> None:
         grad = torch.zeros_like(self.param)
-        for unique, rows in self._pending:
+        total = torch.zeros(self.num_rows, dtype=self.dtype, device=self.param.device)
+        for unique, rows, counts in self._pending:
             if rows.grad is not None:
                 grad.index_add_(0, unique, rows.grad)
+            if counts is not None:
+                total.index_add_(0, unique, counts.to(self.dtype))
         self._pending.clear()
-        hierarchy.account(grad, traffic=self.traffic, name=self.name)
-        hierarchy.all_reduce(grad, group=self.group)
+        # The counts ride in the same AllReduce, as one more column.
+        payload = with_counts(grad, total) if self._scales_by_freq else grad
+        hierarchy.account(payload, traffic=self.traffic, name=self.name)
+        hierarchy.all_reduce(payload, group=self.group)
+        if self._scales_by_freq:
+            grad, total = split_counts(payload, self.row_shape)
+            grad = grad.contiguous()
         if self.average:
             grad /= self.worker.world_size
+        if self._scales_by_freq:
+            self._divide_by_counts(grad, total)
         self.param.grad = grad
 
     def grad_norm_squared(self) -> Tensor:

@@ -30,6 +30,7 @@ from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.config import Config
 from parallax.cost import Shape, allreduce_dense, ps_rows
 from parallax.dense import wrap_dense
+from parallax.exactness import check_exact
 from parallax.exchange import Traffic
 from parallax.lookahead import build_id_program
 from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
@@ -68,6 +69,7 @@ class Runner:
         self._sparse_group = sparse_group
         _check_same_everywhere(model, config, worker, sparse_group)
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
+        check_exact(model, self.sparse_uses)
         params = dict(model.named_parameters())
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self.layout = build_layout(model, self.sparse_uses, config=config, worker=worker,

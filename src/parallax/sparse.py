@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from parallax.analysis import BatchDependent
 from parallax.cluster import WorkerInfo
 from parallax.exchange import Hop, SparseIdError, Traffic, unique_ids
 from parallax.partition_pool import SERIAL, PartitionPool
@@ -86,6 +87,7 @@ class _Lookup:
     recv_local_rows: Tensor     # on a server: the shard rows the received ids address
     merged_inverse: Tensor | None = None  # at a leader: received piece -> merged row
     merged_count: int = 0
+    counts: Tensor | None = None  # scale_grad_by_freq: how often the batch looked up each id
 
 
 @dataclass
@@ -110,10 +112,18 @@ class ShardedTable:
 
     def __init__(self, name: str, weight: Tensor, *, num_partitions: int, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
-                 local_aggregation: bool = False, first_server: int = 0):
+                 local_aggregation: bool = False, first_server: int = 0,
+                 batch_dependent: BatchDependent | None = None):
         if weight.dim() < 1:
             raise ValueError(f"parameter '{name}' must have rows (dim >= 1), got a scalar")
+        check_batch_dependent(name, batch_dependent, sparse_grad)
         self.name = name
+        # max_norm: owners renormalise the rows of every pull (all workers' ids) before
+        # serving them; scale_grad_by_freq: workers push their id counts with the gradient
+        # rows, owners divide each aggregated row by its count over the global batch.
+        self.batch_dependent = batch_dependent
+        self._lookups = 0  # with gradients, this step (scale_grad_by_freq allows one)
+        self._received_counts: list[tuple[Tensor, Tensor]] = []
         self.num_rows = weight.shape[0]
         self.row_shape = tuple(weight.shape[1:])
         self.dtype = weight.dtype
@@ -168,6 +178,10 @@ class ShardedTable:
         """Pull the rows ``ids`` needs. Returns ``(rows, inverse)`` with ``rows[inverse]`` the
         looked-up values; the gradient of ``rows`` is what `push_gradients` sends back. Served
         from the rows `pull` prefetched for this step when there are any."""
+        if self.scales_by_freq and torch.is_grad_enabled():
+            self._lookups += 1
+            if self._lookups > 1:
+                raise RuntimeError(one_lookup_message(self.name, self.worker.rank))
         if self.prefetched is None:
             return pull([self], [ids])[0]
         unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
@@ -189,11 +203,17 @@ class ShardedTable:
             rows = _pull_direct([self], [unique], [None], source)[0][self.name]
         return rows[inverse].view(*ids.shape, *self.row_shape)
 
+    @property
+    def scales_by_freq(self) -> bool:
+        return self.batch_dependent is not None and self.batch_dependent.scale_grad_by_freq
+
     # ---- backward: push ------------------------------------------------------------------
     def zero_grad(self) -> None:
         self._pending.clear()
         self.prefetched = None
         self._received.clear()
+        self._received_counts.clear()
+        self._lookups = 0
         if self.shard is None:
             return
         if self.sparse_grad:
@@ -264,6 +284,18 @@ class ShardedTable:
             part.grad = grad.coalesce()
         return aggregate
 
+    def _divide_by_counts(self) -> None:
+        """scale_grad_by_freq: each aggregated row over its count in the global batch (rows
+        nobody looked up have a zero gradient and stay so)."""
+        received, self._received_counts = self._received_counts, []
+        if self.shard is None or not received:
+            return
+        total = torch.zeros(self.shard.shape[0], dtype=self.dtype, device=self.device)
+        total.index_add_(0, torch.cat([rows for rows, _ in received]),
+                         torch.cat([counts for _, counts in received]))
+        scale = torch.where(total > 0, 1 / total.clamp_min(1), torch.ones_like(total))
+        self.shard.grad.mul_(scale.view(-1, *[1] * len(self.row_shape)))
+
     def _gradients(self) -> list[Tensor]:
         """This server's aggregated gradient, as whole tensors (the shard's, or its
         partitions' sparse ones)."""
@@ -312,7 +344,7 @@ def pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor]) -> list[tuple[Te
         merged = {name: torch.unique(piece, return_inverse=True)
                   for name, piece in pieces.items()}
         merged_rows, direct, lookups = _pull_direct(tables, [m for m, _ in merged.values()],
-                                                    [None] * len(tables))
+                                                    [None] * len(tables), renorm=True)
         rows = to_leader.backward_many({name: merged_rows[name][inverse]
                                         for name, (_, inverse) in merged.items()})
         for name, (ids_merged, inverse) in merged.items():
@@ -320,9 +352,13 @@ def pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor]) -> list[tuple[Te
             lookups[name].merged_count = ids_merged.numel()
     else:
         rows, direct, lookups = _pull_direct(tables, list(uniques.values()),
-                                             list(bad_ids.values()))
+                                             list(bad_ids.values()), renorm=True)
     for name, lookup in lookups.items():
         lookup.ids, lookup.rows = uniques[name], rows[name]
+    for table, (unique, inverse, _) in zip(tables, requests, strict=True):
+        if table.scales_by_freq:
+            lookups[table.name].counts = torch.bincount(inverse.reshape(-1),
+                                                        minlength=unique.numel())
     if torch.is_grad_enabled():
         record = _Pull(lookups, direct, to_leader)
         for table in tables:
@@ -352,9 +388,12 @@ def _open(tables: Sequence[ShardedTable], counts: dict[str, list[int]],
 
 def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
                  bad_ids: Sequence[int | None], source: Tensor | None = None,
-                 ) -> tuple[dict[str, Tensor], Hop, dict[str, _Lookup]]:
+                 renorm: bool = False) -> tuple[dict[str, Tensor], Hop, dict[str, _Lookup]]:
     """Rows ``uniques[i]`` of ``tables[i]`` from their owners' shards (or from ``source``, a
-    tensor shaped like the shard, e.g. an optimizer state; one table only)."""
+    tensor shaped like the shard, e.g. an optimizer state; one table only). With ``renorm``
+    (a lookup's pull), owners of a ``max_norm`` table first renormalise the requested rows in
+    place, as ``F.embedding`` does on one device: the requests of all workers together are
+    the global batch's ids, and renormalising is idempotent, so the result is exact."""
     orders, counts = {}, {}
     for table, unique in zip(tables, uniques, strict=True):
         owner = table.partitioning.owner_rank(unique.clamp(0, max(table.num_rows - 1, 0)))
@@ -367,6 +406,11 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
     for table in tables:
         local = table.partitioning.local_row(recv_ids[table.name])
         held = source if source is not None else table.shard
+        options = table.batch_dependent
+        if renorm and held is not None and options is not None and options.max_norm is not None:
+            with torch.no_grad():
+                torch.embedding_renorm_(held.detach(), local, options.max_norm,
+                                        options.norm_type)
         served[table.name] = held.detach()[local] if held is not None else table._rows(0)
         lookups[table.name] = _Lookup(recv_ids[table.name], table._rows(0),
                                       orders[table.name], local)
@@ -393,19 +437,57 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
         for name, lookup in record.lookups.items():
             grad = lookup.rows.grad
             grads[name] = torch.zeros_like(lookup.rows) if grad is None else grad
+            if lookup.counts is not None:  # counts travel as one more column of the rows
+                grads[name] = with_counts(grads[name], lookup.counts)
         if record.to_leader is not None:
             pieces = record.to_leader.forward_many(grads)
             for name, lookup in record.lookups.items():
-                merged = by_name[name]._rows(lookup.merged_count).zero_()
+                merged = pieces[name].new_zeros((lookup.merged_count, *pieces[name].shape[1:]))
                 grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
         received = record.direct.forward_many({name: grads[name][lookup.order]
                                                for name, lookup in record.lookups.items()})
         for name, lookup in record.lookups.items():
             table = by_name[name]
             if table.shard is not None:
+                values = received[name]
+                if table.scales_by_freq:
+                    values, counts = split_counts(values, table.row_shape)
+                    table._received_counts.append((lookup.recv_local_rows, counts))
                 if table.average:
-                    received[name].div_(table.worker.world_size)
-                table._accumulate(lookup.recv_local_rows, received[name])
+                    values.div_(table.worker.world_size)
+                table._accumulate(lookup.recv_local_rows, values)
     for table in tables:
         table._pending.clear()
         table._finish_aggregation()
+        if table.scales_by_freq:
+            table._divide_by_counts()
+
+
+def with_counts(rows: Tensor, counts: Tensor) -> Tensor:
+    """``rows`` flattened to ``[n, row size]`` with ``counts`` as one more column, so gradient
+    rows and their lookup counts travel (and are merged) together."""
+    return torch.cat([rows.reshape(rows.shape[0], -1),
+                      counts.to(rows.dtype).unsqueeze(1)], dim=1)
+
+
+def split_counts(packed: Tensor, row_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """Undo `with_counts`: ``(rows [n, *row_shape], counts [n])``."""
+    return packed[:, :-1].reshape(-1, *row_shape), packed[:, -1].contiguous()
+
+
+def check_batch_dependent(name: str, options: BatchDependent | None, sparse_grad: bool) -> None:
+    """Refuse what torch refuses on one device: scale_grad_by_freq with sparse gradients."""
+    if options is not None and options.scale_grad_by_freq and sparse_grad:
+        raise ValueError(
+            f"parameter '{name}': scale_grad_by_freq=True with sparse gradients (sparse=True, "
+            "or Config(lazy_sparse_updates=True), which is defined as sparse=True) is refused "
+            "by torch on one device too ('embedding_backward: scale_grad_by_freq not "
+            "supported with sparse gradients')")
+
+
+def one_lookup_message(name: str, rank: int) -> str:
+    return (f"rank {rank}: parameter '{name}' has scale_grad_by_freq=True and was looked up "
+            "a second time in one step; on one device each lookup scales by its own counts, "
+            "which parallax reproduces only for one lookup per step (a table with "
+            "scale_grad_by_freq must be looked up once per forward; concatenate the ids "
+            "into one call)")

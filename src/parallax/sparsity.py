@@ -72,7 +72,8 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
         owner.state[param] = moved
     sync = "allgatherv" if table.sparse_grad else "allreduce"  # SparseAdam needs sparse grads
     return ReplicatedTable(table.name, param, worker=worker, group=group, traffic=table.traffic,
-                           sparse_grad=table.sparse_grad, average=table.average, sync=sync)
+                           sparse_grad=table.sparse_grad, average=table.average, sync=sync,
+                           batch_dependent=table.batch_dependent)
 
 
 def _per_row(value: object, table: ShardedTable) -> bool:

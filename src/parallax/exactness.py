@@ -1,0 +1,50 @@
+"""Programs parallax cannot train exactly are refused at `get_runner`, never trained silently
+different.
+
+The batch-dependent embedding options (``max_norm``, ``scale_grad_by_freq``) are exact on
+sparse tables, whose servers (or replicas) see the ids of the whole global batch. A parameter
+read with them that is *not* a sparse table (a weight tied to an output projection, a table
+also read densely, a frozen table with ``max_norm``) would be replicated by DDP, and every
+worker would apply the option to its own part of the batch: frequencies counted per worker,
+rows renormalised only where this worker looked — replicas that drift apart. Those programs
+are refused here, with the parameter, where it is read and the option.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from parallax.analysis import SparseUse, batch_dependent_reads
+
+__all__ = ["check_exact"]
+
+
+def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse]) -> None:
+    """Raise ``ValueError`` for the first parameter of ``model`` whose training could not
+    equal the single-device program's (see the module docstring)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, (where, options) in batch_dependent_reads(model).items():
+        if name in sparse_uses:
+            continue
+        if not params[name].requires_grad and options.max_norm is None:
+            continue  # scale_grad_by_freq on a frozen table changes nothing
+        why = ("it is frozen (requires_grad=False), so it stays a plain replica on every "
+               "worker" if not params[name].requires_grad else
+               "it is also read outside its lookups (tied or re-used), so it is dense and "
+               "replicated by DDP")
+        described = options.describe() or "max_norm/scale_grad_by_freq computed in forward"
+        raise ValueError(
+            f"parameter '{name}' is looked up with {described} ({where}), but {why}: "
+            "each worker would apply that to its own part of the batch instead of the "
+            "global batch, and training would silently differ "
+            "from one device. Untie the weight or drop the option; on a parameter read only "
+            "by its embedding lookups parallax applies it exactly.")
+    for name, use in sparse_uses.items():
+        options = use.batch_dependent
+        if options is not None and options.scale_grad_by_freq and use.kind == "embedding_bag":
+            raise ValueError(
+                f"parameter '{name}': nn.EmbeddingBag(scale_grad_by_freq=True) at "
+                f"'{use.module_path}' has no single-device result to be equal to: torch 2.13's "
+                "CPU kernel divides rows by the count of another id (pytorch/pytorch#190063, "
+                "fixed after 2.13) and refuses mode='max'. Use nn.Embedding with "
+                "scale_grad_by_freq and pool it yourself, or drop the option.")
