@@ -29,6 +29,7 @@ from parallax.analysis import find_sparse_parameters
 from parallax.architecture import server_held
 from parallax.cluster import WorkerInfo, current_worker, parse_resources
 from parallax.config import Config
+from parallax.exactness import check_exact
 from parallax.launch import free_port, install_error_recorder, launch
 from parallax.optim import as_optimizer_list, check_lazy, check_per_shard
 from parallax.partition_pool import close_shared_pools
@@ -256,6 +257,7 @@ def _check_before_launch(model: torch.nn.Module, optimizers: list[torch.optim.Op
                          config: Config) -> None:
     """Fail in the launching process, before any worker starts, on what workers would reject."""
     sparse = find_sparse_parameters(model)
+    check_exact(model, sparse, config)
     check_per_shard(optimizers, server_held(model, sparse, config))
     if config.lazy_sparse_updates:
         params = dict(model.named_parameters())

@@ -15,13 +15,16 @@ from __future__ import annotations
 from torch import nn
 
 from parallax.analysis import SparseUse, batch_dependent_reads
+from parallax.config import Config
+from parallax.sparse import check_batch_dependent
 
 __all__ = ["check_exact"]
 
 
-def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse]) -> None:
+def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse], config: Config) -> None:
     """Raise ``ValueError`` for the first parameter of ``model`` whose training could not
-    equal the single-device program's (see the module docstring)."""
+    equal the single-device program's (see the module docstring). Runs in every worker and,
+    for a self-launching script, in the launching process before any worker starts."""
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, (where, options) in batch_dependent_reads(model).items():
         if name in sparse_uses:
@@ -41,6 +44,9 @@ def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse]) -> None:
             "by its embedding lookups parallax applies it exactly.")
     for name, use in sparse_uses.items():
         options = use.batch_dependent
+        if options is not None and options.scale_grad_by_freq and (
+                use.sparse_grad or config.lazy_sparse_updates):
+            check_batch_dependent(name, options, sparse_grad=True)
         if options is not None and options.scale_grad_by_freq and use.kind == "embedding_bag":
             raise ValueError(
                 f"parameter '{name}': nn.EmbeddingBag(scale_grad_by_freq=True) at "

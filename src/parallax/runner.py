@@ -69,7 +69,7 @@ class Runner:
         self._sparse_group = sparse_group
         _check_same_everywhere(model, config, worker, sparse_group)
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
-        check_exact(model, self.sparse_uses)
+        check_exact(model, self.sparse_uses, config)
         params = dict(model.named_parameters())
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self.layout = build_layout(model, self.sparse_uses, config=config, worker=worker,
