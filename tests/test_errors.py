@@ -7,6 +7,7 @@ The distributed cases run the program of tests/scripts/faulty_worker.py under `p
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,9 +29,10 @@ FAULTY = ROOT / "tests" / "scripts" / "faulty_worker.py"
 COLLECTIVE_TIMEOUT_S = 60  # what faulty_worker.py configures
 
 
-def run_faulty(mode: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "2",
-           "--nproc-per-machine", "1", str(FAULTY), mode, str(tmp_path)]
+def run_faulty(mode: str, tmp_path: Path, machines: int = 2,
+               ) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(machines),
+           "--nproc-per-machine", str(2 // machines), str(FAULTY), mode, str(tmp_path)]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     return proc, time.monotonic() - start
@@ -125,6 +127,43 @@ def test_one_failing_worker_ends_all_and_launcher_names_it(tmp_path: Path) -> No
     assert proc.returncode != 0
     assert "rank 1" in proc.stderr and "deliberate failure" in proc.stderr
     assert seconds < COLLECTIVE_TIMEOUT_S, "the others must not wait for the timeout"
+    assert_no_worker_left(tmp_path)
+
+
+FAULT_TIMEOUT_S = 20  # faulty_worker.py's collective timeout in modes uneven, hang, hang-loss
+
+
+@pytest.mark.parametrize("machines", [1, 2])
+def test_uneven_inputs_name_the_rank_that_ended_and_fail_at_once(tmp_path: Path,
+                                                                 machines: int) -> None:
+    proc, seconds = run_faulty("uneven", tmp_path, machines)
+    assert proc.returncode != 0
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("parallax: rank")]
+    assert summary and summary[0].startswith(
+        f"parallax: rank 1 (machine {machines - 1}) failed: exit code 1: UnevenInputsError: "
+        "rank 0 ended its training after 3 step(s); rank 1 called step 4 — give every worker "
+        "the same number of batches"), proc.stderr[-3000:]
+    assert "remote worker crashing" not in summary[0]
+    assert seconds < FAULT_TIMEOUT_S, "nobody waits for the collective timeout"
+    assert_no_worker_left(tmp_path)
+
+
+@pytest.mark.parametrize("mode, where", [
+    ("hang", "finished step 3, 2[0-9].[0-9] s ago — it has not called step 4"),
+    ("hang-loss", r"step 4 \(forward\), 2[0-9].[0-9] s ago — it has not finished the forward "
+                  "of step 4"),
+])
+def test_a_hung_rank_is_named_not_the_rank_whose_wait_expired(tmp_path: Path, mode: str,
+                                                              where: str) -> None:
+    proc, seconds = run_faulty(mode, tmp_path)
+    assert proc.returncode != 0
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("parallax: rank")]
+    assert summary[0].startswith("parallax: rank 1 (machine 1) stopped responding; rank 0 "
+                                 "timed out waiting for it: StalledRankError: rank 1 did not "
+                                 "arrive"), proc.stderr[-3000:]
+    assert re.search(f"rank 1's last record is: {where}", proc.stderr), proc.stderr[-3000:]
+    assert not any(line.startswith("parallax: rank 0") for line in summary)
+    assert seconds < FAULT_TIMEOUT_S + 30, "every process ends soon after the timeout"
     assert_no_worker_left(tmp_path)
 
 

@@ -24,7 +24,7 @@ from torch.utils.data import (
     Sampler,
 )
 
-from parallax import hierarchy
+from parallax import hierarchy, progress
 from parallax.analysis import find_sparse_parameters
 from parallax.architecture import server_held
 from parallax.cluster import WorkerInfo, current_worker, parse_resources
@@ -314,6 +314,7 @@ def shutdown() -> None:
     """Destroy parallax's process groups: the PS group first, then the default group (the order
     that measured free of gloo aborts at exit). Safe to call twice."""
     global _sparse_group
+    progress.finish_all()  # other ranks still stepping now fail at once, naming this one
     _restore_environment()
     close_shared_pools()
     hierarchy.leave()

@@ -44,6 +44,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from parallax.cluster import RESOURCES_ENV, ResourceSpec
+from parallax.progress import CULPRIT
 
 __all__ = ["AgentPlan", "install_error_recorder", "launch", "plan_agent"]
 
@@ -384,9 +385,18 @@ def _report_failures(failures: Mapping[int, ProcessFailure], spec: ResourceSpec)
     own, stopped = _split_stopped(failures)
     for rank in own:
         failure = failures[rank]
+        summary = _failure_summary(failure)
+        stalled = CULPRIT.match(summary)
+        if stalled and stalled.group(1) == "StalledRankError":
+            # The rank whose wait expired found who did not arrive: name that one first.
+            culprit = int(stalled.group(2))
+            print(f"parallax: rank {culprit} (machine {spec.machine_of_rank[culprit]}) "
+                  f"stopped responding; rank {rank} timed out waiting for it: {summary}",
+                  file=sys.stderr)
+            continue
         print(
             f"parallax: rank {rank} (machine {spec.machine_of_rank[rank]}) failed: "
-            f"exit code {_describe_exit(failure.exitcode)}: {_failure_summary(failure)}",
+            f"exit code {_describe_exit(failure.exitcode)}: {summary}",
             file=sys.stderr,
         )
     if stopped:

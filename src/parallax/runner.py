@@ -39,6 +39,7 @@ from parallax.partition_pool import default_threads, shared_pool
 from parallax.partition_tuner import DEFAULT_MAX_PER_SERVER, PartitionTuner, SearchRecord
 from parallax.partitioner import group_of
 from parallax.plan import Plan
+from parallax.progress import Progress
 from parallax.repartition import repartition
 from parallax.replicated import ReplicatedTable
 from parallax.sparse import ShardedTable, prefetch, push_gradients
@@ -68,6 +69,9 @@ class Runner:
         model.to(self.device)  # in place: the optimizer's Parameter objects stay the same
         self._sparse_group = sparse_group
         _check_same_everywhere(model, config, worker, sparse_group)
+        # Where every rank is, in the job's store: a failed collective names who is missing.
+        self.progress = (Progress(worker.rank, worker.world_size, config.collective_timeout_s)
+                         if worker.world_size > 1 else None)
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
         check_exact(model, self.sparse_uses, config)
         params = dict(model.named_parameters())
@@ -196,20 +200,20 @@ class Runner:
         began = time.perf_counter()
         if self._batch_signature is None:
             self._batch_signature = _shapes(batch)
-        self.zero_grad()
-        loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
-        loss.backward()
-        tables = list(self.layout.all_tables().values())
-        push_gradients([t for t in tables if isinstance(t, ShardedTable)])  # one exchange
-        for table in tables:
-            if not isinstance(table, ShardedTable):
-                table.push_gradients()
-        if self._finite_or_skip(loss):
-            if self.config.clip_grad_norm is not None:
-                self._clip(self.config.clip_grad_norm)
-            for optimizer in self.optimizers:
-                optimizer.step()
-            self.shard_optimizer.step()
+        step = self.global_step + 1
+        if self.progress is not None:
+            self.progress.begin(step)
+        try:
+            loss = self._step(inputs, targets, step)
+        except (RuntimeError, ValueError) as error:  # gloo's are RuntimeErrors
+            if self.progress is None or not _collective_failure(error):
+                raise
+            explained = self.progress.explain(error, step)
+            if explained is error:
+                raise
+            raise explained from error
+        if self.progress is not None:
+            self.progress.done(step)
         self.traffic.steps += 1
         self._steps += 1
         self.global_step += 1
@@ -226,6 +230,26 @@ class Runner:
         if self._checkpoint_due():
             self.save()
         return loss.detach()
+
+    def _step(self, inputs: Any, targets: Any, step: int) -> Tensor:
+        """Forward, backward, push, clip and update (the collectives of one step)."""
+        self.zero_grad()
+        loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
+        if self.progress is not None:
+            self.progress.phase(step, "backward")
+        loss.backward()
+        tables = list(self.layout.all_tables().values())
+        push_gradients([t for t in tables if isinstance(t, ShardedTable)])  # one exchange
+        for table in tables:
+            if not isinstance(table, ShardedTable):
+                table.push_gradients()
+        if self._finite_or_skip(loss):
+            if self.config.clip_grad_norm is not None:
+                self._clip(self.config.clip_grad_norm)
+            for optimizer in self.optimizers:
+                optimizer.step()
+            self.shard_optimizer.step()
+        return loss
 
     def evaluate(self, batches: Iterable[Sequence[Any]]) -> float:
         """Mean loss over the batches of *all* workers (each worker passes its own shard, e.g.
@@ -539,6 +563,15 @@ class Runner:
 
     def reset_stats(self) -> None:
         self.traffic.reset()
+
+
+def _collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` came from a collective (gloo/NCCL say so only in their messages)."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return any(mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer",
+                                         "Connection reset", "Timed out waiting"))
 
 
 def _check_same_everywhere(model: nn.Module, config: Config, worker: WorkerInfo,

@@ -7,11 +7,15 @@ Usage: faulty_worker.py MODE OUT_DIR, MODE one of
   mismatch rank 1 builds another Config and model head than rank 0
   nan      rank 1's loss is NaN in step 3 (nan-skip: with Config(nonfinite="skip"))
   export   no fault: train, export, and check the export reproduces the runner's outputs
+  uneven   rank 1 has one batch more than the others (collective timeout 20 s)
+  hang     rank 1 sleeps 120 s in its loop before step 4 (collective timeout 20 s)
+  hang-loss  rank 1 sleeps 120 s in its loss function in step 4 (collective timeout 20 s)
 Every worker writes OUT_DIR/pid-RANK so the test can check no process is left behind.
 """
 
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,17 +43,28 @@ def main() -> None:
         model.out = torch.nn.Linear(10, 5)  # a different head: another model signature
         parallax.partition(model.embedding, name="tables")  # and a partition group
     poisoned = [False]
+    stalled = [False]
 
     def loss(output, target):  # NaN on rank 1 alone, in mode nan/nan-skip, step 3
         value = loss_fn(output, target)
+        if stalled[0]:
+            time.sleep(120)
         return value * float("nan") if poisoned[0] else value
 
     if mode == "nan-skip":
         config = parallax.Config(collective_timeout_s=60, nonfinite="skip")
+    if mode in ("uneven", "hang", "hang-loss"):
+        config = parallax.Config(collective_timeout_s=20)
     runner = parallax.get_runner(model, optimizer, loss, config=config)
-    for step, batch in enumerate(global_batches(Case("mixed", "adam"))):
+    batches = global_batches(Case("mixed", "adam"))
+    if mode == "uneven" and worker.rank != 1:
+        batches = batches[:3]
+    for step, batch in enumerate(batches):
+        if mode == "hang" and worker.rank == 1 and step == 3:
+            time.sleep(120)
         x, y = worker_slice(batch, worker.rank, worker.world_size)
         poisoned[0] = mode.startswith("nan") and worker.rank == 1 and step == 2
+        stalled[0] = mode == "hang-loss" and worker.rank == 1 and step == 3
         if mode == "bad_id" and worker.rank == 1 and step == 2:
             x = x.clone()
             x[0, 0] = 123_456

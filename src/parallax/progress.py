@@ -1,0 +1,177 @@
+"""Every rank's progress in the job's store, so a failed collective names the rank that caused it.
+
+gloo does not say who is missing: when rank 1 hangs, rank 0 fails with "Timed out waiting
+20000ms for send operation"; when rank 0 simply ran out of data and exited, rank 1 fails with
+"Connection closed by peer ... typically caused by a remote worker crashing". Both point at the
+wrong rank. So each rank records, in the store the launcher serves (it outlives the workers),
+where it is: the step it began or finished, and that it ended its training. A step first checks
+that no rank has ended (uneven inputs fail at once, before any collective); a step whose
+collective fails reads every rank's record and raises an error that names the rank that did
+not arrive, with its last known step and phase.
+
+Cost: three store writes and one check per step (localhost TCP round trips: 62 us for three
+measured here); nothing when the job has one worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import re
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+__all__ = ["CULPRIT", "Progress", "StalledRankError", "UnevenInputsError", "finish_all"]
+
+_PREFIX = "parallax/progress/"
+_ENDED = "ended"
+# A step's phases in order: a rank in an earlier phase of the same step is behind.
+PHASES = {"forward": 0, "backward": 1, "done": 2}
+_READ_TIMEOUT = timedelta(seconds=5)  # reading records after a failure must not hang either
+
+
+class UnevenInputsError(RuntimeError):
+    """A rank called `Runner.step` after another rank ended its training."""
+
+
+class StalledRankError(RuntimeError):
+    """A collective failed because a rank did not arrive; the message names it."""
+
+
+CULPRIT = re.compile(r"^(StalledRankError|UnevenInputsError): rank (\d+) ")
+"""How the launcher recognises, in a failed worker's error, the rank that caused it."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One rank's last known place: ``phase`` of ``step`` at wall-clock ``time``."""
+
+    step: int
+    phase: str
+    time: float
+
+    def describe(self, now: float) -> str:
+        where = (f"finished step {self.step}" if self.phase == "done" else
+                 f"ended its training after {self.step} step(s)" if self.phase == _ENDED else
+                 f"step {self.step} ({self.phase})")
+        return f"{where}, {max(0.0, now - self.time):.1f} s ago"
+
+
+class Progress:
+    """This rank's records in the job's store (collective-free: each rank writes its own key)."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float,
+                 store: dist.Store | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        base = store if store is not None else distributed_c10d._get_default_store()
+        self.store = dist.PrefixStore(_PREFIX, base)
+        self.steps = 0
+        self.ended = False
+        self.current = "done"
+        _active.append(self)
+
+    def _write(self, step: int, phase: str) -> None:
+        self.current = phase
+        self.store.set(f"rank{self.rank}", f"{step}|{phase}|{time.time()!r}")
+
+    def phase(self, step: int, phase: str) -> None:
+        """Step ``step`` reached ``phase`` (a key of `PHASES`)."""
+        self._write(step, phase)
+
+    def begin(self, step: int) -> None:
+        """Before step ``step``'s first collective: fail at once if a rank has ended."""
+        if self.store.check([_ENDED]):
+            records = self.records()
+            ended = sorted(r for r, rec in records.items() if rec.phase == _ENDED)
+            if ended:
+                raise self._uneven(ended, records, step)
+        self._write(step, "forward")
+
+    def done(self, step: int) -> None:
+        self.steps = step
+        self._write(step, "done")
+
+    def finish(self) -> None:
+        """This rank's training is over (shutdown or process exit)."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            self._write(self.steps, _ENDED)
+            self.store.set(_ENDED, str(self.rank))
+        except Exception:  # the launcher's store may already be gone at interpreter exit
+            pass
+
+    def records(self) -> dict[int, Record]:
+        """Every rank's last record that the store holds (unreachable store: none)."""
+        keys = [f"rank{r}" for r in range(self.world_size)]
+        try:
+            self.store.set_timeout(_READ_TIMEOUT)
+            present = [k for k in keys if self.store.check([k])]
+            values = dict(zip(present, self.store.multi_get(present), strict=True))
+        except Exception:
+            return {}
+        records = {}
+        for rank, key in enumerate(keys):
+            if key in values:
+                step, phase, stamp = values[key].decode().split("|")
+                records[rank] = Record(int(step), phase, float(stamp))
+        return records
+
+    def explain(self, error: BaseException, step: int) -> BaseException:
+        """The error to raise for a collective of step ``step`` that failed with ``error``:
+        one naming the rank(s) that did not arrive, or ``error`` itself when every rank's
+        record shows it in this step (the failure lies elsewhere)."""
+        records = self.records()
+        now = time.time()
+        ended = sorted(r for r, rec in records.items() if rec.phase == _ENDED)
+        if ended:
+            return self._uneven(ended, records, step)
+        mine = PHASES.get(self.current, 0)
+        behind = sorted(r for r, rec in records.items()
+                        if r != self.rank and (rec.step < step or rec.step == step
+                                               and PHASES.get(rec.phase, 0) < mine))
+        silent = [r for r in range(self.world_size) if r not in records and r != self.rank]
+        culprits = behind or silent
+        if not culprits:
+            return error
+        first = culprits[0]
+        last = records[first].describe(now) if first in records else "no record at all"
+        others = (f" (also behind: rank(s) {', '.join(map(str, culprits[1:]))})"
+                  if len(culprits) > 1 else "")
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = (f"has not called step {step} (a hang or slow work outside parallax, e.g. in "
+                 "the training loop or the data loader)"
+                 if first not in records or records[first].step < step else
+                 f"has not finished the {records[first].phase} of step {step} (a hang or slow "
+                 "work in the model or the loss function)")
+        return StalledRankError(
+            f"rank {first} did not arrive: rank {self.rank} waited in step {step} "
+            f"({self.current}; collective timeout {self.timeout_s:g} s), but rank {first}'s "
+            f"last record is: {last} — it {where}{others}. The wait ended with: {cause}")
+
+    def _uneven(self, ended: list[int], records: dict[int, Record],
+                step: int) -> UnevenInputsError:
+        first = ended[0]
+        return UnevenInputsError(
+            f"rank {first} ended its training after {records[first].step} step(s); rank "
+            f"{self.rank} called step {step} — give every worker the same number of batches "
+            "(e.g. with parallax.shard, which gives each worker an equal share), or stop all "
+            "workers at the same step")
+
+
+_active: list[Progress] = []
+
+
+def finish_all() -> None:
+    """Record that every live `Progress` of this process has ended (shutdown, exit)."""
+    while _active:
+        _active.pop().finish()
+
+
+atexit.register(finish_all)
