@@ -167,3 +167,22 @@ def test_max_norm_replicas_stay_bitwise_equal(tmp_path: Path) -> None:
         # moved a little by Adam): most rows are near max_norm now.
         norms = last["embedding.weight"].norm(dim=1)
         assert norms.median() < 1.1 < norms.max(), (setting, norms)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_equivalence_batches_share_rows_across_workers_with_different_counts(world: int) -> None:
+    """The freq/maxnorm rows of the equivalence matrix mean something only if workers look up
+    the same rows, different numbers of times: check their batches do."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from equivalence_cases import all_cases, global_batches, worker_slice
+
+    for case in [c for c in all_cases() if c.model in ("freq", "maxnorm")][:6]:
+        shared = 0
+        for batch in global_batches(case):
+            counts = [torch.bincount(worker_slice(batch, r, world)[0].reshape(-1),
+                                     minlength=40) for r in range(world)]
+            table = torch.stack(counts)
+            seen_by = (table > 0).sum(dim=0)
+            differs = table.max(dim=0).values != table.min(dim=0).values
+            shared += int(((seen_by >= 2) & differs).sum())
+        assert shared > 0, case.key
