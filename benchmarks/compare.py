@@ -33,7 +33,8 @@ Each record (per system; "median" etc. over the timed steps, after the untimed w
 * parallax systems only, from ``runner.plan`` once α is measured (over the warm-up steps):
   ``alpha_model`` (element-weighted mean α, dense parameters count as 1), ``alphas`` (per
   sparse parameter), ``predicted_bytes_per_machine_step`` = ``plan.predicted_total(arch)``:
-  the papers' Table 3 model for this engine (`parallax.cost`), the *inter-machine* bytes sent +
+  the papers' Table 3 model for this engine (`parallax.planning.cost`), the *inter-machine*
+  bytes sent +
   received per machine and step, averaged over machines, counting payloads (ids, rows, dense
   buckets through DDP's ring, count messages) and no protocol headers;
   ``engine_bytes_per_machine_step``: the same quantity counted by the engine over the timed

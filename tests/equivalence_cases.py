@@ -439,6 +439,6 @@ def single_device_reference(case: Case, world: int) -> dict[str, Tensor]:
 
 
 def _sparse_names(model: nn.Module) -> set[str]:
-    from parallax.analysis import find_sparse_parameters
+    from parallax.model.detect import find_sparse_parameters
 
     return set(find_sparse_parameters(model))

@@ -1,4 +1,4 @@
-"""Tests for parallax.analysis: which parameters are sparse, and the gather rewrite."""
+"""Tests for parallax.model.detect: which parameters are sparse, and the gather rewrite."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from parallax.analysis import (
+from parallax.model.detect import (
     BatchDependent,
     SparseUse,
     batch_dependent_reads,

@@ -17,8 +17,8 @@ from equivalence_cases import Mixed, clip_like_parallax, loss_fn
 from torch import nn
 
 import parallax
-from parallax import checkpoint_files
-from parallax.checkpoint_files import CheckpointError
+from parallax.checkpoint import files as checkpoint_files
+from parallax.checkpoint.files import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "checkpoint_worker.py"
@@ -179,7 +179,7 @@ def test_corrupted_checkpoint_is_detected_and_a_failed_save_keeps_the_previous(
                 raise OSError("disk full")
             return checkpoint_files.save_object(path, obj)
 
-        monkeypatch.setattr("parallax.checkpoint.save_object", crash_on_second_file)
+        monkeypatch.setattr("parallax.checkpoint.sharded.save_object", crash_on_second_file)
         with pytest.raises(CheckpointError, match=r"rank 0: OSError: disk full.*previous "
                            r"checkpoint is intact"):
             runner.save()

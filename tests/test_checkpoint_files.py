@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallax.checkpoint_files import (
+from parallax.checkpoint.files import (
     MANIFEST_NAME,
     TMP_PREFIX,
     CheckpointError,
@@ -331,7 +331,7 @@ def kill_when(proc: subprocess.Popen[bytes], ready, timeout_s: float = 30.0) -> 
 LARGE_WRITE = """
 import sys
 from pathlib import Path
-from parallax.checkpoint_files import write_atomic
+from parallax.checkpoint.files import write_atomic
 write_atomic(Path(sys.argv[1]), bytes(int(sys.argv[2])))
 """
 
@@ -361,7 +361,7 @@ STALLED_MANIFEST = """
 import os, sys, time
 import torch
 from pathlib import Path
-from parallax import checkpoint_files as cf
+from parallax.checkpoint import files as cf
 directory = cf.step_dir(Path(sys.argv[1]), 2)
 files = {f"server-{i}/shard.pt": cf.save_object(directory / f"server-{i}" / "shard.pt",
                                                 {"rows": torch.ones(100, 10) * i})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallax import cost
+from parallax.planning import cost
 
 W, ROW = 1_000_000.0, 400.0  # a 1 MB table of 400-byte rows
 

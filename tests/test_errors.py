@@ -21,8 +21,8 @@ from torch import nn
 import parallax
 from parallax.cluster import ResourceError
 from parallax.config import ConfigError
-from parallax.optim import OptimizerError
-from parallax.sparse import SparseIdError
+from parallax.engine.server_table import SparseIdError
+from parallax.engine.shard_optimizer import OptimizerError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = ROOT / "tests" / "scripts" / "faulty_worker.py"

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from parallax.checkpoint_files import (
+from parallax.checkpoint.export import export, export_state_dict, read_checkpoint
+from parallax.checkpoint.files import (
     CheckpointError,
     Manifest,
     save_object,
@@ -23,7 +24,6 @@ from parallax.checkpoint_files import (
     write_manifest,
 )
 from parallax.cli import main
-from parallax.export import export, export_state_dict, read_checkpoint
 
 REPO = Path(__file__).parent.parent
 #: Tables of the tiny model and how many files (partitions) each is split into.

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
-from parallax import launch as launch_mod
 from parallax.cluster import RESOURCES_ENV, local_spec, parse_resource_text
-from parallax.launch import free_port, install_error_recorder, launch, plan_agent
+from parallax.launch import elastic as launch_mod
+from parallax.launch.elastic import free_port, install_error_recorder, launch, plan_agent
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent

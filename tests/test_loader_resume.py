@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import parallax
-from parallax import api
-from parallax.api import ShardedLoader, sharded_loaders
+from parallax import loader as loader_module
 from parallax.cluster import WorkerInfo
+from parallax.loader import ShardedLoader, sharded_loaders
 
 SEED = 7
 
@@ -33,7 +33,7 @@ def _loaders(n: int, world: int, batch: int, *, shuffle: bool,
         worker = WorkerInfo(rank=rank, world_size=world, local_rank=rank, machine=0,
                             num_machines=1, machine_of_rank=(0,) * world)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(api, "current_worker", lambda worker=worker: worker)
+            mp.setattr(loader_module, "current_worker", lambda worker=worker: worker)
             loader = parallax.shard(DataLoader(data, batch_size=batch, shuffle=shuffle,
                                                drop_last=drop_last), seed=SEED)
         assert isinstance(loader, ShardedLoader)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from parallax import netem
-from parallax.executors import NamespaceExecutor, SshExecutor
+from parallax.launch import netem
+from parallax.launch.executors import NamespaceExecutor, SshExecutor
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_netns = pytest.mark.skipif(

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallax.partition_search import Sample, fit_cost_model, search_partitions, time_steps
+from parallax.partitions.search import Sample, fit_cost_model, search_partitions, time_steps
 
 
 def curve(t0: float, t1: float, t2: float):

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from parallax.progress import CULPRIT, Progress, StalledRankError, UnevenInputsError
+from parallax.engine.progress import CULPRIT, Progress, StalledRankError, UnevenInputsError
 
 
 @pytest.fixture

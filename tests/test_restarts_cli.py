@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from parallax import launch as launch_mod
 from parallax.cli import main
 from parallax.cluster import local_spec
+from parallax.launch import elastic as launch_mod
 
 REPO = Path(__file__).parent.parent
 
@@ -120,7 +120,7 @@ def test_cli_threads_max_restarts_to_launch(tmp_path, monkeypatch, capsys):
 def test_emulated_network_passes_max_restarts_to_every_machine(tmp_path, monkeypatch):
     """``--emulate-network`` runs ``parallax run --machine-index I`` per machine: the flag must
     reach those commands (no namespaces are made here)."""
-    from parallax import executors, netem
+    from parallax.launch import executors, netem
 
     class FakeNetwork:
         def __init__(self, machines: int, rate: str) -> None:

@@ -14,10 +14,12 @@ Tables created inside ``with parallax.partitioner():`` (or passed to `parallax.p
 their partition count searched in process during the first steps after the warm-up.
 """
 
-from parallax.api import get_runner, shard, shutdown
+from parallax.api import get_runner
 from parallax.config import Config, ConfigError
-from parallax.partitioner import partition, partitioner
+from parallax.loader import shard
+from parallax.partitions.groups import partition, partitioner
 from parallax.runner import Runner
+from parallax.session import shutdown
 
 __all__ = ["Config", "ConfigError", "Runner", "get_runner", "partition", "partitioner", "shard",
            "shutdown"]

@@ -1,226 +1,24 @@
-"""The user surface: `shard` a data loader, `get_runner` for the model. Three changed lines."""
+"""`get_runner`: the call that turns a single-device program into a distributed one."""
 
 from __future__ import annotations
 
-import atexit
-import itertools
-import logging
-import math
 import os
 import sys
-import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
+from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import (
-    DataLoader,
-    DistributedSampler,
-    IterableDataset,
-    RandomSampler,
-    Sampler,
-)
 
-from parallax import hierarchy, progress
-from parallax.analysis import find_sparse_parameters
-from parallax.architecture import server_held
-from parallax.cluster import WorkerInfo, current_worker, parse_resources
+from parallax.cluster import current_worker, parse_resources
 from parallax.config import Config
-from parallax.exactness import check_exact
-from parallax.launch import free_port, install_error_recorder, launch
-from parallax.optim import as_optimizer_list, check_lazy, check_per_shard
-from parallax.partition_pool import close_shared_pools
+from parallax.engine.shard_optimizer import as_optimizer_list, check_lazy, check_per_shard
+from parallax.launch.elastic import install_error_recorder, launch
+from parallax.model.detect import find_sparse_parameters
+from parallax.model.exactness import check_exact
+from parallax.planning.architectures import server_held
 from parallax.runner import LossFn, Runner
+from parallax.session import join, single_process_worker
 
-log = logging.getLogger("parallax")
-
-_sparse_group: dist.ProcessGroup | None = None
-
-
-class _SkipSampler(Sampler[int]):
-    """A ``DistributedSampler`` minus the first ``skip`` indices of its list.
-
-    Resuming mid-epoch skips indices rather than loading and discarding samples, so a resume
-    costs nothing however far into the epoch it lands.
-    """
-
-    def __init__(self, inner: DistributedSampler) -> None:
-        self.inner = inner
-        self.skip = 0
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(iter(self.inner), self.skip, None)
-
-    def __len__(self) -> int:
-        return max(0, len(self.inner) - self.skip)
-
-
-@dataclass
-class _EpochState:
-    """One iteration's progress, owned by its generator so a stale iterator cannot skew it."""
-
-    epoch: int
-    skipped: int  # global samples skipped at the start (a resumed epoch), else 0
-    batches: int  # batches this iteration will yield
-    yielded: int = 0
-
-
-_registry: list[weakref.ref[ShardedLoader]] = []
-
-
-def sharded_loaders() -> list[ShardedLoader]:
-    """The live ShardedLoaders of this process in creation order, for checkpoints to save
-    and restore their positions (weak references: a dropped loader is not kept alive)."""
-    _registry[:] = [ref for ref in _registry if ref() is not None]
-    return [loader for ref in _registry if (loader := ref()) is not None]
-
-
-class ShardedLoader:
-    """This worker's disjoint part of a ``DataLoader``.
-
-    Worker r of W takes samples r, r+W, r+2W, ... (``DistributedSampler``), so its k-th batch
-    of b samples and the other workers' k-th batches together are exactly samples
-    ``[k*W*b, (k+1)*W*b)``: the single-device program's k-th batch with batch size ``W*b``.
-    Each new iteration is a new epoch (new shuffle order when the original loader shuffled).
-
-    `position` and `resume` let a checkpoint continue the data stream where it stopped, also
-    on a different number of workers: positions count samples of the epoch's *global* order,
-    which does not depend on W.
-    """
-
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler, worker: WorkerInfo):
-        self.loader = loader
-        self.sampler = sampler
-        self.worker = worker
-        self.epoch = 0
-        self._skipper = loader.sampler if isinstance(loader.sampler, _SkipSampler) else None
-        self._state: _EpochState | None = None
-        self._resume_at: dict[str, int] | None = None
-        _registry.append(weakref.ref(self))
-
-    @property
-    def global_batch(self) -> int:
-        """Samples all workers together take per step: ``W * b``."""
-        return self.worker.world_size * self.loader.batch_size
-
-    def __iter__(self) -> Iterator[Any]:
-        epoch, skipped = self.epoch, 0
-        if self._resume_at is not None:
-            epoch, skipped = self._resume_at["epoch"], self._resume_at["samples"]
-            self._resume_at = None
-        if self._skipper is not None:
-            # Only the resumed epoch is shortened: every other iteration resets the skip.
-            self._skipper.skip = skipped // self.worker.world_size
-        self.sampler.set_epoch(epoch)
-        self.epoch = epoch + 1
-        self._state = _EpochState(epoch, skipped, len(self.loader))
-        return self._count(iter(self.loader), self._state)
-
-    @staticmethod
-    def _count(batches: Iterator[Any], state: _EpochState) -> Iterator[Any]:
-        """Yield ``batches``, counting each before it is handed out: a checkpoint taken while
-        the program works on a batch counts that batch as consumed."""
-        for batch in batches:
-            state.yielded += 1
-            yield batch
-
-    def __len__(self) -> int:
-        """Batches in a *full* epoch, as for the original loader (so schedules computed as
-        ``len(loader) * epochs`` stay right). A resumed epoch yields fewer: it starts
-        ``position()["samples"] // global_batch`` batches in (when resumed at a multiple of
-        the global batch)."""
-        per_worker = len(self.sampler)
-        if self.loader.drop_last:
-            return per_worker // self.loader.batch_size
-        return math.ceil(per_worker / self.loader.batch_size)
-
-    def position(self) -> dict[str, int]:
-        """Where the data stream stands: ``{"epoch": e, "samples": s}``.
-
-        ``s`` samples of epoch ``e``'s global order are consumed by all workers together
-        (batches yielded * W * b, since workers step in lock step). Once an epoch's last batch
-        has been handed out the position is the next epoch with 0 samples, so a final partial
-        batch or ``DistributedSampler`` padding never appears in a position. Before the first
-        iteration (or after `resume`, before iterating) it is where the next iteration starts.
-        """
-        if self._resume_at is not None:
-            return dict(self._resume_at)
-        state = self._state
-        if state is None or state.yielded >= state.batches:
-            return {"epoch": self.epoch, "samples": 0}
-        return {"epoch": state.epoch,
-                "samples": state.skipped + state.yielded * self.global_batch}
-
-    def resume(self, position: dict[str, int]) -> None:
-        """Make the next iteration start epoch ``position["epoch"]`` after its first
-        ``position["samples"]`` samples of the global order.
-
-        Every worker skips ``samples / W`` indices of its own list: padding (``drop_last``
-        False) and trimming (``drop_last`` True) of ``DistributedSampler`` touch only the end
-        of the epoch's order, so the rest of the epoch is the uninterrupted program's stream
-        from that sample on, whatever W was when the position was taken; when the new global
-        batch ``W * b`` divides ``samples`` the batches are exactly that program's (with
-        ``drop_last`` False its last batch carries the usual < W padding duplicates). Only
-        this epoch is shortened; later ones are whole. ``seed`` and shuffling must match.
-        """
-        epoch, samples = _checked_position(position)
-        world = self.worker.world_size
-        if samples % world:
-            raise ValueError(
-                f"cannot resume at samples={samples} on {world} workers: every worker must skip "
-                f"the same number of samples, so {samples} must be a multiple of {world}; "
-                f"choose a new global batch (workers x batch size) that divides the "
-                f"{samples} samples consumed")
-        if samples and self._skipper is None:
-            raise ValueError(f"cannot resume at samples={samples}: this ShardedLoader's "
-                             "DataLoader was not built by parallax.shard, so it cannot skip")
-        size = len(self.sampler.dataset)
-        if samples > size:
-            raise ValueError(f"cannot resume at samples={samples}: the dataset has only "
-                             f"{size} samples per epoch")
-        self._resume_at = {"epoch": epoch, "samples": samples}
-
-
-def _checked_position(position: dict[str, int]) -> tuple[int, int]:
-    """Epoch and samples of a position, rejecting what `ShardedLoader.position` never makes."""
-    if not isinstance(position, dict) or set(position) != {"epoch", "samples"}:
-        raise ValueError("a loader position is a dict with keys 'epoch' and 'samples', "
-                         f"got {position!r}")
-    values = []
-    for key in ("epoch", "samples"):
-        value = position[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"position[{key!r}] must be a non-negative int, got {value!r}")
-        values.append(value)
-    return values[0], values[1]
-
-
-def shard(loader: DataLoader, *, seed: int = 0) -> DataLoader | ShardedLoader:
-    """This worker's part of ``loader``; the loader itself outside a parallax launch."""
-    worker = current_worker()
-    if worker is None:
-        return loader
-    if isinstance(loader.dataset, IterableDataset):
-        raise TypeError("parallax.shard needs a map-style dataset (with __len__ and "
-                        "__getitem__); got an IterableDataset, which cannot be split by index")
-    if loader.batch_size is None:
-        raise TypeError("parallax.shard needs a DataLoader built with batch_size "
-                        "(a custom batch_sampler cannot be split)")
-    sampler = DistributedSampler(loader.dataset, num_replicas=worker.world_size,
-                                 rank=worker.rank, shuffle=isinstance(loader.sampler,
-                                                                      RandomSampler),
-                                 seed=seed, drop_last=loader.drop_last)
-    sharded = DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=_SkipSampler(sampler),
-        num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        persistent_workers=loader.persistent_workers if loader.num_workers else False,
-    )
-    return ShardedLoader(sharded, sampler, worker)
+__all__ = ["get_runner"]
 
 
 def get_runner(model: torch.nn.Module,
@@ -246,10 +44,10 @@ def get_runner(model: torch.nn.Module,
         spec = parse_resources(resources)
         sys.exit(launch(spec, [sys.argv[0], *sys.argv[1:]]))
     if worker is None:
-        worker = _single_process_worker()
+        worker = single_process_worker()
     install_error_recorder()
     torch.manual_seed(config.seed)
-    group = _join(worker, config)
+    group = join(worker, config)
     return Runner(model, optimizers, loss_fn, worker=worker, config=config, sparse_group=group)
 
 
@@ -262,64 +60,3 @@ def _check_before_launch(model: torch.nn.Module, optimizers: list[torch.optim.Op
     if config.lazy_sparse_updates:
         params = dict(model.named_parameters())
         check_lazy(optimizers, {name: params[name] for name in sparse})
-
-
-# Environment variables a one-worker run set, with their earlier values: `shutdown` puts them
-# back, or a later launch from this process (a notebook, a test) would inherit RANK=0 and
-# WORLD_SIZE=1 and its workers would each believe they are alone.
-_saved_environment: dict[str, str | None] = {}
-
-
-def _single_process_worker() -> WorkerInfo:
-    values = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-              "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port()),
-              "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-              "GROUP_RANK": "0"}
-    for name, value in values.items():
-        _saved_environment.setdefault(name, os.environ.get(name))
-        os.environ[name] = value
-    worker = current_worker()
-    assert worker is not None
-    return worker
-
-
-def _restore_environment() -> None:
-    for name, value in _saved_environment.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    _saved_environment.clear()
-
-
-def _join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
-    """Join the default group (if the program has not) and the group for the PS exchange."""
-    global _sparse_group
-    timeout = timedelta(seconds=config.collective_timeout_s)
-    if not dist.is_initialized():
-        backend = "nccl" if worker.device.type == "cuda" else "gloo"
-        if worker.device.type == "cuda":
-            torch.cuda.set_device(worker.device)
-        dist.init_process_group(backend, timeout=timeout)
-    if _sparse_group is None:
-        # Its own group keeps the PS exchange apart from DDP's bucketed AllReduce.
-        backend = "nccl" if worker.device.type == "cuda" else "gloo"
-        _sparse_group = dist.new_group(backend=backend, timeout=timeout)
-        hierarchy.join(worker, backend=backend, timeout=timeout)
-        atexit.register(shutdown)
-    return _sparse_group
-
-
-def shutdown() -> None:
-    """Destroy parallax's process groups: the PS group first, then the default group (the order
-    that measured free of gloo aborts at exit). Safe to call twice."""
-    global _sparse_group
-    progress.finish_all()  # other ranks still stepping now fail at once, naming this one
-    _restore_environment()
-    close_shared_pools()
-    hierarchy.leave()
-    if _sparse_group is not None and dist.is_initialized():
-        dist.destroy_process_group(_sparse_group)
-    _sparse_group = None
-    if dist.is_initialized():
-        dist.destroy_process_group()

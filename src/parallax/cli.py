@@ -133,8 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _export(args: argparse.Namespace) -> int:
     """``parallax export``: a bad or corrupt checkpoint is the user's problem, not a bug, so
     it gets a one-line error naming the file rather than a traceback."""
-    from parallax.checkpoint_files import CheckpointError  # imports torch
-    from parallax.export import read_checkpoint, save_state_dict
+    from parallax.checkpoint.export import read_checkpoint, save_state_dict
+    from parallax.checkpoint.files import CheckpointError  # imports torch
 
     try:
         exported = read_checkpoint(args.checkpoint)
@@ -175,7 +175,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if max_restarts < 0:
         return _fail(f"--max-restarts must be at least 0, got {max_restarts}")
 
-    from parallax.launch import launch  # imports torch: keep usage errors fast
+    from parallax.launch.elastic import launch  # imports torch: keep usage errors fast
 
     env = {}
     if args.command == "plan":
@@ -205,8 +205,8 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: i
     import tempfile
 
     from parallax.data.cache import OFFLINE_ENV
-    from parallax.executors import NamespaceExecutor, launch_machines
-    from parallax.netem import EmulatedNetwork, NetemError
+    from parallax.launch.executors import NamespaceExecutor, launch_machines
+    from parallax.launch.netem import EmulatedNetwork, NetemError
 
     if args.resources is not None:
         return _fail("--emulate-network goes with --machines, not --resources")

@@ -35,7 +35,8 @@ class Config:
             many training steps; then the plan is completed (and, under ``hybrid``, a sparse
             parameter with α above the threshold moves to AllReduce). 0: never measure.
         alpha_threshold: that threshold. ``None``: no fixed threshold; a table moves when the
-            bytes model (`parallax.cost`), fed with its measured α (α_m of the machines' merged
+            bytes model (`parallax.planning.cost`), fed with its measured α (α_m of the machines'
+            merged
             rows under local aggregation), predicts AllReduce to move fewer bytes than the PS.
         lazy_sparse_updates: treat every sparse parameter as if its layer had ``sparse=True``:
             servers update only the rows a step touched, instead of moving every row as a

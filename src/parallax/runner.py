@@ -23,27 +23,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallax import checkpoint
-from parallax.analysis import SparseUse, find_sparse_parameters, rewrite_gathers
-from parallax.architecture import build_layout, server_held
+from parallax.checkpoint import sharded as checkpoint
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.config import Config
-from parallax.cost import Shape, allreduce_dense, ps_rows
-from parallax.dense import wrap_dense
-from parallax.exactness import check_exact
-from parallax.exchange import Traffic
-from parallax.lookahead import build_id_program
-from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
-from parallax.optim import ShardOptimizer, check_lazy, check_per_shard
-from parallax.partition_pool import default_threads, shared_pool
-from parallax.partition_tuner import DEFAULT_MAX_PER_SERVER, PartitionTuner, SearchRecord
-from parallax.partitioner import group_of
-from parallax.plan import Plan
-from parallax.progress import Progress
-from parallax.repartition import repartition
-from parallax.replicated import ReplicatedTable
-from parallax.sparse import ShardedTable, prefetch, push_gradients
-from parallax.sparsity import Sparsity, measure, move_to_allreduce
+from parallax.engine.dense import wrap_dense
+from parallax.engine.exchange import Traffic
+from parallax.engine.pool import default_threads, shared_pool
+from parallax.engine.progress import Progress
+from parallax.engine.replicated import ReplicatedTable
+from parallax.engine.server_table import ShardedTable, prefetch, push_gradients
+from parallax.engine.shard_optimizer import ShardOptimizer, check_lazy, check_per_shard
+from parallax.model.detect import SparseUse, find_sparse_parameters, rewrite_gathers
+from parallax.model.exactness import check_exact
+from parallax.model.lookahead import build_id_program
+from parallax.model.stand_ins import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
+from parallax.partitions.groups import group_of
+from parallax.partitions.repartition import repartition
+from parallax.partitions.tuner import DEFAULT_MAX_PER_SERVER, PartitionTuner, SearchRecord
+from parallax.planning.architectures import build_layout, server_held
+from parallax.planning.cost import Shape, allreduce_dense, ps_rows
+from parallax.planning.plan import Plan
+from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
 
 LossFn = Callable[[Any, Any], Tensor]
 log = logging.getLogger("parallax")
@@ -68,6 +68,7 @@ class Runner:
         self.device = worker.device
         model.to(self.device)  # in place: the optimizer's Parameter objects stay the same
         self._sparse_group = sparse_group
+        self.group = sparse_group  # every rank of the run (checkpoints agree through it)
         _check_same_everywhere(model, config, worker, sparse_group)
         # Where every rank is, in the job's store: a failed collective names who is missing.
         self.progress = (Progress(worker.rank, worker.world_size, config.collective_timeout_s)
@@ -520,7 +521,7 @@ class Runner:
         # All the work is done and written: leave without the interpreter's teardown, where
         # gloo now and then aborts a process (SIGABRT) that would turn a finished plan into a
         # failed job.
-        from parallax.api import shutdown
+        from parallax.session import shutdown
 
         shutdown()
         sys.stdout.flush()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallax.cluster import current_worker
-from parallax.launch import install_error_recorder
+from parallax.launch.elastic import install_error_recorder
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallax.cluster import current_worker
-from parallax.launch import install_error_recorder
+from parallax.launch.elastic import install_error_recorder
 
 STUCK_SECONDS = 120
 

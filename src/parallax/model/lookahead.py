@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from parallax.lookup import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
+from parallax.model.stand_ins import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
 
 __all__ = ["IdProgram", "build_id_program"]
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallax.partition_cache import cache_key, load_entry, store_entry
-from parallax.partition_search import Sample, SearchResult, sampling, second_half_mean
+from parallax.partitions.cache import cache_key, load_entry, store_entry
+from parallax.partitions.search import Sample, SearchResult, sampling, second_half_mean
 
 __all__ = ["PartitionTuner", "SearchRecord"]
 

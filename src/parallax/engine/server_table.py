@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallax.analysis import BatchDependent
 from parallax.cluster import WorkerInfo
-from parallax.exchange import Hop, SparseIdError, Traffic, unique_ids
-from parallax.partition_pool import SERIAL, PartitionPool
+from parallax.engine.exchange import Hop, SparseIdError, Traffic, unique_ids
+from parallax.engine.lookup_options import BatchDependent
+from parallax.engine.pool import SERIAL, PartitionPool
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "prefetch", "pull",
            "push_gradients"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from parallax.checkpoint_files import (
+from parallax.checkpoint.files import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parallax.sparse import ShardedTable
+from parallax.engine.server_table import ShardedTable
 
 
 def _padding_row(table: ShardedTable, ids: Tensor, inverse: Tensor,

@@ -44,7 +44,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from parallax.cluster import RESOURCES_ENV, ResourceSpec
-from parallax.progress import CULPRIT
+from parallax.engine.progress import CULPRIT
 
 __all__ = ["AgentPlan", "install_error_recorder", "launch", "plan_agent"]
 
@@ -456,7 +456,7 @@ def _failure_summary(failure: ProcessFailure) -> str:
     elif failure.exitcode > 0 and not os.path.isfile(failure.error_file):
         message = (
             "no error recorded (see the worker's output above; call "
-            "parallax.launch.install_error_recorder() in the script to record exceptions)"
+            "parallax.launch.elastic.install_error_recorder() in the script to record exceptions)"
         )
     lines = [line for line in str(message).strip().splitlines() if line.strip()]
     summary = lines[0] if lines else "<no message>"

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from parallax.analysis import SparseUse, batch_dependent_reads
 from parallax.config import Config
-from parallax.sparse import check_batch_dependent
+from parallax.engine.server_table import check_batch_dependent
+from parallax.model.detect import SparseUse, batch_dependent_reads
 
 __all__ = ["check_exact"]
 

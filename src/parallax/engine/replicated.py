@@ -18,11 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallax import hierarchy
-from parallax.analysis import BatchDependent
 from parallax.cluster import WorkerInfo
-from parallax.exchange import Hop, Traffic, unique_ids
-from parallax.sparse import check_batch_dependent, one_lookup_message, split_counts, with_counts
+from parallax.engine import hierarchy
+from parallax.engine.exchange import Hop, Traffic, unique_ids
+from parallax.engine.lookup_options import BatchDependent
+from parallax.engine.server_table import (
+    check_batch_dependent,
+    one_lookup_message,
+    split_counts,
+    with_counts,
+)
 
 
 class ReplicatedTable:

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from parallax.partition_pool import SERIAL, PartitionPool
+from parallax.engine.pool import SERIAL, PartitionPool
 
 # torch's own sparse optimizers (Adagrad, SGD) build sparse tensors without opting in or out of
 # invariant checks; the warning says nothing about the user's program.
@@ -32,7 +32,8 @@ PER_SHARD_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 
 
 class ServerTable(Protocol):
-    """What the servers' optimizer needs of a table (`parallax.sparse.ShardedTable`)."""
+    """What the servers' optimizer needs of a table
+    (`parallax.engine.server_table.ShardedTable`)."""
 
     name: str
     shard: nn.Parameter | None

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from parallax import hierarchy
-from parallax.exchange import Traffic
+from parallax.engine import hierarchy
+from parallax.engine.exchange import Traffic
 
 
 class _DenseTraffic:
@@ -29,7 +29,7 @@ class _DenseTraffic:
 def _counting_allreduce(state: _DenseTraffic, bucket: dist.GradBucket,
                         ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: AllReduce the bucket (mean or sum), machine by machine
-    (`parallax.hierarchy`), and account its bytes per parameter, so ``runner.stats()`` covers
+    (`parallax.engine.hierarchy`), and account its bytes per parameter, so ``runner.stats()`` covers
     the dense part too. The three collectives run before the hook returns: the backward waits
     for them (on CPU there is little compute to overlap with)."""
     buffer = bucket.buffer()

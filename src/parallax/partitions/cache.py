@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from parallax.checkpoint_files import write_atomic
+from parallax.checkpoint.files import write_atomic
 
 __all__ = ["cache_key", "load_entry", "store_entry"]
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.optim import ShardOptimizer, optimizer_of
-from parallax.replicated import ReplicatedTable
-from parallax.sparse import ShardedTable
+from parallax.engine.replicated import ReplicatedTable
+from parallax.engine.server_table import ShardedTable
+from parallax.engine.shard_optimizer import ShardOptimizer, optimizer_of
 
 
 @dataclass(frozen=True)

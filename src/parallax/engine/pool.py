@@ -3,7 +3,7 @@
 Torch releases the GIL inside its kernels, so a table split into more partitions lets a server
 aggregate and update the partitions side by side on several cores; each partition also adds a
 fixed cost (one more optimizer call, one more slice of the received rows). That is the trade-off
-``t(P) = θ0 + θ1/P + θ2·P`` of `parallax.partition_search` describes.
+``t(P) = θ0 + θ1/P + θ2·P`` of `parallax.partitions.search` describes.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallax.optim import ShardOptimizer
-from parallax.sparse import RowPartitioning, ShardedTable
+from parallax.engine.server_table import RowPartitioning, ShardedTable
+from parallax.engine.shard_optimizer import ShardOptimizer
 
 __all__ = ["repartition"]
 

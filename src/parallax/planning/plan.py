@@ -2,7 +2,8 @@
 
 Besides the decision, every parameter carries its size, its measured α (sparse parameters, once
 the warm-up steps have run) and the inter-machine bytes per machine and step that the papers'
-Table 3 predicts under each of the four architectures (`parallax.cost`), so the plan answers
+Table 3 predicts under each of the four architectures (`parallax.planning.cost`), so the plan
+answers
 "why is this faster" with numbers that `Runner.stats()` measures.
 """
 
@@ -14,11 +15,11 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from parallax import cost
-from parallax.analysis import SparseUse
 from parallax.config import ARCHITECTURES
-from parallax.partition_tuner import SearchRecord
-from parallax.sparsity import Sparsity
+from parallax.model.detect import SparseUse
+from parallax.partitions.tuner import SearchRecord
+from parallax.planning import cost
+from parallax.planning.sparsity import Sparsity
 
 Placement = tuple[str, int, tuple[int, ...]]  # (sync, partitions, server ranks)
 

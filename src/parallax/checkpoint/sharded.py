@@ -1,6 +1,7 @@
-"""Sharded checkpoints of a `Runner`: every server writes its own rows, rank 0 the rest.
+"""Sharded checkpoints of a training run (`Run`, which a `Runner` is): every server writes its
+own rows, rank 0 the rest.
 
-A checkpoint of step ``s`` is the directory ``<root>/step-<s>`` (`parallax.checkpoint_files`):
+A checkpoint of step ``s`` is the directory ``<root>/step-<s>`` (`parallax.checkpoint.files`):
 
 * ``tables/<name>/server-<k>.pt``, written by server ``k`` for each table it holds: the global
   ids of its rows, their values, the per-row optimizer state and the scalar state (step
@@ -21,14 +22,14 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from parallax.checkpoint_files import (
+from parallax.checkpoint.files import (
     CheckpointError,
     FileRecord,
     Manifest,
@@ -40,12 +41,27 @@ from parallax.checkpoint_files import (
     step_dir,
     write_manifest,
 )
-from parallax.optim import optimizer_of
-from parallax.replicated import ReplicatedTable
-from parallax.sparse import ShardedTable
+from parallax.cluster import WorkerInfo
+from parallax.config import Config
+from parallax.engine.replicated import ReplicatedTable
+from parallax.engine.server_table import ShardedTable
+from parallax.engine.shard_optimizer import ShardOptimizer, optimizer_of
+from parallax.planning.architectures import Layout
 
-if TYPE_CHECKING:
-    from parallax.runner import Runner
+
+class Run(Protocol):
+    """The narrow view of a training run that checkpoints save and restore (a `Run` is
+    one): the user's model and optimizers, the tables with their server-side optimizer
+    state, where this worker stands, and the group every rank of the run is in."""
+
+    model: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    config: Config
+    worker: WorkerInfo
+    global_step: int
+    layout: Layout
+    shard_optimizer: ShardOptimizer
+    group: dist.ProcessGroup
 
 __all__ = ["CheckpointError", "find", "load", "save"]
 
@@ -54,7 +70,7 @@ FORMAT = "parallax-checkpoint"
 
 
 # ---- saving ------------------------------------------------------------------------------------
-def save(runner: Runner, root: str | os.PathLike, *, keep: int | None = None,
+def save(runner: Run, root: str | os.PathLike, *, keep: int | None = None,
          extra: Any = None) -> Path:
     """Write step ``runner.global_step`` under ``root`` (collective). A failure on any rank
     raises on every rank and writes no manifest: the previous checkpoint stays the newest."""
@@ -67,7 +83,7 @@ def save(runner: Runner, root: str | os.PathLike, *, keep: int | None = None,
     except Exception as failure:  # reported on every rank below, not left to hang them
         error = f"rank {worker.rank}: {type(failure).__name__}: {failure}"
     gathered: list[Any] = [None] * worker.world_size
-    dist.all_gather_object(gathered, (records, error), group=runner._sparse_group)
+    dist.all_gather_object(gathered, (records, error), group=runner.group)
     errors = [e for _, e in gathered if e]
     if errors:
         raise CheckpointError(f"saving step {runner.global_step} to {directory} failed "
@@ -88,14 +104,14 @@ def save(runner: Runner, root: str | os.PathLike, *, keep: int | None = None,
                 log.warning("parallax: could not delete old checkpoints under %s: %s", root,
                             failure)
     # Complete (or failed) on every rank's return.
-    dist.broadcast_object_list(outcome, src=0, group=runner._sparse_group)
+    dist.broadcast_object_list(outcome, src=0, group=runner.group)
     if outcome[0]:
         raise CheckpointError(f"saving step {runner.global_step} to {directory} failed "
                               f"({outcome[0]}); the previous checkpoint is intact")
     return directory
 
 
-def _save_rank_files(runner: Runner, directory: Path, extra: Any) -> dict[str, FileRecord]:
+def _save_rank_files(runner: Run, directory: Path, extra: Any) -> dict[str, FileRecord]:
     worker = runner.worker
     records = {}
     for name, table in runner.layout.all_tables().items():
@@ -127,8 +143,8 @@ def _save_rank_files(runner: Runner, directory: Path, extra: Any) -> dict[str, F
     return records
 
 
-def _meta(runner: Runner, files: dict[str, FileRecord], has_extra: bool) -> dict[str, Any]:
-    from parallax.api import sharded_loaders
+def _meta(runner: Run, files: dict[str, FileRecord], has_extra: bool) -> dict[str, Any]:
+    from parallax.loader import sharded_loaders
 
     tables = {}
     for name, table in runner.layout.all_tables().items():
@@ -164,7 +180,7 @@ def find(path: str | os.PathLike) -> Path | None:
     return newest_complete(path) if path.is_dir() else None
 
 
-def load(runner: Runner, path: str | os.PathLike) -> Any:
+def load(runner: Run, path: str | os.PathLike) -> Any:
     """Restore ``runner`` (and the `parallax.shard` loaders) from the checkpoint at ``path``
     or the newest complete one under it; returns the saved ``extra`` (collective).
 
@@ -173,7 +189,7 @@ def load(runner: Runner, path: str | os.PathLike) -> Any:
     checkpoint raises on every rank and leaves the runner as it was."""
     worker = runner.worker
     box: list[Any] = [str(find(path) or "") if worker.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=runner._sparse_group)
+    dist.broadcast_object_list(box, src=0, group=runner.group)
     if not box[0]:
         raise CheckpointError(f"no complete checkpoint at or under {path}")
     directory = Path(box[0])
@@ -183,7 +199,7 @@ def load(runner: Runner, path: str | os.PathLike) -> Any:
     except Exception as failure:  # reported on every rank below
         error = f"rank {worker.rank}: {failure}"
     errors: list[Any] = [None] * worker.world_size
-    dist.all_gather_object(errors, error, group=runner._sparse_group)
+    dist.all_gather_object(errors, error, group=runner.group)
     failed = [e for e in errors if e]
     if failed:
         raise CheckpointError(f"cannot load {directory} ({'; '.join(failed)}); nothing was "
@@ -204,7 +220,7 @@ class _Restore:
         self.rng: dict[str, Any] | None = None
         self.extra: Any = None
 
-    def apply(self, runner: Runner) -> Any:
+    def apply(self, runner: Run) -> Any:
         meta = self.manifest.meta
         runner.model.load_state_dict(self.dense["model"], strict=False)
         for optimizer, state in zip(runner.optimizers, self.dense["optimizers"], strict=True):
@@ -246,7 +262,7 @@ class _Restore:
         return self.extra
 
 
-def _prepare(runner: Runner, directory: Path) -> _Restore:
+def _prepare(runner: Run, directory: Path) -> _Restore:
     """Read and check everything this rank needs from ``directory``, changing nothing."""
     manifest = read_manifest(directory)
     meta = manifest.meta
@@ -295,7 +311,7 @@ def _prepare(runner: Runner, directory: Path) -> _Restore:
     return restore
 
 
-def _check_compatible(directory: Path, meta: dict[str, Any], runner: Runner) -> None:
+def _check_compatible(directory: Path, meta: dict[str, Any], runner: Run) -> None:
     saved = meta["parameters"]
     here = {n: {"shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
             for n, p in runner.model.named_parameters()}
@@ -309,7 +325,7 @@ def _check_compatible(directory: Path, meta: dict[str, Any], runner: Runner) -> 
                               + "; ".join(problems))
 
 
-def _piece_from_model(runner: Runner, table: ShardedTable | ReplicatedTable) -> dict[str, Any]:
+def _piece_from_model(runner: Run, table: ShardedTable | ReplicatedTable) -> dict[str, Any]:
     """A parameter the checkpoint holds with the dense state (replicated there, server-held
     here, e.g. a dense parameter resumed under ``ps``): already loaded into the model and the
     user's optimizer, read back as one piece."""
@@ -361,7 +377,7 @@ def _assemble_full(param: torch.nn.Parameter, num_rows: int, row_shape: tuple[in
 
 
 def _resume_loaders(positions: list[dict[str, Any]], directory: Path, rank: int) -> None:
-    from parallax.api import sharded_loaders
+    from parallax.loader import sharded_loaders
 
     loaders = sharded_loaders()
     if len(loaders) != len(positions) and rank == 0:
@@ -386,7 +402,7 @@ def _aliases(model: torch.nn.Module) -> dict[str, str]:
             if canonical[id(p)] != n}
 
 
-def _table_keys(runner: Runner, meta: dict[str, Any] | None = None) -> set[str]:
+def _table_keys(runner: Run, meta: dict[str, Any] | None = None) -> set[str]:
     """State-dict keys whose values live in table files (tables and their aliases)."""
     names = set(runner.layout.all_tables())
     if meta is not None:

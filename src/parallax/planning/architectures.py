@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import nn
 
-from parallax.analysis import SparseUse
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
-from parallax.exchange import Traffic
-from parallax.replicated import ReplicatedTable
-from parallax.sparse import ShardedTable
+from parallax.engine.exchange import Traffic
+from parallax.engine.replicated import ReplicatedTable
+from parallax.engine.server_table import ShardedTable
+from parallax.model.detect import SparseUse
 
 Table = ShardedTable | ReplicatedTable
 

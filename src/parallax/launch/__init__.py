@@ -1,0 +1,3 @@
+"""Starting workers: torch's elastic agent, the executors that start a machine's agent
+(local, network namespace, ssh), and the emulated cluster.
+"""

@@ -1,0 +1,210 @@
+"""`shard`: this worker's disjoint part of a data loader, resumable at any sample position.
+
+Worker r of W takes samples r, r+W, r+2W, ... so the k-th batches of all workers together are
+the single-device program's k-th batch of size W*b; checkpoints save and restore positions in
+the epoch's *global* order (`sharded_loaders`), so a resume may change W.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+)
+
+from parallax.cluster import WorkerInfo, current_worker
+
+__all__ = ["ShardedLoader", "shard", "sharded_loaders"]
+
+
+class _SkipSampler(Sampler[int]):
+    """A ``DistributedSampler`` minus the first ``skip`` indices of its list.
+
+    Resuming mid-epoch skips indices rather than loading and discarding samples, so a resume
+    costs nothing however far into the epoch it lands.
+    """
+
+    def __init__(self, inner: DistributedSampler) -> None:
+        self.inner = inner
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.inner), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.skip)
+
+
+@dataclass
+class _EpochState:
+    """One iteration's progress, owned by its generator so a stale iterator cannot skew it."""
+
+    epoch: int
+    skipped: int  # global samples skipped at the start (a resumed epoch), else 0
+    batches: int  # batches this iteration will yield
+    yielded: int = 0
+
+
+_registry: list[weakref.ref[ShardedLoader]] = []
+
+
+def sharded_loaders() -> list[ShardedLoader]:
+    """The live ShardedLoaders of this process in creation order, for checkpoints to save
+    and restore their positions (weak references: a dropped loader is not kept alive)."""
+    _registry[:] = [ref for ref in _registry if ref() is not None]
+    return [loader for ref in _registry if (loader := ref()) is not None]
+
+
+class ShardedLoader:
+    """This worker's disjoint part of a ``DataLoader``.
+
+    Worker r of W takes samples r, r+W, r+2W, ... (``DistributedSampler``), so its k-th batch
+    of b samples and the other workers' k-th batches together are exactly samples
+    ``[k*W*b, (k+1)*W*b)``: the single-device program's k-th batch with batch size ``W*b``.
+    Each new iteration is a new epoch (new shuffle order when the original loader shuffled).
+
+    `position` and `resume` let a checkpoint continue the data stream where it stopped, also
+    on a different number of workers: positions count samples of the epoch's *global* order,
+    which does not depend on W.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: DistributedSampler, worker: WorkerInfo):
+        self.loader = loader
+        self.sampler = sampler
+        self.worker = worker
+        self.epoch = 0
+        self._skipper = loader.sampler if isinstance(loader.sampler, _SkipSampler) else None
+        self._state: _EpochState | None = None
+        self._resume_at: dict[str, int] | None = None
+        _registry.append(weakref.ref(self))
+
+    @property
+    def global_batch(self) -> int:
+        """Samples all workers together take per step: ``W * b``."""
+        return self.worker.world_size * self.loader.batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, skipped = self.epoch, 0
+        if self._resume_at is not None:
+            epoch, skipped = self._resume_at["epoch"], self._resume_at["samples"]
+            self._resume_at = None
+        if self._skipper is not None:
+            # Only the resumed epoch is shortened: every other iteration resets the skip.
+            self._skipper.skip = skipped // self.worker.world_size
+        self.sampler.set_epoch(epoch)
+        self.epoch = epoch + 1
+        self._state = _EpochState(epoch, skipped, len(self.loader))
+        return self._count(iter(self.loader), self._state)
+
+    @staticmethod
+    def _count(batches: Iterator[Any], state: _EpochState) -> Iterator[Any]:
+        """Yield ``batches``, counting each before it is handed out: a checkpoint taken while
+        the program works on a batch counts that batch as consumed."""
+        for batch in batches:
+            state.yielded += 1
+            yield batch
+
+    def __len__(self) -> int:
+        """Batches in a *full* epoch, as for the original loader (so schedules computed as
+        ``len(loader) * epochs`` stay right). A resumed epoch yields fewer: it starts
+        ``position()["samples"] // global_batch`` batches in (when resumed at a multiple of
+        the global batch)."""
+        per_worker = len(self.sampler)
+        if self.loader.drop_last:
+            return per_worker // self.loader.batch_size
+        return math.ceil(per_worker / self.loader.batch_size)
+
+    def position(self) -> dict[str, int]:
+        """Where the data stream stands: ``{"epoch": e, "samples": s}``.
+
+        ``s`` samples of epoch ``e``'s global order are consumed by all workers together
+        (batches yielded * W * b, since workers step in lock step). Once an epoch's last batch
+        has been handed out the position is the next epoch with 0 samples, so a final partial
+        batch or ``DistributedSampler`` padding never appears in a position. Before the first
+        iteration (or after `resume`, before iterating) it is where the next iteration starts.
+        """
+        if self._resume_at is not None:
+            return dict(self._resume_at)
+        state = self._state
+        if state is None or state.yielded >= state.batches:
+            return {"epoch": self.epoch, "samples": 0}
+        return {"epoch": state.epoch,
+                "samples": state.skipped + state.yielded * self.global_batch}
+
+    def resume(self, position: dict[str, int]) -> None:
+        """Make the next iteration start epoch ``position["epoch"]`` after its first
+        ``position["samples"]`` samples of the global order.
+
+        Every worker skips ``samples / W`` indices of its own list: padding (``drop_last``
+        False) and trimming (``drop_last`` True) of ``DistributedSampler`` touch only the end
+        of the epoch's order, so the rest of the epoch is the uninterrupted program's stream
+        from that sample on, whatever W was when the position was taken; when the new global
+        batch ``W * b`` divides ``samples`` the batches are exactly that program's (with
+        ``drop_last`` False its last batch carries the usual < W padding duplicates). Only
+        this epoch is shortened; later ones are whole. ``seed`` and shuffling must match.
+        """
+        epoch, samples = _checked_position(position)
+        world = self.worker.world_size
+        if samples % world:
+            raise ValueError(
+                f"cannot resume at samples={samples} on {world} workers: every worker must skip "
+                f"the same number of samples, so {samples} must be a multiple of {world}; "
+                f"choose a new global batch (workers x batch size) that divides the "
+                f"{samples} samples consumed")
+        if samples and self._skipper is None:
+            raise ValueError(f"cannot resume at samples={samples}: this ShardedLoader's "
+                             "DataLoader was not built by parallax.shard, so it cannot skip")
+        size = len(self.sampler.dataset)
+        if samples > size:
+            raise ValueError(f"cannot resume at samples={samples}: the dataset has only "
+                             f"{size} samples per epoch")
+        self._resume_at = {"epoch": epoch, "samples": samples}
+
+
+def _checked_position(position: dict[str, int]) -> tuple[int, int]:
+    """Epoch and samples of a position, rejecting what `ShardedLoader.position` never makes."""
+    if not isinstance(position, dict) or set(position) != {"epoch", "samples"}:
+        raise ValueError("a loader position is a dict with keys 'epoch' and 'samples', "
+                         f"got {position!r}")
+    values = []
+    for key in ("epoch", "samples"):
+        value = position[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"position[{key!r}] must be a non-negative int, got {value!r}")
+        values.append(value)
+    return values[0], values[1]
+
+
+def shard(loader: DataLoader, *, seed: int = 0) -> DataLoader | ShardedLoader:
+    """This worker's part of ``loader``; the loader itself outside a parallax launch."""
+    worker = current_worker()
+    if worker is None:
+        return loader
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError("parallax.shard needs a map-style dataset (with __len__ and "
+                        "__getitem__); got an IterableDataset, which cannot be split by index")
+    if loader.batch_size is None:
+        raise TypeError("parallax.shard needs a DataLoader built with batch_size "
+                        "(a custom batch_sampler cannot be split)")
+    sampler = DistributedSampler(loader.dataset, num_replicas=worker.world_size,
+                                 rank=worker.rank, shuffle=isinstance(loader.sampler,
+                                                                      RandomSampler),
+                                 seed=seed, drop_last=loader.drop_last)
+    sharded = DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=_SkipSampler(sampler),
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers if loader.num_workers else False,
+    )
+    return ShardedLoader(sharded, sampler, worker)

@@ -1,0 +1,4 @@
+"""Partition counts: tables grouped for one searched count, the papers' search and its
+in-training tuner, its cache, changing a table's count in place, and the thread pool that
+processes a server's partitions in parallel.
+"""
