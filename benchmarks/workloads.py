@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+import demo_data  # noqa: F401  (examples/corpora on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -77,7 +78,7 @@ def zipf_lm_batch(cfg: LMConfig, generator: torch.Generator,
 def text_lm_batch(cfg: LMConfig, windows: Tensor, generator: torch.Generator,
                   ) -> tuple[tuple[Tensor, Tensor], Tensor]:
     """One worker's batch of random ``seq_len + 1``-token windows of a real corpus (ids sorted
-    by frequency, as `parallax.data.text.Vocabulary` numbers them), and sampled candidates."""
+    by frequency, as `corpora.text.Vocabulary` numbers them), and sampled candidates."""
     index = torch.randint(len(windows), (cfg.batch,), generator=generator)
     return _with_candidates(cfg, windows[index], generator)
 
@@ -85,8 +86,8 @@ def text_lm_batch(cfg: LMConfig, windows: Tensor, generator: torch.Generator,
 def fetch_data(name: str, options: dict) -> None:
     """Fetch the corpora workload ``name`` with ``options`` reads, into the cache, in *this*
     process. Launchers call it before starting workers: under ``--emulate-network`` workers
-    cannot download (`parallax.data.cache.require_online`)."""
-    from parallax.data.cache import fetch
+    cannot download (`corpora.cache.require_online`)."""
+    from corpora import fetch
 
     if name == "lm" and options.get("corpus", "zipf") == "kjv":
         fetch("kjv")
@@ -113,8 +114,8 @@ def fetched_once(fetch: Callable[[], T]) -> T:
 def kjv_windows(cfg: LMConfig) -> tuple[Tensor, int]:
     """The KJV Bible as ``[n, seq_len + 1]`` token windows, and its vocabulary size (at most
     ``cfg.vocab``). Rank 0 downloads it first when run in a group."""
-    from parallax.data.kjv import fetch_kjv
-    from parallax.data.text import load_text_corpus
+    from corpora.kjv import fetch_kjv
+    from corpora.text import load_text_corpus
 
     train, _, vocab = load_text_corpus(fetched_once(fetch_kjv), cfg.vocab, cfg.seq_len)
     return train.windows, len(vocab)
@@ -171,9 +172,8 @@ class Workload:
             self.items, self.unit = self.cfg.batch, "samples"
             self.lr = 0.05
         elif name == "nmt":
+            from corpora.rv1909 import english_spanish_pairs
             from nmt import NMTConfig, batches, encode_pairs, nmt_loss
-
-            from parallax.data.rv1909 import english_spanish_pairs
 
             self.cfg = NMTConfig(**options)
             worker = current_worker()
@@ -186,7 +186,7 @@ class Workload:
             self.unit = "words"
             self.lr = 0.1
         elif name == "cnn":
-            from parallax.data.fashion_mnist import load_fashion_mnist
+            from corpora.fashion_mnist import load_fashion_mnist
 
             self.images, self.labels = load_fashion_mnist("train")
             self.batch_size = options.get("batch", 64)

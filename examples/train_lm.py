@@ -23,11 +23,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from corpora.kjv import fetch_kjv  # noqa: E402
+from corpora.text import load_text_corpus  # noqa: E402
 from lstm_lm import LanguageModel, lm_loss  # noqa: E402
 
 import parallax  # noqa: E402
-from parallax.data.kjv import fetch_kjv  # noqa: E402
-from parallax.data.text import load_text_corpus  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

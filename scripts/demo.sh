@@ -8,6 +8,6 @@ bash scripts/setup.sh
 # cannot download); --corpus FILE trains on a file of yours instead.
 case " $* " in
   *" --corpus "*|*" --corpus="*) ;;
-  *) .venv/bin/parallax fetch kjv ;;
+  *) .venv/bin/python examples/fetch_corpora.py kjv ;;
 esac
 exec .venv/bin/parallax run --machines 2 --nproc-per-machine 2 examples/train_lm.py "$@"

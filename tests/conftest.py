@@ -1,9 +1,14 @@
 """Shared pytest configuration."""
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+# The demo corpora (examples/corpora) and the example model are not part of the library.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 
 @pytest.fixture(autouse=True)

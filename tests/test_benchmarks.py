@@ -101,7 +101,7 @@ def test_table1_smoke(tmp_path: Path) -> None:
 
 def nmt_cached() -> bool:
     """Whether the NMT workload's verse pairs are already in the cache (else: no download)."""
-    from parallax.data.kjv import default_cache_dir
+    from corpora.kjv import default_cache_dir
 
     return (default_cache_dir() / "kjv-rv1909.tsv").exists()
 

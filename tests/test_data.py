@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from parallax.data.kjv import (
+from corpora.kjv import (
     FIRST_VERSE,
     decode_ztext,
     fetch_kjv,
@@ -19,8 +18,8 @@ from parallax.data.kjv import (
     strip_osis,
     versified_verses,
 )
-from parallax.data.rv1909 import align_verses, english_spanish_pairs, fetch_verse_pairs
-from parallax.data.text import (
+from corpora.rv1909 import align_verses, english_spanish_pairs, fetch_verse_pairs
+from corpora.text import (
     LanguageModelDataset,
     Vocabulary,
     encode_lines,

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from parallax.data.fashion_mnist import _idx, load_fashion_mnist
+from corpora.fashion_mnist import _idx, load_fashion_mnist
 
 
 def test_idx_decoding(tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ from torch import nn
 
 import parallax
 from parallax import runner as runner_module
+from parallax.engine.pool import PartitionPool
 from parallax.partitions.cache import cache_key, load_entry, store_entry
 from parallax.partitions.groups import group_of
-from parallax.engine.pool import PartitionPool
 
 ROOT = Path(__file__).resolve().parents[1]
 SEARCH_WORKER = ROOT / "tests" / "scripts" / "search_worker.py"

@@ -4,7 +4,6 @@
 the warm-up steps that measure sparsity (and, for tables in a `parallax.partitioner`, the
 partition-count search), then prints the per-parameter plan (and writes it as JSON) and stops.
 ``parallax export`` turns a sharded checkpoint into one plain state_dict file.
-``parallax fetch`` downloads corpora into the cache before workers that cannot download start.
 
 Examples::
 
@@ -13,7 +12,6 @@ Examples::
     parallax run --machines 1 --nproc-per-machine 4 --max-restarts 3 train.py
     parallax plan --machines 2 --nproc-per-machine 2 --json plan.json train.py
     parallax export checkpoints/ model.pt    # the newest complete step under checkpoints/
-    parallax fetch kjv fashion-mnist         # into $PARALLAX_CACHE (or ~/.cache/parallax)
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ USAGE_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``parallax`` argument parser (sub-commands ``run``, ``plan``, ``export``,
-    ``fetch``)."""
+    """The ``parallax`` argument parser (sub-commands ``run``, ``plan`` and ``export``)."""
     parser = argparse.ArgumentParser(
         prog="parallax", description="Hybrid data-parallel training for PyTorch."
     )
@@ -80,16 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="step directory or root")
     export.add_argument("out", metavar="OUT", help="the .pt file to write")
-    fetch = commands.add_parser(
-        "fetch",
-        help="download corpora into the cache ($PARALLAX_CACHE or ~/.cache/parallax)",
-        description="Fetch each CORPUS into the cache unless it is there already, and print "
-        "its path. Workers under --emulate-network cannot download: fetch first.",
-    )
-    from parallax.data.cache import CORPORA
-
-    fetch.add_argument("corpora", nargs="+", metavar="CORPUS", choices=CORPORA,
-                       help=f"one of: {', '.join(CORPORA)}")
     return parser
 
 
@@ -125,8 +112,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "export":
         return _export(args)
-    if args.command == "fetch":
-        return _fetch(args)
     return _run(parser, args)
 
 
@@ -146,19 +131,6 @@ def _export(args: argparse.Namespace) -> int:
         return _fail(f"cannot write {args.out}: {err}")
     print(f"parallax: exported step {exported.step} ({len(exported.state_dict)} tensors) "
           f"to {out}")
-    return 0
-
-
-def _fetch(args: argparse.Namespace) -> int:
-    """``parallax fetch``: a failed download is reported in one line with its cause."""
-    from parallax.data.cache import fetch
-
-    for name in args.corpora:
-        try:
-            print(f"parallax: {name}: {fetch(name)}")
-        except (RuntimeError, OSError) as err:
-            print(f"parallax: error: fetching {name} failed: {err}", file=sys.stderr)
-            return 1
     return 0
 
 
@@ -204,9 +176,8 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: i
     agent per machine; the links' byte counters reported at the end."""
     import tempfile
 
-    from parallax.data.cache import OFFLINE_ENV
     from parallax.launch.executors import NamespaceExecutor, launch_machines
-    from parallax.launch.netem import EmulatedNetwork, NetemError
+    from parallax.launch.netem import OFFLINE_ENV, EmulatedNetwork, NetemError
 
     if args.resources is not None:
         return _fail("--emulate-network goes with --machines, not --resources")
@@ -234,7 +205,7 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: i
                      "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(
                          1, (os.cpu_count() or 1) // (args.machines * args.nproc_per_machine))),
                      # Namespaces reach only each other: downloads there fail at once,
-                     # naming the corpus (parallax.data.cache.require_online).
+                     # naming the corpus (corpora.cache.require_online in examples/).
                      OFFLINE_ENV: "1",
                      **env, "GLOO_SOCKET_IFNAME": "eth0"})
             for machine, link in enumerate(net.counters()):

@@ -20,6 +20,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+OFFLINE_ENV = "PARALLAX_OFFLINE"
+"""Set to ``"1"`` for the workers of an emulated cluster, whose namespaces reach only each
+other: code that would download (the demo corpora) must fail at once and say what to fetch
+beforehand. ``""`` or ``"0"`` means online."""
+
 STATE_DIR = Path(os.environ.get("PARALLAX_NETEM_STATE", "/run/parallax-netem"))
 SUBNET = "10.77"
 

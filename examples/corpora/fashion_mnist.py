@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from parallax.data.cache import default_cache_dir, require_online
-from parallax.data.kjv import download_deb
+from corpora.cache import default_cache_dir, require_online
+from corpora.kjv import FETCH_COMMANDS, download_deb
 
 PACKAGE = "dataset-fashion-mnist"
 FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
@@ -33,7 +33,7 @@ def fetch_fashion_mnist(cache_dir: Path | None = None) -> Path:
     with open(cache / ".fashion-mnist.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not all((target / name).exists() for name in names):
-            require_online(PACKAGE, "parallax fetch fashion-mnist")
+            require_online(PACKAGE, FETCH_COMMANDS[PACKAGE])
             with tempfile.TemporaryDirectory(prefix="fmnist-", dir=cache) as tmp:
                 deb = download_deb(Path(tmp), PACKAGE)
                 subprocess.run(["dpkg", "-x", str(deb), str(Path(tmp) / "root")], check=True)

@@ -5,22 +5,18 @@ that reach only each other: an ``apt-get download`` there fails after a while wi
 error that says nothing about why. So the launcher marks such workers offline
 (:data:`OFFLINE_ENV`), every download first calls :func:`require_online`, and a worker whose
 corpus is not cached fails at once with the corpus's name and the command that fetches it.
-Launching code fetches what its workers need beforehand (``parallax fetch NAME``, or
-:func:`fetch` from Python).
+Launching code fetches what its workers need beforehand (``python examples/fetch_corpora.py
+NAME``, or `corpora.fetch` from Python).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["CORPORA", "OFFLINE_ENV", "CorpusNotCachedError", "default_cache_dir", "fetch",
-           "require_online"]
+from parallax.launch.netem import OFFLINE_ENV
 
-OFFLINE_ENV = "PARALLAX_OFFLINE"
-"""Set (to anything but ``""`` or ``"0"``) in processes that cannot reach the package
-registries; downloads then raise :class:`CorpusNotCachedError` instead of trying."""
+__all__ = ["OFFLINE_ENV", "CorpusNotCachedError", "default_cache_dir", "require_online"]
 
 
 class CorpusNotCachedError(RuntimeError):
@@ -31,34 +27,6 @@ def default_cache_dir() -> Path:
     """Where downloaded corpora live: ``$PARALLAX_CACHE`` or ``~/.cache/parallax``."""
     env = os.environ.get("PARALLAX_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "parallax"
-
-
-def _fetchers() -> dict[str, Callable[[Path | None], Path]]:
-    # Imported here: the corpus modules import this one.
-    from parallax.data.fashion_mnist import fetch_fashion_mnist
-    from parallax.data.kjv import fetch_kjv
-    from parallax.data.rv1909 import fetch_verse_pairs
-
-    return {"kjv": fetch_kjv, "kjv-rv1909": fetch_verse_pairs,
-            "fashion-mnist": fetch_fashion_mnist}
-
-
-CORPORA = ("kjv", "kjv-rv1909", "fashion-mnist")
-"""Names :func:`fetch` and ``parallax fetch`` accept."""
-
-
-def fetch(name: str, cache_dir: Path | None = None) -> Path:
-    """Fetch corpus ``name`` (one of :data:`CORPORA`) into the cache unless it is there
-    already; return its path.
-
-    Example::
-
-        parallax.data.cache.fetch("kjv")   # before launching workers that read it
-    """
-    fetchers = _fetchers()
-    if name not in fetchers:
-        raise ValueError(f"unknown corpus {name!r}; known: {', '.join(CORPORA)}")
-    return fetchers[name](cache_dir)
 
 
 def require_online(corpus: str, fetch_command: str) -> None:

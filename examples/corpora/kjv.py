@@ -13,7 +13,7 @@ Entries are OSIS XML fragments. Besides the verses, the index holds empty or hea
 entries (module/testament/book/chapter introductions); they strip to nothing and are skipped.
 
 The download, unpacking and decoding helpers are shared with other SWORD Bibles
-(:mod:`parallax.data.rv1909`): :func:`unpack_module` fetches any zText package,
+(:mod:`corpora.rv1909`): :func:`unpack_module` fetches any zText package,
 :func:`versified_verses` decodes a module with its verse references.
 """
 
@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from parallax.data.cache import default_cache_dir, require_online
+from corpora.cache import default_cache_dir, require_online
 
 PACKAGE = "sword-text-kjv"
 CORPUS_NAME = "kjv.txt"
@@ -192,7 +192,7 @@ def fetch_kjv(cache_dir: Path | None = None) -> Path:
     and decodes the module. The result is written atomically so a crash never leaves a
     truncated corpus behind.
     """
-    return build_once(cache_dir, CORPUS_NAME, _build, "parallax fetch kjv")
+    return build_once(cache_dir, CORPUS_NAME, _build, f"{FETCH} kjv")
 
 
 def build_once(cache_dir: Path | None, name: str, build: Callable[[Path, Path], None],
@@ -200,7 +200,7 @@ def build_once(cache_dir: Path | None, name: str, build: Callable[[Path, Path], 
     """``cache/name``, made by ``build(target, cache)`` if it does not exist yet (``cache``:
     ``cache_dir`` or `default_cache_dir`). Every worker of a local cluster may ask at once:
     one builds under a file lock, the others wait for it. A process marked offline refuses
-    to build, naming ``fetch_command`` (`parallax.data.cache.require_online`)."""
+    to build, naming ``fetch_command`` (`corpora.cache.require_online`)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache / name
     if target.exists():
@@ -223,13 +223,14 @@ def _build(target: Path, cache: Path) -> None:
     _progress(f"wrote {len(verses):,} verses ({words:,} words) to {target}")
 
 
-FETCH_COMMANDS = {PACKAGE: "parallax fetch kjv", "sword-text-sparv": "parallax fetch kjv-rv1909",
-                  "dataset-fashion-mnist": "parallax fetch fashion-mnist"}
+FETCH = "python examples/fetch_corpora.py"
+FETCH_COMMANDS = {PACKAGE: f"{FETCH} kjv", "sword-text-sparv": f"{FETCH} kjv-rv1909",
+                  "dataset-fashion-mnist": f"{FETCH} fashion-mnist"}
 
 
 def download_deb(work: Path, package: str = PACKAGE) -> Path:
     """``apt-get download`` a Debian package into ``work``; update empty apt lists once.
-    Refuses at once in a process marked offline (`parallax.data.cache.require_online`)."""
+    Refuses at once in a process marked offline (`corpora.cache.require_online`)."""
     require_online(f"{package} (Debian package)",
                    FETCH_COMMANDS.get(package, f"apt-get download {package}"))
     if shutil.which("apt-get") is None:

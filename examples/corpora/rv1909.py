@@ -2,7 +2,7 @@
 
 The Spanish text comes from Debian's ``sword-text-sparv`` package (public domain), which ships
 the CrossWire SWORD module ``spaRV1909eb`` in the same zText format as ``sword-text-kjv``; both
-are downloaded with ``apt-get download`` and decoded by the helpers of :mod:`parallax.data.kjv`.
+are downloaded with ``apt-get download`` and decoded by the helpers of :mod:`corpora.kjv`.
 
 Both modules declare ``Versification=KJV`` in their ``mods.d`` conf, so a verse reference names
 the same slot in both and verses are paired by reference (``"John.11.35"``). The Spanish source
@@ -13,7 +13,7 @@ fills, together with the next chapter of the same book, and skips pairs with an 
 A few shifts inside chapters that leave no empty slot (e.g. 1 Chronicles 21:16-30) remain.
 
 The pairs are cached as ``kjv-rv1909.tsv`` (``reference<TAB>english<TAB>spanish``, one verse a
-line) in :func:`~parallax.data.kjv.default_cache_dir`.
+line) in :func:`~corpora.kjv.default_cache_dir`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from parallax.data import kjv
+from corpora import kjv
 
 PACKAGE = "sword-text-sparv"
 CORPUS_NAME = "kjv-rv1909.tsv"
@@ -38,7 +38,7 @@ def fetch_verse_pairs(cache_dir: Path | None = None) -> Path:
     :func:`align_verses`. Concurrent callers wait for one builder; the file is written
     atomically.
     """
-    return kjv.build_once(cache_dir, CORPUS_NAME, _build, "parallax fetch kjv-rv1909")
+    return kjv.build_once(cache_dir, CORPUS_NAME, _build, f"{kjv.FETCH} kjv-rv1909")
 
 
 def load_verse_pairs(cache_dir: Path | None = None) -> dict[str, tuple[str, str]]:

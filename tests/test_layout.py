@@ -1,0 +1,108 @@
+"""The package's shape: no import cycles, each layer importing only the layers below it, and a
+wheel that holds the library alone (the demo corpora live in examples/)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+# Lowest first. A module may import its own layer and the layers below; cycles inside a layer
+# are caught by the cycle check. Prefixes name a module and everything under it.
+LAYERS = [
+    # nothing of ours, or only each other
+    ["parallax.cluster", "parallax.config", "parallax.checkpoint.files", "parallax.loader"],
+    ["parallax.engine"],
+    ["parallax.launch"],
+    ["parallax.model"],
+    ["parallax.partitions"],
+    ["parallax.planning"],
+    ["parallax.checkpoint"],
+    ["parallax.session"],
+    ["parallax.runner"],
+    ["parallax.api"],
+    ["parallax.cli", "parallax"],
+]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in (SRC / "parallax").rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports() -> dict[str, set[str]]:
+    """Every module of ours each module imports, at any depth of its code (an import inside a
+    function is still a dependency: that is how cycles hide)."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                    node.module.split(".")[0] == "parallax":
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    found.add(full if full in known else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] == "parallax"}
+        graph[name] = {m for m in found if m in known and m != name}
+    return graph
+
+
+def layer_of(module: str) -> int:
+    best, where = -1, None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, where = len(prefix), index
+    assert where is not None, f"{module} is in no layer: add it to LAYERS"
+    return where
+
+
+def test_no_import_cycles() -> None:
+    graph = imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+
+
+def test_each_layer_imports_only_layers_below() -> None:
+    upward = [f"{module} (layer {layer_of(module)}) imports {dep} (layer {layer_of(dep)})"
+              for module, deps in sorted(imports().items()) for dep in sorted(deps)
+              if layer_of(dep) > layer_of(module)]
+    assert not upward, "\n".join(upward)
+
+
+def test_wheel_holds_the_library_alone(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("parallax_torch-*.whl")
+    names = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    expected = {f"{path.relative_to(SRC)}" for path in modules().values()}
+    assert names == expected
+    assert not any("corpora" in n or "/data/" in n for n in names)
