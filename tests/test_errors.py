@@ -199,3 +199,20 @@ def test_negative_id_is_named_and_nothing_is_updated() -> None:
         assert all(torch.equal(before[k], after[k]) for k in before)
     finally:
         parallax.shutdown()
+
+
+def test_every_public_error_is_exported_under_one_base() -> None:
+    from parallax import errors
+    from parallax.checkpoint.files import CheckpointError
+    from parallax.engine.exchange import SparseIdError as RaisedByTheHop
+
+    for name in errors.__all__:
+        cls = getattr(parallax, name)
+        assert cls is getattr(errors, name) and name in parallax.__all__
+        if name != "PlanComplete":
+            assert issubclass(cls, parallax.ParallaxError), name
+    assert not issubclass(parallax.PlanComplete, Exception)  # `except Exception` lets it pass
+    assert RaisedByTheHop is parallax.SparseIdError and CheckpointError is parallax.CheckpointError
+    assert issubclass(parallax.ConfigError, ValueError)  # still the built-in it specialises
+    with pytest.raises(parallax.ParallaxError, match="Config.clip_grad_norm must be"):
+        parallax.Config(clip_grad_norm=-1.0)

@@ -16,7 +16,8 @@ SRC = ROOT / "src"
 # are caught by the cycle check. Prefixes name a module and everything under it.
 LAYERS = [
     # nothing of ours, or only each other
-    ["parallax.cluster", "parallax.config", "parallax.checkpoint.files", "parallax.loader"],
+    ["parallax.errors", "parallax.cluster", "parallax.config", "parallax.checkpoint.files",
+     "parallax.loader"],
     ["parallax.engine"],
     ["parallax.launch"],
     ["parallax.model"],

@@ -15,12 +15,27 @@ their partition count searched in process during the first steps after the warm-
 """
 
 from parallax.api import get_runner
-from parallax.config import Config, ConfigError
+from parallax.config import Config
+from parallax.errors import (
+    CheckpointError,
+    ConfigError,
+    NetemError,
+    OptimizerError,
+    ParallaxError,
+    PlanComplete,
+    ResourceError,
+    SparseIdError,
+    StalledRankError,
+    UnevenInputsError,
+    UnsupportedProgramError,
+)
 from parallax.loader import shard
 from parallax.partitions.groups import partition, partitioner
 from parallax.runner import Runner
 from parallax.session import shutdown
 
-__all__ = ["Config", "ConfigError", "Runner", "get_runner", "partition", "partitioner", "shard",
-           "shutdown"]
+__all__ = ["CheckpointError", "Config", "ConfigError", "NetemError", "OptimizerError",
+           "ParallaxError", "PlanComplete", "ResourceError", "Runner", "SparseIdError",
+           "StalledRankError", "UnevenInputsError", "UnsupportedProgramError", "get_runner",
+           "partition", "partitioner", "shard", "shutdown"]
 __version__ = "0.1.0"

@@ -18,6 +18,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parallax.errors import ResourceError
+
 if TYPE_CHECKING:
     import torch
 
@@ -47,9 +49,6 @@ _HOST_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 _IPV6_RE = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*")
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "::1"})
 
-
-class ResourceError(ValueError):
-    """A resource file (or text) that cannot be parsed; the message names file and line."""
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from parallax.errors import ConfigError
+
 ARCHITECTURES = ("hybrid", "allreduce", "ps", "optps")
 NONFINITE = ("raise", "skip", "ignore")
 
-
-class ConfigError(ValueError):
-    """A `Config` field has a wrong type or an inconsistent value."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from parallax.engine.progress import Progress
 from parallax.engine.replicated import ReplicatedTable
 from parallax.engine.server_table import ShardedTable, prefetch, push_gradients
 from parallax.engine.shard_optimizer import ShardOptimizer, check_lazy, check_per_shard
+from parallax.errors import PlanComplete
 from parallax.model.detect import SparseUse, find_sparse_parameters, rewrite_gathers
 from parallax.model.exactness import check_exact
 from parallax.model.lookahead import build_id_program
@@ -44,6 +45,7 @@ from parallax.planning.architectures import build_layout, server_held
 from parallax.planning.cost import Shape, allreduce_dense, ps_rows
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
+from parallax.session import shutdown
 
 LossFn = Callable[[Any, Any], Tensor]
 log = logging.getLogger("parallax")
@@ -512,21 +514,16 @@ class Runner:
                 module.table = new
 
     def _print_plan_and_exit(self, path: str) -> None:
-        """``parallax plan``: the workers ran only the warm-up steps to measure α."""
+        """``parallax plan``: the workers ran only the warm-up steps to measure α. The plan is
+        printed and written, then `PlanComplete` ends the program (the worker's exception
+        hook, `parallax.launch.elastic.install_error_recorder`, exits with status 0)."""
         if self.worker.rank == 0:
             print("\n" + self.plan.table(), flush=True)  # below any progress bar
             if path:
                 Path(path).write_text(self.plan.to_json())
         dist.barrier(group=self._sparse_group)
-        # All the work is done and written: leave without the interpreter's teardown, where
-        # gloo now and then aborts a process (SIGABRT) that would turn a finished plan into a
-        # failed job.
-        from parallax.session import shutdown
-
         shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        raise PlanComplete(path or "the plan is printed")
 
     # ---- export --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from parallax.errors import CheckpointError
+
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -65,9 +67,6 @@ _STEP_RE = re.compile(r"step-(\d{9,})")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory or file is missing, incomplete or corrupt; names which and why."""
 
 
 @dataclass(frozen=True)

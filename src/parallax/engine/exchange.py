@@ -22,11 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallax.errors import SparseIdError
+
 COUNT_MESSAGE_BYTES = 3 * 8  # count, error flag, bad id: int64 each
 
-
-class SparseIdError(IndexError):
-    """A batch holds an id outside the rows of a sparse parameter."""
 
 
 def unique_ids(ids: Tensor, num_rows: int, name: str, rank: int,

@@ -24,6 +24,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from parallax.errors import StalledRankError, UnevenInputsError
+
 __all__ = ["CULPRIT", "Progress", "StalledRankError", "UnevenInputsError", "finish_all"]
 
 _PREFIX = "parallax/progress/"
@@ -33,12 +35,6 @@ PHASES = {"forward": 0, "backward": 1, "done": 2}
 _READ_TIMEOUT = timedelta(seconds=5)  # reading records after a failure must not hang either
 
 
-class UnevenInputsError(RuntimeError):
-    """A rank called `Runner.step` after another rank ended its training."""
-
-
-class StalledRankError(RuntimeError):
-    """A collective failed because a rank did not arrive; the message names it."""
 
 
 CULPRIT = re.compile(r"^(StalledRankError|UnevenInputsError): rank (\d+) ")

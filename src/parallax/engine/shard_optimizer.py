@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from parallax.engine.pool import SERIAL, PartitionPool
+from parallax.errors import OptimizerError
 
 # torch's own sparse optimizers (Adagrad, SGD) build sparse tensors without opting in or out of
 # invariant checks; the warning says nothing about the user's program.
@@ -40,9 +41,6 @@ class ServerTable(Protocol):
     parts: list[nn.Parameter]
     blocks: list[tuple[int, int]]
 
-
-class OptimizerError(ValueError):
-    """The optimizer cannot be reproduced on the parameter servers."""
 
 
 def as_optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],

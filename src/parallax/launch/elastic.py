@@ -45,6 +45,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from parallax.cluster import RESOURCES_ENV, ResourceSpec
 from parallax.engine.progress import CULPRIT
+from parallax.errors import PlanComplete
 
 __all__ = ["AgentPlan", "install_error_recorder", "launch", "plan_agent"]
 
@@ -490,11 +491,23 @@ def install_error_recorder() -> None:
         exc: BaseException,
         tb: types.TracebackType | None,
     ) -> None:
+        if isinstance(exc, PlanComplete):
+            _end_after_plan()
         _record(handler, exc, tb)
         previous(exc_type, exc, tb)
 
     hook._parallax_recorder = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _end_after_plan() -> None:
+    """``parallax plan`` is done on this worker (the runner has written the plan and left its
+    groups): end with status 0, skipping the interpreter's teardown, where gloo now and then
+    aborts a process (SIGABRT) and would turn a finished plan into a failed job. The launcher
+    owns this decision, not the training step."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _record(handler: ErrorHandler, exc: BaseException, tb: types.TracebackType | None) -> None:

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parallax.errors import NetemError
+
 OFFLINE_ENV = "PARALLAX_OFFLINE"
 """Set to ``"1"`` for the workers of an emulated cluster, whose namespaces reach only each
 other: code that would download (the demo corpora) must fail at once and say what to fetch
@@ -28,9 +30,6 @@ beforehand. ``""`` or ``"0"`` means online."""
 STATE_DIR = Path(os.environ.get("PARALLAX_NETEM_STATE", "/run/parallax-netem"))
 SUBNET = "10.77"
 
-
-class NetemError(RuntimeError):
-    """The emulated network cannot be set up here (not root, tools missing, kernel refuses)."""
 
 
 @dataclass

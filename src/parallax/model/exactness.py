@@ -16,15 +16,17 @@ from torch import nn
 
 from parallax.config import Config
 from parallax.engine.server_table import check_batch_dependent
+from parallax.errors import UnsupportedProgramError
 from parallax.model.detect import SparseUse, batch_dependent_reads
 
 __all__ = ["check_exact"]
 
 
 def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse], config: Config) -> None:
-    """Raise ``ValueError`` for the first parameter of ``model`` whose training could not
-    equal the single-device program's (see the module docstring). Runs in every worker and,
-    for a self-launching script, in the launching process before any worker starts."""
+    """Raise `UnsupportedProgramError` (a ``ValueError``) for the first parameter of
+    ``model`` whose training could not equal the single-device program's (see the module
+    docstring). Runs in every worker and, for a self-launching script, in the launching
+    process before any worker starts."""
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, (where, options) in batch_dependent_reads(model).items():
         if name in sparse_uses:
@@ -36,7 +38,7 @@ def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse], config: Con
                "it is also read outside its lookups (tied or re-used), so it is dense and "
                "replicated by DDP")
         described = options.describe() or "max_norm/scale_grad_by_freq computed in forward"
-        raise ValueError(
+        raise UnsupportedProgramError(
             f"parameter '{name}' is looked up with {described} ({where}), but {why}: "
             "each worker would apply that to its own part of the batch instead of the "
             "global batch, and training would silently differ "
@@ -48,7 +50,7 @@ def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse], config: Con
                 use.sparse_grad or config.lazy_sparse_updates):
             check_batch_dependent(name, options, sparse_grad=True)
         if options is not None and options.scale_grad_by_freq and use.kind == "embedding_bag":
-            raise ValueError(
+            raise UnsupportedProgramError(
                 f"parameter '{name}': nn.EmbeddingBag(scale_grad_by_freq=True) at "
                 f"'{use.module_path}' has no single-device result to be equal to: torch 2.13's "
                 "CPU kernel divides rows by the count of another id (pytorch/pytorch#190063, "

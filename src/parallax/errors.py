@@ -1,0 +1,61 @@
+"""Every error parallax raises on purpose, under one base class.
+
+Each class also derives from the built-in exception it specialises (a bad value is still a
+``ValueError``), so code written against the built-ins keeps working; all of them are exported
+from `parallax`. Catch `ParallaxError` to handle any of them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "ConfigError", "NetemError", "OptimizerError", "ParallaxError",
+           "PlanComplete", "ResourceError", "SparseIdError", "StalledRankError",
+           "UnevenInputsError", "UnsupportedProgramError"]
+
+
+class ParallaxError(Exception):
+    """Base of every error parallax raises on purpose."""
+
+
+class ConfigError(ParallaxError, ValueError):
+    """A `Config` field has a wrong value, or is unknown (names the field)."""
+
+
+class ResourceError(ParallaxError, ValueError):
+    """A resource file or cluster description is malformed (names the file and line)."""
+
+
+class OptimizerError(ParallaxError, ValueError):
+    """The user's optimizer cannot be applied per shard on the servers (names the parameter)."""
+
+
+class UnsupportedProgramError(ParallaxError, ValueError):
+    """The program cannot train exactly as on one device (names the parameter and option)."""
+
+
+class SparseIdError(ParallaxError, IndexError):
+    """A lookup id lies outside its table on some rank (names parameter, id and rank)."""
+
+
+class CheckpointError(ParallaxError, RuntimeError):
+    """A checkpoint cannot be written or read (names the file)."""
+
+
+class NetemError(ParallaxError, RuntimeError):
+    """The emulated network cannot be set up here (not root, tools missing)."""
+
+
+class UnevenInputsError(ParallaxError, RuntimeError):
+    """A rank called `Runner.step` after another rank ended its training."""
+
+
+class StalledRankError(ParallaxError, RuntimeError):
+    """A collective failed because a rank did not arrive; the message names it."""
+
+
+class PlanComplete(BaseException):
+    """``parallax plan``: the plan is measured and written, the workers end here.
+
+    A `BaseException` (like `SystemExit`) so that a program's ``except Exception`` does not
+    swallow it; the worker's exception hook (`parallax.launch.elastic.install_error_recorder`)
+    ends the process with status 0.
+    """
