@@ -6,9 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-10}
-tests=(tests/test_errors.py tests/test_launch.py tests/test_checkpoint.py
-       tests/test_restarts_cli.py tests/test_traffic.py tests/test_partition_tuning.py
-       tests/test_netem.py "tests/test_equivalence.py::test_other_start_modes_train_the_same")
+tests=(tests/integration/test_errors.py tests/integration/test_launch.py
+       tests/integration/test_checkpoint.py tests/integration/test_restarts_cli.py
+       tests/integration/test_traffic.py tests/integration/test_partition_tuning.py
+       tests/integration/test_netem.py
+       "tests/equivalence/test_equivalence.py::test_other_start_modes_train_the_same")
 for i in $(seq 1 "$runs"); do
   start=$(date +%s)
   .venv/bin/python -m pytest -q -p no:cacheprovider "${tests[@]}" > "/tmp/flake-$i.log" 2>&1 || {

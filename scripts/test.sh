@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Style check and the whole test suite (equivalence matrix, error paths, launcher, data).
+#   bash scripts/test.sh            everything (~11 min on 2 cores)
+#   bash scripts/test.sh --fast     unit tests + one equivalence case per architecture (~1 min)
+#   bash scripts/test.sh ARGS       any pytest arguments (e.g. tests/integration -k uneven)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check src tests examples
+.venv/bin/ruff check src tests examples benchmarks
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  exec .venv/bin/pytest -q -m "(unit or fast) and not network" "$@"
+fi
 exec .venv/bin/pytest -q "$@"

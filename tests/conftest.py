@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 
-# The demo corpora (examples/corpora) and the example model are not part of the library.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+TESTS = Path(__file__).resolve().parent
+# The demo corpora (examples/corpora) and the example model are not part of the library; the
+# shared equivalence matrix (equivalence_cases.py) sits beside this file.
+sys.path.insert(0, str(TESTS.parent / "examples"))
+sys.path.insert(0, str(TESTS))
+
+TIERS = ("unit", "integration", "equivalence", "benchmarks")
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +30,19 @@ def _isolated_environment() -> Iterator[None]:
 def pytest_configure(config: pytest.Config) -> None:
     """Register custom markers so ``-m "not network"`` works without warnings."""
     config.addinivalue_line("markers", "network: test downloads data (apt-get); deselect offline")
+    config.addinivalue_line("markers", "unit: in-process, no worker launches (tests/unit)")
+    config.addinivalue_line("markers", "integration: launches workers (tests/integration)")
+    config.addinivalue_line("markers", "equivalence: distributed = single device "
+                                       "(tests/equivalence)")
+    config.addinivalue_line("markers", "benchmarks: workloads and the harness "
+                                       "(tests/benchmarks)")
+    config.addinivalue_line("markers", "fast: part of the fast tier (scripts/test.sh --fast) "
+                                       "outside tests/unit")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test is marked with its folder's tier, so ``-m unit`` selects a folder."""
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
+        if parts and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))

@@ -2,9 +2,10 @@
 group of processes (start-up costs seconds, a case milliseconds) and saves the exported
 state_dicts on rank 0.
 
-Usage: parallax run ... equivalence_worker.py OUT.pt [KEY_SUBSTRING], under torchrun the same,
+Usage: parallax run ... equivalence_worker.py OUT.pt [FILTER], under torchrun the same,
 or plain ``python equivalence_worker.py OUT.pt KEY_SUBSTRING --resources FILE``: then the first
-get_runner launches the workers itself, as a user's train.py would."""
+get_runner launches the workers itself, as a user's train.py would. FILTER: comma-separated
+items, each a substring of the case keys to run, or ``=KEY`` for one case exactly."""
 
 import os
 import sys
@@ -26,10 +27,11 @@ def main() -> None:
         resources = args[at + 1]
         del args[at:at + 2]
     out = Path(args[0])
-    only = args[1] if len(args) > 1 else ""
+    only = (args[1] if len(args) > 1 else "").split(",")
     results = {}
     for case in all_cases():
-        if only not in case.key:
+        if not any(case.key == item[1:] if item.startswith("=") else item in case.key
+                   for item in only):
             continue
         if case.search == "context":
             with parallax.partitioner(max_partitions=4):

@@ -27,7 +27,7 @@ from corpora.text import (
     tokenize,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from lstm_lm import LanguageModel, lm_loss  # noqa: E402
 
 # --------------------------------------------------------------------------- KJV / zText

@@ -18,7 +18,7 @@ from parallax.cli import main
 from parallax.cluster import local_spec
 from parallax.launch import elastic as launch_mod
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 WORKER = '''
 import os

@@ -24,7 +24,7 @@ from parallax.config import ConfigError
 from parallax.engine.server_table import SparseIdError
 from parallax.engine.shard_optimizer import OptimizerError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAULTY = ROOT / "tests" / "scripts" / "faulty_worker.py"
 COLLECTIVE_TIMEOUT_S = 60  # what faulty_worker.py configures
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from equivalence_cases import Case, all_cases, build, single_device_reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "scripts" / "equivalence_worker.py"
 TOPOLOGIES = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1), "2x2": (2, 2)}  # machines x workers
 TOLERANCE = {"float32": 1e-5, "float64": 1e-9}
@@ -147,6 +147,29 @@ def test_search_in_training_sampled_chose_and_applied_a_count(distributed) -> No
 
 
 START_MODE_FILTER = "mixed-adam-densegrad-clip0.05"
+# The fast tier's equivalence: one case per architecture (clipping, local aggregation and
+# partition counts among them), on 2 machines x 1 worker.
+FAST_KEYS = ["hybrid-mixed-adam-densegrad-clip0.05-float64",
+             "allreduce-mixed-adam-densegrad-clip0.05-float64-P3",
+             "ps-mixed-adam-densegrad-clip0.05-float64-P3-localagg",
+             "optps-mixed-adam-densegrad-noclip-float64"]
+
+
+@pytest.mark.fast
+def test_one_case_per_architecture_equals_single_device(tmp_path: Path) -> None:
+    out = tmp_path / "fast.pt"
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "2",
+           "--nproc-per-machine", "1", str(WORKER), str(out),
+           ",".join(f"={key}" for key in FAST_KEYS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = torch.load(out, weights_only=False)
+    assert sorted(results) == sorted(FAST_KEYS)
+    by_key = {case.key: case for case in CASES}
+    for key in FAST_KEYS:
+        case = by_key[key]
+        got = {k: v for k, v in results[key].items() if not k.startswith("__")}
+        assert relative_difference(got, _reference(case, 2)) <= TOLERANCE[case.dtype], key
 
 
 @pytest.mark.parametrize("mode", ["torchrun", "self-launch"])

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 import parallax
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 12
 
 

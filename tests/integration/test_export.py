@@ -25,7 +25,7 @@ from parallax.checkpoint.files import (
 )
 from parallax.cli import main
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: Tables of the tiny model and how many files (partitions) each is split into.
 TABLES = {"embed.weight": 3, "pos": 2, "row_bias": 2}
 ALIASES = {"decoder.weight": "embed.weight"}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 TINY = ["--steps", "2", "--warmup", "1", "--vocab", "2000"]
 PARALLAX = {"hybrid", "optps", "ps", "allreduce"}

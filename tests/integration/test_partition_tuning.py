@@ -20,7 +20,7 @@ from parallax.engine.pool import PartitionPool
 from parallax.partitions.cache import cache_key, load_entry, store_entry
 from parallax.partitions.groups import group_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEARCH_WORKER = ROOT / "tests" / "scripts" / "search_worker.py"
 
 

@@ -17,7 +17,7 @@ import pytest
 from parallax.launch import netem
 from parallax.launch.executors import NamespaceExecutor, SshExecutor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
     reason="the emulated network needs root and iproute2")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from torchrec_lm import TABLES, to_lm_kjt  # noqa: E402
 from torchrec_peer import PeerUnavailable, make_torchrec_step, plan_summary  # noqa: E402

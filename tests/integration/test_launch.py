@@ -19,8 +19,8 @@ from parallax.cluster import RESOURCES_ENV, local_spec, parse_resource_text
 from parallax.launch import elastic as launch_mod
 from parallax.launch.elastic import free_port, install_error_recorder, launch, plan_agent
 
-SCRIPTS = Path(__file__).parent / "scripts"
-REPO = Path(__file__).parent.parent
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _pids(out: Path) -> dict[int, int]:

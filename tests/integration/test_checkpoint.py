@@ -20,7 +20,7 @@ import parallax
 from parallax.checkpoint import files as checkpoint_files
 from parallax.checkpoint.files import CheckpointError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "scripts" / "checkpoint_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 import checkpoint_worker  # noqa: E402

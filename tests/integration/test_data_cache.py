@@ -15,7 +15,7 @@ import corpora
 import pytest
 from corpora.cache import OFFLINE_ENV, CorpusNotCachedError, require_online
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", corpora.CORPORA)
