@@ -1,3 +1,11 @@
 """Checkpoints: sharded save/load on any cluster shape, atomic files with checksums and
 manifests, and export to a plain single-device state_dict.
+
+Why our own format rather than ``torch.distributed.checkpoint`` (DCP): DCP reshards a tensor
+by the offsets of contiguous chunks, but a server's shard is the union of its partitions, and a
+partition is the rows ``id % P == p`` (strided, so Zipf-hot small ids spread over servers), and
+``P`` itself changes in training (the partition search, `Runner.repartition`). We store each
+shard's rows with their *global ids* instead, which loads on any shape and partition count;
+DCP also neither checksums nor fsyncs, and we keep both (`files`). The DTensor shards of the
+model-parallel issue are contiguous: there DCP fits, and it should be used for them.
 """
