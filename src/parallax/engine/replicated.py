@@ -21,10 +21,12 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine import hierarchy
 from parallax.engine.exchange import Hop, Traffic, unique_ids
-from parallax.engine.lookup_options import BatchDependent
-from parallax.engine.server_table import (
+from parallax.engine.lookup_options import (
+    BatchDependent,
     check_batch_dependent,
-    one_lookup_message,
+    check_one_lookup,
+    divide_by_counts,
+    scales_by_freq,
     split_counts,
     with_counts,
 )
@@ -65,11 +67,10 @@ class ReplicatedTable:
         """Rows of the local replica, as `ShardedTable.lookup` returns them."""
         unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
         options = self.batch_dependent
-        scales = options is not None and options.scale_grad_by_freq
+        scales = scales_by_freq(options)
         if scales and torch.is_grad_enabled():
             self._lookups += 1
-            if self._lookups > 1:
-                raise RuntimeError(one_lookup_message(self.name, self.worker.rank))
+            check_one_lookup(self.name, self.worker.rank, self._lookups)
         # Every rank learns of a bad id on any rank (a count exchange), so none waits alone;
         # with max_norm the ids themselves go to every replica.
         world = self.worker.world_size
@@ -131,19 +132,13 @@ class ReplicatedTable:
         else:
             grad = torch.zeros_like(self.param).index_add_(0, ids, rows)
             if counts is not None:
-                self._divide_by_counts(grad, torch.zeros(self.num_rows, dtype=self.dtype,
-                                                         device=ids.device).index_add_(
-                                                             0, ids, counts))
+                divide_by_counts(grad, torch.zeros(self.num_rows, dtype=self.dtype,
+                                                   device=ids.device).index_add_(0, ids, counts))
         self.param.grad = grad
 
     @property
     def _scales_by_freq(self) -> bool:
-        return self.batch_dependent is not None and self.batch_dependent.scale_grad_by_freq
-
-    def _divide_by_counts(self, grad: Tensor, total: Tensor) -> None:
-        """scale_grad_by_freq: each row over its count in the global batch."""
-        scale = torch.where(total > 0, 1 / total.clamp_min(1), torch.ones_like(total))
-        grad.mul_(scale.view(-1, *[1] * len(self.row_shape)))
+        return scales_by_freq(self.batch_dependent)
 
     def _allreduce(self) -> None:
         grad = torch.zeros_like(self.param)
@@ -164,7 +159,7 @@ class ReplicatedTable:
         if self.average:
             grad /= self.worker.world_size
         if self._scales_by_freq:
-            self._divide_by_counts(grad, total)
+            divide_by_counts(grad, total)
         self.param.grad = grad
 
     def grad_norm_squared(self) -> Tensor:

@@ -23,7 +23,15 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.engine.exchange import Hop, SparseIdError, Traffic, unique_ids
-from parallax.engine.lookup_options import BatchDependent
+from parallax.engine.lookup_options import (
+    BatchDependent,
+    check_batch_dependent,
+    check_one_lookup,
+    divide_by_counts,
+    scales_by_freq,
+    split_counts,
+    with_counts,
+)
 from parallax.engine.pool import SERIAL, PartitionPool
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "prefetch", "pull",
@@ -180,8 +188,7 @@ class ShardedTable:
         from the rows `pull` prefetched for this step when there are any."""
         if self.scales_by_freq and torch.is_grad_enabled():
             self._lookups += 1
-            if self._lookups > 1:
-                raise RuntimeError(one_lookup_message(self.name, self.worker.rank))
+            check_one_lookup(self.name, self.worker.rank, self._lookups)
         if self.prefetched is None:
             return pull([self], [ids])[0]
         unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
@@ -205,7 +212,7 @@ class ShardedTable:
 
     @property
     def scales_by_freq(self) -> bool:
-        return self.batch_dependent is not None and self.batch_dependent.scale_grad_by_freq
+        return scales_by_freq(self.batch_dependent)
 
     # ---- backward: push ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -293,8 +300,7 @@ class ShardedTable:
         total = torch.zeros(self.shard.shape[0], dtype=self.dtype, device=self.device)
         total.index_add_(0, torch.cat([rows for rows, _ in received]),
                          torch.cat([counts for _, counts in received]))
-        scale = torch.where(total > 0, 1 / total.clamp_min(1), torch.ones_like(total))
-        self.shard.grad.mul_(scale.view(-1, *[1] * len(self.row_shape)))
+        divide_by_counts(self.shard.grad, total)
 
     def _gradients(self) -> list[Tensor]:
         """This server's aggregated gradient, as whole tensors (the shard's, or its
@@ -461,33 +467,3 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
         table._finish_aggregation()
         if table.scales_by_freq:
             table._divide_by_counts()
-
-
-def with_counts(rows: Tensor, counts: Tensor) -> Tensor:
-    """``rows`` flattened to ``[n, row size]`` with ``counts`` as one more column, so gradient
-    rows and their lookup counts travel (and are merged) together."""
-    return torch.cat([rows.reshape(rows.shape[0], -1),
-                      counts.to(rows.dtype).unsqueeze(1)], dim=1)
-
-
-def split_counts(packed: Tensor, row_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """Undo `with_counts`: ``(rows [n, *row_shape], counts [n])``."""
-    return packed[:, :-1].reshape(-1, *row_shape), packed[:, -1].contiguous()
-
-
-def check_batch_dependent(name: str, options: BatchDependent | None, sparse_grad: bool) -> None:
-    """Refuse what torch refuses on one device: scale_grad_by_freq with sparse gradients."""
-    if options is not None and options.scale_grad_by_freq and sparse_grad:
-        raise ValueError(
-            f"parameter '{name}': scale_grad_by_freq=True with sparse gradients (sparse=True, "
-            "or Config(lazy_sparse_updates=True), which is defined as sparse=True) is refused "
-            "by torch on one device too ('embedding_backward: scale_grad_by_freq not "
-            "supported with sparse gradients')")
-
-
-def one_lookup_message(name: str, rank: int) -> str:
-    return (f"rank {rank}: parameter '{name}' has scale_grad_by_freq=True and was looked up "
-            "a second time in one step; on one device each lookup scales by its own counts, "
-            "which parallax reproduces only for one lookup per step (a table with "
-            "scale_grad_by_freq must be looked up once per forward; concatenate the ids "
-            "into one call)")
