@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from parallax.checks import is_int, is_number
 from parallax.errors import ConfigError
 
 ARCHITECTURES = ("hybrid", "allreduce", "ps", "optps")
@@ -121,25 +122,25 @@ class Config:
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
         if self.clip_grad_norm is not None:
             value = self.clip_grad_norm
-            ok = _is_number(value) and math.isfinite(value) and value > 0
+            ok = is_number(value) and math.isfinite(value) and value > 0
             _require(ok, "clip_grad_norm", value, "None or a finite number > 0")
-        _require(_is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", self.seed,
+        _require(is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", self.seed,
                  "an int in [-2**63, 2**64) (what torch.manual_seed takes)")
         steps = self.sparsity_warmup_steps
-        _require(_is_int(steps) and steps >= 0, "sparsity_warmup_steps", steps, "an int >= 0")
+        _require(is_int(steps) and steps >= 0, "sparsity_warmup_steps", steps, "an int >= 0")
         if self.alpha_threshold is not None:
             value = self.alpha_threshold
-            _require(_is_number(value) and 0 <= value <= 1, "alpha_threshold", value,
+            _require(is_number(value) and 0 <= value <= 1, "alpha_threshold", value,
                      "None or a number in [0, 1]")
         if self.num_partitions is not None:
-            ok = _is_int(self.num_partitions) and self.num_partitions >= 1
+            ok = is_int(self.num_partitions) and self.num_partitions >= 1
             _require(ok, "num_partitions", self.num_partitions, "None or an int >= 1")
         for name in ("server_threads", "max_partitions"):
             value = getattr(self, name)
             if value is not None:
-                _require(_is_int(value) and value >= 1, name, value, "None or an int >= 1")
+                _require(is_int(value) and value >= 1, name, value, "None or an int >= 1")
         steps = self.partition_search_steps
-        _require(_is_int(steps) and steps >= 2, "partition_search_steps", steps,
+        _require(is_int(steps) and steps >= 2, "partition_search_steps", steps,
                  "an int >= 2 (the first half of each sample's steps is discarded)")
         if isinstance(self.partition_cache, os.PathLike):
             object.__setattr__(self, "partition_cache", os.fspath(self.partition_cache))
@@ -153,23 +154,23 @@ class Config:
                      "checkpoint_dir", self.checkpoint_dir, "None or a directory path")
         every = self.checkpoint_every_steps
         if every is not None:
-            _require(_is_int(every) and every >= 1, "checkpoint_every_steps", every,
+            _require(is_int(every) and every >= 1, "checkpoint_every_steps", every,
                      "None or an int >= 1")
         secs = self.checkpoint_every_secs
         if secs is not None:
-            _require(_is_number(secs) and math.isfinite(secs) and secs > 0,
+            _require(is_number(secs) and math.isfinite(secs) and secs > 0,
                      "checkpoint_every_secs", secs, "None or a finite number of seconds > 0")
         if self.checkpoint_dir is None:
             for name in ("checkpoint_every_steps", "checkpoint_every_secs"):
                 _require(getattr(self, name) is None, name, getattr(self, name),
                          "None unless Config.checkpoint_dir says where checkpoints go")
-        _require(_is_int(self.checkpoint_keep) and self.checkpoint_keep >= 1,
+        _require(is_int(self.checkpoint_keep) and self.checkpoint_keep >= 1,
                  "checkpoint_keep", self.checkpoint_keep, "an int >= 1")
         _require(isinstance(self.resume, bool), "resume", self.resume, "a bool")
         _require(self.nonfinite in NONFINITE, "nonfinite", self.nonfinite,
                  f"one of {NONFINITE}")
         timeout = self.collective_timeout_s
-        ok = (_is_number(timeout) and math.isfinite(timeout)
+        ok = (is_number(timeout) and math.isfinite(timeout)
               and 0 < timeout < timedelta.max.total_seconds())
         _require(ok, "collective_timeout_s", timeout,
                  "a number of seconds > 0 and below timedelta.max")
@@ -194,14 +195,6 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

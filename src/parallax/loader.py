@@ -22,6 +22,7 @@ from torch.utils.data import (
     Sampler,
 )
 
+from parallax.checks import is_int
 from parallax.cluster import WorkerInfo, current_worker
 
 __all__ = ["ShardedLoader", "shard", "sharded_loaders"]
@@ -179,7 +180,7 @@ def _checked_position(position: dict[str, int]) -> tuple[int, int]:
     values = []
     for key in ("epoch", "samples"):
         value = position[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_int(value, at_least=0):
             raise ValueError(f"position[{key!r}] must be a non-negative int, got {value!r}")
         values.append(value)
     return values[0], values[1]

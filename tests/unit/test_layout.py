@@ -16,8 +16,8 @@ SRC = ROOT / "src"
 # are caught by the cycle check. Prefixes name a module and everything under it.
 LAYERS = [
     # nothing of ours, or only each other
-    ["parallax.errors", "parallax.cluster", "parallax.config", "parallax.checkpoint.files",
-     "parallax.loader"],
+    ["parallax.errors", "parallax.checks", "parallax.cluster", "parallax.config",
+     "parallax.checkpoint.files", "parallax.loader"],
     ["parallax.engine"],
     ["parallax.launch"],
     ["parallax.model"],

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from parallax.checks import is_int
 from parallax.errors import CheckpointError
 
 __all__ = [
@@ -98,7 +99,7 @@ class Manifest:
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     """Directory of step ``step``'s checkpoint; zero-padded so names sort like steps."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not is_int(step, at_least=0):
         raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
     return Path(root) / f"step-{step:09d}"
 
@@ -172,7 +173,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
             f"{where}: cannot write format_version {manifest.format_version!r}; "
             f"this code writes version {FORMAT_VERSION}"
         )
-    if not isinstance(manifest.step, int) or isinstance(manifest.step, bool) or manifest.step < 0:
+    if not is_int(manifest.step, at_least=0):
         raise CheckpointError(f"{where}: step must be an int >= 0, got {manifest.step!r}")
     for name, record in manifest.files.items():
         _check_file_key(where, name)
@@ -277,7 +278,7 @@ def prune(root: str | os.PathLike[str], keep: int) -> None:
     newer than the newest complete checkpoint are left alone: a save may be in progress.
     The newest complete checkpoint is never deleted.
     """
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+    if not is_int(keep, at_least=1):
         raise ValueError(f"prune: keep must be an int >= 1, got {keep!r}")
     root = Path(root)
     if not root.is_dir():
@@ -369,7 +370,7 @@ def _manifest_from_json(where: Path, body: dict[str, Any]) -> Manifest:
             f"{where}: fields {sorted(body)} differ from the expected {sorted(expected)}"
         )
     step, files, meta = body["step"], body["files"], body["meta"]
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not is_int(step, at_least=0):
         raise CheckpointError(f"{where}: step must be an int >= 0, got {step!r}")
     if not isinstance(files, dict):
         raise CheckpointError(f"{where}: files must be an object, got {type(files).__name__}")
@@ -414,7 +415,7 @@ def _check_record_fields(where: Path, name: str, sha256: object, size: object) -
         raise CheckpointError(
             f"{where}: files[{name!r}].sha256 must be 64 lowercase hex digits, got {sha256!r}"
         )
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+    if not is_int(size, at_least=0):
         raise CheckpointError(f"{where}: files[{name!r}].size must be an int >= 0, got {size!r}")
 
 

@@ -43,6 +43,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from parallax.checks import is_int
 from parallax.cluster import RESOURCES_ENV, ResourceSpec
 from parallax.engine.progress import CULPRIT
 from parallax.errors import PlanComplete
@@ -253,7 +254,7 @@ def launch(
     """
     if not cmd:
         raise ValueError("nothing to launch: cmd is empty")
-    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+    if not is_int(max_restarts, at_least=0):
         raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
     plan = plan_agent(
         spec, machine_index=machine_index, master_addr=master_addr, master_port=master_port

@@ -36,6 +36,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from parallax.checks import is_int
 from parallax.engine.lookup_options import BatchDependent
 
 __all__ = ["BatchDependent", "SparseUse", "batch_dependent_reads", "find_sparse_parameters",
@@ -548,7 +549,7 @@ def _match_gather(user: fx.Node, attr: fx.Node, weight_dim: int) -> _Gather | No
     table, dim, index = bound
     if table is not attr or not isinstance(index, fx.Node) or not _is_index_tensor(index):
         return None
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim not in (0, -weight_dim):
+    if not is_int(dim) or dim not in (0, -weight_dim):
         return None
     return _Gather(ids=index, padding_idx=None, sparse=False)
 
@@ -571,7 +572,7 @@ def _match_embedding(user: fx.Node, attr: fx.Node) -> _Gather | None:
     if not isinstance(options[2], bool):
         return None
     if padding_idx is not None and (
-        isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
+        not is_int(padding_idx)
     ):
         return None
     if not isinstance(sparse, bool):

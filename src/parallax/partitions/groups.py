@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from parallax.checks import is_int
+
 __all__ = ["PartitionGroup", "group_of", "partition", "partitioner"]
 
 _TAG = "_parallax_partition_group"
@@ -39,9 +41,7 @@ class PartitionGroup:
 def _group(name: str | None, max_partitions: int | None) -> PartitionGroup:
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"partitioner name must be a non-empty str, got {name!r}")
-    if max_partitions is not None and (isinstance(max_partitions, bool)
-                                       or not isinstance(max_partitions, int)
-                                       or max_partitions < 1):
+    if max_partitions is not None and not is_int(max_partitions, at_least=1):
         raise ValueError(f"max_partitions must be None or an int >= 1, got {max_partitions!r}")
     # Every worker runs the same script, so the n-th unnamed partitioner is the same everywhere.
     return PartitionGroup(name if name is not None else f"partitioner-{next(_unnamed)}",

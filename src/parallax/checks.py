@@ -1,0 +1,18 @@
+"""Value checks shared by every layer. Python's ``bool`` is an ``int``: ``True`` must not pass
+as a count, a step or a partition number, so "an int" means "an int, not a bool" here."""
+
+from __future__ import annotations
+
+__all__ = ["is_int", "is_number"]
+
+
+def is_int(value: object, at_least: int | None = None) -> bool:
+    """Whether ``value`` is an int (not a bool), and ``>= at_least`` when that is given."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    return at_least is None or value >= at_least
+
+
+def is_number(value: object) -> bool:
+    """Whether ``value`` is an int or a float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
