@@ -50,7 +50,6 @@ _IPV6_RE = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*")
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "::1"})
 
 
-
 @dataclass(frozen=True)
 class Machine:
     """One machine: its host name and the device indices its workers use."""

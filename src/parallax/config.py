@@ -16,7 +16,6 @@ ARCHITECTURES = ("hybrid", "allreduce", "ps", "optps")
 NONFINITE = ("raise", "skip", "ignore")
 
 
-
 @dataclass(frozen=True)
 class Config:
     """How parallax trains. Defaults reproduce the single-device program with the global batch.

@@ -69,7 +69,6 @@ class Runner:
         self.config = config
         self.device = worker.device
         model.to(self.device)  # in place: the optimizer's Parameter objects stay the same
-        self._sparse_group = sparse_group
         self.group = sparse_group  # every rank of the run (checkpoints agree through it)
         _check_same_everywhere(model, config, worker, sparse_group)
         # Where every rank is, in the job's store: a failed collective names who is missing.
@@ -269,7 +268,7 @@ class Runner:
                 total += torch.tensor([float(loss) * count, count], dtype=torch.float64,
                                       device=self.device)
         self.module.train(was_training)
-        dist.all_reduce(total, group=self._sparse_group)
+        dist.all_reduce(total, group=self.group)
         return float(total[0] / total[1].clamp_min(1))
 
     def zero_grad(self) -> None:
@@ -292,7 +291,7 @@ class Runner:
         values[self.worker.rank] = float(not bool(torch.isfinite(loss.detach()).all()))
         for i, (_, table) in enumerate(tables):  # server-held: each server its own rows
             values[world + i] = table.grad_norm_squared()
-        dist.all_reduce(values, group=self._sparse_group)
+        dist.all_reduce(values, group=self.group)
         self._sparse_squared = values[world:].sum()
         bad_ranks = [r for r in range(world) if values[r] > 0]
         bad = [name for i, (name, _) in enumerate(tables)
@@ -330,7 +329,7 @@ class Runner:
             for table in tables:
                 squared += table.grad_norm_squared()
             if tables:
-                dist.all_reduce(squared, group=self._sparse_group)
+                dist.all_reduce(squared, group=self.group)
         for grad in dense_grads:  # replicated sparse-gradient tables arrive coalesced
             values = grad._values() if grad.is_sparse else grad
             squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
@@ -393,7 +392,7 @@ class Runner:
             groups, repartition=lambda count, names: self.repartition(count, names),
             start=servers, steps_per_sample=self.config.partition_search_steps,
             cache_path=self.config.partition_cache, signature=signature,
-            rank=self.worker.rank, group=self._sparse_group, device=self.device)
+            rank=self.worker.rank, group=self.group, device=self.device)
 
     def _start_search(self) -> None:
         if self._tuner is None:
@@ -431,7 +430,7 @@ class Runner:
 
     def _resume_from_newest(self, root: str) -> None:
         box = [checkpoint.find(root) is not None if self.worker.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self._sparse_group)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         if box[0]:
             self.load(root)
             if self.worker.rank == 0:
@@ -446,7 +445,7 @@ class Runner:
             return False
         due = torch.tensor(float(time.monotonic() - self._last_save
                                  >= config.checkpoint_every_secs), device=self.device)
-        dist.broadcast(due, src=0, group=self._sparse_group)  # rank 0's clock decides
+        dist.broadcast(due, src=0, group=self.group)  # rank 0's clock decides
         return bool(due)
 
     # ---- plan ----------------------------------------------------------------------------
@@ -462,7 +461,7 @@ class Runner:
     def _complete_plan(self) -> None:
         """After the warm-up steps: measure α; under hybrid, move to AllReduce what the bytes
         model (or `Config.alpha_threshold`) says is cheaper there (collective)."""
-        self.sparsity = measure(self.tables, self.worker, self._sparse_group, self.device)
+        self.sparsity = measure(self.tables, self.worker, self.group, self.device)
         if self.config.architecture == "hybrid":
             params = dict(self.model.named_parameters())
             for name, table in list(self.tables.items()):
@@ -471,7 +470,7 @@ class Runner:
                     continue
                 self._replace_table(table, move_to_allreduce(
                     table, params[name], self.optimizers, self.shard_optimizer,
-                    worker=self.worker, group=self._sparse_group))
+                    worker=self.worker, group=self.group))
                 self.dense_parameters.append(params[name])
                 self._decisions[name] = why
         self._start_search()
@@ -521,7 +520,7 @@ class Runner:
             print("\n" + self.plan.table(), flush=True)  # below any progress bar
             if path:
                 Path(path).write_text(self.plan.to_json())
-        dist.barrier(group=self._sparse_group)
+        dist.barrier(group=self.group)
         shutdown()
         raise PlanComplete(path or "the plan is printed")
 
@@ -555,7 +554,7 @@ class Runner:
             [per_step.get(n, {}).get("inter_sent", 0.0)
              + per_step.get(n, {}).get("inter_received", 0.0) for n in names],
             dtype=torch.float64, device=self.device)
-        dist.all_reduce(values, group=self._sparse_group)
+        dist.all_reduce(values, group=self.group)
         values /= len(self.worker.server_ranks)
         return dict(zip(names, values.tolist(), strict=True))
 

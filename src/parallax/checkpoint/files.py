@@ -69,7 +69,6 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
 
 
-
 @dataclass(frozen=True)
 class FileRecord:
     """What a file must contain: its SHA-256 (lowercase hex) and its size in bytes."""

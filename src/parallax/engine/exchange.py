@@ -27,7 +27,6 @@ from parallax.errors import SparseIdError
 COUNT_MESSAGE_BYTES = 3 * 8  # count, error flag, bad id: int64 each
 
 
-
 def unique_ids(ids: Tensor, num_rows: int, name: str, rank: int,
                ) -> tuple[Tensor, Tensor, int | None]:
     """``(unique, inverse, bad_id)`` of a lookup's ids: sorted unique ids, the index of each

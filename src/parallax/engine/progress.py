@@ -9,8 +9,8 @@ that no rank has ended (uneven inputs fail at once, before any collective); a st
 collective fails reads every rank's record and raises an error that names the rank that did
 not arrive, with its last known step and phase.
 
-Cost: three store writes and one check per step (localhost TCP round trips: 62 us for three
-measured here); nothing when the job has one worker.
+Cost: three store writes and one check per step, 57 us per step on localhost (BENCHMARKS.md,
+``benchmarks/progress_overhead.py``); nothing when the job has one worker.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ _ENDED = "ended"
 # A step's phases in order: a rank in an earlier phase of the same step is behind.
 PHASES = {"forward": 0, "backward": 1, "done": 2}
 _READ_TIMEOUT = timedelta(seconds=5)  # reading records after a failure must not hang either
-
-
 
 
 CULPRIT = re.compile(r"^(StalledRankError|UnevenInputsError): rank (\d+) ")
@@ -86,7 +84,7 @@ class Progress:
         """Before step ``step``'s first collective: fail at once if a rank has ended."""
         if self.store is not None and self.store.check([_ENDED]):
             records = self.records()
-            ended = sorted(r for r, rec in records.items() if rec.phase == _ENDED)
+            ended = _ended(records)
             if ended:
                 raise self._uneven(ended, records, step)
         self._write(step, "forward")
@@ -105,9 +103,8 @@ class Progress:
             self.store.set(_ENDED, str(self.rank))
         except Exception:  # the launcher's store may already be gone at interpreter exit
             pass
-        # Hold the store no longer than the process group does: a store client that outlives
-        # destroy_process_group into interpreter teardown made gloo abort the process at exit
-        # now and then (measured: 1 exit in 7 under torchrun).
+        # Hold the store no longer than the process group does (a step after shutdown then
+        # says so instead of writing to a store the launcher may have closed).
         self.store = None
 
     def records(self) -> dict[int, Record]:
@@ -134,7 +131,7 @@ class Progress:
         record shows it in this step (the failure lies elsewhere)."""
         records = self.records()
         now = time.time()
-        ended = sorted(r for r, rec in records.items() if rec.phase == _ENDED)
+        ended = _ended(records)
         if ended:
             return self._uneven(ended, records, step)
         mine = PHASES.get(self.current, 0)
@@ -168,6 +165,11 @@ class Progress:
             f"{self.rank} called step {step} — give every worker the same number of batches "
             "(e.g. with parallax.shard, which gives each worker an equal share), or stop all "
             "workers at the same step")
+
+
+def _ended(records: dict[int, Record]) -> list[int]:
+    """The ranks whose last record says their training ended."""
+    return sorted(rank for rank, record in records.items() if record.phase == _ENDED)
 
 
 _active: list[Progress] = []

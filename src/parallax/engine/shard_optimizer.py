@@ -42,7 +42,6 @@ class ServerTable(Protocol):
     blocks: list[tuple[int, int]]
 
 
-
 def as_optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
                       ) -> list[torch.optim.Optimizer]:
     """Accept one optimizer or several (e.g. ``SparseAdam`` for embeddings + ``Adam``)."""

@@ -31,7 +31,6 @@ STATE_DIR = Path(os.environ.get("PARALLAX_NETEM_STATE", "/run/parallax-netem"))
 SUBNET = "10.77"
 
 
-
 @dataclass
 class LinkCounters:
     """Bytes a machine sent and received over its link."""
