@@ -198,6 +198,10 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], list[torch.optim.Optimizer]]] = {
     "adamw": _single(torch.optim.AdamW, lr=0.05, weight_decay=0.1),
     "sparseadam": _sparse_adam_plus_adam,
 }
+MATRIX_OPTIMIZERS = tuple(OPTIMIZERS)  # the products below; the ones after: targeted cases
+# Constructor arguments that act in the constructor itself (Adagrad's initial state).
+OPTIMIZERS["adagrad-init"] = _single(torch.optim.Adagrad, lr=0.3, lr_decay=0.01,
+                                     initial_accumulator_value=0.1)
 # Optimizers that accept the sparse (COO) gradients of nn.Embedding(sparse=True).
 SPARSE_GRAD_OPTIMIZERS = {"sgd", "adagrad", "sparseadam"}
 
@@ -214,6 +218,7 @@ class Case:
     num_partitions: int | None = None
     scheduler: bool = False
     architecture: str = "hybrid"
+    dense_sync: str = "hierarchical"
     local_aggregation: bool | None = None
     migrate_after: int = 0  # > 0: alpha_threshold 0 moves every sparse table to AllReduce
     lazy: bool = False  # Config(lazy_sparse_updates): equals the program with sparse=True
@@ -247,6 +252,8 @@ class Case:
             parts.append("repartition{}to{}".format(*self.repartition))
         if self.search:
             parts.append(f"search{self.search}")
+        if self.dense_sync != "hierarchical":
+            parts.append(self.dense_sync)
         return "-".join(parts)
 
     @property
@@ -257,7 +264,7 @@ class Case:
 def all_cases() -> list[Case]:
     cases = []
     for model, opt, clip, dtype in itertools.product(
-            MODELS, OPTIMIZERS, (None, 0.05), ("float32", "float64")):
+            MODELS, MATRIX_OPTIMIZERS, (None, 0.05), ("float32", "float64")):
         for sparse_grad in (False, True):
             if sparse_grad and (opt not in SPARSE_GRAD_OPTIMIZERS
                                 or model not in ("sparse", "mixed")):
@@ -279,7 +286,7 @@ def all_cases() -> list[Case]:
     variants = [("hybrid", False), ("allreduce", None), ("ps", None), ("optps", None),
                 ("ps", True), ("optps", False)]
     for (architecture, aggregation), model, opt, clip in itertools.product(
-            variants, MODELS, OPTIMIZERS, (None, 0.05)):
+            variants, MODELS, MATRIX_OPTIMIZERS, (None, 0.05)):
         sparse_grad = opt == "sparseadam"
         if sparse_grad and model not in ("sparse", "mixed"):
             continue
@@ -293,7 +300,7 @@ def all_cases() -> list[Case]:
     # The hybrid moving every sparse table, values and optimizer state, to AllReduce after
     # measuring α in the first steps: training goes on exactly as on one device.
     for model, opt, clip, dtype in itertools.product(
-            ("sparse", "mixed", "gather"), OPTIMIZERS, (None, 0.05), ("float64", "float32")):
+            ("sparse", "mixed", "gather"), MATRIX_OPTIMIZERS, (None, 0.05), ("float64", "float32")):
         sparse_grad = opt == "sparseadam"
         if (sparse_grad and model == "gather") or (dtype == "float32" and clip is None):
             continue
@@ -347,6 +354,17 @@ def all_cases() -> list[Case]:
                           seed=len(cases)))
         cases.append(Case("maxnorm", "adagrad", False, 0.05, "float64",
                           architecture=architecture, lazy=True, seed=len(cases)))
+    # Adagrad's initial_accumulator_value on the servers, on every architecture.
+    for architecture in ("hybrid", "allreduce", "ps", "optps"):
+        for model in ("mixed", "gather"):
+            cases.append(Case(model, "adagrad-init", clip=0.05, dtype="float64",
+                              architecture=architecture, seed=len(cases)))
+    # Every dense-synchronisation strategy (Config.dense_sync), averaged and summed.
+    for architecture, model, opt, average in itertools.product(
+            ("hybrid", "allreduce"), ("dense", "mixed"), ("momentum", "adam"), (True, False)):
+        cases.append(Case(model, opt, clip=0.05 if average else None, dtype="float64",
+                          architecture=architecture, average_dense=average, dense_sync="flat",
+                          seed=len(cases)))
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,

@@ -176,7 +176,7 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: i
     agent per machine; the links' byte counters reported at the end."""
     import tempfile
 
-    from parallax.launch.executors import NamespaceExecutor, launch_machines
+    from parallax.launch.executors import NamespaceExecutor, launch_machines, omp_threads
     from parallax.launch.netem import OFFLINE_ENV, EmulatedNetwork, NetemError
 
     if args.resources is not None:
@@ -200,10 +200,8 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: i
                 # c10d warns once per connection that the namespace cannot resolve names.
                 env={"TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
                      # All machines share this host's cores: without this each agent sizes
-                     # its workers' thread pools for the whole host, and the oversubscribed
-                     # OpenMP threads spin against each other (3-5x slower steps, measured).
-                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(
-                         1, (os.cpu_count() or 1) // (args.machines * args.nproc_per_machine))),
+                     # its workers' thread pools for the whole host.
+                     "OMP_NUM_THREADS": omp_threads(args.machines * args.nproc_per_machine),
                      # Namespaces reach only each other: downloads there fail at once,
                      # naming the corpus (corpora.cache.require_online in examples/).
                      OFFLINE_ENV: "1",

@@ -1,4 +1,4 @@
-"""Cluster resources and the identity of the current worker.
+"""Cluster resources, the identity of the current worker, and the environment that carries it.
 
 A resource file lists one machine per line as ``host`` or ``host:dev,dev,...``.  A machine
 runs one worker per listed device (one worker when no devices are listed), and ranks are laid
@@ -12,7 +12,7 @@ import json
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -27,6 +27,7 @@ __all__ = [
     "PLAN_ONLY_ENV",
     "PLAN_WARMUP_ENV",
     "RESOURCES_ENV",
+    "EnvironmentPatch",
     "Machine",
     "ResourceError",
     "ResourceSpec",
@@ -275,3 +276,44 @@ def _worker_from_torchrun(env: Mapping[str, str], rank: int, world_size: int) ->
         machine_of_rank=tuple(r // local_world for r in range(world_size)),
         device_index=local_rank,
     )
+
+
+class EnvironmentPatch:
+    """Set variables in ``os.environ`` (which child processes and `current_worker` read), and
+    later put back what they were, unsetting those that were unset.
+
+    As a context manager, ``with EnvironmentPatch(updates):`` sets ``updates`` on entry and
+    restores on exit. A patch that outlives one call (a one-worker run's identity, set now and
+    undone at shutdown) calls `set` as often as needed, then `restore` once: a variable's first
+    saved value is the one put back. ``restoring`` names variables to put back that others
+    (torch's elastic agent) may set meanwhile.
+    """
+
+    def __init__(self, updates: Mapping[str, str] | None = None, *,
+                 restoring: Iterable[str] = ()) -> None:
+        self._updates = dict(updates or {})
+        self._restoring = tuple(restoring)
+        self._saved: dict[str, str | None] = {}
+
+    def set(self, updates: Mapping[str, str], *, restoring: Iterable[str] = ()) -> None:
+        """Set ``updates``, first saving the value of each (and of each in ``restoring``) that
+        this patch has not saved yet."""
+        for key in [*updates, *restoring]:
+            self._saved.setdefault(key, os.environ.get(key))
+        os.environ.update(updates)
+
+    def restore(self) -> None:
+        """Put back every saved variable as it was; the patch is then empty."""
+        for key, value in self._saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved.clear()
+
+    def __enter__(self) -> EnvironmentPatch:
+        self.set(self._updates, restoring=self._restoring)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()

@@ -7,12 +7,33 @@ import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import StrEnum
 from typing import Any
 
 from parallax.checks import is_int, is_number
 from parallax.errors import ConfigError
 
-ARCHITECTURES = ("hybrid", "allreduce", "ps", "optps")
+
+class ArchitectureName(StrEnum):
+    """The architectures `Config.architecture` names; each is a class in
+    `parallax.planning.architectures` (its registry is keyed by these)."""
+
+    HYBRID = "hybrid"
+    ALLREDUCE = "allreduce"
+    PS = "ps"
+    OPTPS = "optps"
+
+
+class DenseSyncName(StrEnum):
+    """How replicated dense gradients are AllReduced (`Config.dense_sync`); each is a DDP
+    comm hook in `parallax.engine.dense_sync` (its registry is keyed by these)."""
+
+    HIERARCHICAL = "hierarchical"
+    FLAT = "flat"
+
+
+ARCHITECTURES = tuple(a.value for a in ArchitectureName)
+DENSE_SYNCS = tuple(d.value for d in DenseSyncName)
 NONFINITE = ("raise", "skip", "ignore")
 
 
@@ -27,6 +48,10 @@ class Config:
             replicated; sparse gradients exchanged by AllGatherv of (ids, rows).
             ``"ps"`` (naive parameter server): every parameter, dense ones too, on servers.
             ``"optps"``: ``"ps"`` with local aggregation.
+        dense_sync: how replicated dense gradients are AllReduced (DDP comm hook).
+            ``"hierarchical"`` (default): reduced inside each machine, a ring among the
+            machines' leaders, broadcast back (Table 3's AllReduce bytes, which the plan
+            predicts). ``"flat"``: one ring over all ranks, as DDP does by default.
         local_aggregation: workers of one machine merge their ids and sum their gradient rows
             before anything crosses machines. ``None``: on for ``hybrid`` and ``optps``, off for
             ``ps``; it does not apply to ``allreduce``.
@@ -84,7 +109,8 @@ class Config:
             used in every step.
     """
 
-    architecture: str = "hybrid"
+    architecture: str = ArchitectureName.HYBRID
+    dense_sync: str = DenseSyncName.HIERARCHICAL
     local_aggregation: bool | None = None
     sparsity_warmup_steps: int = 5
     alpha_threshold: float | None = None
@@ -108,8 +134,12 @@ class Config:
     find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.architecture in ARCHITECTURES, "architecture", self.architecture,
-                 f"one of {ARCHITECTURES}")
+        _require(isinstance(self.architecture, str) and self.architecture in ARCHITECTURES,
+                 "architecture", self.architecture, f"one of {ARCHITECTURES}")
+        object.__setattr__(self, "architecture", ArchitectureName(self.architecture))
+        _require(isinstance(self.dense_sync, str) and self.dense_sync in DENSE_SYNCS,
+                 "dense_sync", self.dense_sync, f"one of {DENSE_SYNCS}")
+        object.__setattr__(self, "dense_sync", DenseSyncName(self.dense_sync))
         if self.local_aggregation is not None:
             _require(isinstance(self.local_aggregation, bool), "local_aggregation",
                      self.local_aggregation, "None or a bool")
@@ -174,13 +204,6 @@ class Config:
         _require(ok, "collective_timeout_s", timeout,
                  "a number of seconds > 0 and below timedelta.max")
 
-    @property
-    def aggregates_locally(self) -> bool:
-        """Whether sparse exchanges go through each machine's leader."""
-        if self.local_aggregation is not None:
-            return self.local_aggregation
-        return self.architecture in ("hybrid", "optps")
-
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
         """Build from a mapping (e.g. parsed JSON/YAML), naming any unknown field."""
@@ -193,7 +216,9 @@ class Config:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain values (enums as their strings), for JSON and comparisons across ranks."""
+        return {k: (str(v) if isinstance(v, StrEnum) else v)
+                for k, v in dataclasses.asdict(self).items()}
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

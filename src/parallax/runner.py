@@ -9,9 +9,7 @@ same optimizer class over its shard.
 
 from __future__ import annotations
 
-import copy
 import logging
-import math
 import os
 import sys
 import time
@@ -25,27 +23,27 @@ from torch import Tensor, nn
 
 from parallax.checkpoint import sharded as checkpoint
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
+from parallax.collective import agree
 from parallax.config import Config
-from parallax.engine.dense import wrap_dense
+from parallax.engine.dense_sync import wrap_dense
 from parallax.engine.exchange import Traffic
+from parallax.engine.grad_norm import clip_by_global_norm, find_nonfinite
 from parallax.engine.pool import default_threads, shared_pool
-from parallax.engine.progress import Progress
-from parallax.engine.replicated import ReplicatedTable
-from parallax.engine.server_table import ShardedTable, prefetch, push_gradients
+from parallax.engine.progress import Progress, is_collective_failure
+from parallax.engine.server_table import ShardedTable, prefetch
 from parallax.engine.shard_optimizer import ShardOptimizer, check_lazy, check_per_shard
+from parallax.engine.table import Table, push_all
 from parallax.errors import PlanComplete
-from parallax.model.detect import SparseUse, find_sparse_parameters, rewrite_gathers
+from parallax.model.detect import SparseUse, find_sparse_parameters
 from parallax.model.exactness import check_exact
 from parallax.model.lookahead import build_id_program
-from parallax.model.stand_ins import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
-from parallax.partitions.groups import group_of
+from parallax.model.stand_ins import executed_copy
 from parallax.partitions.repartition import repartition
-from parallax.partitions.tuner import DEFAULT_MAX_PER_SERVER, PartitionTuner, SearchRecord
-from parallax.planning.architectures import build_layout, server_held
-from parallax.planning.cost import Shape, allreduce_dense, ps_rows
+from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
+from parallax.planning.architectures import architecture_of, build_layout
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
-from parallax.session import shutdown
+from parallax.session import check_same_everywhere, shutdown
 
 LossFn = Callable[[Any, Any], Tensor]
 log = logging.getLogger("parallax")
@@ -70,18 +68,19 @@ class Runner:
         self.device = worker.device
         model.to(self.device)  # in place: the optimizer's Parameter objects stay the same
         self.group = sparse_group  # every rank of the run (checkpoints agree through it)
-        _check_same_everywhere(model, config, worker, sparse_group)
+        check_same_everywhere(model, config, worker, sparse_group)
         # Where every rank is, in the job's store: a failed collective names who is missing.
         self.progress = (Progress(worker.rank, worker.world_size, config.collective_timeout_s)
                          if worker.world_size > 1 else None)
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
         check_exact(model, self.sparse_uses, config)
+        self.architecture = architecture_of(config)
         params = dict(model.named_parameters())
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self.layout = build_layout(model, self.sparse_uses, config=config, worker=worker,
                                    group=sparse_group, traffic=self.traffic)
         self.tables = self.layout.sparse
-        check_per_shard(self.optimizers, server_held(model, self.sparse_uses, config))
+        check_per_shard(self.optimizers, self.architecture.server_held(model, self.sparse_uses))
         if config.lazy_sparse_updates:
             check_lazy(self.optimizers, {n: params[n] for n in self.sparse_uses})
         self.sparsity: dict[str, Sparsity] = {}
@@ -91,23 +90,25 @@ class Runner:
         self._steps = 0  # in this process (the warm-up counts these)
         self.global_step = 0  # since the start of training, across resumes
         self.skipped_steps = 0  # steps whose update Config.nonfinite="skip" skipped
-        self._sparse_squared: Tensor | None = None  # servers' squared gradient norm, this step
+        self._tables_squared: Tensor | None = None  # tables' squared gradient norm, this step
         self._tuner: PartitionTuner | None = None  # built once the tables exist
         # Under ``parallax plan`` the warm-up is all that runs.
         self._warmup_steps = int(os.environ.get(PLAN_WARMUP_ENV,
                                                 config.sparsity_warmup_steps))
         self._build_plan()
-        executed = self._executed_model(model)
+        executed = executed_copy(model, self.sparse_uses, lambda name: self.tables[name])
         self._executed = executed
         # All lookups' ids from the inputs, when the model allows: one pull for all tables.
         self._id_program = build_id_program(executed) if self.tables else None
-        # Gradients the runner AllReduces or replicates: clipped with the dense part.
-        self.dense_parameters = [p for p in executed.parameters() if p.requires_grad]
-        self.dense_parameters += [t.param for t in self.tables.values()
-                                  if isinstance(t, ReplicatedTable)]
+        # Parameters every worker holds whole, with a gradient AllReduced (DDP) or exchanged
+        # by their table, updated by the user's optimizer. (Under ps/optps the dense ones are
+        # pulled from the servers instead: they get no gradient here.)
+        self.replicated_parameters = [p for p in executed.parameters() if p.requires_grad]
+        self.replicated_parameters += [t.replica for t in self.tables.values()
+                                       if t.replica is not None]
         self.module = executed
         if self.layout.uses_ddp:
-            self.module = wrap_dense(executed, device=self.device,
+            self.module = wrap_dense(executed, device=self.device, sync=config.dense_sync,
                                      average=config.average_dense,
                                      find_unused_parameters=config.find_unused_parameters,
                                      traffic=self.traffic)
@@ -118,43 +119,15 @@ class Runner:
             id(params[name]): table for name, table in self.layout.all_tables().items()
             if table.shard is not None
         }, self.pool)
-        self._dense_pulls = {name: (table, torch.arange(table.num_rows, device=self.device),
+        self._whole_pulls = {name: (table, torch.arange(table.num_rows, device=self.device),
                                     params[name].shape)
-                             for name, table in self.layout.dense.items()}
+                             for name, table in self.layout.pulled_whole.items()}
         self.last_grad_norm: float | None = None
         self._tuner = self._build_tuner()
         self._batch_signature: Any = None
         self._last_save = time.monotonic()
         if config.checkpoint_dir is not None and config.resume:
             self._resume_from_newest(config.checkpoint_dir)
-
-    def _executed_model(self, model: nn.Module) -> nn.Module:
-        """A copy of the module tree sharing every tensor, with sparse reads sent to the PS."""
-        memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        try:
-            executed = copy.deepcopy(model, memo)
-        except Exception as error:
-            raise TypeError(
-                f"parallax runs a copy of the module tree of {type(model).__name__} (sharing "
-                f"its parameters and buffers), but copying it failed: {error}. Keep "
-                f"uncopyable objects (files, locks, sockets) out of the model's attributes."
-            ) from error
-        executed = rewrite_gathers(executed, self.sparse_uses,
-                                   lambda name: ShardedGather(self.tables[name]))
-        for name, use in self.sparse_uses.items():
-            if use.kind == "gather":
-                continue
-            original = model.get_submodule(use.module_path)
-            table = self.tables[name]
-            if use.kind == "embedding":
-                stand_in: nn.Module = ShardedEmbedding(table, original.padding_idx)
-            else:
-                stand_in = ShardedEmbeddingBag(table, mode=original.mode,
-                                               padding_idx=original.padding_idx,
-                                               include_last_offset=original.include_last_offset)
-            parent_path, _, child = use.module_path.rpartition(".")
-            executed.get_submodule(parent_path).register_module(child, stand_in)
-        return executed
 
     # ---- training ------------------------------------------------------------------------
     def forward(self, inputs: Any) -> Any:
@@ -165,11 +138,11 @@ class Runner:
             (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {}))
         ahead = self._pull_ahead(args, kwargs)
         try:
-            if not self.layout.dense:
+            if not self._whole_pulls:
                 return self.module(*args, **kwargs)
             # ps/optps: dense parameters too come from the servers, whole, every step.
             pulled = {name: table.lookup(rows)[0].view(shape)
-                      for name, (table, rows, shape) in self._dense_pulls.items()}
+                      for name, (table, rows, shape) in self._whole_pulls.items()}
             return torch.func.functional_call(self.module, pulled, args, kwargs)
         finally:
             for table in ahead:
@@ -183,9 +156,9 @@ class Runner:
         if self._id_program is not None:
             for path, ids in self._id_program(*args, **kwargs):
                 table = self._executed.get_submodule(path).table
-                if isinstance(table, ShardedTable):  # replicated tables look up locally
+                if table.on_servers:  # replicated tables look up locally
                     wanted.setdefault(table.name, (table, []))[1].append(ids)
-        for name, (table, rows, _) in self._dense_pulls.items():
+        for name, (table, rows, _) in self._whole_pulls.items():
             wanted[name] = (table, [rows])
         if wanted:
             prefetch([table for table, _ in wanted.values()],
@@ -208,7 +181,7 @@ class Runner:
         try:
             loss = self._step(inputs, targets, step)
         except (RuntimeError, ValueError) as error:  # gloo's are RuntimeErrors
-            if self.progress is None or not _collective_failure(error):
+            if self.progress is None or not is_collective_failure(error):
                 raise
             explained = self.progress.explain(error, step)
             if explained is error:
@@ -240,14 +213,14 @@ class Runner:
         if self.progress is not None:
             self.progress.phase(step, "backward")
         loss.backward()
-        tables = list(self.layout.all_tables().values())
-        push_gradients([t for t in tables if isinstance(t, ShardedTable)])  # one exchange
-        for table in tables:
-            if not isinstance(table, ShardedTable):
-                table.push_gradients()
+        push_all(self.layout.all_tables().values())
         if self._finite_or_skip(loss):
             if self.config.clip_grad_norm is not None:
-                self._clip(self.config.clip_grad_norm)
+                self.last_grad_norm = clip_by_global_norm(
+                    self.config.clip_grad_norm,
+                    [p.grad for p in self.replicated_parameters if p.grad is not None],
+                    list(self.layout.all_tables().values()), tables_squared=self._tables_squared,
+                    group=self.group, device=self.device)
             for optimizer in self.optimizers:
                 optimizer.step()
             self.shard_optimizer.step()
@@ -272,74 +245,39 @@ class Runner:
         return float(total[0] / total[1].clamp_min(1))
 
     def zero_grad(self) -> None:
-        for param in self.dense_parameters:
+        for param in self.replicated_parameters:
             param.grad = None
         for table in self.layout.all_tables().values():
             table.zero_grad()
 
     def _finite_or_skip(self, loss: Tensor) -> bool:
-        """Whether to apply this step's update under `Config.nonfinite`: every worker's loss and
-        every aggregated gradient are checked in one small collective (which also yields the
-        servers' part of the norm that clipping needs), so all workers decide alike before
-        anything is updated."""
-        self._sparse_squared = None
+        """Whether to apply this step's update under `Config.nonfinite`; all workers decide
+        alike before anything is updated (`parallax.engine.grad_norm.find_nonfinite`)."""
+        self._tables_squared = None
         if self.config.nonfinite == "ignore":
             return True
-        world = self.worker.world_size
-        tables = list(self.layout.all_tables().items())
-        values = torch.zeros(world + len(tables), dtype=torch.float64, device=self.device)
-        values[self.worker.rank] = float(not bool(torch.isfinite(loss.detach()).all()))
-        for i, (_, table) in enumerate(tables):  # server-held: each server its own rows
-            values[world + i] = table.grad_norm_squared()
-        dist.all_reduce(values, group=self.group)
-        self._sparse_squared = values[world:].sum()
-        bad_ranks = [r for r in range(world) if values[r] > 0]
-        bad = [name for i, (name, _) in enumerate(tables)
-               if not math.isfinite(float(values[world + i]))]
-        bad += [name for name, p in self._dense_named_parameters()
-                if p.grad is not None and not _all_finite(p.grad)]
-        if not (bad_ranks or bad):
+        found = find_nonfinite(loss, self.layout.all_tables(),
+                               [(n, p.grad) for n, p in self._replicated_named_parameters()],
+                               rank=self.worker.rank, world=self.worker.world_size,
+                               group=self.group, device=self.device)
+        self._tables_squared = found.tables_squared
+        if not found:
             return True
-        what = " and ".join(part for part in (
-            f"loss on rank(s) {bad_ranks}" if bad_ranks else "",
-            f"aggregated gradient of {bad}" if bad else "") if part)
         if self.config.nonfinite == "raise":
             raise FloatingPointError(
                 f"rank {self.worker.rank}, step {self.global_step + 1}: NaN or infinite "
-                f"{what}; no parameter was updated. Config(nonfinite='skip') skips such steps.")
+                f"{found.describe()}; no parameter was updated. Config(nonfinite='skip') skips "
+                f"such steps.")
         self.skipped_steps += 1
         if self.worker.rank == 0:
             log.warning("parallax: step %d skipped (NaN or infinite %s)", self.global_step + 1,
-                        what)
+                        found.describe())
         self.zero_grad()
         return False
 
-    def _dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        ids = {id(p) for p in self.dense_parameters}
+    def _replicated_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        ids = {id(p) for p in self.replicated_parameters}
         return [(n, p) for n, p in self.model.named_parameters() if id(p) in ids]
-
-    def _clip(self, max_norm: float) -> None:
-        """Clip by the norm of all aggregated gradients, as clip_grad_norm_ on one device."""
-        dense_grads = [p.grad for p in self.dense_parameters if p.grad is not None]
-        tables = self.layout.all_tables().values()
-        if self._sparse_squared is not None:  # the finiteness check summed them already
-            squared = self._sparse_squared.clone()
-        else:
-            squared = torch.zeros((), dtype=torch.float64, device=self.device)
-            for table in tables:
-                squared += table.grad_norm_squared()
-            if tables:
-                dist.all_reduce(squared, group=self.group)
-        for grad in dense_grads:  # replicated sparse-gradient tables arrive coalesced
-            values = grad._values() if grad.is_sparse else grad
-            squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
-        total = squared.sqrt()
-        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in dense_grads:
-            grad.mul_(factor.to(grad.dtype))
-        for table in tables:
-            table.scale_grad(factor)
-        self.last_grad_norm = float(total)
 
     def repartition(self, num_partitions: int, names: Iterable[str] | None = None) -> None:
         """Split the server-held sparse tables (all, or those in ``names``) into
@@ -347,8 +285,7 @@ class Runner:
         continues exactly as before (collective)."""
         wanted = None if names is None else set(names)
         for name, table in self.tables.items():
-            if not isinstance(table, ShardedTable) or (wanted is not None
-                                                       and name not in wanted):
+            if not table.on_servers or (wanted is not None and name not in wanted):
                 continue
             if table.partitioning.num_partitions == num_partitions:
                 continue
@@ -365,40 +302,16 @@ class Runner:
 
     # ---- partition search ----------------------------------------------------------------
     def _build_tuner(self) -> PartitionTuner | None:
-        """A tuner for the server-held sparse tables created in a `parallax.partitioner`."""
-        params = dict(self.model.named_parameters())
-        groups: dict[str, tuple[list[str], int]] = {}
-        servers = len(self.worker.server_ranks)
-        for name, table in sorted(self.tables.items()):
-            group = group_of(params[name])
-            if group is None or not isinstance(table, ShardedTable):
-                continue
-            cap = group.max_partitions or self.config.max_partitions or (
-                DEFAULT_MAX_PER_SERVER * servers)
-            tables, previous = groups.get(group.name, ([], cap))
-            groups[group.name] = ([*tables, name], max(1, min(previous, cap, table.num_rows)))
-        if not groups:  # (the same on every rank: checked at start-up)
-            return None
-        signature = {
-            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in params.items()],
-            "architecture": self.config.architecture,
-            "local_aggregation": self.config.aggregates_locally,
-            "lazy_sparse_updates": self.config.lazy_sparse_updates,
-            "server_threads": self.pool.threads,
-            "machines": servers, "world_size": self.worker.world_size,
-            "device": self.device.type,
-        }
-        return PartitionTuner(
-            groups, repartition=lambda count, names: self.repartition(count, names),
-            start=servers, steps_per_sample=self.config.partition_search_steps,
-            cache_path=self.config.partition_cache, signature=signature,
-            rank=self.worker.rank, group=self.group, device=self.device)
+        return build_tuner(self.model, self.tables, config=self.config, worker=self.worker,
+                           local_aggregation=self.architecture.aggregates_locally(self.config),
+                           threads=self.pool.threads, group=self.group, device=self.device,
+                           repartition=lambda count, names: self.repartition(count, names))
 
     def _start_search(self) -> None:
         if self._tuner is None:
             return
         self._tuner.groups_on_servers({name for name, table in self.tables.items()
-                                       if isinstance(table, ShardedTable)})
+                                       if table.on_servers})
         self._tuner.begin(self._batch_signature)
         self._build_plan()
 
@@ -429,9 +342,8 @@ class Runner:
         return checkpoint.load(self, root)
 
     def _resume_from_newest(self, root: str) -> None:
-        box = [checkpoint.find(root) is not None if self.worker.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        if box[0]:
+        found = checkpoint.find(root) is not None if self.worker.rank == 0 else None
+        if agree(found, rank=self.worker.rank, group=self.group):
             self.load(root)
             if self.worker.rank == 0:
                 print(f"parallax: resumed from step {self.global_step} ({root})",
@@ -455,24 +367,24 @@ class Runner:
                                num_machines=len(self.worker.server_ranks),
                                architecture=self.config.architecture, sparsity=self.sparsity,
                                reasons=self._decisions,
-                               hybrid_aggregates=self.config.aggregates_locally,
+                               local_aggregation=self.config.local_aggregation,
                                searches=tuple(self.partition_searches.values()))
 
     def _complete_plan(self) -> None:
-        """After the warm-up steps: measure α; under hybrid, move to AllReduce what the bytes
-        model (or `Config.alpha_threshold`) says is cheaper there (collective)."""
+        """After the warm-up steps: measure α; move to AllReduce what the architecture says
+        is cheaper there (the hybrid's rule: `Architecture.moves_to_allreduce`; collective)."""
         self.sparsity = measure(self.tables, self.worker, self.group, self.device)
-        if self.config.architecture == "hybrid":
-            params = dict(self.model.named_parameters())
-            for name, table in list(self.tables.items()):
-                move, why = self._prefers_allreduce(name, table)
-                if not move:
-                    continue
-                self._replace_table(table, move_to_allreduce(
-                    table, params[name], self.optimizers, self.shard_optimizer,
-                    worker=self.worker, group=self.group))
-                self.dense_parameters.append(params[name])
-                self._decisions[name] = why
+        params = dict(self.model.named_parameters())
+        for name, table in list(self.tables.items()):
+            move, why = self.architecture.moves_to_allreduce(
+                table, self.sparsity[name], config=self.config, worker=self.worker)
+            if not move:
+                continue
+            self._replace_table(table, move_to_allreduce(
+                table, params[name], self.optimizers, self.shard_optimizer,
+                worker=self.worker, group=self.group))
+            self.replicated_parameters.append(params[name])
+            self._decisions[name] = why
         self._start_search()
         self._build_plan()
         self._exit_if_plan_only()
@@ -483,28 +395,7 @@ class Runner:
         if plan_only is not None and not (self._tuner is not None and self._tuner.active):
             self._print_plan_and_exit(plan_only)
 
-    def _prefers_allreduce(self, name: str, table: Any) -> tuple[bool, str]:
-        """Whether a measured sparse table should move to AllReduce, and why: α above
-        `Config.alpha_threshold` when set, else fewer predicted bytes than the PS (using the
-        measured α_m of the machines' merged rows when aggregating locally)."""
-        if not isinstance(table, ShardedTable):
-            return False, ""
-        measured = self.sparsity[name]
-        if self.config.alpha_threshold is not None:
-            threshold = self.config.alpha_threshold
-            return (measured.alpha > threshold,
-                    f"alpha {measured.alpha:.3f} > {threshold:.3f}: AllReduce")
-        machines = len(self.worker.server_ranks)
-        shape = Shape(machines, max(1, self.worker.world_size // machines))
-        row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
-        aggregated = table.local_aggregation and measured.alpha_machine is not None
-        used = (measured.alpha_machine if aggregated else measured.alpha) * table.num_rows
-        ps_bytes = ps_rows(used, row_bytes, shape, local_aggregation=aggregated)
-        ar_bytes = allreduce_dense(row_bytes * table.num_rows, shape)
-        return (ar_bytes < ps_bytes,
-                f"AllReduce predicted {ar_bytes:,.0f} B < PS {ps_bytes:,.0f} B per step")
-
-    def _replace_table(self, old: Any, new: Any) -> None:
+    def _replace_table(self, old: Table, new: Table) -> None:
         self.tables[old.name] = new
         self.layout.placements[old.name] = (
             "allreduce" if new.sync == "allreduce" else "allgatherv", 0, ())
@@ -560,53 +451,6 @@ class Runner:
 
     def reset_stats(self) -> None:
         self.traffic.reset()
-
-
-def _collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` came from a collective (gloo/NCCL say so only in their messages)."""
-    if isinstance(error, dist.DistError):
-        return True
-    text = str(error)
-    return any(mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer",
-                                         "Connection reset", "Timed out waiting"))
-
-
-def _check_same_everywhere(model: nn.Module, config: Config, worker: WorkerInfo,
-                           group: dist.ProcessGroup) -> None:
-    """Every worker must run the same model with the same Config: compared with rank 0's at
-    start-up, before anything is exchanged (collective)."""
-    mine = {"config": config.to_dict(),
-            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()],
-            "partition_groups": {n: [g.name, g.max_partitions] for n, p in model.named_parameters()
-                                 if (g := group_of(p)) is not None}}
-    everyone: list[Any] = [None] * worker.world_size
-    dist.all_gather_object(everyone, mine, group=group)
-    reference = everyone[0]
-    problems = []
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        fields = sorted(k for k in reference["config"]
-                        if theirs["config"].get(k) != reference["config"][k])
-        if fields:
-            problems.append(f"rank {rank}'s Config differs in " + ", ".join(
-                f"{k} ({theirs['config'].get(k)!r} vs {reference['config'][k]!r})"
-                for k in fields))
-        if theirs["parameters"] != reference["parameters"]:
-            ours = {n: (s, d) for n, s, d in reference["parameters"]}
-            odd = [n for n, s, d in theirs["parameters"] if ours.get(n) != (s, d)]
-            odd += [n for n in ours if n not in {t[0] for t in theirs["parameters"]}]
-            problems.append(f"rank {rank}'s model differs in parameter(s) {sorted(set(odd))}")
-        if theirs["partition_groups"] != reference["partition_groups"]:
-            problems.append(f"rank {rank}'s parallax.partitioner groups differ "
-                            f"({theirs['partition_groups']} vs {reference['partition_groups']})")
-    if problems:
-        raise ValueError(f"rank {worker.rank}: workers disagree with rank 0: "
-                         + "; ".join(problems) + ". Every worker must build the same model "
-                         "and Config.")
-
-
-def _all_finite(grad: Tensor) -> bool:
-    values = grad._values() if grad.is_sparse else grad
-    return bool(torch.isfinite(values).all())
 
 
 def _shapes(value: Any) -> Any:

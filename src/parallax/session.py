@@ -11,17 +11,20 @@ from __future__ import annotations
 import atexit
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from parallax.cluster import WorkerInfo, current_worker
+from parallax.cluster import EnvironmentPatch, WorkerInfo, current_worker
 from parallax.config import Config
 from parallax.engine import hierarchy, progress
 from parallax.engine.pool import close_shared_pools
 from parallax.launch.elastic import free_port
+from parallax.partitions.groups import group_of
 
-__all__ = ["join", "shutdown", "single_process_worker"]
+__all__ = ["check_same_everywhere", "join", "shutdown", "single_process_worker"]
 
 _sparse_group: dist.ProcessGroup | None = None
 
@@ -29,7 +32,7 @@ _sparse_group: dist.ProcessGroup | None = None
 # Environment variables a one-worker run set, with their earlier values: `shutdown` puts them
 # back, or a later launch from this process (a notebook, a test) would inherit RANK=0 and
 # WORLD_SIZE=1 and its workers would each believe they are alone.
-_saved_environment: dict[str, str | None] = {}
+_environment = EnvironmentPatch()
 
 
 def single_process_worker() -> WorkerInfo:
@@ -37,21 +40,10 @@ def single_process_worker() -> WorkerInfo:
               "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port()),
               "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
               "GROUP_RANK": "0"}
-    for name, value in values.items():
-        _saved_environment.setdefault(name, os.environ.get(name))
-        os.environ[name] = value
+    _environment.set(values)
     worker = current_worker()
     assert worker is not None
     return worker
-
-
-def _restore_environment() -> None:
-    for name, value in _saved_environment.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    _saved_environment.clear()
 
 
 def join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
@@ -77,7 +69,7 @@ def shutdown() -> None:
     that measured free of gloo aborts at exit). Safe to call twice."""
     global _sparse_group
     progress.finish_all()  # other ranks still stepping now fail at once, naming this one
-    _restore_environment()
+    _environment.restore()
     close_shared_pools()
     hierarchy.leave()
     if _sparse_group is not None and dist.is_initialized():
@@ -85,3 +77,36 @@ def shutdown() -> None:
     _sparse_group = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def check_same_everywhere(model: nn.Module, config: Config, worker: WorkerInfo,
+                           group: dist.ProcessGroup) -> None:
+    """Every worker must run the same model with the same Config: compared with rank 0's at
+    start-up, before anything is exchanged (collective)."""
+    mine = {"config": config.to_dict(),
+            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()],
+            "partition_groups": {n: [g.name, g.max_partitions] for n, p in model.named_parameters()
+                                 if (g := group_of(p)) is not None}}
+    everyone: list[Any] = [None] * worker.world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    problems = []
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        fields = sorted(k for k in reference["config"]
+                        if theirs["config"].get(k) != reference["config"][k])
+        if fields:
+            problems.append(f"rank {rank}'s Config differs in " + ", ".join(
+                f"{k} ({theirs['config'].get(k)!r} vs {reference['config'][k]!r})"
+                for k in fields))
+        if theirs["parameters"] != reference["parameters"]:
+            ours = {n: (s, d) for n, s, d in reference["parameters"]}
+            odd = [n for n, s, d in theirs["parameters"] if ours.get(n) != (s, d)]
+            odd += [n for n in ours if n not in {t[0] for t in theirs["parameters"]}]
+            problems.append(f"rank {rank}'s model differs in parameter(s) {sorted(set(odd))}")
+        if theirs["partition_groups"] != reference["partition_groups"]:
+            problems.append(f"rank {rank}'s parallax.partitioner groups differ "
+                            f"({theirs['partition_groups']} vs {reference['partition_groups']})")
+    if problems:
+        raise ValueError(f"rank {worker.rank}: workers disagree with rank 0: "
+                         + "; ".join(problems) + ". Every worker must build the same model "
+                         "and Config.")

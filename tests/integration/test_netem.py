@@ -104,5 +104,5 @@ def test_executors_quote_commands() -> None:
     remote = SshExecutor("node1", workdir="/srv/my job").command(argv, {"A": "x y"})
     assert remote[:3] == ["ssh", "-o", "BatchMode=yes"] and remote[3] == "node1"
     assert shlex.split(remote[4]) == ["cd", "/srv/my job", "&&", "env", "A=x y", *argv]
-    assert NamespaceExecutor("pxm0").command(argv, {}) == ["ip", "netns", "exec", "pxm0",
-                                                           *argv]
+    assert netem.netns_exec("pxm0") == ["ip", "netns", "exec", "pxm0"]
+    assert NamespaceExecutor("pxm0").command(argv, {}) == [*netem.netns_exec("pxm0"), *argv]

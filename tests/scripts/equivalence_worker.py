@@ -43,7 +43,7 @@ def main() -> None:
         config = parallax.Config(clip_grad_norm=case.clip, average_sparse=case.average_sparse,
                                  average_dense=case.average_dense,
                                  num_partitions=case.num_partitions, seed=case.seed,
-                                 architecture=case.architecture,
+                                 architecture=case.architecture, dense_sync=case.dense_sync,
                                  local_aggregation=case.local_aggregation,
                                  sparsity_warmup_steps=(case.migrate_after or
                                                         (1 if case.search else 5)),

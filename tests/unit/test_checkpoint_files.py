@@ -20,6 +20,7 @@ from parallax.checkpoint.files import (
     CheckpointError,
     FileRecord,
     Manifest,
+    find_checkpoint,
     load_object,
     newest_complete,
     prune,
@@ -261,6 +262,19 @@ def test_newest_complete_verifies_files_only_when_asked(tmp_path):
     flip_byte(newer / "server-0" / "shard.pt")
     assert newest_complete(tmp_path) == newer
     assert newest_complete(tmp_path, verify=True) == older
+
+
+def test_find_checkpoint_takes_a_step_directory_or_the_newest_under_a_root(tmp_path):
+    older, newer = save_checkpoint(tmp_path, 1), save_checkpoint(tmp_path, 2)
+    assert find_checkpoint(tmp_path) == newer
+    assert find_checkpoint(older) == older
+    interrupted = step_dir(tmp_path, 3)
+    interrupted.mkdir()
+    assert find_checkpoint(tmp_path) == newer
+    assert find_checkpoint(interrupted) is None  # nothing under it
+    assert find_checkpoint(interrupted, by_name=True) == interrupted  # read_manifest says why
+    assert find_checkpoint(tmp_path / "absent") is None
+    assert find_checkpoint(older / MANIFEST_NAME) is None
 
 
 def test_newest_complete_of_nothing_is_none(tmp_path):

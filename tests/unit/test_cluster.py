@@ -1,5 +1,6 @@
 """Resource files, the rank layout and the current worker's identity."""
 
+import os
 import socket
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from parallax.cluster import (
     RESOURCES_ENV,
+    EnvironmentPatch,
     Machine,
     ResourceError,
     ResourceSpec,
@@ -171,3 +173,21 @@ def test_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert worker.device == torch.device("cuda", 1)
     assert WorkerInfo(0, 1, 0, 0, 1, (0,)).device == torch.device("cpu")
+
+
+def test_environment_patch_puts_back_what_was_there(monkeypatch):
+    monkeypatch.setenv("PX_TEST_SET", "before")
+    monkeypatch.delenv("PX_TEST_UNSET", raising=False)
+    monkeypatch.delenv("PX_TEST_OTHER", raising=False)
+    with EnvironmentPatch({"PX_TEST_SET": "a", "PX_TEST_UNSET": "b"},
+                          restoring=["PX_TEST_OTHER"]):
+        assert (os.environ["PX_TEST_SET"], os.environ["PX_TEST_UNSET"]) == ("a", "b")
+        os.environ["PX_TEST_OTHER"] = "set meanwhile"
+    assert os.environ["PX_TEST_SET"] == "before"
+    assert "PX_TEST_UNSET" not in os.environ and "PX_TEST_OTHER" not in os.environ
+    patch = EnvironmentPatch()
+    patch.set({"PX_TEST_SET": "x"})
+    patch.set({"PX_TEST_SET": "y", "PX_TEST_UNSET": "z"})
+    assert os.environ["PX_TEST_SET"] == "y"
+    patch.restore()  # the first saved values
+    assert os.environ["PX_TEST_SET"] == "before" and "PX_TEST_UNSET" not in os.environ

@@ -25,7 +25,8 @@ from parallax.cluster import (
     parse_resource_text,
     parse_resources,
 )
-from parallax.config import ARCHITECTURES, NONFINITE, Config, ConfigError
+from parallax.config import ARCHITECTURES, DENSE_SYNCS, NONFINITE, Config, ConfigError
+from parallax.planning.architectures import architecture_of
 
 # Derandomised and without an example database: the same examples on every run and machine,
 # and nothing written into the repository.
@@ -277,6 +278,7 @@ ANY_VALUE = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.floats(0, 1),
     st.sampled_from(ARCHITECTURES),
+    st.sampled_from(DENSE_SYNCS),
     st.text(max_size=8),
     st.text(max_size=8).map(PurePosixPath),
     st.lists(st.integers(), max_size=2),
@@ -295,6 +297,7 @@ def _finite_positive(value: object) -> bool:
 #: What the Config docstring allows for each field, given the architecture.
 RULES: dict[str, Callable[[Any, str], bool]] = {
     "architecture": lambda v, _: isinstance(v, str) and v in ARCHITECTURES,
+    "dense_sync": lambda v, _: isinstance(v, str) and v in DENSE_SYNCS,
     "local_aggregation": lambda v, arch: v is None or v is False
     or (v is True and arch != "allreduce"),
     "sparsity_warmup_steps": lambda v, _: _is_int(v) and v >= 0,
@@ -385,7 +388,7 @@ def test_valid_config_round_trips_through_dict_and_json(config):
     assert Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     expected = (config.local_aggregation if config.local_aggregation is not None
                 else config.architecture in ("hybrid", "optps"))
-    assert config.aggregates_locally == expected
+    assert architecture_of(config).aggregates_locally(config) == expected
 
 
 @PROPERTY

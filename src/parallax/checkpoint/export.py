@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +26,8 @@ from parallax.checkpoint.files import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
+    find_checkpoint,
     load_object,
-    newest_complete,
     read_manifest,
     save_object,
 )
@@ -45,7 +44,6 @@ __all__ = [
 
 #: ``meta["format"]`` of the runner's checkpoints; anything else is not ours to export.
 CHECKPOINT_FORMAT = "parallax-checkpoint"
-_STEP_DIR_RE = re.compile(r"step-\d{9,}")
 
 
 @dataclass(frozen=True)
@@ -64,15 +62,14 @@ def resolve_checkpoint(checkpoint: str | os.PathLike[str]) -> Path:
     path = Path(checkpoint)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
-    if (path / MANIFEST_NAME).exists() or _STEP_DIR_RE.fullmatch(path.name):
-        return path  # a step directory, complete or not: read_manifest says which
-    newest = newest_complete(path)
-    if newest is None:
+    # A step directory, complete or not (read_manifest says which), or the newest under a root.
+    found = find_checkpoint(path, by_name=True)
+    if found is None:
         raise CheckpointError(
             f"{path}: no complete checkpoint here (no step-NNNNNNNNN directory with a "
             f"readable {MANIFEST_NAME})"
         )
-    return newest
+    return found
 
 
 def read_checkpoint(checkpoint: str | os.PathLike[str]) -> ExportedCheckpoint:

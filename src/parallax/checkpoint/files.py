@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointError",
     "FileRecord",
     "Manifest",
+    "find_checkpoint",
     "is_temp_name",
     "load_object",
     "newest_complete",
@@ -267,6 +268,21 @@ def newest_complete(root: str | os.PathLike[str], *, verify: bool = False) -> Pa
             continue
         return directory
     return None
+
+
+def find_checkpoint(path: str | os.PathLike[str], *, by_name: bool = False) -> Path | None:
+    """The step directory ``path`` names: ``path`` itself when it is one, else the newest
+    complete checkpoint under it (``path`` a checkpoint root, `newest_complete`); None when
+    there is none (``path`` is no directory, or holds no complete checkpoint).
+
+    ``path`` is a step directory when it holds a manifest, or, with ``by_name=True``, when it
+    is named like one (complete or not: reading its manifest then says what is wrong, rather
+    than searching below it and finding nothing).
+    """
+    path = Path(path)
+    if (path / MANIFEST_NAME).exists() or (by_name and _STEP_RE.fullmatch(path.name)):
+        return path
+    return newest_complete(path)
 
 
 def prune(root: str | os.PathLike[str], keep: int) -> None:

@@ -33,8 +33,8 @@ from parallax.checkpoint.files import (
     CheckpointError,
     FileRecord,
     Manifest,
+    find_checkpoint,
     load_object,
-    newest_complete,
     prune,
     read_manifest,
     save_object,
@@ -42,10 +42,11 @@ from parallax.checkpoint.files import (
     write_manifest,
 )
 from parallax.cluster import WorkerInfo
+from parallax.collective import agree
 from parallax.config import Config
-from parallax.engine.replicated import ReplicatedTable
 from parallax.engine.server_table import ShardedTable
-from parallax.engine.shard_optimizer import ShardOptimizer, optimizer_of
+from parallax.engine.shard_optimizer import ShardOptimizer, is_per_row, optimizer_of
+from parallax.engine.table import Table
 from parallax.planning.architectures import Layout
 
 
@@ -88,7 +89,7 @@ def save(runner: Run, root: str | os.PathLike, *, keep: int | None = None,
     if errors:
         raise CheckpointError(f"saving step {runner.global_step} to {directory} failed "
                               f"({'; '.join(errors)}); the previous checkpoint is intact")
-    outcome: list[Any] = [""]
+    outcome = ""
     if worker.rank == 0:
         try:
             files = {path: record for rank_files, _ in gathered for path, record in
@@ -96,18 +97,18 @@ def save(runner: Run, root: str | os.PathLike, *, keep: int | None = None,
             write_manifest(directory, Manifest(runner.global_step, files,
                                                _meta(runner, files, extra is not None)))
         except Exception as failure:
-            outcome[0] = f"rank 0: {type(failure).__name__}: {failure}"
-        if keep is not None and not outcome[0]:
+            outcome = f"rank 0: {type(failure).__name__}: {failure}"
+        if keep is not None and not outcome:
             try:
                 prune(root, keep)
             except OSError as failure:  # the new checkpoint is complete: only tidying failed
                 log.warning("parallax: could not delete old checkpoints under %s: %s", root,
                             failure)
     # Complete (or failed) on every rank's return.
-    dist.broadcast_object_list(outcome, src=0, group=runner.group)
-    if outcome[0]:
+    outcome = agree(outcome, rank=worker.rank, group=runner.group)
+    if outcome:
         raise CheckpointError(f"saving step {runner.global_step} to {directory} failed "
-                              f"({outcome[0]}); the previous checkpoint is intact")
+                              f"({outcome}); the previous checkpoint is intact")
     return directory
 
 
@@ -115,21 +116,21 @@ def _save_rank_files(runner: Run, directory: Path, extra: Any) -> dict[str, File
     worker = runner.worker
     records = {}
     for name, table in runner.layout.all_tables().items():
-        if isinstance(table, ShardedTable) and table.shard is not None:
+        if table.on_servers and table.shard is not None:
             server = worker.server_ranks.index(worker.rank)
             rows, scalars = _split_state(runner.shard_optimizer.table_state(table),
-                                         table.shard.shape)
+                                         table.shard)
             path = f"tables/{name}/server-{server}.pt"
             records[path] = save_object(directory / path, {
                 "ids": table.partitioning.rows_of_server(server),
                 "values": table.shard.detach(), "state": rows, "scalars": scalars})
-        elif isinstance(table, ReplicatedTable) and worker.rank == 0:
-            owner = optimizer_of(runner.optimizers, table.param)
-            state = dict(owner.state.get(table.param, {})) if owner is not None else {}
-            rows, scalars = _split_state(state, table.param.shape)
+        elif table.replica is not None and worker.rank == 0:
+            owner = optimizer_of(runner.optimizers, table.replica)
+            state = dict(owner.state.get(table.replica, {})) if owner is not None else {}
+            rows, scalars = _split_state(state, table.replica)
             path = f"tables/{name}/replica.pt"
             records[path] = save_object(directory / path, {
-                "ids": torch.arange(table.num_rows), "values": table.param.detach(),
+                "ids": torch.arange(table.num_rows), "values": table.replica.detach(),
                 "state": rows, "scalars": scalars})
     if worker.rank == 0:
         held = _table_keys(runner)
@@ -171,13 +172,9 @@ def _meta(runner: Run, files: dict[str, FileRecord], has_extra: bool) -> dict[st
 
 
 # ---- finding and loading ----------------------------------------------------------------------
-def find(path: str | os.PathLike) -> Path | None:
-    """``path`` itself when it is a checkpoint (holds a manifest), else the newest complete
-    checkpoint under it; None when there is none."""
-    path = Path(path)
-    if (path / "manifest.json").exists():
-        return path
-    return newest_complete(path) if path.is_dir() else None
+#: ``find(path)``: ``path`` itself when it is a checkpoint (holds a manifest), else the newest
+#: complete checkpoint under it; None when there is none (`files.find_checkpoint`).
+find = find_checkpoint
 
 
 def load(runner: Run, path: str | os.PathLike) -> Any:
@@ -188,11 +185,11 @@ def load(runner: Run, path: str | os.PathLike) -> Any:
     row it will hold); only when every rank succeeded does anything change, so a bad
     checkpoint raises on every rank and leaves the runner as it was."""
     worker = runner.worker
-    box: list[Any] = [str(find(path) or "") if worker.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=runner.group)
-    if not box[0]:
+    found = agree(str(find_checkpoint(path) or "") if worker.rank == 0 else None,
+                  rank=worker.rank, group=runner.group)
+    if not found:
         raise CheckpointError(f"no complete checkpoint at or under {path}")
-    directory = Path(box[0])
+    directory = Path(found)
     restore, error = None, None
     try:
         restore = _prepare(runner, directory)
@@ -229,12 +226,12 @@ class _Restore:
         tables = runner.layout.all_tables()
         for name in self.from_model:  # now that the dense state is in the model
             table = tables[name]
-            if isinstance(table, ShardedTable):
+            if table.on_servers:
                 if table.shard is not None:
                     self.shards[name] = _assemble_shard(table, [_piece_from_model(runner, table)],
                                                         self.directory, runner.worker.rank)
             else:
-                self.full[name] = _assemble_full(table.param, table.num_rows, table.row_shape,
+                self.full[name] = _assemble_full(table.replica, table.num_rows, table.row_shape,
                                                  [_piece_from_model(runner, table)])
         for name, (full, state) in self.full.items():
             param = params[name]
@@ -242,8 +239,7 @@ class _Restore:
                 param.copy_(full.view_as(param))
             owner = optimizer_of(runner.optimizers, param)
             if owner is not None and state:
-                owner.state[param] = {k: v.view_as(param) if isinstance(v, Tensor)
-                                      and v.shape == full.shape else v
+                owner.state[param] = {k: v.view_as(param) if is_per_row(v, full) else v
                                       for k, v in state.items()}
         for name, (values, state) in self.shards.items():
             table = tables[name]
@@ -296,13 +292,13 @@ def _prepare(runner: Run, directory: Path) -> _Restore:
     for name, table in tables.items():
         if name not in meta["tables"]:
             restore.from_model.append(name)
-        elif isinstance(table, ShardedTable):
+        elif table.on_servers:
             if table.shard is not None:
                 restore.shards[name] = _assemble_shard(
                     table, [read(f) for f in meta["tables"][name]["files"]], directory,
                     runner.worker.rank)
         else:
-            restore.full[name] = _assemble_full(table.param, table.num_rows, table.row_shape,
+            restore.full[name] = _assemble_full(table.replica, table.num_rows, table.row_shape,
                                                 [read(f) for f in meta["tables"][name]["files"]])
     if meta["cluster"]["world_size"] == runner.worker.world_size:
         restore.rng = read(meta["rng_files"][str(runner.worker.rank)])
@@ -325,7 +321,7 @@ def _check_compatible(directory: Path, meta: dict[str, Any], runner: Run) -> Non
                               + "; ".join(problems))
 
 
-def _piece_from_model(runner: Run, table: ShardedTable | ReplicatedTable) -> dict[str, Any]:
+def _piece_from_model(runner: Run, table: Table) -> dict[str, Any]:
     """A parameter the checkpoint holds with the dense state (replicated there, server-held
     here, e.g. a dense parameter resumed under ``ps``): already loaded into the model and the
     user's optimizer, read back as one piece."""
@@ -389,10 +385,9 @@ def _resume_loaders(positions: list[dict[str, Any]], directory: Path, rank: int)
 
 
 # ---- helpers --------------------------------------------------------------------------------
-def _split_state(state: dict[str, Any], shape: torch.Size) -> tuple[dict[str, Tensor],
-                                                                    dict[str, Any]]:
-    rows = {k: v.detach() for k, v in state.items()
-            if isinstance(v, Tensor) and v.shape == shape}
+def _split_state(state: dict[str, Any], values: Tensor) -> tuple[dict[str, Tensor],
+                                                                 dict[str, Any]]:
+    rows = {k: v.detach() for k, v in state.items() if is_per_row(v, values)}
     return rows, {k: v for k, v in state.items() if k not in rows}
 
 

@@ -26,7 +26,8 @@ from torch.distributed import distributed_c10d
 
 from parallax.errors import StalledRankError, UnevenInputsError
 
-__all__ = ["CULPRIT", "Progress", "StalledRankError", "UnevenInputsError", "finish_all"]
+__all__ = ["CULPRIT", "Progress", "StalledRankError", "UnevenInputsError", "finish_all",
+           "is_collective_failure"]
 
 _PREFIX = "parallax/progress/"
 _ENDED = "ended"
@@ -182,3 +183,12 @@ def finish_all() -> None:
 
 
 atexit.register(finish_all)
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` came from a collective (gloo/NCCL say so only in their messages)."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return any(mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer",
+                                         "Connection reset", "Timed out waiting"))

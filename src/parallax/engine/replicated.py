@@ -14,6 +14,8 @@ counts travel with the gradient rows and each row is divided by its global count
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -38,7 +40,10 @@ class ReplicatedTable:
     ``sync="allgatherv"`` exchanges the (ids, rows) of every worker (the ``allreduce``
     architecture's sparse path); ``sync="allreduce"`` AllReduces the whole dense gradient (where
     the hybrid sends a sparse parameter whose measured α makes that cheaper than a PS).
+    Implements `parallax.engine.table.Table`.
     """
+
+    on_servers = False
 
     def __init__(self, name: str, param: nn.Parameter, *, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
@@ -98,6 +103,17 @@ class ReplicatedTable:
         self._pending.clear()
         self._lookups = 0
         self.param.grad = None
+
+    @staticmethod
+    def push_together(tables: Sequence[ReplicatedTable]) -> None:
+        """One exchange per table (each has its own sync)."""
+        for table in tables:
+            table.push_gradients()
+
+    @property
+    def replica(self) -> nn.Parameter:
+        """The parameter itself: the user's optimizer updates it on every worker."""
+        return self.param
 
     def push_gradients(self) -> None:
         """AllGatherv of every lookup's (ids, rows); each replica sums them into its grad."""

@@ -116,7 +116,12 @@ class _Prefetched:
 
 
 class ShardedTable:
-    """One parameter held by the servers; a collective object (every rank calls it)."""
+    """One parameter held by the servers; a collective object (every rank calls it).
+    Implements `parallax.engine.table.Table`."""
+
+    sync = "ps"
+    on_servers = True
+    replica = None  # no worker holds the whole parameter
 
     def __init__(self, name: str, weight: Tensor, *, num_partitions: int, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
@@ -234,6 +239,11 @@ class ShardedTable:
         if len(self.parts) > 1:
             for part, (start, stop) in zip(self.parts, self.blocks, strict=True):
                 part.grad = self.shard.grad[start:stop]
+
+    @staticmethod
+    def push_together(tables: Sequence[ShardedTable]) -> None:
+        """All server-held tables' gradient rows in one exchange (`push_gradients`)."""
+        push_gradients(tables)
 
     def push_gradients(self) -> None:
         """`push_gradients` of this table alone."""
@@ -376,11 +386,12 @@ def pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor]) -> list[tuple[Te
 def prefetch(tables: Sequence[ShardedTable], ids: Sequence[Sequence[Tensor]]) -> None:
     """Pull, in one exchange, the rows of all lookups a forward is about to make: ``ids[i]``
     lists the ids of every lookup of ``tables[i]``; each lookup is then served locally."""
-    unions = [torch.cat([i.reshape(-1) for i in table_ids]) if table_ids
+    # int64 whatever the lookups' dtypes (nn.Embedding takes int32 ids too)
+    unions = [torch.cat([i.reshape(-1).long() for i in table_ids]) if table_ids
               else torch.empty(0, dtype=torch.long) for table_ids in ids]
     for table, union, (rows, inverse) in zip(tables, unions, pull(tables, unions), strict=True):
-        unique = torch.empty(rows.shape[0], dtype=union.dtype, device=union.device)
-        unique[inverse] = union.long()
+        unique = torch.empty(rows.shape[0], dtype=torch.long, device=union.device)
+        unique[inverse] = union
         table.prefetched = _Prefetched(unique, rows)
 
 

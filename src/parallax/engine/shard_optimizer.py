@@ -9,6 +9,7 @@ why the classes are checked.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Sequence
 from typing import Protocol
@@ -145,7 +146,7 @@ class ShardOptimizer:
                     if parts:
                         groups.append({**_hyper_parameters(user_group), "params": parts})
                         indices.append(index)
-                server_opt = type(user_opt)(groups)
+                server_opt = type(user_opt)(groups, **_constructor_arguments(user_opt))
                 for group in server_opt.param_groups:
                     for part in group["params"]:
                         if part in states:
@@ -173,7 +174,7 @@ class ShardOptimizer:
             return {}
         joined = dict(states[0])
         for key, value in states[0].items():
-            if _per_row(value, table.parts[0]):
+            if is_per_row(value, table.parts[0]):
                 joined[key] = torch.cat([state[key] for state in states])
         return joined
 
@@ -204,14 +205,32 @@ class ShardOptimizer:
         if state:
             for part, (start, stop) in zip(table.parts, table.blocks, strict=True):
                 states[part] = {
-                    key: (value[start:stop].clone() if _per_row(value, table.shard)
+                    key: (value[start:stop].clone() if is_per_row(value, table.shard)
                           else value.clone() if isinstance(value, Tensor) else value)
                     for key, value in state.items()}
         self._rebuild(states)
 
 
-def _per_row(value: object, part: Tensor) -> bool:
-    return isinstance(value, Tensor) and value.shape == part.shape
+def is_per_row(value: object, rows: Tensor | None) -> bool:
+    """Whether optimizer-state entry ``value`` holds one entry per row of ``rows`` (a shard, a
+    partition or a whole parameter): a tensor of its very shape, which moves, splits and joins
+    with the rows (Adam's moments), unlike scalars and step counts. False for every value when
+    there are no rows (None: a rank that holds no shard)."""
+    return isinstance(value, Tensor) and rows is not None and value.shape == rows.shape
+
+
+def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict:
+    """The user's constructor arguments as ``defaults`` records them, for those the class's
+    constructor takes: some act in the constructor itself (Adagrad fills its state with
+    ``initial_accumulator_value`` there), so param groups alone would not reproduce them."""
+    try:
+        accepted = inspect.signature(type(optimizer)).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return {}  # cannot tell which keys it takes
+    return {key: value for key, value in optimizer.defaults.items()
+            if key in accepted and key != "params"}
 
 
 def _hyper_parameters(group: dict) -> dict:

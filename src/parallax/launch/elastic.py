@@ -44,9 +44,10 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from parallax.checks import is_int
-from parallax.cluster import RESOURCES_ENV, ResourceSpec
+from parallax.cluster import RESOURCES_ENV, EnvironmentPatch, ResourceSpec
 from parallax.engine.progress import CULPRIT
 from parallax.errors import PlanComplete
+from parallax.launch.executors import omp_threads
 
 __all__ = ["AgentPlan", "install_error_recorder", "launch", "plan_agent"]
 
@@ -260,13 +261,14 @@ def launch(
         spec, machine_index=machine_index, master_addr=master_addr, master_port=master_port
     )
     worker_env = {RESOURCES_ENV: spec.to_json(), **(env or {})}
-    worker_env.setdefault("OMP_NUM_THREADS", _omp_threads(plan.nproc_per_node))
+    worker_env.setdefault("OMP_NUM_THREADS", omp_threads(plan.nproc_per_node))
     with (
         tempfile.TemporaryDirectory(prefix="parallax-") as log_dir,
         _quiet_elastic_logs(),
         _announced_restarts(),
         _restored_signal_handlers(),
-        _patched_environ(worker_env),
+        # The agent also writes TORCHELASTIC_SIGNALS_TO_HANDLE into os.environ: undo that too.
+        EnvironmentPatch(worker_env, restoring=["TORCHELASTIC_SIGNALS_TO_HANDLE"]),
     ):
         try:
             elastic_launch(
@@ -281,30 +283,6 @@ def launch(
             print(f"parallax: launcher got {err.sigval.name}; workers stopped", file=sys.stderr)
             return 128 + int(err.sigval)
     return 0
-
-
-def _omp_threads(nproc: int) -> str:
-    """Share this host's cores between its workers unless the user chose a thread count."""
-    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
-
-
-@contextlib.contextmanager
-def _patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
-    """Set variables for the workers (which inherit os.environ) and restore them after.
-
-    The agent also writes TORCHELASTIC_SIGNALS_TO_HANDLE into os.environ; undo that too.
-    """
-    keys = [*updates, "TORCHELASTIC_SIGNALS_TO_HANDLE"]
-    saved = {key: os.environ.get(key) for key in keys}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager

@@ -95,7 +95,7 @@ class EmulatedNetwork:
                 _ip("-n", ns, "addr", "add", f"{self.address(machine)}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
-                for prefix in ([], ["ip", "netns", "exec", ns]):
+                for prefix in ([], netns_exec(ns)):
                     device = link if not prefix else "eth0"
                     _run([*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate",
                           self.rate, "burst", str(burst), "latency", "50ms"])
@@ -113,7 +113,7 @@ class EmulatedNetwork:
     # ---- use -------------------------------------------------------------------------------
     def exec_prefix(self, machine: int) -> list[str]:
         """Command prefix that runs a program inside ``machine``'s namespace."""
-        return ["ip", "netns", "exec", self.namespace(machine)]
+        return netns_exec(self.namespace(machine))
 
     def counters(self) -> list[LinkCounters]:
         """Bytes each machine sent and received over its link so far (the host end's
@@ -124,6 +124,11 @@ class EmulatedNetwork:
             result.append(LinkCounters(sent=int((stats / "rx_bytes").read_text()),
                                        received=int((stats / "tx_bytes").read_text())))
         return result
+
+
+def netns_exec(namespace: str) -> list[str]:
+    """Command prefix that runs a program inside network namespace ``namespace``."""
+    return ["ip", "netns", "exec", namespace]
 
 
 def check_prerequisites() -> None:

@@ -1,18 +1,54 @@
-"""Stand-ins for the layers that read a sparse parameter: they pull rows from the servers.
+"""Stand-ins for the layers that read a sparse parameter: they read rows from its table.
 
-Each holds a `ShardedTable` (a plain attribute, not a parameter or buffer: DDP must never see
-it) and computes exactly what the original layer computes, on the pulled unique rows.
+Each holds a table (`parallax.engine.table.Table`; a plain attribute, not a parameter or
+buffer: DDP must never see it) and computes exactly what the original layer computes, on the
+looked-up unique rows. `executed_copy` builds the module tree a run executes: the user's,
+sharing every tensor, with the stand-ins in place of the sparse reads.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from typing import Any
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parallax.engine.server_table import ShardedTable
+from parallax.engine.table import Table
+from parallax.model.detect import SparseUse, rewrite_gathers
 
 
-def _padding_row(table: ShardedTable, ids: Tensor, inverse: Tensor,
+def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
+                  table_of: Callable[[str], Table]) -> nn.Module:
+    """A copy of ``model``'s module tree sharing every parameter and buffer, whose sparse
+    reads go to ``table_of(parameter name)`` (the user's model object is left untouched)."""
+    memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    try:
+        executed = copy.deepcopy(model, memo)
+    except Exception as error:
+        raise TypeError(
+            f"parallax runs a copy of the module tree of {type(model).__name__} (sharing "
+            f"its parameters and buffers), but copying it failed: {error}. Keep "
+            f"uncopyable objects (files, locks, sockets) out of the model's attributes."
+        ) from error
+    executed = rewrite_gathers(executed, sparse_uses, lambda name: ShardedGather(table_of(name)))
+    for name, use in sparse_uses.items():
+        if use.kind == "gather":
+            continue
+        original = model.get_submodule(use.module_path)
+        if use.kind == "embedding":
+            stand_in: nn.Module = ShardedEmbedding(table_of(name), original.padding_idx)
+        else:
+            stand_in = ShardedEmbeddingBag(table_of(name), mode=original.mode,
+                                           padding_idx=original.padding_idx,
+                                           include_last_offset=original.include_last_offset)
+        parent_path, _, child = use.module_path.rpartition(".")
+        executed.get_submodule(parent_path).register_module(child, stand_in)
+    return executed
+
+
+def _padding_row(table: Table, ids: Tensor, inverse: Tensor,
                  padding_idx: int | None) -> int | None:
     """The original ``padding_idx`` as an index into the pulled unique rows (None if absent),
     so the padding row keeps a zero gradient exactly as in the original layer."""
@@ -27,7 +63,7 @@ def _padding_row(table: ShardedTable, ids: Tensor, inverse: Tensor,
 class ShardedEmbedding(nn.Module):
     """Replaces ``nn.Embedding``: same output, rows come from the parameter servers."""
 
-    def __init__(self, table: ShardedTable, padding_idx: int | None = None):
+    def __init__(self, table: Table, padding_idx: int | None = None):
         super().__init__()
         self.table = table
         self.padding_idx = padding_idx
@@ -44,7 +80,7 @@ class ShardedEmbedding(nn.Module):
 class ShardedEmbeddingBag(nn.Module):
     """Replaces ``nn.EmbeddingBag`` (sum / mean / max bags, offsets, per-sample weights)."""
 
-    def __init__(self, table: ShardedTable, *, mode: str, padding_idx: int | None,
+    def __init__(self, table: Table, *, mode: str, padding_idx: int | None,
                  include_last_offset: bool):
         super().__init__()
         self.table = table
@@ -69,7 +105,7 @@ class ShardedGather(nn.Module):
     """Replaces a row gather on a plain parameter found by tracing (``F.embedding(ids, w)``,
     ``w[ids]``, ``w.index_select(0, ids)``): returns the gathered rows."""
 
-    def __init__(self, table: ShardedTable):
+    def __init__(self, table: Table):
         super().__init__()
         self.table = table
 

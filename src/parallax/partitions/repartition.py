@@ -9,11 +9,11 @@ goes on exactly as before: only where rows live has changed.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
+from parallax.collective import agree
 from parallax.engine.server_table import RowPartitioning, ShardedTable
-from parallax.engine.shard_optimizer import ShardOptimizer
+from parallax.engine.shard_optimizer import ShardOptimizer, is_per_row
 
 __all__ = ["repartition"]
 
@@ -32,9 +32,8 @@ def repartition(table: ShardedTable, num_partitions: int,
     old_shard = table.shard
     state = shard_optimizer.table_state(table) if old_shard is not None else {}
     # Rank 0 is a server: its state's keys (and which are per-row) are everyone's.
-    per_row = sorted(key for key, value in state.items()
-                     if isinstance(value, Tensor) and value.shape == old_shard.shape)
-    per_row = _agree(per_row, table)
+    per_row = agree(sorted(key for key, value in state.items() if is_per_row(value, old_shard)),
+                    rank=worker.rank, group=table.group)
     values = table.read_rows(mine)
     moved = {key: table.read_rows(mine, state.get(key)) for key in per_row}
     table.partitioning = new
@@ -44,9 +43,3 @@ def repartition(table: ShardedTable, num_partitions: int,
     shard_optimizer.table_repartitioned(table, {
         key: (moved[key].clone() if key in moved else value) for key, value in state.items()})
     table.zero_grad()
-
-
-def _agree(keys: list[str], table: ShardedTable) -> list[str]:
-    box = [keys]
-    dist.broadcast_object_list(box, src=0, group=table.group)
-    return box[0]

@@ -20,11 +20,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from parallax.cluster import WorkerInfo
+from parallax.collective import agree
+from parallax.config import Config
+from parallax.engine.table import Table
 from parallax.partitions.cache import cache_key, load_entry, store_entry
+from parallax.partitions.groups import group_of
 from parallax.partitions.search import Sample, SearchResult, sampling, second_half_mean
 
-__all__ = ["PartitionTuner", "SearchRecord"]
+__all__ = ["PartitionTuner", "SearchRecord", "build_tuner"]
 
 DEFAULT_MAX_PER_SERVER = 64
 
@@ -136,11 +142,10 @@ class PartitionTuner:
                 "max_partitions": group.max_partitions}
 
     def _cached(self, group: _Group) -> dict[str, Any] | None:
-        box: list[Any] = [None]
+        entry = None
         if self._rank == 0 and self._cache_path is not None:
-            box[0] = load_entry(self._cache_path, cache_key(self._cache_signature(group)))
-        dist.broadcast_object_list(box, src=0, group=self._process_group)
-        return box[0]
+            entry = load_entry(self._cache_path, cache_key(self._cache_signature(group)))
+        return agree(entry, rank=self._rank, group=self._process_group)
 
     def _next_group(self) -> None:
         if not self._queue:
@@ -183,3 +188,39 @@ class PartitionTuner:
     def _say(self, message: str) -> None:
         if self._rank == 0:
             print(f"parallax: {message}", file=sys.stderr, flush=True)
+
+
+def build_tuner(model: nn.Module, tables: dict[str, Table], *, config: Config,
+                worker: WorkerInfo, local_aggregation: bool, threads: int,
+                group: dist.ProcessGroup, device: torch.device,
+                repartition: Callable[[int, list[str]], None]) -> PartitionTuner | None:
+    """A tuner for the server-held tables created in a `parallax.partitioner` (None when there
+    are none; the same on every rank: checked at start-up). Its cache entries are valid for
+    this model, cluster shape and the settings that change a step's time."""
+    params = dict(model.named_parameters())
+    groups: dict[str, tuple[list[str], int]] = {}
+    servers = len(worker.server_ranks)
+    for name, table in sorted(tables.items()):
+        partition_group = group_of(params[name])
+        if partition_group is None or not table.on_servers:
+            continue
+        cap = partition_group.max_partitions or config.max_partitions or (
+            DEFAULT_MAX_PER_SERVER * servers)
+        names, previous = groups.get(partition_group.name, ([], cap))
+        groups[partition_group.name] = ([*names, name],
+                                        max(1, min(previous, cap, table.num_rows)))
+    if not groups:
+        return None
+    signature = {
+        "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in params.items()],
+        "architecture": str(config.architecture),
+        "local_aggregation": local_aggregation,
+        "lazy_sparse_updates": config.lazy_sparse_updates,
+        "server_threads": threads,
+        "machines": servers, "world_size": worker.world_size,
+        "device": device.type,
+    }
+    return PartitionTuner(
+        groups, repartition=repartition, start=servers,
+        steps_per_sample=config.partition_search_steps, cache_path=config.partition_cache,
+        signature=signature, rank=worker.rank, group=group, device=device)

@@ -1,4 +1,4 @@
-"""Which parameter is synchronised how, per `Config.architecture`.
+"""The architectures: which parameter is synchronised how, and what that is predicted to cost.
 
 | architecture | dense parameters | sparse parameters |
 |---|---|---|
@@ -6,83 +6,223 @@
 | allreduce | replicated, AllReduce (DDP) | replicated, AllGatherv of (ids, rows) |
 | ps | servers, whole parameter on one server | servers |
 | optps | as ps | as ps, local aggregation |
+
+Each is one `Architecture` subclass, registered under its `ArchitectureName` in
+`ARCHITECTURES`; `architecture_of(config)` is the one place a `Config.architecture` string is
+looked up. A subclass says where parameters live (``sparse_on_servers``, ``dense_on_servers``),
+whether it aggregates locally by default, its Table-3 bytes per parameter (``predicted_bytes``)
+and whether a measured sparse table moves to AllReduce (``moves_to_allreduce``, the hybrid's
+rule). `build_layout` creates the tables from those answers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch.distributed as dist
 from torch import nn
 
 from parallax.cluster import WorkerInfo
-from parallax.config import Config
+from parallax.config import ArchitectureName, Config
 from parallax.engine.exchange import Traffic
 from parallax.engine.replicated import ReplicatedTable
 from parallax.engine.server_table import ShardedTable
+from parallax.engine.table import Table
 from parallax.model.detect import SparseUse
+from parallax.planning import cost
+from parallax.planning.sparsity import Sparsity
 
-Table = ShardedTable | ReplicatedTable
+__all__ = ["ARCHITECTURES", "Architecture", "Layout", "ParameterCost", "architecture_of",
+           "build_layout", "server_held"]
 
 
 @dataclass
 class Layout:
-    """The tables of one run: sparse ones (read by lookups) and, under ps/optps, dense ones
-    (pulled whole each step); plus each non-DDP parameter's (sync, partitions, servers)."""
+    """The tables of one run: those read by sparse lookups (``sparse``) and, when the
+    architecture puts dense parameters on the servers, those pulled whole every step
+    (``pulled_whole``); plus each parameter's (sync, partitions, servers) when it is not
+    replicated and AllReduced."""
 
     sparse: dict[str, Table] = field(default_factory=dict)
-    dense: dict[str, ShardedTable] = field(default_factory=dict)
+    pulled_whole: dict[str, ShardedTable] = field(default_factory=dict)
     placements: dict[str, tuple[str, int, tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def uses_ddp(self) -> bool:
-        return not self.dense
+        """Whether the dense parameters stay replicated (AllReduced by DDP)."""
+        return not self.pulled_whole
 
     def all_tables(self) -> dict[str, Table]:
-        return {**self.sparse, **self.dense}
+        return {**self.sparse, **self.pulled_whole}
+
+
+@dataclass(frozen=True)
+class ParameterCost:
+    """What the byte model needs of one parameter: its rows, their size, and, for a sparse
+    one, the rows one worker (``used``) and one machine (``used_machine``) read per step."""
+
+    rows: int
+    row_bytes: float
+    sparse: bool
+    used: float | None = None
+    used_machine: float | None = None
+    sync: str = "allreduce"  # where it lives in this run (the hybrid may have moved it)
+
+    @property
+    def total(self) -> float:
+        return self.rows * self.row_bytes
+
+
+class Architecture:
+    """One architecture's rules. Subclass, set the class attributes, override what differs,
+    and add an instance to `ARCHITECTURES` (keyed by a new `ArchitectureName`)."""
+
+    name: ClassVar[ArchitectureName]
+    sparse_on_servers: ClassVar[bool] = True
+    dense_on_servers: ClassVar[bool] = False
+    aggregates_by_default: ClassVar[bool] = False
+
+    def aggregates_locally(self, config: Config) -> bool:
+        """Whether sparse exchanges go through each machine's leader under ``config``."""
+        if config.local_aggregation is not None:
+            return config.local_aggregation
+        return self.aggregates_by_default
+
+    def server_held(self, model: nn.Module,
+                    sparse_uses: dict[str, SparseUse]) -> dict[str, nn.Parameter]:
+        """The parameters whose updates the servers apply (with the user's optimizer)."""
+        params = dict(model.named_parameters())
+        held = {name: params[name] for name in sparse_uses} if self.sparse_on_servers else {}
+        if self.dense_on_servers:
+            held.update({n: p for n, p in params.items() if p.requires_grad})
+        return held
+
+    def predicted_bytes(self, param: ParameterCost, shape: cost.Shape, *,
+                        local_aggregation: bool | None) -> float | None:
+        """Inter-machine bytes per machine and step for ``param`` (None: α not measured)."""
+        raise NotImplementedError
+
+    def moves_to_allreduce(self, table: Table, measured: Sparsity, *, config: Config,
+                           worker: WorkerInfo) -> tuple[bool, str]:
+        """Whether a server-held sparse table should become a replica with an AllReduced
+        gradient once its α is measured, and why. Only the hybrid moves tables."""
+        return False, ""
+
+
+class Hybrid(Architecture):
+    name = ArchitectureName.HYBRID
+    aggregates_by_default = True
+
+    def predicted_bytes(self, param: ParameterCost, shape: cost.Shape, *,
+                        local_aggregation: bool | None) -> float | None:
+        if not param.sparse or param.sync == "allreduce":
+            return cost.allreduce_dense(param.total, shape)
+        aggregated = self.aggregates_by_default if local_aggregation is None else local_aggregation
+        used = param.used_machine if aggregated else param.used
+        if used is None:
+            return None
+        return cost.ps_rows(used, param.row_bytes, shape, local_aggregation=aggregated)
+
+    def moves_to_allreduce(self, table: Table, measured: Sparsity, *, config: Config,
+                           worker: WorkerInfo) -> tuple[bool, str]:
+        """α above `Config.alpha_threshold` when set, else fewer predicted bytes than the PS
+        (using the measured α_m of the machines' merged rows when aggregating locally)."""
+        if not table.on_servers:
+            return False, ""
+        if config.alpha_threshold is not None:
+            threshold = config.alpha_threshold
+            return (measured.alpha > threshold,
+                    f"alpha {measured.alpha:.3f} > {threshold:.3f}: AllReduce")
+        machines = len(worker.server_ranks)
+        shape = cost.Shape(machines, max(1, worker.world_size // machines))
+        row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
+        aggregated = table.local_aggregation and measured.alpha_machine is not None
+        used = (measured.alpha_machine if aggregated else measured.alpha) * table.num_rows
+        ps_bytes = cost.ps_rows(used, row_bytes, shape, local_aggregation=aggregated)
+        ar_bytes = cost.allreduce_dense(row_bytes * table.num_rows, shape)
+        return (ar_bytes < ps_bytes,
+                f"AllReduce predicted {ar_bytes:,.0f} B < PS {ps_bytes:,.0f} B per step")
+
+
+class AllReduce(Architecture):
+    name = ArchitectureName.ALLREDUCE
+    sparse_on_servers = False
+
+    def predicted_bytes(self, param: ParameterCost, shape: cost.Shape, *,
+                        local_aggregation: bool | None) -> float | None:
+        if not param.sparse:
+            return cost.allreduce_dense(param.total, shape)
+        if param.used is None:
+            return None
+        return cost.allgatherv_rows(param.used, param.row_bytes, shape)
+
+
+class PS(Architecture):
+    name = ArchitectureName.PS
+    dense_on_servers = True
+
+    def predicted_bytes(self, param: ParameterCost, shape: cost.Shape, *,
+                        local_aggregation: bool | None) -> float | None:
+        aggregated = self.aggregates_by_default  # the column is the architecture as named
+        used = (param.used_machine if aggregated else param.used) if param.sparse else param.rows
+        if used is None:
+            return None
+        return cost.ps_rows(used, param.row_bytes, shape, local_aggregation=aggregated)
+
+
+class OptPS(PS):
+    name = ArchitectureName.OPTPS
+    aggregates_by_default = True
+
+
+ARCHITECTURES: dict[ArchitectureName, Architecture] = {
+    a.name: a for a in (Hybrid(), AllReduce(), PS(), OptPS())}
+
+
+def architecture_of(config: Config) -> Architecture:
+    """The architecture ``config`` names."""
+    return ARCHITECTURES[ArchitectureName(config.architecture)]
 
 
 def server_held(model: nn.Module, sparse_uses: dict[str, SparseUse],
                 config: Config) -> dict[str, nn.Parameter]:
     """The parameters whose updates the servers apply (with the user's optimizer, per shard)."""
-    if config.architecture == "allreduce":
-        return {}
-    params = dict(model.named_parameters())
-    if config.architecture == "hybrid":
-        return {name: params[name] for name in sparse_uses}
-    return {name: p for name, p in params.items() if p.requires_grad}
+    return architecture_of(config).server_held(model, sparse_uses)
 
 
 def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config: Config,
                  worker: WorkerInfo, group: dist.ProcessGroup, traffic: Traffic) -> Layout:
     """Create the tables (collective: initial values come from rank 0)."""
+    architecture = architecture_of(config)
+    aggregates = architecture.aggregates_locally(config)
     params = dict(model.named_parameters())
     layout = Layout()
     servers = worker.server_ranks
     num_partitions = config.num_partitions or len(servers)
     for name, use in sorted(sparse_uses.items()):
-        if config.architecture == "allreduce":
+        sparse_grad = use.sparse_grad or config.lazy_sparse_updates
+        if not architecture.sparse_on_servers:
             layout.sparse[name] = ReplicatedTable(
                 name, params[name], worker=worker, group=group, traffic=traffic,
-                sparse_grad=use.sparse_grad or config.lazy_sparse_updates,
-                average=config.average_sparse, batch_dependent=use.batch_dependent)
+                sparse_grad=sparse_grad, average=config.average_sparse,
+                batch_dependent=use.batch_dependent)
             layout.placements[name] = ("allgatherv", 0, ())
         else:
             layout.sparse[name] = ShardedTable(
                 name, params[name], num_partitions=num_partitions, worker=worker, group=group,
-                traffic=traffic, sparse_grad=use.sparse_grad or config.lazy_sparse_updates,
-                average=config.average_sparse, local_aggregation=config.aggregates_locally,
-                batch_dependent=use.batch_dependent)
+                traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
+                local_aggregation=aggregates, batch_dependent=use.batch_dependent)
             layout.placements[name] = ("ps", num_partitions, servers)
-    if config.architecture in ("ps", "optps"):
+    if architecture.dense_on_servers:
         dense = {n: p for n, p in params.items() if p.requires_grad and n not in sparse_uses}
         for name, server in greedy_placement(dense, layout.sparse, len(servers)).items():
             weight = params[name].detach()
-            layout.dense[name] = ShardedTable(
+            layout.pulled_whole[name] = ShardedTable(
                 name, weight.reshape(1) if weight.dim() == 0 else weight, num_partitions=1,
                 worker=worker, group=group, traffic=traffic, sparse_grad=False,
-                average=config.average_dense, local_aggregation=config.aggregates_locally,
+                average=config.average_dense, local_aggregation=aggregates,
                 first_server=server)
             layout.placements[name] = ("ps", 1, (servers[server],))
     return layout
@@ -94,7 +234,7 @@ def greedy_placement(dense: dict[str, nn.Parameter], sparse: dict[str, Table],
     fewest bytes so far (sparse shards included)."""
     load = [0] * num_servers
     for table in sparse.values():
-        if isinstance(table, ShardedTable):
+        if table.on_servers:
             row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
             for server, rows in enumerate(table.partitioning.shard_rows):
                 load[server] += rows * row_bytes
@@ -105,4 +245,3 @@ def greedy_placement(dense: dict[str, nn.Parameter], sparse: dict[str, Table],
         placement[name] = server
         load[server] += param.nbytes
     return placement
-

@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from parallax.config import ARCHITECTURES
 from parallax.model.detect import SparseUse
 from parallax.partitions.tuner import SearchRecord
 from parallax.planning import cost
+from parallax.planning.architectures import ARCHITECTURES, ParameterCost
 from parallax.planning.sparsity import Sparsity
 
 Placement = tuple[str, int, tuple[int, ...]]  # (sync, partitions, server ranks)
@@ -85,12 +85,12 @@ class Plan:
     def build(cls, model: nn.Module, sparse: dict[str, SparseUse], *,
               placements: dict[str, Placement], world_size: int, num_machines: int,
               architecture: str = "hybrid", sparsity: dict[str, Sparsity] | None = None,
-              reasons: dict[str, str] | None = None, hybrid_aggregates: bool = True,
+              reasons: dict[str, str] | None = None, local_aggregation: bool | None = None,
               searches: tuple[SearchRecord, ...] = ()) -> Plan:
         """``placements[name]`` for every parameter held otherwise than replicated and
         AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it;
-        ``hybrid_aggregates`` False when the hybrid runs without local aggregation;
-        ``searches`` how the partition groups' counts were chosen."""
+        ``local_aggregation`` as `Config.local_aggregation` (None: each architecture's
+        default); ``searches`` how the partition groups' counts were chosen."""
         shape = cost.Shape(num_machines, max(1, world_size // num_machines))
         sparsity = sparsity or {}
         entries = []
@@ -111,15 +111,15 @@ class Plan:
                 alpha=measured.alpha if measured else None,
                 alpha_machine=measured.alpha_machine if measured else None,
                 predicted_bytes=_predictions(param, use is not None, measured, sync, shape,
-                                             hybrid_aggregates)))
+                                             local_aggregation)))
         return cls(tuple(entries), world_size, num_machines, architecture, searches)
 
     def table(self) -> str:
         header = ("parameter", "shape", "bytes", "kind", "alpha", "why", "lives on",
-                  *(f"{a} B/step" for a in ARCHITECTURES))
+                  *(f"{a} B/step" for a in map(str, ARCHITECTURES)))
         rows = [(p.name, "x".join(map(str, p.shape)) or "scalar", _size(p.bytes),
                  "sparse" if p.sparse else "dense", _alpha(p), p.reason, p.placement,
-                 *(_size(p.predicted_bytes.get(a)) for a in ARCHITECTURES))
+                 *(_size(p.predicted_bytes.get(a)) for a in map(str, ARCHITECTURES)))
                 for p in self.parameters]
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -130,7 +130,7 @@ class Plan:
                  f"{self.num_machines} machine(s), "
                  f"{sum(p.sparse for p in self.parameters)} sparse parameter(s), alpha_model "
                  f"{'not measured yet' if alpha_model is None else f'{alpha_model:.3f}'}")
-        totals = ", ".join(f"{a} {_size(self.predicted_total(a))}" for a in ARCHITECTURES)
+        totals = ", ".join(f"{a} {_size(self.predicted_total(a))}" for a in map(str, ARCHITECTURES))
         footer = (f"predicted inter-machine bytes per machine and step (B/step columns: per "
                   f"parameter, papers' Table 3 for this engine): {totals}")
         searched = [record.summary() for record in self.searches]
@@ -140,36 +140,28 @@ class Plan:
         return json.dumps({
             "architecture": self.architecture, "world_size": self.world_size,
             "num_machines": self.num_machines, "alpha_model": self.alpha_model,
-            "predicted_bytes": {a: self.predicted_total(a) for a in ARCHITECTURES},
+            "predicted_bytes": {a: self.predicted_total(a) for a in map(str, ARCHITECTURES)},
             "parameters": [asdict(p) for p in self.parameters],
             "partition_searches": [record.to_dict() for record in self.searches],
         }, indent=2)
 
 
 def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None, sync: str,
-                 shape: cost.Shape, hybrid_aggregates: bool) -> dict[str, float | None]:
+                 shape: cost.Shape, local_aggregation: bool | None) -> dict[str, float | None]:
+    """Each architecture's predicted bytes for ``param`` (`Architecture.predicted_bytes`)."""
     rows = param.shape[0] if param.dim() else 1
-    row_bytes = param.numel() * param.element_size() / max(rows, 1)
-    total = param.numel() * param.element_size()
-    if not is_sparse:
-        return {"hybrid": cost.allreduce_dense(total, shape),
-                "allreduce": cost.allreduce_dense(total, shape),
-                "ps": cost.ps_rows(rows, row_bytes, shape, local_aggregation=False),
-                "optps": cost.ps_rows(rows, row_bytes, shape, local_aggregation=True)}
-    if measured is None:
-        return dict.fromkeys(ARCHITECTURES)
-    used = measured.alpha * rows
-    k = shape.workers_per_machine
-    machine_alpha = (measured.alpha_machine if measured.alpha_machine is not None
-                     else 1 - (1 - measured.alpha) ** k)  # independent workers' union
-    used_machine = machine_alpha * rows
-    ps_aggregated = cost.ps_rows(used_machine, row_bytes, shape, local_aggregation=True)
-    ps_direct = cost.ps_rows(used, row_bytes, shape, local_aggregation=False)
-    hybrid = ps_aggregated if hybrid_aggregates else ps_direct
-    return {"hybrid": cost.allreduce_dense(total, shape) if sync == "allreduce" else hybrid,
-            "allreduce": cost.allgatherv_rows(used, row_bytes, shape),
-            "ps": ps_direct,
-            "optps": ps_aggregated}
+    used = used_machine = None
+    if is_sparse and measured is not None:
+        used = measured.alpha * rows
+        k = shape.workers_per_machine
+        machine_alpha = (measured.alpha_machine if measured.alpha_machine is not None
+                         else 1 - (1 - measured.alpha) ** k)  # independent workers' union
+        used_machine = machine_alpha * rows
+    sized = ParameterCost(rows=rows, row_bytes=param.numel() * param.element_size() / max(rows, 1),
+                          sparse=is_sparse, used=used, used_machine=used_machine, sync=sync)
+    return {str(name): architecture.predicted_bytes(sized, shape,
+                                                    local_aggregation=local_aggregation)
+            for name, architecture in ARCHITECTURES.items()}
 
 
 def _sparse_reason(use: SparseUse) -> str:

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
+from parallax.collective import agree
 from parallax.engine.replicated import ReplicatedTable
 from parallax.engine.server_table import ShardedTable
-from parallax.engine.shard_optimizer import ShardOptimizer, optimizer_of
+from parallax.engine.shard_optimizer import ShardOptimizer, is_per_row, optimizer_of
+from parallax.engine.table import Table
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class Sparsity:
     alpha_machine: float | None   # rows one machine uses per step / rows (local aggregation)
 
 
-def measure(tables: dict[str, ShardedTable | ReplicatedTable], worker: WorkerInfo,
+def measure(tables: dict[str, Table], worker: WorkerInfo,
             group: dist.ProcessGroup, device: torch.device) -> dict[str, Sparsity]:
     """α and α_m of every table from its recorded usage (collective)."""
     names = sorted(tables)
@@ -43,7 +45,7 @@ def measure(tables: dict[str, ShardedTable | ReplicatedTable], worker: WorkerInf
     machines = len(worker.server_ranks)
     result = {}
     for i, name in enumerate(names):
-        aggregated = isinstance(tables[name], ShardedTable) and tables[name].local_aggregation
+        aggregated = tables[name].on_servers and tables[name].local_aggregation
         result[name] = Sparsity(float(values[2 * i]) / worker.world_size,
                                 float(values[2 * i + 1]) / machines if aggregated else None)
     return result
@@ -58,11 +60,10 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
         param.copy_(table.full_weight().view_as(param))
     state = shard_optimizer.remove_table(table) if table.shard is not None else {}
     # Rank 0 is always a server: it tells everyone which entries are per-row tensors.
-    layout = [{key: ("rows" if _per_row(value, table) else value)
-               for key, value in state.items()}]
-    dist.broadcast_object_list(layout, src=0, group=group)
+    layout = agree({key: ("rows" if is_per_row(value, table.shard) else value)
+                    for key, value in state.items()}, rank=worker.rank, group=group)
     moved: dict[str, object] = {}
-    for key, kind in layout[0].items():
+    for key, kind in layout.items():
         if isinstance(kind, str) and kind == "rows":
             moved[key] = table.full_weight(state.get(key)).view_as(param).clone()
         else:
@@ -75,7 +76,3 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
                            sparse_grad=table.sparse_grad, average=table.average, sync=sync,
                            batch_dependent=table.batch_dependent)
 
-
-def _per_row(value: object, table: ShardedTable) -> bool:
-    return (isinstance(value, Tensor) and table.shard is not None
-            and value.shape == table.shard.shape)

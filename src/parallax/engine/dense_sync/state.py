@@ -1,0 +1,38 @@
+"""`DenseSyncState`: what every dense-synchronisation comm hook is given besides the bucket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallax.engine.exchange import Traffic
+
+
+@dataclass
+class DenseSyncState:
+    """The hook's state (DDP's ``state`` argument).
+
+    ``traffic`` counts the bytes each parameter moves (c10d reports none); ``names`` maps a
+    parameter's ``id`` to its name there; ``world`` ranks sum the bucket; ``average`` divides
+    the sum by ``world`` (DDP's mean)."""
+
+    traffic: Traffic
+    names: dict[int, str]
+    world: int
+    average: bool
+
+    def pieces(self, bucket: dist.GradBucket) -> list[tuple[str, torch.Tensor]]:
+        """Each parameter's slice of the bucket's flat buffer, with its name."""
+        buffer = bucket.buffer()
+        out, offset = [], 0
+        for param in bucket.parameters():
+            out.append((self.names.get(id(param), "dense"), buffer.narrow(0, offset,
+                                                                          param.numel())))
+            offset += param.numel()
+        return out
+
+    def finish(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The summed buffer, averaged when asked."""
+        return buffer.div_(self.world) if self.average else buffer

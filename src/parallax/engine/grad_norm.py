@@ -1,0 +1,86 @@
+"""The aggregated gradient's norm and finiteness, over replicas and server shards alike.
+
+On one device, ``clip_grad_norm_`` sees every gradient; here the dense ones (and replicated
+tables') are whole on every worker after the AllReduce, while each server holds the aggregated
+rows of its own shards. So each table contributes its servers' partial squared norms, summed in
+one collective, and the dense part is added locally on every worker: every worker computes the
+same total, clips alike, and decides alike whether a step is finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parallax.engine.table import Table
+
+__all__ = ["NonFinite", "clip_by_global_norm", "find_nonfinite"]
+
+
+class NonFinite:
+    """What `find_nonfinite` found: ranks whose loss and parameters whose aggregated gradient
+    are NaN/Inf (both empty when the step is finite), and the tables' summed squared norm."""
+
+    def __init__(self, ranks: list[int], parameters: list[str], tables_squared: Tensor):
+        self.ranks = ranks
+        self.parameters = parameters
+        self.tables_squared = tables_squared
+
+    def __bool__(self) -> bool:
+        return bool(self.ranks or self.parameters)
+
+    def describe(self) -> str:
+        return " and ".join(part for part in (
+            f"loss on rank(s) {self.ranks}" if self.ranks else "",
+            f"aggregated gradient of {self.parameters}" if self.parameters else "") if part)
+
+
+def find_nonfinite(loss: Tensor, tables: dict[str, Table],
+                   dense: Sequence[tuple[str, Tensor | None]], *, rank: int, world: int,
+                   group: dist.ProcessGroup, device: torch.device) -> NonFinite:
+    """Every worker's loss and every aggregated gradient checked in one small collective,
+    which also yields the tables' part of the squared norm (reused by clipping)."""
+    named = list(tables.items())
+    values = torch.zeros(world + len(named), dtype=torch.float64, device=device)
+    values[rank] = float(not bool(torch.isfinite(loss.detach()).all()))
+    for i, (_, table) in enumerate(named):  # server-held: each server its own rows
+        values[world + i] = table.grad_norm_squared()
+    dist.all_reduce(values, group=group)
+    bad = [name for i, (name, _) in enumerate(named)
+           if not torch.isfinite(values[world + i])]
+    bad += [name for name, grad in dense if grad is not None and not _all_finite(grad)]
+    return NonFinite([r for r in range(world) if values[r] > 0], bad, values[world:].sum())
+
+
+def clip_by_global_norm(max_norm: float, dense_grads: Sequence[Tensor], tables: Sequence[Table],
+                        *, tables_squared: Tensor | None, group: dist.ProcessGroup,
+                        device: torch.device) -> float:
+    """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` as ``clip_grad_norm_``
+    does on one device; ``tables_squared`` when `find_nonfinite` summed it already.
+    Returns the norm before clipping (collective unless ``tables_squared`` is given)."""
+    if tables_squared is not None:
+        squared = tables_squared.clone()
+    else:
+        squared = torch.zeros((), dtype=torch.float64, device=device)
+        for table in tables:
+            squared += table.grad_norm_squared()
+        if tables:
+            dist.all_reduce(squared, group=group)
+    for grad in dense_grads:  # replicated sparse-gradient tables arrive coalesced
+        values = grad._values() if grad.is_sparse else grad
+        squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
+    total = squared.sqrt()
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in dense_grads:
+        grad.mul_(factor.to(grad.dtype))
+    for table in tables:
+        table.scale_grad(factor)
+    return float(total)
+
+
+def _all_finite(grad: Tensor) -> bool:
+    values = grad._values() if grad.is_sparse else grad
+    return bool(torch.isfinite(values).all())

@@ -1,0 +1,77 @@
+"""The table contract: what the runner, the stand-in layers and checkpoints need of whatever
+holds a sparse parameter (or, under ps/optps, a dense one pulled whole).
+
+Two kinds implement it: `parallax.engine.server_table.ShardedTable` (rows partitioned over the
+parameter servers, pulled and pushed every step) and `parallax.engine.replicated.ReplicatedTable`
+(a replica on every worker, gradient rows exchanged by AllGatherv or AllReduced). Callers ask a
+table what it is (``on_servers``, ``shard``, ``replica``) instead of testing its class, so a third
+kind is one new file.
+
+A step drives a table through fixed phases: ``lookup`` (in the forward) → ``push_gradients``
+(after the backward; `push_all` lets a kind batch all its tables into one exchange) →
+``grad_norm_squared``/``scale_grad`` (finiteness check, clipping) → the update, which the shard
+optimizer applies to ``shard`` or the user's optimizer to ``replica``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+__all__ = ["Table", "push_all"]
+
+
+@runtime_checkable
+class Table(Protocol):
+    """Whatever holds one parameter's rows for the runner (collective: every rank calls it)."""
+
+    name: str
+    num_rows: int
+    row_shape: tuple[int, ...]
+    #: ``"ps"`` (server-held), ``"allgatherv"`` or ``"allreduce"`` (replicated): the plan's word
+    sync: str
+    #: rows partitioned over the servers (pulled and pushed), rather than replicated
+    on_servers: bool
+    rows_used: list[int]  # per training step, the rows this worker read (α's measurement)
+    machine_rows_used: list[int]
+
+    @property
+    def shard(self) -> nn.Parameter | None:
+        """The rows this process updates with the shard optimizer (None: not a server of it)."""
+
+    @property
+    def replica(self) -> nn.Parameter | None:
+        """The full parameter the user's optimizer updates on every worker (replicated kinds)."""
+
+    def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``(rows of the unique ids, inverse)`` with ``rows[inverse]`` the rows of ``ids``."""
+
+    def zero_grad(self) -> None: ...
+
+    def push_gradients(self) -> None:
+        """Send this step's gradient rows to where they are aggregated."""
+
+    def grad_norm_squared(self) -> Tensor:
+        """This process's part of the aggregated gradient's squared L2 norm (float64)."""
+
+    def scale_grad(self, factor: Tensor) -> None: ...
+
+    def full_weight(self, source: Tensor | None = None) -> Tensor:
+        """The whole parameter (or per-row ``source``, e.g. optimizer state), on every rank
+        (collective)."""
+
+    @staticmethod
+    def push_together(tables: Sequence[Table]) -> None:
+        """Push all ``tables`` of this kind (in one exchange where the kind can)."""
+
+
+def push_all(tables: Iterable[Table]) -> None:
+    """Push every table's gradients: each kind pushes its tables together (collective; every
+    rank holds the same tables in the same order, so the kinds go in the same order)."""
+    by_kind: dict[type, list[Table]] = {}
+    for table in tables:
+        by_kind.setdefault(type(table), []).append(table)
+    for kind, members in by_kind.items():
+        kind.push_together(members)

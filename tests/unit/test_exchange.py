@@ -1,0 +1,167 @@
+"""One hop of the sparse exchange (`parallax.engine.exchange`): ids made unique, the bytes
+counted per peer, the count message and its error flag, payloads of several tables in one
+message. Collectives run in a world of one; the per-peer accounting is pure arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallax.engine.exchange import COUNT_MESSAGE_BYTES, Hop, Traffic, unique_ids
+from parallax.errors import SparseIdError
+
+# ---- unique_ids -------------------------------------------------------------------------------
+
+
+def test_unique_ids_are_sorted_and_inverse_rebuilds_the_ids() -> None:
+    """unique_ids: sorted distinct ids, an inverse shaped like the ids, no bad id in range."""
+    ids = torch.tensor([[3, 1, 3], [0, 1, 7]])
+    unique, inverse, bad = unique_ids(ids, 8, "emb", 0)
+    assert unique.tolist() == [0, 1, 3, 7]
+    assert inverse.shape == ids.shape
+    assert torch.equal(unique[inverse], ids)
+    assert bad is None
+
+
+def test_unique_ids_accept_int32_and_return_int64() -> None:
+    """unique_ids: int32 ids are accepted and come back as int64 (index dtype)."""
+    unique, inverse, bad = unique_ids(torch.tensor([2, 0, 2], dtype=torch.int32), 3, "emb", 0)
+    assert unique.dtype == torch.int64 and unique.tolist() == [0, 2]
+    assert inverse.tolist() == [1, 0, 1] and bad is None
+
+
+@pytest.mark.parametrize(("ids", "bad"), [
+    ([4, -3, 2, -1], -3),   # the most negative id
+    ([1, 5, 9, 4], 9),      # the largest id past the end (num_rows itself included)
+    ([5, 0], 5),
+    ([-1, 99], -1),         # both kinds: the negative one
+])
+def test_unique_ids_report_an_id_outside_the_rows(ids: list[int], bad: int) -> None:
+    """unique_ids: an id < 0 or >= num_rows is reported (negative first) for Hop.open."""
+    assert unique_ids(torch.tensor(ids), 5, "emb", 0)[2] == bad
+
+
+def test_unique_ids_of_no_ids() -> None:
+    """unique_ids: an empty lookup gives empty unique ids and no bad id."""
+    unique, inverse, bad = unique_ids(torch.empty(0, 3, dtype=torch.long), 5, "emb", 0)
+    assert unique.numel() == 0 and inverse.shape == (0, 3) and bad is None
+
+
+def test_float_ids_are_refused_naming_parameter_and_rank() -> None:
+    """unique_ids: float ids raise TypeError naming the parameter and rank (no truncation)."""
+    with pytest.raises(TypeError, match=r"parameter 'emb' on rank 3: ids must be an integer "
+                                        r"tensor, got torch.float32"):
+        unique_ids(torch.tensor([1.0, 2.5]), 5, "emb", 3)
+
+
+# ---- Traffic ----------------------------------------------------------------------------------
+
+
+def test_traffic_splits_bytes_by_machine_and_skips_self() -> None:
+    """Traffic.record: bytes per peer, intra vs inter by machine; self-traffic not counted."""
+    traffic = Traffic(rank=1, machine_of_rank=(0, 0, 1, 1))
+    traffic.record("emb", [5, 600, 7, 8], [1, 900, 3, 4], 10)
+    assert dict(traffic.bytes["emb"]) == {
+        "intra_sent": 50, "intra_received": 10,            # peer 0, same machine
+        "inter_sent": (7 + 8) * 10, "inter_received": (3 + 4) * 10}
+    traffic.record("emb", [1, 0, 0, 0], [0, 0, 0, 2], 3)  # accumulates
+    assert traffic.bytes["emb"]["intra_sent"] == 53
+    assert traffic.bytes["emb"]["inter_received"] == 76
+
+
+def test_traffic_per_step_averages_and_reset_clears() -> None:
+    """Traffic.per_step: bytes over steps (at least 1), names and keys sorted; reset clears."""
+    traffic = Traffic(rank=0, machine_of_rank=(0, 1))
+    traffic.record("b", [0, 8], [0, 4], 1)
+    traffic.record("a", [0, 2], [0, 6], 1)
+    assert traffic.per_step() == {  # steps == 0 counts as one
+        "a": {"inter_received": 6.0, "inter_sent": 2.0},
+        "b": {"inter_received": 4.0, "inter_sent": 8.0}}
+    traffic.steps = 4
+    assert traffic.per_step()["b"] == {"inter_received": 1.0, "inter_sent": 2.0}
+    assert list(traffic.per_step()) == ["a", "b"]
+    traffic.reset()
+    assert traffic.steps == 0 and traffic.per_step() == {}
+
+
+def test_ring_allreduce_bytes_go_to_successor_and_come_from_predecessor() -> None:
+    """record_ring_allreduce: 2(W-1)/W of the payload to rank+1, from rank-1; none at W=1."""
+    traffic = Traffic(rank=0, machine_of_rank=(0, 0, 1, 1))
+    traffic.record_ring_allreduce("d", 1000)
+    assert traffic.per_step()["d"] == {"inter_received": 1500.0, "inter_sent": 0.0,
+                                       "intra_received": 0.0, "intra_sent": 1500.0}
+    alone = Traffic(rank=0, machine_of_rank=(0,))
+    alone.record_ring_allreduce("d", 1000)
+    assert alone.per_step() == {}
+
+
+def test_hierarchical_allreduce_bytes_of_leader_and_follower() -> None:
+    """Hierarchical AllReduce: followers talk to their leader; leaders also ring the leaders."""
+    machines = (0, 0, 1, 1, 2, 2)
+    follower = Traffic(rank=3, machine_of_rank=machines)
+    follower.record_hierarchical_allreduce("d", 300, leader=2, num_machines=3)
+    assert follower.per_step()["d"] == {"inter_received": 0.0, "inter_sent": 0.0,
+                                        "intra_received": 300.0, "intra_sent": 300.0}
+    leader = Traffic(rank=2, machine_of_rank=machines)
+    leader.record_hierarchical_allreduce("d", 300, leader=2, num_machines=3)
+    assert leader.per_step()["d"] == {"inter_received": 400.0, "inter_sent": 400.0,
+                                      "intra_received": 300.0, "intra_sent": 300.0}
+    assert leader.bytes["d"]["inter_sent"] == 2 * 2 * 300 // 3  # to leader 4; from leader 0
+
+
+# ---- Hop --------------------------------------------------------------------------------------
+
+
+def test_count_message_is_three_int64() -> None:
+    """The count message of a hop carries count, error flag and bad id: 24 bytes per peer."""
+    assert COUNT_MESSAGE_BYTES == 3 * torch.empty(0, dtype=torch.int64).element_size()
+
+
+def test_hop_round_trip_in_a_world_of_one(group: dist.ProcessGroup) -> None:
+    """Hop.open learns the receive counts; forward and backward return the payload intact."""
+    traffic = Traffic(0, (0,))
+    hop = Hop.open([3], group=group, traffic=traffic, name="emb", num_rows=10)
+    assert hop.send_counts == {"emb": [3]} and hop.recv_counts == {"emb": [3]}
+    rows = torch.arange(6, dtype=torch.float64).view(3, 2)
+    assert torch.equal(hop.forward(rows), rows)
+    assert torch.equal(hop.backward(rows * 2), rows * 2)
+    assert traffic.per_step() == {}  # all of it self-traffic
+
+
+def test_hop_carries_tables_of_different_dtype_and_shape_in_one_message(
+        group: dist.ProcessGroup) -> None:
+    """forward_many/backward_many return each table's payload byte-exact, dtype and shape kept."""
+    hop = Hop.open_many({"a": [3], "b": [2], "c": [0]}, group=group, traffic=Traffic(0, (0,)),
+                        num_rows={"a": 5, "b": 5, "c": 5})
+    payloads = {"a": torch.randn(3, 2, 4, dtype=torch.float64),
+                "b": torch.tensor([7, -2], dtype=torch.int64),
+                "c": torch.empty(0, 3, dtype=torch.float32)}
+    for sent in (hop.forward_many(payloads), hop.backward_many(payloads)):
+        assert set(sent) == {"a", "b", "c"}
+        for name, payload in payloads.items():
+            assert sent[name].dtype == payload.dtype and sent[name].shape == payload.shape
+            assert torch.equal(sent[name], payload)
+
+
+def test_bad_id_fails_the_hop_naming_parameter_id_rank_and_rows(
+        group: dist.ProcessGroup) -> None:
+    """The count message's error flag makes Hop.open raise SparseIdError naming id, rank, rows."""
+    with pytest.raises(SparseIdError, match=r"^parallax: sparse parameter 'emb' got id -3 on "
+                                            r"rank 0 \(machine 0\), outside its rows \[0, 10\)$"):
+        Hop.open([2], group=group, traffic=Traffic(0, (0,)), name="emb", num_rows=10,
+                 bad_id=-3)
+
+
+def test_bad_id_zero_is_reported_too(group: dist.ProcessGroup) -> None:
+    """The error flag, not the id's value, marks a failure: a bad id of 0 still raises."""
+    with pytest.raises(SparseIdError, match=r"got id 0 on rank 0"):
+        Hop.open([1], group=group, traffic=Traffic(0, (0,)), name="empty", num_rows=0,
+                 bad_id=0)
+
+
+def test_bad_id_of_one_table_among_several_names_that_table(group: dist.ProcessGroup) -> None:
+    """Hop.open_many: the table with the bad id is the one named, with its own row count."""
+    with pytest.raises(SparseIdError, match=r"'second' got id 12 .* \[0, 12\)"):
+        Hop.open_many({"first": [1], "second": [1]}, group=group, traffic=Traffic(0, (0,)),
+                      num_rows={"first": 4, "second": 12}, bad_ids={"first": None, "second": 12})

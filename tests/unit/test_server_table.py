@@ -1,0 +1,304 @@
+"""Server-held parameters (`parallax.engine.server_table`): where rows live
+(`RowPartitioning`), and a `ShardedTable`'s pull, push and gradient in a world of one, where
+rank 0 is the only server and its shard holds every row: whatever the partitioning, the
+aggregated gradient must be the single-device gradient of the same lookups, row for row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from parallax.cluster import WorkerInfo
+from parallax.engine.exchange import Traffic
+from parallax.engine.lookup_options import BatchDependent
+from parallax.engine.server_table import RowPartitioning, ShardedTable, prefetch
+from parallax.errors import SparseIdError, UnsupportedProgramError
+
+# ---- RowPartitioning (no group) ---------------------------------------------------------------
+
+
+def test_partitions_by_id_mod_p_placed_round_robin_from_first_server() -> None:
+    """RowPartitioning: partition id % P on server (p + first) % S, partitions stacked per shard."""
+    part = RowPartitioning(num_rows=10, num_partitions=3, server_ranks=(0, 2), first_server=0)
+    # p0 = {0,3,6,9} and p2 = {2,5,8} on server 0 (rank 0); p1 = {1,4,7} on server 1 (rank 2)
+    assert part.shard_rows == [7, 3]
+    assert part.rows_of_server(0).tolist() == [0, 3, 6, 9, 2, 5, 8]
+    assert part.rows_of_server(1).tolist() == [1, 4, 7]
+    assert part.shard_blocks(0) == [(0, 4), (4, 7)] and part.shard_blocks(1) == [(0, 3)]
+    ids = torch.tensor([0, 5, 7, 9])
+    assert part.owner_rank(ids).tolist() == [0, 0, 2, 0]
+    assert part.local_row(ids).tolist() == [0, 5, 2, 3]
+    shifted = RowPartitioning(num_rows=10, num_partitions=3, server_ranks=(0, 2), first_server=1)
+    assert shifted.owner_rank(ids).tolist() == [2, 2, 0, 2]
+    assert shifted.shard_rows == [3, 7]
+
+
+@pytest.mark.parametrize(("num_rows", "partitions", "servers", "first"), [
+    (1, 1, (0,), 0), (10, 1, (0, 3), 1), (11, 4, (0, 2, 5), 2), (3, 5, (0, 1), 0),
+    (64, 8, (0, 4), 1)])
+def test_every_row_lives_in_exactly_one_place(num_rows: int, partitions: int,
+                                              servers: tuple[int, ...], first: int) -> None:
+    """RowPartitioning: every id has one owner and one shard row, and the blocks tile each shard."""
+    part = RowPartitioning(num_rows, partitions, servers, first)
+    ids = torch.arange(num_rows)
+    held = [part.rows_of_server(s) for s in range(len(servers))]
+    assert sorted(torch.cat(held).tolist()) == list(range(num_rows))
+    assert [h.numel() for h in held] == part.shard_rows
+    owners, local = part.owner_rank(ids), part.local_row(ids)
+    for i in range(num_rows):
+        server = servers.index(int(owners[i]))
+        assert int(held[server][local[i]]) == i
+    for s in range(len(servers)):
+        edges = [0] + [stop for _, stop in part.shard_blocks(s)]
+        assert [start for start, _ in part.shard_blocks(s)] == edges[:-1]
+        assert edges[-1] == part.shard_rows[s]
+
+
+# ---- ShardedTable in a world of one -----------------------------------------------------------
+
+
+def _table(group: dist.ProcessGroup, worker: WorkerInfo, weight: Tensor, *,
+           partitions: int = 1, sparse_grad: bool = False,
+           batch_dependent: BatchDependent | None = None) -> ShardedTable:
+    return ShardedTable("emb", weight, num_partitions=partitions, worker=worker, group=group,
+                        traffic=Traffic(worker.rank, worker.machine_of_rank),
+                        sparse_grad=sparse_grad, average=True, batch_dependent=batch_dependent)
+
+
+def _shard_order(table: ShardedTable) -> Tensor:
+    """Global ids of the shard's rows, in shard order."""
+    return table.partitioning.rows_of_server(0)
+
+
+def _dense_shard_grad(table: ShardedTable) -> Tensor:
+    """The shard's aggregated gradient, dense, in shard order (sparse: its partitions')."""
+    if not table.sparse_grad:
+        return table.shard.grad
+    grad = torch.zeros_like(table.shard)
+    for part, (start, stop) in zip(table.parts, table.blocks, strict=True):
+        if part.grad is not None:
+            grad[start:stop] = part.grad.to_dense()
+    return grad
+
+
+def _weight(num_rows: int = 10, seed: int = 0) -> Tensor:
+    return torch.randn(num_rows, 3, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(seed))
+
+
+def _step(table: ShardedTable, lookups: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    """One forward (a lookup per (ids, coefficient)), backward and push; the looked-up values."""
+    values = []
+    loss = torch.zeros((), dtype=torch.float64)
+    for ids, coefficient in lookups:
+        rows, inverse = table.lookup(ids)
+        values.append(rows[inverse])
+        loss = loss + (rows[inverse] * coefficient).sum()
+    loss.backward()
+    table.push_gradients()
+    return values
+
+
+def _reference_grad(weight: Tensor, lookups: list[tuple[Tensor, Tensor]], **options) -> Tensor:
+    """The single-device gradient of the same loss through F.embedding."""
+    reference = weight.clone().requires_grad_(True)
+    sum((F.embedding(ids, reference, **options) * c).sum() for ids, c in lookups).backward()
+    return reference.grad
+
+
+def _lookups(num_rows: int, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
+    """Two lookups of one step, with repeated ids inside each and across them."""
+    generator = torch.Generator().manual_seed(seed)
+    first = torch.randint(num_rows, (4, 3), generator=generator)
+    first[0, :2] = first[1, 2]  # repeats for sure
+    second = torch.cat([first[0, :1], torch.randint(num_rows, (4,), generator=generator)])
+    return [(ids, torch.randn(*ids.shape, 3, dtype=torch.float64, generator=generator))
+            for ids in (first, second)]
+
+
+@pytest.mark.parametrize("sparse_grad", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize(("num_rows", "partitions"), [(10, 1), (10, 3), (3, 5)])
+def test_pushed_gradient_is_the_single_device_gradient(group, worker, sparse_grad: bool,
+                                                       num_rows: int, partitions: int) -> None:
+    """push_gradients sums repeats and lookups into F.embedding's gradient, in shard order."""
+    weight = _weight(num_rows)
+    table = _table(group, worker, weight, partitions=partitions, sparse_grad=sparse_grad)
+    assert len(table.parts) == partitions
+    table.zero_grad()
+    lookups = _lookups(num_rows)
+    values = _step(table, lookups)
+    for value, (ids, _) in zip(values, lookups, strict=True):
+        assert torch.equal(value, weight[ids])
+    expected = _reference_grad(weight, lookups)[_shard_order(table)]
+    if sparse_grad:
+        assert all(p.grad is None or p.grad.is_sparse for p in table.parts)
+    torch.testing.assert_close(_dense_shard_grad(table), expected)
+    assert table.rows_used == [torch.unique(torch.cat([i.flatten() for i, _ in lookups])).numel()]
+
+
+@pytest.mark.parametrize("sparse_grad", [False, True], ids=["dense", "sparse"])
+def test_zero_grad_starts_the_next_step_from_nothing(group, worker, sparse_grad: bool) -> None:
+    """After zero_grad, a push holds only that step's gradient (not a past or abandoned one)."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=3, sparse_grad=sparse_grad)
+    table.zero_grad()
+    _step(table, _lookups(10, seed=1))
+    table.zero_grad()
+    rows, _ = table.lookup(torch.tensor([0, 5]))  # an abandoned step: backward, no push
+    rows.sum().backward()
+    table.zero_grad()
+    second = _lookups(10, seed=2)
+    _step(table, second)
+    torch.testing.assert_close(_dense_shard_grad(table),
+                               _reference_grad(weight, second)[_shard_order(table)])
+
+
+@pytest.mark.parametrize("sparse_grad", [False, True], ids=["dense", "sparse"])
+def test_grad_norm_squared_and_scale_grad(group, worker, sparse_grad: bool) -> None:
+    """grad_norm_squared is the gradient's squared L2 norm; scale_grad scales every partition."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=3, sparse_grad=sparse_grad)
+    table.zero_grad()
+    lookups = _lookups(10)
+    _step(table, lookups)
+    expected = _reference_grad(weight, lookups)
+    squared = table.grad_norm_squared()
+    assert squared.dtype == torch.float64 and squared.shape == ()
+    torch.testing.assert_close(squared, expected.pow(2).sum())
+    table.scale_grad(torch.tensor(0.25))
+    torch.testing.assert_close(_dense_shard_grad(table), 0.25 * expected[_shard_order(table)])
+    torch.testing.assert_close(table.grad_norm_squared(), expected.pow(2).sum() / 16)
+
+
+def test_grad_norm_squared_is_zero_before_any_push(group, worker) -> None:
+    """grad_norm_squared: zero when nothing was pushed (sparse: no partition has a gradient)."""
+    table = _table(group, worker, _weight(), partitions=2, sparse_grad=True)
+    table.zero_grad()
+    assert table.grad_norm_squared().item() == 0.0
+
+
+def test_full_weight_and_read_rows_gather_in_global_order(group, worker) -> None:
+    """full_weight/read_rows return rows in global order, following updates of the shard."""
+    weight = _weight(11)
+    table = _table(group, worker, weight, partitions=4)
+    assert not torch.equal(_shard_order(table), torch.arange(11))  # the shard is permuted
+    assert torch.equal(table.full_weight(), weight)
+    with torch.no_grad():
+        table.shard += torch.arange(11, dtype=torch.float64).unsqueeze(1)
+    expected = weight.clone()
+    expected[_shard_order(table)] += torch.arange(11, dtype=torch.float64).unsqueeze(1)
+    assert torch.equal(table.full_weight(), expected)
+    ids = torch.tensor([[10, 0], [10, 3]])
+    assert torch.equal(table.read_rows(ids), expected[ids])
+    source = torch.arange(33, dtype=torch.float64).view(11, 3)  # shard-shaped, e.g. a state
+    assert torch.equal(table.full_weight(source)[_shard_order(table)], source)
+
+
+def test_initial_shard_is_the_weight_in_shard_order(group, worker) -> None:
+    """The server's shard starts as a copy of the weight's rows in shard order, not a view."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=3)
+    assert torch.equal(table.shard.detach(), weight[_shard_order(table)])
+    with torch.no_grad():
+        table.shard.zero_()
+    assert weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize(("bad", "ids"), [(10, [3, 10]), (-1, [-1, 2]), (12, [12, 11, 0])])
+def test_out_of_range_id_raises_sparse_id_error(group, worker, bad: int, ids: list[int]) -> None:
+    """lookup of an id outside [0, num_rows) raises SparseIdError; the table stays usable."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=2)
+    table.zero_grad()
+    with pytest.raises(SparseIdError, match=rf"'emb' got id {bad} on rank 0 \(machine 0\), "
+                                            r"outside its rows \[0, 10\)"):
+        table.lookup(torch.tensor(ids))
+    good = _lookups(10)
+    _step(table, good)
+    torch.testing.assert_close(_dense_shard_grad(table),
+                               _reference_grad(weight, good)[_shard_order(table)])
+
+
+def test_float_ids_are_refused(group, worker) -> None:
+    """lookup of float ids raises TypeError naming the parameter."""
+    table = _table(group, worker, _weight())
+    with pytest.raises(TypeError, match="parameter 'emb' on rank 0: ids must be an integer"):
+        table.lookup(torch.tensor([1.0]))
+
+
+def test_prefetched_rows_serve_every_lookup_of_the_step(group, worker) -> None:
+    """Prefetched rows serve the step's lookups exactly; zero_grad drops them; misses raise."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=3)
+    table.zero_grad()
+    lookups = _lookups(10)
+    prefetch([table], [[ids for ids, _ in lookups]])
+    values = _step(table, lookups)
+    for value, (ids, _) in zip(values, lookups, strict=True):
+        assert torch.equal(value, weight[ids])
+    torch.testing.assert_close(_dense_shard_grad(table),
+                               _reference_grad(weight, lookups)[_shard_order(table)])
+    table.zero_grad()  # forgets the prefetched rows: the next lookup pulls its own
+    assert torch.equal(table.lookup(torch.tensor([7, 5]))[0], weight[[5, 7]])  # not prefetched
+    table.zero_grad()
+    prefetch([table], [[torch.tensor([1, 2])]])
+    with pytest.raises(RuntimeError, match="'emb' that were not pulled ahead"):
+        table.lookup(torch.tensor([2, 3]))
+
+
+def test_prefetch_takes_int32_ids_as_lookup_does(group, worker) -> None:
+    """prefetch accepts int32 ids as lookup does (Runner.step pulls int32 input ids ahead)."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=3)
+    table.zero_grad()
+    ids = torch.tensor([[1, 5], [5, 9]], dtype=torch.int32)
+    prefetch([table], [[ids]])
+    rows, inverse = table.lookup(ids)
+    assert torch.equal(rows[inverse], weight[ids.long()])
+
+
+def test_max_norm_renormalises_the_served_rows_like_f_embedding(group, worker) -> None:
+    """max_norm renormalises the served rows in place as F.embedding does: values, table, grad."""
+    weight = 3 * _weight()
+    table = _table(group, worker, weight, partitions=2,
+                   batch_dependent=BatchDependent(max_norm=1.0))
+    table.zero_grad()
+    ids = torch.tensor([[1, 4, 4], [8, 1, 0]])
+    coefficient = torch.randn(2, 3, 3, dtype=torch.float64)
+    (value,) = _step(table, [(ids, coefficient)])
+    reference = weight.clone().requires_grad_(True)
+    (F.embedding(ids, reference, max_norm=1.0) * coefficient).sum().backward()
+    torch.testing.assert_close(value, F.embedding(ids, reference.detach()))
+    torch.testing.assert_close(table.full_weight(), reference.detach())
+    assert not torch.equal(reference.detach(), weight)  # some rows were renormalised
+    torch.testing.assert_close(table.shard.grad, reference.grad[_shard_order(table)])
+
+
+def test_scale_grad_by_freq_divides_each_row_by_its_count(group, worker) -> None:
+    """scale_grad_by_freq divides rows by their batch count as F.embedding; one lookup per step."""
+    weight = _weight()
+    options = BatchDependent(scale_grad_by_freq=True)
+    table = _table(group, worker, weight, partitions=3, batch_dependent=options)
+    table.zero_grad()
+    ids = torch.tensor([[2, 2, 2], [5, 2, 9]])
+    coefficient = torch.randn(2, 3, 3, dtype=torch.float64)
+    _step(table, [(ids, coefficient)])
+    expected = _reference_grad(weight, [(ids, coefficient)], scale_grad_by_freq=True)
+    torch.testing.assert_close(table.shard.grad, expected[_shard_order(table)])
+    table.zero_grad()
+    table.lookup(torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="'emb' has scale_grad_by_freq=True and was looked "
+                                           "up a second time"):
+        table.lookup(torch.tensor([1]))
+
+
+def test_refusals_at_construction(group, worker) -> None:
+    """A scalar parameter, and scale_grad_by_freq with sparse gradients, are refused."""
+    with pytest.raises(ValueError, match="parameter 'emb' must have rows"):
+        _table(group, worker, torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(UnsupportedProgramError, match="parameter 'emb': scale_grad_by_freq"):
+        _table(group, worker, _weight(), sparse_grad=True,
+               batch_dependent=BatchDependent(scale_grad_by_freq=True))

@@ -1,0 +1,258 @@
+"""The user's optimizer applied per shard (`parallax.engine.shard_optimizer`): a server's
+update of its partitions must equal the user's optimizer stepping the whole parameter on one
+device with the same gradient, and the optimizers that cannot do that are refused by name.
+
+In a world of one the only server holds every row (split into partitions), so its table,
+gathered by `full_weight`, can be compared with the user's parameter stepped by the user's own
+optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from parallax.cluster import WorkerInfo
+from parallax.engine.exchange import Traffic
+from parallax.engine.server_table import ShardedTable
+from parallax.engine.shard_optimizer import (
+    ShardOptimizer,
+    as_optimizer_list,
+    check_lazy,
+    check_per_shard,
+    optimizer_of,
+)
+from parallax.errors import OptimizerError
+
+Factory = Callable[[list[dict]], torch.optim.Optimizer]
+
+DENSE_OPTIMIZERS: dict[str, Factory] = {
+    "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True,
+                                                   weight_decay=0.01),
+    "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=0.1, lr_decay=0.01, eps=1e-6),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=0.01, amsgrad=True),
+}
+LAZY_OPTIMIZERS: dict[str, Factory] = {  # those that take sparse gradients
+    "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
+    "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=0.1),
+    "sparse-adam": lambda groups: torch.optim.SparseAdam(groups, lr=0.01),
+}
+
+
+def _user_model(factory: Factory) -> tuple[nn.Parameter, nn.Parameter, torch.optim.Optimizer]:
+    """An embedding weight and another parameter, in two param groups of different lr (the
+    weight's group second, so taking the wrong group's hyper-parameters shows)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = nn.Parameter(torch.randn(10, 3, dtype=torch.float64, generator=generator))
+    other = nn.Parameter(torch.randn(4, dtype=torch.float64, generator=generator))
+    optimizer = factory([{"params": [other], "lr": 1.0}, {"params": [weight]}])
+    optimizer.param_groups[1]["lr"] *= 0.5
+    return weight, other, optimizer
+
+
+def _table(group: dist.ProcessGroup, worker: WorkerInfo, weight: Tensor, *, name: str = "emb",
+           partitions: int, sparse_grad: bool) -> ShardedTable:
+    return ShardedTable(name, weight, num_partitions=partitions, worker=worker, group=group,
+                        traffic=Traffic(worker.rank, worker.machine_of_rank),
+                        sparse_grad=sparse_grad, average=True)
+
+
+def _batches(steps: int, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
+    """Per step: ids (with repeats; most rows unused) and the loss coefficients."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(10, (2, 3), generator=generator),
+             torch.randn(2, 3, 3, dtype=torch.float64, generator=generator))
+            for _ in range(steps)]
+
+
+def _server_step(table: ShardedTable, servers: ShardOptimizer, ids: Tensor,
+                 coefficient: Tensor) -> None:
+    table.zero_grad()
+    rows, inverse = table.lookup(ids)
+    (rows[inverse] * coefficient).sum().backward()
+    table.push_gradients()
+    servers.step()
+
+
+def _reference_step(weight: nn.Parameter, optimizer: torch.optim.Optimizer, ids: Tensor,
+                    coefficient: Tensor, sparse: bool) -> None:
+    optimizer.zero_grad()
+    (F.embedding(ids, weight, sparse=sparse) * coefficient).sum().backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+@pytest.mark.parametrize(("optimizer", "sparse_grad"),
+                         [(name, False) for name in DENSE_OPTIMIZERS]
+                         + [(name, True) for name in LAZY_OPTIMIZERS])
+def test_server_update_equals_the_user_optimizer_on_one_device(
+        group, worker, optimizer: str, sparse_grad: bool, partitions: int) -> None:
+    """Server updates equal the user's optimizer on one device, with the param group's settings."""
+    factory = (LAZY_OPTIMIZERS if sparse_grad else DENSE_OPTIMIZERS)[optimizer]
+    weight, other, user = _user_model(factory)
+    table = _table(group, worker, weight, partitions=partitions, sparse_grad=sparse_grad)
+    servers = ShardOptimizer([user], {id(weight): table})
+    start = weight.detach().clone()
+    for ids, coefficient in _batches(3):
+        _server_step(table, servers, ids, coefficient)
+        _reference_step(weight, user, ids, coefficient, sparse_grad)
+    assert not torch.allclose(weight.detach(), start)
+    torch.testing.assert_close(table.full_weight(), weight.detach())
+    assert other.grad is None
+
+
+def test_adagrad_initial_accumulator_value_reaches_the_servers(group, worker) -> None:
+    """Adagrad's initial_accumulator_value reaches the servers' accumulators."""
+    weight, _, user = _user_model(
+        lambda groups: torch.optim.Adagrad(groups, lr=0.1, initial_accumulator_value=0.1))
+    table = _table(group, worker, weight, partitions=3, sparse_grad=False)
+    servers = ShardOptimizer([user], {id(weight): table})
+    ((ids, coefficient),) = _batches(1)
+    _server_step(table, servers, ids, coefficient)
+    _reference_step(weight, user, ids, coefficient, False)
+    torch.testing.assert_close(table.full_weight(), weight.detach())
+
+
+def test_lr_changes_on_the_user_optimizer_reach_the_servers(group, worker) -> None:
+    """An lr scheduler stepping the user's optimizer changes the servers' lr before each step."""
+    weight, _, user = _user_model(DENSE_OPTIMIZERS["sgd-momentum"])
+    table = _table(group, worker, weight, partitions=2, sparse_grad=False)
+    servers = ShardOptimizer([user], {id(weight): table})
+    scheduler = torch.optim.lr_scheduler.StepLR(user, step_size=1, gamma=0.1)
+    for ids, coefficient in _batches(3):
+        _server_step(table, servers, ids, coefficient)
+        _reference_step(weight, user, ids, coefficient, False)
+        scheduler.step()
+    assert user.param_groups[1]["lr"] == pytest.approx(0.05 * 0.1 ** 3)
+    torch.testing.assert_close(table.full_weight(), weight.detach())
+
+
+def test_each_table_is_updated_by_its_own_user_optimizer(group, worker) -> None:
+    """With several user optimizers, each server table follows the one holding its parameter."""
+    generator = torch.Generator().manual_seed(3)
+    emb = nn.Parameter(torch.randn(10, 3, dtype=torch.float64, generator=generator))
+    pos = nn.Parameter(torch.randn(10, 3, dtype=torch.float64, generator=generator))
+    sparse_adam = torch.optim.SparseAdam([emb], lr=0.05)
+    adam = torch.optim.Adam([pos], lr=0.02, weight_decay=0.1)
+    tables = {"emb": _table(group, worker, emb, name="emb", partitions=3, sparse_grad=True),
+              "pos": _table(group, worker, pos, name="pos", partitions=2, sparse_grad=False)}
+    servers = ShardOptimizer(as_optimizer_list([sparse_adam, adam]),
+                             {id(emb): tables["emb"], id(pos): tables["pos"]})
+    for ids, coefficient in _batches(3):
+        loss = torch.zeros((), dtype=torch.float64)
+        for table in tables.values():
+            table.zero_grad()
+            rows, inverse = table.lookup(ids)
+            loss = loss + (rows[inverse] * coefficient).sum()
+        loss.backward()
+        for table in tables.values():
+            table.push_gradients()
+        servers.step()
+        for optimizer in (sparse_adam, adam):
+            optimizer.zero_grad()
+        ((F.embedding(ids, emb, sparse=True) + F.embedding(ids, pos)) * coefficient).sum(
+            ).backward()
+        sparse_adam.step()
+        adam.step()
+    torch.testing.assert_close(tables["emb"].full_weight(), emb.detach())
+    torch.testing.assert_close(tables["pos"].full_weight(), pos.detach())
+
+
+def test_table_state_joins_the_partitions_state_in_shard_order(group, worker) -> None:
+    """table_state joins the partitions' per-row state in shard order, equal to one device's."""
+    weight, _, user = _user_model(DENSE_OPTIMIZERS["adam"])
+    table = _table(group, worker, weight, partitions=3, sparse_grad=False)
+    servers = ShardOptimizer([user], {id(weight): table})
+    for ids, coefficient in _batches(2):
+        _server_step(table, servers, ids, coefficient)
+        _reference_step(weight, user, ids, coefficient, False)
+    state = servers.table_state(table)
+    reference = user.state[weight]
+    order = table.partitioning.rows_of_server(0)
+    assert set(state) == set(reference)
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        assert state[key].shape == table.shard.shape
+        torch.testing.assert_close(state[key], reference[key][order])
+    assert float(state["step"]) == float(reference["step"]) == 2.0
+
+
+def test_set_table_state_resumes_under_another_partitioning(group, worker) -> None:
+    """set_table_state: a shard's saved state, reordered to a new partitioning, resumes exactly."""
+    weight, _, user = _user_model(DENSE_OPTIMIZERS["adam"])
+    first = _table(group, worker, weight, partitions=3, sparse_grad=False)
+    servers = ShardOptimizer([user], {id(weight): first})
+    batches = _batches(3)
+    for ids, coefficient in batches[:2]:
+        _server_step(first, servers, ids, coefficient)
+        _reference_step(weight, user, ids, coefficient, False)
+    saved, old_order = servers.table_state(first), first.partitioning.rows_of_server(0)
+    resumed = _table(group, worker, first.full_weight(), partitions=2, sparse_grad=False)
+    new_order = resumed.partitioning.rows_of_server(0)
+    assert not torch.equal(new_order, old_order)
+    state = {}
+    for key, value in saved.items():  # per-row entries: shard order -> global -> new order
+        if isinstance(value, Tensor) and value.shape == first.shard.shape:
+            value = torch.empty_like(value).index_copy_(0, old_order, value)[new_order]
+        state[key] = value
+    servers = ShardOptimizer([user], {id(weight): resumed})
+    servers.set_table_state(resumed, state)
+    _server_step(resumed, servers, *batches[2])
+    _reference_step(weight, user, *batches[2], False)
+    torch.testing.assert_close(resumed.full_weight(), weight.detach())
+
+
+def test_removed_table_returns_its_state_and_is_left_alone(group, worker) -> None:
+    """remove_table returns the shard's optimizer state and later steps leave the table alone."""
+    weight, _, user = _user_model(DENSE_OPTIMIZERS["adagrad"])
+    table = _table(group, worker, weight, partitions=2, sparse_grad=False)
+    servers = ShardOptimizer([user], {id(weight): table})
+    (ids, coefficient), second = _batches(2)
+    _server_step(table, servers, ids, coefficient)
+    before = servers.table_state(table)
+    removed = servers.remove_table(table)
+    assert set(removed) == {"sum", "step"}
+    torch.testing.assert_close(removed["sum"], before["sum"])
+    frozen = table.full_weight()
+    _server_step(table, servers, *second)
+    assert torch.equal(table.full_weight(), frozen)
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+
+def test_check_per_shard_names_the_parameter_and_optimizer() -> None:
+    """check_per_shard refuses a non-element-wise optimizer (LBFGS), naming parameter and class."""
+    emb, dense = nn.Parameter(torch.zeros(4, 2)), nn.Parameter(torch.zeros(2))
+    lbfgs = torch.optim.LBFGS([emb])
+    with pytest.raises(OptimizerError, match=r"optimizer LBFGS cannot be applied per shard to "
+                                             r"the sparse parameter 'users\.weight'"):
+        check_per_shard([torch.optim.Adam([dense]), lbfgs], {"users.weight": emb})
+    check_per_shard([torch.optim.LBFGS([dense]), torch.optim.RMSprop([emb])],
+                    {"users.weight": emb})  # LBFGS on a replicated parameter: allowed
+    check_per_shard([], {"users.weight": emb})  # not optimized: nothing to refuse
+
+
+def test_check_lazy_names_the_parameter_and_optimizer() -> None:
+    """check_lazy refuses an optimizer without sparse gradients (Adam), naming both."""
+    emb, dense = nn.Parameter(torch.zeros(4, 2)), nn.Parameter(torch.zeros(2))
+    with pytest.raises(OptimizerError, match=r"lazy_sparse_updates=True\) gives the sparse "
+                                             r"parameter 'emb' sparse gradients, which Adam "
+                                             r"does not take"):
+        check_lazy([torch.optim.Adam([emb, dense])], {"emb": emb})
+    for cls in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam):
+        check_lazy([cls([emb], lr=0.1), torch.optim.Adam([dense])], {"emb": emb})
+
+
+def test_optimizer_of_and_as_optimizer_list() -> None:
+    """optimizer_of matches by identity; as_optimizer_list refuses non-optimizers."""
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    sgd, adam = torch.optim.SGD([a], lr=0.1), torch.optim.Adam([{"params": [b]}])
+    assert optimizer_of([sgd, adam], b) is adam and optimizer_of([sgd], b) is None
+    assert as_optimizer_list(sgd) == [sgd] and as_optimizer_list((sgd, adam)) == [sgd, adam]
+    with pytest.raises(TypeError, match=r"optimizer\[1\] must be a torch.optim.Optimizer, "
+                                        r"got str"):
+        as_optimizer_list([sgd, "adam"])
