@@ -166,6 +166,22 @@ class BagOptions(nn.Module):
         return self.out(torch.cat([summed, maxed, self.frozen(ids).mean(dim=1), bagged], dim=1))
 
 
+class LstmLM(nn.Module):
+    """An LSTM language model whose forward takes and returns the hidden state, as in
+    truncated back-propagation through time: ``logits, hidden = model(ids, hidden)``."""
+
+    def __init__(self, sparse_grad: bool = False):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 6, sparse=sparse_grad)
+        self.lstm = nn.LSTM(6, 8, batch_first=True)
+        self.decoder = nn.Linear(8, VOCAB)
+
+    def forward(self, ids: Tensor, hidden: tuple[Tensor, Tensor] | None = None,
+                ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        output, hidden = self.lstm(self.embedding(ids), hidden)
+        return self.decoder(output), hidden
+
+
 MODELS: dict[str, type[nn.Module]] = {
     "dense": DenseOnly, "sparse": SparseOnly, "mixed": Mixed, "tied": TiedLM,
     "gather": CustomGather, "untraceable": Untraceable,
@@ -173,6 +189,14 @@ MODELS: dict[str, type[nn.Module]] = {
 # Lookup options (README's audit table): their own rows of the matrix, not every combination.
 OPTION_MODELS: dict[str, type[nn.Module]] = {"freq": FrequencyScaled, "maxnorm": MaxNormed,
                                              "bags": BagOptions}
+# Models of the user's-own-loop cases (parallax.distribute) only.
+LOOP_MODELS: dict[str, type[nn.Module]] = {"lstm": LstmLM}
+# How a `loop` case's program trains (tests/scripts/equivalence_worker.py, _loop_reference):
+# plain: zero_grad, forward, loss, backward, clip_grad_norm_ (if clip), step; accumulate: two
+# micro-batches (loss / 2 each) per step; extra: plus a loss term on a dense weight; closure:
+# optimizer.step(closure); bptt: the hidden state carried from one batch to the next.
+LOOPS = ("plain", "accumulate", "extra", "closure", "bptt")
+EXTRA_TERM = 0.01
 
 
 # ---- optimizers ------------------------------------------------------------------------------
@@ -219,6 +243,7 @@ class Case:
     scheduler: bool = False
     architecture: str = "hybrid"
     dense_sync: str = "hierarchical"
+    loop: str | None = None  # one of LOOPS: trained through parallax.distribute's surface
     local_aggregation: bool | None = None
     migrate_after: int = 0  # > 0: alpha_threshold 0 moves every sparse table to AllReduce
     lazy: bool = False  # Config(lazy_sparse_updates): equals the program with sparse=True
@@ -254,6 +279,8 @@ class Case:
             parts.append(f"search{self.search}")
         if self.dense_sync != "hierarchical":
             parts.append(self.dense_sync)
+        if self.loop:
+            parts.append(f"loop{self.loop}")
         return "-".join(parts)
 
     @property
@@ -365,6 +392,28 @@ def all_cases() -> list[Case]:
         cases.append(Case(model, opt, clip=0.05 if average else None, dtype="float64",
                           architecture=architecture, average_dense=average, dense_sync="flat",
                           seed=len(cases)))
+    # The user's own loop (parallax.distribute): every architecture, optimizer and clipping
+    # through the model/optimizer surface, then the loop shapes of LOOPS.
+    for architecture, opt in itertools.product(("hybrid", "allreduce", "ps", "optps"),
+                                               MATRIX_OPTIMIZERS):
+        if opt == "sparseadam" and architecture in ("ps", "optps"):
+            continue  # the dense part needs Adam: covered under hybrid/allreduce
+        for clip in (None, 0.05):
+            cases.append(Case("mixed", opt, opt == "sparseadam", clip, "float64",
+                              architecture=architecture, loop="plain", seed=len(cases)))
+    for architecture, opt in itertools.product(("hybrid", "allreduce", "ps", "optps"),
+                                               ("adagrad", "adam")):
+        cases.append(Case("mixed", opt, clip=0.05, dtype="float64", architecture=architecture,
+                          loop="accumulate", seed=len(cases)))
+        cases.append(Case("lstm", opt, clip=0.05 if opt == "adam" else None, dtype="float64",
+                          architecture=architecture, loop="bptt", seed=len(cases)))
+    for architecture, opt in itertools.product(("hybrid", "allreduce"), ("momentum", "adam")):
+        cases.append(Case("mixed", opt, dtype="float64", architecture=architecture,
+                          loop="extra", seed=len(cases)))
+        cases.append(Case("mixed", opt, clip=0.05, dtype="float64", architecture=architecture,
+                          loop="closure", seed=len(cases)))
+    cases.append(Case("mixed", "sparseadam", True, 0.05, "float64", loop="accumulate",
+                      seed=len(cases)))  # two optimizers, two micro-batches
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,
@@ -384,7 +433,7 @@ def global_batches(case: Case) -> list[tuple[Tensor, Tensor]]:
             # Zipf-like ids: small ids are frequent, as in real vocabularies.
             u = torch.rand(GLOBAL_BATCH, SEQ, generator=gen, dtype=torch.float64)
             x = (VOCAB ** u - 1).long().clamp(0, VOCAB - 1)
-        if case.model == "tied":
+        if case.model in ("tied", "lstm"):
             y = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
         else:
             y = torch.randint(0, 4, (GLOBAL_BATCH,), generator=gen)
@@ -402,7 +451,7 @@ def build(case: Case, *, reference: bool = False,
     sparse=True embeddings (what lazy updates are defined to equal)."""
     torch.manual_seed(case.seed)
     sparse_grad = case.sparse_grad or (reference and case.lazy)
-    model_class = {**MODELS, **OPTION_MODELS}[case.model]
+    model_class = {**MODELS, **OPTION_MODELS, **LOOP_MODELS}[case.model]
     model = model_class(sparse_grad=sparse_grad).to(case.torch_dtype)
     optimizers = OPTIMIZERS[case.optimizer](model)
     schedulers = ([torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers]
@@ -435,6 +484,8 @@ def single_device_reference(case: Case, world: int) -> dict[str, Tensor]:
     """The plain program with the global batch. ``world`` matters only for the documented sum
     semantics: summed gradients are ``world`` times the mean-loss gradients."""
     model, optimizers, schedulers = build(case, reference=True)
+    if case.loop:
+        return _loop_reference(case, model, optimizers, world)
     sparse_names = _sparse_names(model)
     for x, y in global_batches(case):
         for opt in optimizers:
@@ -453,6 +504,51 @@ def single_device_reference(case: Case, world: int) -> dict[str, Tensor]:
             opt.step()
         for sched in schedulers:
             sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def micro_batches(batch: tuple[Tensor, Tensor], case: Case, world: int,
+                  ) -> list[tuple[Tensor, Tensor]]:
+    """A batch as the micro-batches of a loop: two halves of every worker's slice under
+    ``accumulate`` (micro-batch j of the global batch = every worker's half j), else whole."""
+    if case.loop != "accumulate":
+        return [batch]
+    x, y = batch
+    per = x.shape[0] // world
+    halves = [[r * per + j * (per // 2) + i for r in range(world) for i in range(per // 2)]
+              for j in range(2)]
+    return [(x[rows], y[rows]) for rows in halves]
+
+
+def loop_loss(case: Case, model: nn.Module, output: Tensor, y: Tensor, parts: int) -> Tensor:
+    """The loss a loop case backpropagates (``model``: whose dense ``hidden`` weight the
+    extra term reads; the user's module or the distributed one)."""
+    loss = loss_fn(output, y) / parts
+    if case.loop == "extra":
+        loss = loss + EXTRA_TERM * model.hidden.weight.pow(2).sum()
+    return loss
+
+
+def _loop_reference(case: Case, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                    world: int) -> dict[str, Tensor]:
+    """The single-device program of a loop case (what equivalence_worker.py trains)."""
+    hidden = None
+    for batch in global_batches(case):
+        parts = micro_batches(batch, case, world)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        for x, y in parts:
+            if case.loop == "bptt":
+                output, hidden = model(x, hidden)
+                hidden = tuple(h.detach() for h in hidden)
+            else:
+                output = model(x)
+            loop_loss(case, model, output, y, len(parts)).backward()
+        if case.clip is not None:
+            norm = clip_like_parallax(list(model.parameters()), case.clip)
+            assert norm > case.clip, "clipping must be active for the test to mean anything"
+        for opt in optimizers:
+            opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -16,6 +16,7 @@ their partition count searched in process during the first steps after the warm-
 
 from parallax.api import get_runner
 from parallax.config import Config
+from parallax.distributed import clip_grad_norm_, distribute
 from parallax.errors import (
     CheckpointError,
     ConfigError,
@@ -36,6 +37,7 @@ from parallax.session import shutdown
 
 __all__ = ["CheckpointError", "Config", "ConfigError", "NetemError", "OptimizerError",
            "ParallaxError", "PlanComplete", "ResourceError", "Runner", "SparseIdError",
-           "StalledRankError", "UnevenInputsError", "UnsupportedProgramError", "get_runner",
-           "partition", "partitioner", "shard", "shutdown"]
+           "StalledRankError", "UnevenInputsError", "UnsupportedProgramError",
+           "clip_grad_norm_", "distribute", "get_runner", "partition", "partitioner", "shard",
+           "shutdown"]
 __version__ = "0.1.0"

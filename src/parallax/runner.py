@@ -9,11 +9,12 @@ same optimizer class over its shard.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from parallax.engine.progress import Progress, is_collective_failure
 from parallax.engine.server_table import ShardedTable, prefetch
 from parallax.engine.shard_optimizer import ShardOptimizer, check_lazy, check_per_shard
 from parallax.engine.table import Table, push_all
-from parallax.errors import PlanComplete
+from parallax.errors import PlanComplete, UnsupportedProgramError
 from parallax.model.detect import SparseUse, find_sparse_parameters
 from parallax.model.exactness import check_exact
 from parallax.model.lookahead import build_id_program
@@ -43,9 +44,10 @@ from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
 from parallax.planning.architectures import architecture_of, build_layout
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
-from parallax.session import check_same_everywhere, shutdown
+from parallax.session import check_same_everywhere, on_shutdown, shutdown
 
 LossFn = Callable[[Any, Any], Tensor]
+_FORWARD, _UPDATE = 1, 2  # what a rank is calling, in _check_phase
 log = logging.getLogger("parallax")
 
 
@@ -112,6 +114,7 @@ class Runner:
                                      average=config.average_dense,
                                      find_unused_parameters=config.find_unused_parameters,
                                      traffic=self.traffic)
+        on_shutdown(self._release_ddp)
         self.pool = shared_pool(config.server_threads or default_threads())
         for table in self.layout.all_tables().values():
             table.pool = self.pool
@@ -125,28 +128,54 @@ class Runner:
         self.last_grad_norm: float | None = None
         self._tuner = self._build_tuner()
         self._batch_signature: Any = None
+        # the current step (see "training" below)
+        self._in_round = self._synced = self._applies = False
+        self._stepped: set[int] = set()  # ids of the optimizers that stepped in it
+        self._round_began = 0.0
+        self._explaining = 0
+        self.checks_phases = False  # set by parallax.distribute (see _check_phase)
         self._last_save = time.monotonic()
         if config.checkpoint_dir is not None and config.resume:
             self._resume_from_newest(config.checkpoint_dir)
 
+    def _release_ddp(self) -> None:
+        """At `parallax.shutdown`: drop the DDP wrapper (see there why); the runner cannot
+        train after shutdown anyway."""
+        self.module = self._executed
+
     # ---- training ------------------------------------------------------------------------
+    # A step is a round: training forwards (one, or several accumulated) -> backward(s) ->
+    # `sync_gradients` (push, finiteness, Config clipping; once) -> each optimizer's update
+    # (`apply_update`) -> `_end_round` once every optimizer has stepped (or at the next
+    # forward). `step` drives a round itself; `parallax.distribute` lets the user's loop
+    # drive the same round through the model, `optimizer.step()` and `clip_grad_norm_`.
     def forward(self, inputs: Any) -> Any:
         """The model's output for ``inputs`` (a tensor, a tuple of positional args or a dict of
         keyword args). Collective: sparse rows are pulled from the servers."""
-        inputs = _to_device(inputs, self.device)
         args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
             (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {}))
-        ahead = self._pull_ahead(args, kwargs)
-        try:
-            if not self._whole_pulls:
-                return self.module(*args, **kwargs)
-            # ps/optps: dense parameters too come from the servers, whole, every step.
-            pulled = {name: table.lookup(rows)[0].view(shape)
-                      for name, (table, rows, shape) in self._whole_pulls.items()}
-            return torch.func.functional_call(self.module, pulled, args, kwargs)
-        finally:
-            for table in ahead:
-                table.prefetched = None
+        return self.forward_call(args, kwargs)
+
+    def forward_call(self, args: tuple, kwargs: dict) -> Any:
+        """``model(*args, **kwargs)`` as the user's module returns it (collective). Under
+        autograd it belongs to the current step: its rows' gradients are pushed by the next
+        `sync_gradients`."""
+        args, kwargs = _to_device(args, self.device), _to_device(kwargs, self.device)
+        if torch.is_grad_enabled():
+            self._begin_round()
+        with self._explained():
+            self._check_phase(_FORWARD)
+            ahead = self._pull_ahead(args, kwargs)
+            try:
+                if not self._whole_pulls:
+                    return self.module(*args, **kwargs)
+                # ps/optps: dense parameters too come from the servers, whole, every step.
+                pulled = {name: table.lookup(rows)[0].view(shape)
+                          for name, (table, rows, shape) in self._whole_pulls.items()}
+                return torch.func.functional_call(self.module, pulled, args, kwargs)
+            finally:
+                for table in ahead:
+                    table.prefetched = None
 
     def _pull_ahead(self, args: tuple, kwargs: dict) -> list[ShardedTable]:
         """Pull, in one exchange, the rows of every server-held table this forward will read
@@ -172,27 +201,131 @@ class Runner:
             raise TypeError(f"rank {self.worker.rank}: Runner.step expects a batch "
                             f"(inputs, targets), got {type(batch).__name__}")
         inputs, targets = batch
-        began = time.perf_counter()
         if self._batch_signature is None:
             self._batch_signature = _shapes(batch)
-        step = self.global_step + 1
+        with self._explained():
+            self.zero_grad()
+            loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
+            if self.progress is not None:
+                self.progress.phase(self.global_step + 1, "backward")
+            loss.backward()
+            self.apply_update(self.optimizers, loss=loss)
+        return loss.detach()
+
+    def sync_gradients(self, loss: Tensor | None = None) -> bool:
+        """Push this step's gradient rows to the servers, check finiteness on every rank
+        (``loss`` too when given) and clip by `Config.clip_grad_norm`; once per step, later
+        calls return the first one's answer. Returns whether the step's update applies
+        (False: `Config.nonfinite` skipped it). Collective."""
+        if not self._in_round:
+            raise UnsupportedProgramError(
+                f"rank {self.worker.rank}: a gradient update with no forward through the "
+                f"distributed model since the last step (step {self.global_step + 1}); "
+                f"gradients of a parallax model come from its forward: call the model that "
+                f"parallax.distribute returned, then backward, then optimizer.step()")
+        if self._synced:
+            return self._applies
+        self._check_no_gradient_outside_lookups()
+        with self._explained():
+            self._check_phase(_UPDATE)
+            push_all(self.layout.all_tables().values())
+            self._applies = self._finite_or_skip(loss)
+            self._synced = True
+            if self._applies and self.config.clip_grad_norm is not None:
+                self.last_grad_norm = self.clip_grad_norm(self.config.clip_grad_norm)
+        return self._applies
+
+    def apply_update(self, optimizers: Sequence[torch.optim.Optimizer], *,
+                     loss: Tensor | None = None) -> None:
+        """Each of ``optimizers``' update: its replicated parameters here, its server-held
+        rows on their servers (after `sync_gradients`). Collective."""
+        if self.sync_gradients(loss):
+            with self._explained():
+                for optimizer in optimizers:
+                    dense_step = getattr(optimizer, "parallax_dense_step", None)
+                    (dense_step or optimizer.step)()
+                self.shard_optimizer.step(optimizers)
+        self._stepped.update(id(optimizer) for optimizer in optimizers)
+        if self._stepped >= {id(optimizer) for optimizer in self.optimizers}:
+            self._end_round()
+
+    def clip_grad_norm(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None,
+                       ) -> float:
+        """Clip the aggregated gradients of ``parameters`` (default: all) by their global L2
+        norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective."""
+        self.sync_gradients()
+        wanted = None if parameters is None else {id(p) for p in parameters}
+        params = dict(self.model.named_parameters())
+        tables = [t for name, t in self.layout.all_tables().items()
+                  if wanted is None or id(params[name]) in wanted]
+        grads = [p.grad for p in self.replicated_parameters
+                 if p.grad is not None and (wanted is None or id(p) in wanted)]
+        everything = wanted is None or len(tables) == len(self.layout.all_tables())
+        with self._explained():
+            return clip_by_global_norm(
+                max_norm, grads, tables,
+                tables_squared=self._tables_squared if everything else None,
+                group=self.group, device=self.device)
+
+    def _check_phase(self, phase: int) -> None:
+        """In the user's own loop (`parallax.distribute`), every rank must call forwards and
+        optimizer steps in the same order: one small collective says where every rank is, so
+        a rank that skipped ``optimizer.step()`` (or ran one forward more) is named on every
+        rank instead of meeting a different collective. `step` needs no check (its order is
+        fixed)."""
+        if not self.checks_phases or self.worker.world_size == 1:
+            return
+        mine = torch.tensor([phase, self.global_step + 1], dtype=torch.long, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.worker.world_size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        where = [(int(t[0]), int(t[1])) for t in everyone]
+        if len(set(where)) == 1:
+            return
+        said = {_FORWARD: "a forward of the model", _UPDATE: "optimizer.step()"}
+        odd = [r for r, w in enumerate(where) if w != where[0]]
+        raise UnsupportedProgramError(
+            f"rank {self.worker.rank}: the ranks' training loops diverged: rank 0 called "
+            f"{said[where[0][0]]} in step {where[0][1]}, "
+            + ", ".join(f"rank {r} {said[where[r][0]]} in step {where[r][1]}" for r in odd)
+            + ". Every rank must call the model and optimizer.step() in the same order (no "
+            "rank may skip a step or run an extra forward).")
+
+    def _check_no_gradient_outside_lookups(self) -> None:
+        """A server-held parameter gets its gradient through its lookups only; one that the
+        program read directly (a loss term on the whole table, under ps a dense weight used
+        outside the model's forward) has a gradient nobody would push: refused."""
+        params = dict(self.model.named_parameters())
+        used = [name for name, table in self.layout.all_tables().items()
+                if table.on_servers and params[name].grad is not None]
+        if used:
+            raise UnsupportedProgramError(
+                f"rank {self.worker.rank}: parameter(s) {used} live on the parameter servers, "
+                f"but the program computed a gradient for them outside the model's lookups "
+                f"(e.g. a loss term on the whole weight); their values here are not the "
+                f"servers' and that gradient would be lost. Compute such terms from the "
+                f"model's outputs, or use architecture='allreduce' for these parameters.")
+
+    def _begin_round(self) -> None:
+        if self._stepped:  # some optimizers stepped, and a new step's forward comes
+            self._end_round()
+        if not self._in_round:
+            self._in_round = True
+            self._round_began = time.perf_counter()
+            if self.progress is not None:
+                self.progress.begin(self.global_step + 1)
+        self._synced = False
+
+    def _end_round(self) -> None:
+        """After a step's updates: counters, progress, the warm-up's plan, the partition
+        search and checkpoints."""
         if self.progress is not None:
-            self.progress.begin(step)
-        try:
-            loss = self._step(inputs, targets, step)
-        except (RuntimeError, ValueError) as error:  # gloo's are RuntimeErrors
-            if self.progress is None or not is_collective_failure(error):
-                raise
-            explained = self.progress.explain(error, step)
-            if explained is error:
-                raise
-            raise explained from error
-        if self.progress is not None:
-            self.progress.done(step)
+            self.progress.done(self.global_step + 1)
+        self._in_round = self._synced = False
+        self._stepped.clear()
         self.traffic.steps += 1
         self._steps += 1
         self.global_step += 1
-        elapsed = time.perf_counter() - began
+        elapsed = time.perf_counter() - self._round_began
         if self._tuner is not None and self._tuner.active:
             self._tuner.after_step(elapsed)
             if not self._tuner.active:
@@ -204,27 +337,22 @@ class Runner:
             self._start_search()
         if self._checkpoint_due():
             self.save()
-        return loss.detach()
 
-    def _step(self, inputs: Any, targets: Any, step: int) -> Tensor:
-        """Forward, backward, push, clip and update (the collectives of one step)."""
-        self.zero_grad()
-        loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
-        if self.progress is not None:
-            self.progress.phase(step, "backward")
-        loss.backward()
-        push_all(self.layout.all_tables().values())
-        if self._finite_or_skip(loss):
-            if self.config.clip_grad_norm is not None:
-                self.last_grad_norm = clip_by_global_norm(
-                    self.config.clip_grad_norm,
-                    [p.grad for p in self.replicated_parameters if p.grad is not None],
-                    list(self.layout.all_tables().values()), tables_squared=self._tables_squared,
-                    group=self.group, device=self.device)
-            for optimizer in self.optimizers:
-                optimizer.step()
-            self.shard_optimizer.step()
-        return loss
+    @contextlib.contextmanager
+    def _explained(self) -> Iterator[None]:
+        """A failed collective raised inside names the rank that is missing (outermost only)."""
+        self._explaining += 1
+        try:
+            yield
+        except (RuntimeError, ValueError) as error:  # gloo's are RuntimeErrors
+            if self._explaining > 1 or self.progress is None or not is_collective_failure(error):
+                raise
+            explained = self.progress.explain(error, self.global_step + 1)
+            if explained is error:
+                raise
+            raise explained from error
+        finally:
+            self._explaining -= 1
 
     def evaluate(self, batches: Iterable[Sequence[Any]]) -> float:
         """Mean loss over the batches of *all* workers (each worker passes its own shard, e.g.
@@ -244,13 +372,27 @@ class Runner:
         dist.all_reduce(total, group=self.group)
         return float(total[0] / total[1].clamp_min(1))
 
-    def zero_grad(self) -> None:
-        for param in self.replicated_parameters:
-            param.grad = None
-        for table in self.layout.all_tables().values():
+    def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
+        """Clear the gradients of every parameter, or of those ``optimizers`` update (their
+        replicated parameters here, their tables' rows on the servers). Gradients of forwards
+        not yet backpropagated are kept, as on one device."""
+        if optimizers is None:
+            for param in self.replicated_parameters:
+                param.grad = None
+            tables = list(self.layout.all_tables().values())
+        else:
+            mine = {id(p) for optimizer in optimizers for group in optimizer.param_groups
+                    for p in group["params"]}
+            for param in self.replicated_parameters:
+                if id(param) in mine:
+                    param.grad = None
+            params = dict(self.model.named_parameters())
+            tables = [t for name, t in self.layout.all_tables().items()
+                      if id(params[name]) in mine]
+        for table in tables:
             table.zero_grad()
 
-    def _finite_or_skip(self, loss: Tensor) -> bool:
+    def _finite_or_skip(self, loss: Tensor | None) -> bool:
         """Whether to apply this step's update under `Config.nonfinite`; all workers decide
         alike before anything is updated (`parallax.engine.grad_norm.find_nonfinite`)."""
         self._tables_squared = None
@@ -428,6 +570,17 @@ class Runner:
             for alias in names_of[id(params[name])]:
                 state[alias] = full
         return state
+
+    def load_state_dict(self, state: dict[str, Tensor], *, strict: bool = True) -> Any:
+        """Load a plain single-device ``state_dict`` of the original model class (every rank
+        passes the same values): into the model, and the server-held rows onto their servers.
+        Optimizer state is untouched, as on one device. Returns what
+        ``nn.Module.load_state_dict`` returns."""
+        result = self.model.load_state_dict(state, strict=strict)
+        for name, table in self.layout.all_tables().items():
+            if name in state:
+                table.assign(state[name].to(self.device))
+        return result
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Bytes this worker sent and received per training step through the parameter-server

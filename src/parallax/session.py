@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -24,7 +26,7 @@ from parallax.engine.pool import close_shared_pools
 from parallax.launch.elastic import free_port
 from parallax.partitions.groups import group_of
 
-__all__ = ["check_same_everywhere", "join", "shutdown", "single_process_worker"]
+__all__ = ["check_same_everywhere", "join", "on_shutdown", "shutdown", "single_process_worker"]
 
 _sparse_group: dist.ProcessGroup | None = None
 
@@ -64,11 +66,32 @@ def join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
     return _sparse_group
 
 
+_releases: list[Callable[[], Callable[[], None] | None]] = []
+
+
+def on_shutdown(release: Callable[[], None]) -> None:
+    """Call ``release`` at `shutdown`, before any process group is destroyed (a runner drops
+    its DDP wrapper there; weakly held: a runner already gone is skipped)."""
+    _releases.append(weakref.WeakMethod(release) if hasattr(release, "__self__")
+                     else (lambda: release))
+
+
 def shutdown() -> None:
     """Destroy parallax's process groups: the PS group first, then the default group (the order
-    that measured free of gloo aborts at exit). Safe to call twice."""
+    that measured free of gloo aborts at exit). Safe to call twice.
+
+    DDP wrappers are released first. A DDP reducer holds its process group; were it the
+    last holder, the gloo group would be destroyed from the reducer's destructor, which keeps
+    the GIL while it joins gloo's threads, and a gloo thread that needs the GIL to free a
+    finished collective then deadlocks the process at exit (pytorch/pytorch#56297; seen
+    here as a worker hanging after its last step). Released here, the reducer is never the
+    last holder: the group goes in ``destroy_process_group``, which lets go of the GIL."""
     global _sparse_group
     progress.finish_all()  # other ranks still stepping now fail at once, naming this one
+    while _releases:
+        release = _releases.pop()()
+        if release is not None:
+            release()
     _environment.restore()
     close_shared_pools()
     hierarchy.leave()

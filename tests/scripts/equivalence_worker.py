@@ -7,6 +7,7 @@ or plain ``python equivalence_worker.py OUT.pt KEY_SUBSTRING --resources FILE``:
 get_runner launches the workers itself, as a user's train.py would. FILTER: comma-separated
 items, each a substring of the case keys to run, or ``=KEY`` for one case exactly."""
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -14,7 +15,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from equivalence_cases import all_cases, build, global_batches, loss_fn, worker_slice  # noqa: E402
+from equivalence_cases import (  # noqa: E402
+    Case,
+    all_cases,
+    build,
+    global_batches,
+    loop_loss,
+    loss_fn,
+    micro_batches,
+    worker_slice,
+)
 
 import parallax  # noqa: E402
 
@@ -40,7 +50,8 @@ def main() -> None:
             model, optimizers, schedulers = build(case)
         if case.search == "call":
             parallax.partition(model, max_partitions=4)
-        config = parallax.Config(clip_grad_norm=case.clip, average_sparse=case.average_sparse,
+        config = parallax.Config(clip_grad_norm=None if case.loop else case.clip,
+                                 average_sparse=case.average_sparse,
                                  average_dense=case.average_dense,
                                  num_partitions=case.num_partitions, seed=case.seed,
                                  architecture=case.architecture, dense_sync=case.dense_sync,
@@ -52,15 +63,18 @@ def main() -> None:
                                  alpha_threshold=0.0 if case.migrate_after else None,
                                  lazy_sparse_updates=case.lazy,
                                  collective_timeout_s=60)
-        runner = parallax.get_runner(model, optimizers, loss_fn, config=config,
-                                     resources=resources)
+        if case.loop:
+            runner = _train_own_loop(case, model, optimizers, config, resources)
+        else:
+            runner = parallax.get_runner(model, optimizers, loss_fn, config=config,
+                                         resources=resources)
+            for step, batch in enumerate(global_batches(case), 1):
+                runner.step(worker_slice(batch, runner.worker.rank, runner.worker.world_size))
+                if case.repartition and step == case.repartition[0]:
+                    runner.repartition(case.repartition[1])
+                for sched in schedulers:
+                    sched.step()
         worker = runner.worker
-        for step, batch in enumerate(global_batches(case), 1):
-            runner.step(worker_slice(batch, worker.rank, worker.world_size))
-            if case.repartition and step == case.repartition[0]:
-                runner.repartition(case.repartition[1])
-            for sched in schedulers:
-                sched.step()
         state = runner.state_dict()
         if worker.rank == 0:
             results[case.key] = {k: v.detach().clone() for k, v in state.items()}
@@ -80,6 +94,48 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _train_own_loop(case: Case, model: torch.nn.Module, optimizers: list,
+                    config: parallax.Config, resources: str | None) -> parallax.Runner:
+    """The case's single-device loop with parallax.distribute's lines: the program of
+    equivalence_cases._loop_reference on this worker's slice of every batch."""
+    model, optimizers = parallax.distribute(model, optimizers, config=config,
+                                            resources=resources)
+    worker = model.runner.worker
+    hidden = None
+    for batch in global_batches(case):
+        parts = micro_batches(worker_slice(batch, worker.rank, worker.world_size), case, 1)
+
+        def closure(parts=parts):
+            for opt in optimizers:
+                opt.zero_grad()
+            for x, y in parts:
+                loop_loss(case, model, model(x), y, len(parts)).backward()
+            if case.clip is not None:
+                parallax.clip_grad_norm_(model.parameters(), case.clip)
+
+        if case.loop == "closure":
+            (optimizer,) = optimizers
+            optimizer.step(closure)
+            continue
+        for opt in optimizers:
+            opt.zero_grad()
+        for i, (x, y) in enumerate(parts):
+            # accumulating: DDP's no_sync for all but the last micro-batch (exact either way)
+            last = i == len(parts) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                if case.loop == "bptt":
+                    output, hidden = model(x, hidden)
+                    hidden = tuple(h.detach() for h in hidden)
+                else:
+                    output = model(x)
+                loop_loss(case, model, output, y, len(parts)).backward()
+        if case.clip is not None:
+            parallax.clip_grad_norm_(model.parameters(), case.clip)
+        for opt in optimizers:
+            opt.step()
+    return model.runner
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ LAYERS = [
     ["parallax.session"],
     ["parallax.runner"],
     ["parallax.api"],
+    ["parallax.distributed"],
     ["parallax.cli", "parallax"],
 ]
 

@@ -38,14 +38,15 @@ class NonFinite:
             f"aggregated gradient of {self.parameters}" if self.parameters else "") if part)
 
 
-def find_nonfinite(loss: Tensor, tables: dict[str, Table],
+def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
                    dense: Sequence[tuple[str, Tensor | None]], *, rank: int, world: int,
                    group: dist.ProcessGroup, device: torch.device) -> NonFinite:
-    """Every worker's loss and every aggregated gradient checked in one small collective,
-    which also yields the tables' part of the squared norm (reused by clipping)."""
+    """Every worker's loss (when given) and every aggregated gradient checked in one small
+    collective, which also yields the tables' part of the squared norm (reused by clipping)."""
     named = list(tables.items())
     values = torch.zeros(world + len(named), dtype=torch.float64, device=device)
-    values[rank] = float(not bool(torch.isfinite(loss.detach()).all()))
+    if loss is not None:
+        values[rank] = float(not bool(torch.isfinite(loss.detach()).all()))
     for i, (_, table) in enumerate(named):  # server-held: each server its own rows
         values[world + i] = table.grad_norm_squared()
     dist.all_reduce(values, group=group)

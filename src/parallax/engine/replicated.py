@@ -100,7 +100,10 @@ class ReplicatedTable:
         return self.param.detach()[ids]
 
     def zero_grad(self) -> None:
-        self._pending.clear()
+        """Clear the gradient and the looked-up rows' gradients; lookups not yet pushed stay
+        (as `ShardedTable.zero_grad`)."""
+        for _, rows, _ in self._pending:
+            rows.grad = None
         self._lookups = 0
         self.param.grad = None
 
@@ -109,6 +112,11 @@ class ReplicatedTable:
         """One exchange per table (each has its own sync)."""
         for table in tables:
             table.push_gradients()
+
+    def assign(self, weight: Tensor) -> None:
+        """Set the replica's values (every rank passes the same ``weight``)."""
+        with torch.no_grad():
+            self.param.copy_(weight.detach().view_as(self.param))
 
     @property
     def replica(self) -> nn.Parameter:
@@ -150,7 +158,8 @@ class ReplicatedTable:
             if counts is not None:
                 divide_by_counts(grad, torch.zeros(self.num_rows, dtype=self.dtype,
                                                    device=ids.device).index_add_(0, ids, counts))
-        self.param.grad = grad
+        # accumulated onto a gradient no zero_grad cleared, as autograd does
+        self.param.grad = grad if self.param.grad is None else self.param.grad + grad
 
     @property
     def _scales_by_freq(self) -> bool:
@@ -176,7 +185,8 @@ class ReplicatedTable:
             grad /= self.worker.world_size
         if self._scales_by_freq:
             divide_by_counts(grad, total)
-        self.param.grad = grad
+        # accumulated onto a gradient no zero_grad cleared, as autograd does
+        self.param.grad = grad if self.param.grad is None else self.param.grad + grad
 
     def grad_norm_squared(self) -> Tensor:
         """Zero: a replicated gradient counts once, with the dense ones (see `dense_grads`)."""

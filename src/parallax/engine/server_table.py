@@ -168,6 +168,16 @@ class ShardedTable:
             mine = self.partitioning.rows_of_server(worker.server_ranks.index(worker.rank))
             self.set_shard(nn.Parameter(initial[mine.to(initial.device)].clone()))
 
+    def assign(self, weight: Tensor) -> None:
+        """Set the whole parameter's values (every rank passes the same ``weight``): each
+        server copies its own rows."""
+        if self.shard is not None:
+            rows = self.partitioning.rows_of_server(
+                self.worker.server_ranks.index(self.worker.rank))
+            with torch.no_grad():
+                full = weight.detach().reshape(self.num_rows, *self.row_shape)
+                self.shard.copy_(full[rows.to(full.device)].to(self.shard.device))
+
     def set_shard(self, shard: nn.Parameter) -> None:
         """Hold ``shard`` (this server's rows under the current partitioning)."""
         self.shard = shard
@@ -221,7 +231,11 @@ class ShardedTable:
 
     # ---- backward: push ------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self._pending.clear()
+        """Clear the aggregated gradient and the gradients the pulled rows hold, as
+        ``zero_grad`` clears leaves on one device. Pulls not yet pushed stay: a backward may
+        still come (a forward, then ``zero_grad``, then the backward is a valid program)."""
+        for record in self._pending:
+            record.lookups[self.name].rows.grad = None
         self.prefetched = None
         self._received.clear()
         self._received_counts.clear()
@@ -232,6 +246,10 @@ class ShardedTable:
             for part in self.parts:
                 part.grad = None
             return
+        self._zero_dense_grad()
+
+    def _zero_dense_grad(self) -> None:
+        """A zero dense gradient for the shard, its partitions' gradients viewing it."""
         if self.shard.grad is None:
             self.shard.grad = torch.zeros_like(self.shard)
         else:
@@ -262,6 +280,8 @@ class ShardedTable:
         if self.sparse_grad or len(self.parts) > 1:
             self._received.append((local_rows, grad_rows))
         else:
+            if self.shard.grad is None:  # no zero_grad before the first backward
+                self._zero_dense_grad()
             self.shard.grad.index_add_(0, local_rows, grad_rows)
 
     def _finish_aggregation(self) -> None:
@@ -270,6 +290,8 @@ class ShardedTable:
         With one partition, dense rows were summed as they arrived."""
         if self.shard is None or not (self.sparse_grad or len(self.parts) > 1):
             return
+        if not self.sparse_grad and self.shard.grad is None:  # no zero_grad before
+            self._zero_dense_grad()
         if self._received:
             rows = torch.cat([rows for rows, _ in self._received])
             values = torch.cat([values for _, values in self._received])
@@ -298,7 +320,8 @@ class ShardedTable:
                 return
             grad = torch.sparse_coo_tensor((rows - start).unsqueeze(0), values, part.shape,
                                            check_invariants=False)
-            part.grad = grad.coalesce()
+            # accumulated onto a gradient no zero_grad cleared, as autograd does
+            part.grad = (grad if part.grad is None else part.grad + grad).coalesce()
         return aggregate
 
     def _divide_by_counts(self) -> None:

@@ -146,18 +146,21 @@ class ShardOptimizer:
                     if parts:
                         groups.append({**_hyper_parameters(user_group), "params": parts})
                         indices.append(index)
-                server_opt = type(user_opt)(groups, **_constructor_arguments(user_opt))
+                server_opt = optimizer_class(user_opt)(groups, **_constructor_arguments(user_opt))
                 for group in server_opt.param_groups:
                     for part in group["params"]:
                         if part in states:
                             server_opt.state[part] = states[part]
                 self._slots.append((server_opt, user_opt, indices))
 
-    def step(self) -> None:
-        for server_opt, user_opt, indices in self._slots:
+    def step(self, optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
+        """Apply the update of every user optimizer (or of ``optimizers``) to its rows."""
+        wanted = None if optimizers is None else {id(o) for o in optimizers}
+        slots = [slot for slot in self._slots if wanted is None or id(slot[1]) in wanted]
+        for server_opt, user_opt, indices in slots:
             for server_group, index in zip(server_opt.param_groups, indices, strict=True):
                 server_group.update(_hyper_parameters(user_opt.param_groups[index]))
-        self.pool.run([server_opt.step for server_opt, _, _ in self._slots])
+        self.pool.run([server_opt.step for server_opt, _, _ in slots])
 
     def _state_of(self, part: nn.Parameter) -> dict:
         for server_opt, _, _ in self._slots:
@@ -219,12 +222,17 @@ def is_per_row(value: object, rows: Tensor | None) -> bool:
     return isinstance(value, Tensor) and rows is not None and value.shape == rows.shape
 
 
+def optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    """The user's optimizer class (the one a `parallax.distribute` optimizer wraps)."""
+    return getattr(type(optimizer), "parallax_base", type(optimizer))
+
+
 def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict:
     """The user's constructor arguments as ``defaults`` records them, for those the class's
     constructor takes: some act in the constructor itself (Adagrad fills its state with
     ``initial_accumulator_value`` there), so param groups alone would not reproduce them."""
     try:
-        accepted = inspect.signature(type(optimizer)).parameters
+        accepted = inspect.signature(optimizer_class(optimizer)).parameters
     except (TypeError, ValueError):
         return {}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):

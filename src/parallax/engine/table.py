@@ -62,6 +62,9 @@ class Table(Protocol):
         """The whole parameter (or per-row ``source``, e.g. optimizer state), on every rank
         (collective)."""
 
+    def assign(self, weight: Tensor) -> None:
+        """Set the whole parameter's values (every rank passes the same ``weight``)."""
+
     @staticmethod
     def push_together(tables: Sequence[Table]) -> None:
         """Push all ``tables`` of this kind (in one exchange where the kind can)."""

@@ -1,0 +1,168 @@
+"""`parallax.distribute` in one process: the user's module and optimizer surface (what the
+forward returns, state dicts, train/eval, lr schedulers) and the misuse it names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import parallax
+from parallax.errors import UnsupportedProgramError
+
+
+class Tagged(nn.Module):
+    """Returns a structure, has a method of its own and a dropout (train/eval differ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(30, 4)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor, scale: float = 1.0) -> dict:
+        logits = self.head(self.drop(self.embedding(ids).mean(dim=1))) * scale
+        return {"logits": logits, "tag": "ok", "count": ids.shape[0]}
+
+    def describe(self) -> str:
+        return "tagged"
+
+
+@pytest.fixture
+def single_process():
+    yield
+    parallax.shutdown()
+
+
+def _pair(optimizer_class=torch.optim.Adagrad, **kwargs):
+    torch.manual_seed(0)
+    model = Tagged().double()
+    reference = Tagged().double()
+    reference.load_state_dict(model.state_dict())
+    distributed, optimizer = parallax.distribute(
+        model, optimizer_class(model.parameters(), lr=0.1, **kwargs),
+        config=parallax.Config(partition_cache=None))
+    return distributed, optimizer, reference, optimizer_class(reference.parameters(), lr=0.1,
+                                                              **kwargs)
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(30, (6, 4), generator=generator), torch.randint(3, (6,),
+                                                                        generator=generator)
+
+
+def test_forward_returns_the_modules_structure_and_trains_as_one_device(single_process):
+    """Keyword arguments in, a dict with non-tensors out; in eval mode (no dropout) five
+    steps of the plain loop with an lr scheduler equal the single-device program."""
+    model, optimizer, reference, reference_optimizer = _pair()
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
+                  for o in (optimizer, reference_optimizer)]
+    model.eval()
+    reference.eval()
+    for step in range(5):
+        ids, y = _batch(step)
+        for net, opt, sched in ((model, optimizer, schedulers[0]),
+                                (reference, reference_optimizer, schedulers[1])):
+            opt.zero_grad()
+            out = net(ids, scale=2.0)
+            assert out["tag"] == "ok" and out["count"] == 6
+            nn.functional.cross_entropy(out["logits"], y).backward()
+            opt.step()
+            sched.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-12, msg=name)
+    assert model.describe() == "tagged"  # the user's own methods
+    assert isinstance(optimizer, torch.optim.Adagrad)
+
+
+def test_train_and_eval_reach_the_module_that_runs(single_process):
+    """eval(): no dropout, the same outputs twice; train(): dropout again."""
+    model, _, reference, _ = _pair()
+    ids, _ = _batch(0)
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        first = model(ids)["logits"]
+        torch.testing.assert_close(first, model(ids)["logits"])
+        torch.testing.assert_close(first, reference(ids)["logits"])
+    model.train()
+    with torch.no_grad():
+        assert not torch.equal(model(ids)["logits"], model(ids)["logits"])
+
+
+def test_load_state_dict_reaches_the_servers(single_process):
+    """A single-device state dict loaded into the distributed model is what it computes
+    with and what it exports, the server-held table included."""
+    model, _, reference, _ = _pair()
+    torch.manual_seed(5)
+    other = Tagged().double()
+    model.load_state_dict(other.state_dict())
+    model.eval()
+    other.eval()
+    ids, _ = _batch(1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)["logits"], other(ids)["logits"])
+    for name, value in other.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
+
+
+def test_clip_grad_norm_includes_the_servers_rows(single_process):
+    """parallax.clip_grad_norm_ returns and applies the norm torch's computes on one device
+    over every gradient, the embedding's included."""
+    model, optimizer, reference, reference_optimizer = _pair(torch.optim.SGD)
+    model.eval()
+    reference.eval()
+    ids, y = _batch(2)
+    nn.functional.cross_entropy(model(ids)["logits"], y).backward()
+    nn.functional.cross_entropy(reference(ids)["logits"], y).backward()
+    norm = parallax.clip_grad_norm_(model.parameters(), 0.01)
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+    torch.testing.assert_close(norm, want.double(), rtol=1e-12, atol=0)
+    optimizer.step()
+    reference_optimizer.step()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-12, atol=1e-12)
+
+
+def test_step_without_a_forward_is_named(single_process):
+    model, optimizer, _, _ = _pair()
+    with pytest.raises(UnsupportedProgramError, match="rank 0: a gradient update with no "
+                       "forward through the distributed model"):
+        optimizer.step()
+
+
+def test_a_parameter_in_no_optimizer_is_refused():
+    model = Tagged()
+    with pytest.raises(UnsupportedProgramError, match=r"\['head.weight', 'head.bias'\] "
+                       "require gradients but are in none of the optimizers"):
+        parallax.distribute(model, torch.optim.SGD(model.embedding.parameters(), lr=0.1))
+
+
+def test_a_gradient_outside_the_lookups_is_refused(single_process):
+    """A loss term on the whole server-held table: its gradient would be lost."""
+    model, optimizer, _, _ = _pair()
+    ids, y = _batch(0)
+    loss = nn.functional.cross_entropy(model(ids)["logits"], y)
+    (loss + model.embedding.weight.pow(2).sum()).backward()
+    with pytest.raises(UnsupportedProgramError, match=r"\['embedding.weight'\] live on the "
+                       "parameter servers, but the program computed a gradient"):
+        optimizer.step()
+
+
+def test_norms_other_than_l2_are_refused(single_process):
+    model, _, _, _ = _pair()
+    with pytest.raises(UnsupportedProgramError, match="norm_type=2.0"):
+        parallax.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+
+
+def test_grad_scaler_is_refused_not_half_applied(single_process):
+    """GradScaler would unscale only the replicated gradients: refused, naming it."""
+    model, optimizer, _, _ = _pair()
+    scaler = torch.amp.GradScaler("cpu")
+    ids, y = _batch(0)
+    scaler.scale(nn.functional.cross_entropy(model(ids)["logits"], y)).backward()
+    with pytest.raises(UnsupportedProgramError, match="GradScaler is not supported"):
+        scaler.step(optimizer)
