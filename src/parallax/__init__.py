@@ -16,7 +16,7 @@ their partition count searched in process during the first steps after the warm-
 
 from parallax.api import get_runner
 from parallax.config import Config
-from parallax.distributed import clip_grad_norm_, distribute
+from parallax.distributed import GradScaler, clip_grad_norm_, distribute
 from parallax.errors import (
     CheckpointError,
     ConfigError,
@@ -35,7 +35,7 @@ from parallax.partitions.groups import partition, partitioner
 from parallax.runner import Runner
 from parallax.session import shutdown
 
-__all__ = ["CheckpointError", "Config", "ConfigError", "NetemError", "OptimizerError",
+__all__ = ["CheckpointError", "Config", "ConfigError", "GradScaler", "NetemError", "OptimizerError",
            "ParallaxError", "PlanComplete", "ResourceError", "Runner", "SparseIdError",
            "StalledRankError", "UnevenInputsError", "UnsupportedProgramError",
            "clip_grad_norm_", "distribute", "get_runner", "partition", "partitioner", "shard",

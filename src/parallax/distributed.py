@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.amp.grad_scaler import OptState
 
 from parallax.api import get_runner
 from parallax.config import Config
@@ -32,7 +33,8 @@ from parallax.engine.shard_optimizer import as_optimizer_list
 from parallax.errors import UnsupportedProgramError
 from parallax.runner import Runner
 
-__all__ = ["DistributedModel", "DistributedOptimizer", "clip_grad_norm_", "distribute"]
+__all__ = ["DistributedModel", "DistributedOptimizer", "GradScaler", "clip_grad_norm_",
+           "distribute"]
 
 # Runners by the id of every parameter they train: how clip_grad_norm_ finds its runner.
 _runner_of_parameter: dict[int, Runner] = {}
@@ -182,9 +184,9 @@ class DistributedOptimizer:
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if hasattr(self, "found_inf"):
             raise UnsupportedProgramError(
-                "torch.amp.GradScaler is not supported by parallax.distribute yet: it would "
-                "unscale and check only the replicated gradients, not the servers' rows. "
-                "Train without loss scaling (e.g. bfloat16 autocast needs none).")
+                "torch.amp.GradScaler would unscale and check only the replicated gradients, "
+                "not the servers' rows: use parallax.GradScaler (the same class, for "
+                "distributed optimizers)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -198,6 +200,57 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.parallax_runner.zero_grad([self])  # type: ignore[list-item]
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for the optimizers of `distribute`: ``unscale_`` (explicit, or
+    inside ``step``) also unscales the servers' aggregated rows, and its inf/NaN check covers
+    them, one decision on every rank and server; a step it skips ends like a taken one.
+    Everything else (``scale``, ``update``, state dicts) is torch's. ``Config.clip_grad_norm``
+    does not combine with it: clip with `clip_grad_norm_` after ``unscale_``.
+
+    Example::
+
+        scaler = parallax.GradScaler("cpu")
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        parallax.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+    """
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor,
+                        found_inf: Tensor, allow_fp16: bool) -> dict[torch.device, Tensor]:
+        runner = getattr(optimizer, "parallax_runner", None)
+        if runner is not None:  # first the push: it also sets the replicated tables' grads
+            runner.sync_gradients(scaled=True)
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if runner is not None:
+            if runner.unscale_tables([optimizer], inv_scale):
+                found_inf.fill_(1.0)
+            per_device.setdefault(found_inf.device, found_inf)
+        return per_device
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless ``unscale_`` did), then ``optimizer.step()`` unless an overflow
+        was found anywhere, as torch's; a skipped step still ends the parallax step."""
+        if not self.is_enabled() or not isinstance(optimizer, DistributedOptimizer):
+            return super().step(optimizer, *args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is "
+                               "enabled.")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        result = None
+        if not sum(float(v) for v in state["found_inf_per_device"].values()):
+            result = optimizer.step(*args, **kwargs)
+        else:
+            optimizer.parallax_runner.skip_update([optimizer])
+        state["stage"] = OptState.STEPPED
+        return result
 
 
 def _distributed_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -47,7 +47,7 @@ from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
 from parallax.session import check_same_everywhere, on_shutdown, shutdown
 
 LossFn = Callable[[Any, Any], Tensor]
-_FORWARD, _UPDATE = 1, 2  # what a rank is calling, in _check_phase
+_FORWARD, _UPDATE, _EXPORT = 1, 2, 3  # what a rank is calling, in _check_phase
 log = logging.getLogger("parallax")
 
 
@@ -212,11 +212,12 @@ class Runner:
             self.apply_update(self.optimizers, loss=loss)
         return loss.detach()
 
-    def sync_gradients(self, loss: Tensor | None = None) -> bool:
+    def sync_gradients(self, loss: Tensor | None = None, *, scaled: bool = False) -> bool:
         """Push this step's gradient rows to the servers, check finiteness on every rank
         (``loss`` too when given) and clip by `Config.clip_grad_norm`; once per step, later
         calls return the first one's answer. Returns whether the step's update applies
-        (False: `Config.nonfinite` skipped it). Collective."""
+        (False: `Config.nonfinite` skipped it). Collective. ``scaled`` (a loss scaler's
+        gradients): push only; the scaler checks and decides."""
         if not self._in_round:
             raise UnsupportedProgramError(
                 f"rank {self.worker.rank}: a gradient update with no forward through the "
@@ -225,15 +226,39 @@ class Runner:
                 f"parallax.distribute returned, then backward, then optimizer.step()")
         if self._synced:
             return self._applies
+        if scaled and self.config.clip_grad_norm is not None:
+            raise UnsupportedProgramError(
+                "Config.clip_grad_norm would clip the loss scaler's scaled gradients: clip "
+                "with parallax.clip_grad_norm_ after scaler.unscale_(optimizer) instead")
         self._check_no_gradient_outside_lookups()
         with self._explained():
             self._check_phase(_UPDATE)
             push_all(self.layout.all_tables().values())
-            self._applies = self._finite_or_skip(loss)
+            self._applies = True if scaled else self._finite_or_skip(loss)
             self._synced = True
             if self._applies and self.config.clip_grad_norm is not None:
                 self.last_grad_norm = self.clip_grad_norm(self.config.clip_grad_norm)
         return self._applies
+
+    def unscale_tables(self, optimizers: Sequence[torch.optim.Optimizer],
+                       inv_scale: Tensor) -> bool:
+        """For `parallax.GradScaler`, after the push: multiply the aggregated rows of the
+        tables ``optimizers`` update by ``inv_scale``; returns whether any of them is NaN or
+        infinite (collective: the same answer on every rank)."""
+        squared = torch.zeros((), dtype=torch.float64, device=self.device)
+        for table in self._tables_of(optimizers):
+            table.scale_grad(inv_scale)
+            squared += table.grad_norm_squared()
+        with self._explained():
+            dist.all_reduce(squared, group=self.group)
+        return not bool(torch.isfinite(squared))
+
+    def _tables_of(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[Table]:
+        """The tables whose parameters ``optimizers`` hold."""
+        mine = {id(p) for optimizer in optimizers for group in optimizer.param_groups
+                for p in group["params"]}
+        params = dict(self.model.named_parameters())
+        return [t for name, t in self.layout.all_tables().items() if id(params[name]) in mine]
 
     def apply_update(self, optimizers: Sequence[torch.optim.Optimizer], *,
                      loss: Tensor | None = None) -> None:
@@ -245,6 +270,11 @@ class Runner:
                     dense_step = getattr(optimizer, "parallax_dense_step", None)
                     (dense_step or optimizer.step)()
                 self.shard_optimizer.step(optimizers)
+        self.skip_update(optimizers)
+
+    def skip_update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """``optimizers`` are done with this step (updated, or skipped by a loss scaler that
+        found an overflow); the step ends once every optimizer is."""
         self._stepped.update(id(optimizer) for optimizer in optimizers)
         if self._stepped >= {id(optimizer) for optimizer in self.optimizers}:
             self._end_round()
@@ -281,7 +311,8 @@ class Runner:
         where = [(int(t[0]), int(t[1])) for t in everyone]
         if len(set(where)) == 1:
             return
-        said = {_FORWARD: "a forward of the model", _UPDATE: "optimizer.step()"}
+        said = {_FORWARD: "a forward of the model", _UPDATE: "optimizer.step()",
+                _EXPORT: "model.state_dict()"}
         odd = [r for r, w in enumerate(where) if w != where[0]]
         raise UnsupportedProgramError(
             f"rank {self.worker.rank}: the ranks' training loops diverged: rank 0 called "
@@ -386,9 +417,7 @@ class Runner:
             for param in self.replicated_parameters:
                 if id(param) in mine:
                     param.grad = None
-            params = dict(self.model.named_parameters())
-            tables = [t for name, t in self.layout.all_tables().items()
-                      if id(params[name]) in mine]
+            tables = self._tables_of(optimizers)
         for table in tables:
             table.zero_grad()
 
@@ -559,7 +588,10 @@ class Runner:
 
     # ---- export --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:
-        """A plain single-device ``state_dict`` of the original model class (collective)."""
+        """A plain single-device ``state_dict`` of the original model class (collective: on
+        every rank, not only on the one that saves it)."""
+        with self._explained():
+            self._check_phase(_EXPORT)
         state = self.model.state_dict()
         names_of: dict[int, list[str]] = {}  # tied parameters appear under every name
         for name, param in self.model.named_parameters(remove_duplicate=False):

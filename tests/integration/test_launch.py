@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, Proce
 
 from parallax.cluster import RESOURCES_ENV, local_spec, parse_resource_text
 from parallax.launch import elastic as launch_mod
-from parallax.launch.elastic import free_port, install_error_recorder, launch, plan_agent
+from parallax.launch.elastic import agent_setup, free_port, install_error_recorder, launch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 REPO = Path(__file__).resolve().parents[2]
@@ -39,29 +39,29 @@ def _alive(pid: int) -> bool:
 
 
 def test_plan_local_spec_runs_one_agent_for_all_machines():
-    plan = plan_agent(local_spec(2, 3))
-    assert (plan.nnodes, plan.node_rank, plan.nproc_per_node) == (1, 0, 6)
-    assert plan.master_addr == "127.0.0.1"
-    assert plan.master_port > 0
+    agent = agent_setup(local_spec(2, 3))
+    assert (agent.nnodes, agent.node_rank, agent.nproc_per_node) == (1, 0, 6)
+    assert agent.master_addr == "127.0.0.1"
+    assert agent.master_port > 0
 
 
 def test_plan_remote_spec_needs_machine_index():
     spec = parse_resource_text("gpu-a:0,1\ngpu-b:0,1\n")
     with pytest.raises(ValueError, match="machine index"):
-        plan_agent(spec)
-    plan = plan_agent(spec, machine_index=1)
-    assert (plan.nnodes, plan.node_rank, plan.nproc_per_node) == (2, 1, 2)
-    assert (plan.master_addr, plan.master_port) == ("gpu-a", 29500)
-    plan = plan_agent(spec, machine_index=0, master_addr="10.0.0.1", master_port=1234)
-    assert (plan.master_addr, plan.master_port) == ("10.0.0.1", 1234)
+        agent_setup(spec)
+    agent = agent_setup(spec, machine_index=1)
+    assert (agent.nnodes, agent.node_rank, agent.nproc_per_node) == (2, 1, 2)
+    assert (agent.master_addr, agent.master_port) == ("gpu-a", 29500)
+    agent = agent_setup(spec, machine_index=0, master_addr="10.0.0.1", master_port=1234)
+    assert (agent.master_addr, agent.master_port) == ("10.0.0.1", 1234)
     with pytest.raises(ValueError, match="out of range"):
-        plan_agent(spec, machine_index=2)
+        agent_setup(spec, machine_index=2)
 
 
 def test_plan_remote_spec_needs_equal_machines():
     spec = parse_resource_text("gpu-a:0,1\ngpu-b:0\n")
     with pytest.raises(ValueError, match="same number of workers"):
-        plan_agent(spec, machine_index=0)
+        agent_setup(spec, machine_index=0)
 
 
 # --- failure reports and the error recorder -------------------------------------------

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from equivalence_cases import Case, Mixed, global_batches, loss_fn
 
@@ -53,12 +54,20 @@ def test_outputs_beyond_the_loss_equal_one_device_for_each_slice(tmp_path: Path)
         torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_a_rank_that_skips_optimizer_step_is_named(tmp_path: Path) -> None:
-    proc, seconds = run("skip-step", tmp_path)
+@pytest.mark.parametrize("mode, said", [
+    ("skip-step", "rank 0 called optimizer.step() in step 3, rank 1 a forward of the model in "
+                  "step 3"),
+    ("save-on-0", "rank 0 called model.state_dict() in step 3, rank 1 a forward of the model "
+                  "in step 3"),
+])
+def test_a_rank_that_leaves_the_common_sequence_is_named(tmp_path: Path, mode: str,
+                                                         said: str) -> None:
+    """Skipping optimizer.step() on one rank, or saving the (collective) state dict on rank 0
+    alone as DDP programs do: every rank stops at once, naming what each called."""
+    proc, seconds = run(mode, tmp_path)
     assert proc.returncode != 0
     summary = [line for line in proc.stderr.splitlines() if line.startswith("parallax: rank")]
-    want = ("UnsupportedProgramError: rank {r}: the ranks' training loops diverged: rank 0 "
-            "called optimizer.step() in step 3, rank 1 a forward of the model in step 3")
+    want = "UnsupportedProgramError: rank {r}: the ranks' training loops diverged: " + said
     for rank in range(2):
         assert any(want.format(r=rank) in line for line in summary), proc.stderr[-3000:]
     assert seconds < 60, "no rank waits for the collective timeout"

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from equivalence_cases import (  # noqa: E402
+    SCALER,
     Case,
     all_cases,
     build,
@@ -104,6 +105,7 @@ def _train_own_loop(case: Case, model: torch.nn.Module, optimizers: list,
                                             resources=resources)
     worker = model.runner.worker
     hidden = None
+    scaler = parallax.GradScaler("cpu", **SCALER) if case.loop == "scaler" else None
     for batch in global_batches(case):
         parts = micro_batches(worker_slice(batch, worker.rank, worker.world_size), case, 1)
 
@@ -130,11 +132,17 @@ def _train_own_loop(case: Case, model: torch.nn.Module, optimizers: list,
                     hidden = tuple(h.detach() for h in hidden)
                 else:
                     output = model(x)
-                loop_loss(case, model, output, y, len(parts)).backward()
+                loss = loop_loss(case, model, output, y, len(parts))
+                (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            for opt in optimizers:
+                scaler.unscale_(opt)
         if case.clip is not None:
             parallax.clip_grad_norm_(model.parameters(), case.clip)
         for opt in optimizers:
-            opt.step()
+            scaler.step(opt) if scaler else opt.step()
+        if scaler:
+            scaler.update()
     return model.runner
 
 

@@ -4,6 +4,7 @@ Usage: own_loop_worker.py MODE OUT_DIR, MODE one of
   outputs    train 4 steps of the canonical loop; save every step's model outputs for this
              worker's slice (OUT_DIR/outputs-RANK.pt) and, on rank 0, the final state dict
   skip-step  rank 1 does not call optimizer.step() in step 3 (collective timeout 20 s)
+  save-on-0  rank 0 alone calls model.state_dict() after step 2, as DDP programs do
 Every worker writes OUT_DIR/pid-RANK so the test can check no process is left behind.
 """
 
@@ -27,7 +28,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = Mixed().double()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
-    config = parallax.Config(collective_timeout_s=20 if mode == "skip-step" else 60,
+    config = parallax.Config(collective_timeout_s=60 if mode == "outputs" else 20,
                              partition_cache=None)
     model, optimizer = parallax.distribute(model, optimizer, config=config)
     outputs = []
@@ -40,6 +41,8 @@ def main() -> None:
         if mode == "skip-step" and worker.rank == 1 and step == 3:
             continue
         optimizer.step()
+        if mode == "save-on-0" and worker.rank == 0 and step == 2:
+            torch.save(model.state_dict(), out / "state.pt")
     torch.save(outputs, out / f"outputs-{worker.rank}.pt")
     state = model.state_dict()
     if worker.rank == 0:

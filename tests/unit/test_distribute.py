@@ -158,11 +158,48 @@ def test_norms_other_than_l2_are_refused(single_process):
         parallax.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
 
 
-def test_grad_scaler_is_refused_not_half_applied(single_process):
-    """GradScaler would unscale only the replicated gradients: refused, naming it."""
+def test_torch_grad_scaler_is_refused_not_half_applied(single_process):
+    """torch's GradScaler would unscale only the replicated gradients: refused, naming the
+    one that works."""
     model, optimizer, _, _ = _pair()
     scaler = torch.amp.GradScaler("cpu")
     ids, y = _batch(0)
     scaler.scale(nn.functional.cross_entropy(model(ids)["logits"], y)).backward()
-    with pytest.raises(UnsupportedProgramError, match="GradScaler is not supported"):
+    with pytest.raises(UnsupportedProgramError, match="use parallax.GradScaler"):
         scaler.step(optimizer)
+
+
+def test_parallax_grad_scaler_skips_and_trains_as_torch_on_one_device(single_process):
+    """A first scale that overflows: the same steps are skipped, the scale backs off and
+    grows the same, and the parameters end equal (float32, servers' rows included)."""
+    torch.manual_seed(0)
+    model, reference = Tagged(), Tagged()
+    reference.load_state_dict(model.state_dict())
+    distributed, optimizer = parallax.distribute(
+        model, torch.optim.Adam(model.parameters(), lr=0.01),
+        config=parallax.Config(partition_cache=None))
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    settings = {"init_scale": 2.0 ** 120, "growth_interval": 2}
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    scalers = [parallax.GradScaler("cpu", **settings), torch.amp.GradScaler("cpu", **settings)]
+    distributed.eval()
+    reference.eval()
+    scales = []
+    for step in range(8):
+        ids, y = _batch(step)
+        for net, opt, scaler in ((distributed, optimizer, scalers[0]),
+                                 (reference, reference_optimizer, scalers[1])):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(ids)["logits"], y) * 256  # overflows
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        scales.append((scalers[0].get_scale(), scalers[1].get_scale()))
+    assert all(a == b for a, b in scales), scales
+    assert len({a for a, _ in scales}) > 1, "the scale backed off and grew"
+    assert all(not torch.equal(reference.state_dict()[k], v) for k, v in initial.items())
+    state = distributed.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    assert distributed.runner.global_step == 8

@@ -150,12 +150,7 @@ def load_object(path: Path, record: FileRecord, *, weights_only: bool = True) ->
     scalars/strings; pass False only for trusted files holding other objects.
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (manifest records {record.size} bytes)") from None
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot be read: {err}") from err
+    data = _read(path, f"manifest records {record.size} bytes")
     _check_record(path, record, len(data), hashlib.sha256(data).hexdigest())
     try:
         return torch.load(io.BytesIO(data), weights_only=weights_only)
@@ -195,16 +190,21 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     write_atomic(where, text.encode("ascii"))
 
 
+def _read(path: Path, if_missing: str) -> bytes:
+    """``path``'s bytes, or a `CheckpointError` naming it (``if_missing``: why it may be)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing ({if_missing})") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read: {err}") from err
+
+
 def read_manifest(directory: Path) -> Manifest:
     """Read and check ``directory/manifest.json``: present, JSON, of a known format version,
     matching its own checksum, and well-formed. Does not look at the listed files."""
     where = Path(directory) / MANIFEST_NAME
-    try:
-        raw = where.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{where}: missing (the save was interrupted?)") from None
-    except OSError as err:
-        raise CheckpointError(f"{where}: cannot be read: {err}") from err
+    raw = _read(where, "the save was interrupted?")
     try:
         document = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as err:

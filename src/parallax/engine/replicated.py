@@ -21,17 +21,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine import hierarchy
+from parallax.engine import hierarchy, lookup_options
 from parallax.engine.exchange import Hop, Traffic, unique_ids
-from parallax.engine.lookup_options import (
-    BatchDependent,
-    check_batch_dependent,
-    check_one_lookup,
-    divide_by_counts,
-    scales_by_freq,
-    split_counts,
-    with_counts,
-)
 
 
 class ReplicatedTable:
@@ -47,8 +38,9 @@ class ReplicatedTable:
 
     def __init__(self, name: str, param: nn.Parameter, *, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
-                 sync: str = "allgatherv", batch_dependent: BatchDependent | None = None):
-        check_batch_dependent(name, batch_dependent, sparse_grad)
+                 sync: str = "allgatherv",
+                 batch_dependent: lookup_options.BatchDependent | None = None):
+        lookup_options.check_batch_dependent(name, batch_dependent, sparse_grad)
         self.name = name
         self.batch_dependent = batch_dependent
         self._lookups = 0  # with gradients, this step (scale_grad_by_freq allows one)
@@ -72,10 +64,10 @@ class ReplicatedTable:
         """Rows of the local replica, as `ShardedTable.lookup` returns them."""
         unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
         options = self.batch_dependent
-        scales = scales_by_freq(options)
+        scales = lookup_options.scales_by_freq(options)
         if scales and torch.is_grad_enabled():
             self._lookups += 1
-            check_one_lookup(self.name, self.worker.rank, self._lookups)
+            lookup_options.check_one_lookup(self.name, self.worker.rank, self._lookups)
         # Every rank learns of a bad id on any rank (a count exchange), so none waits alone;
         # with max_norm the ids themselves go to every replica.
         world = self.worker.world_size
@@ -136,7 +128,7 @@ class ReplicatedTable:
         for unique, rows, counts in self._pending:
             grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
             if counts is not None:  # counts travel as one more column of the rows
-                grad = with_counts(grad, counts)
+                grad = lookup_options.with_counts(grad, counts)
             hop = Hop.open([unique.numel()] * world, group=self.group, traffic=self.traffic,
                            name=self.name, num_rows=self.num_rows, device=self.param.device)
             ids_parts.append(hop.forward(unique.repeat(world)))
@@ -147,7 +139,7 @@ class ReplicatedTable:
         ids, rows = torch.cat(ids_parts), torch.cat(row_parts)
         counts = None
         if self._scales_by_freq:
-            rows, counts = split_counts(rows, self.row_shape)
+            rows, counts = lookup_options.split_counts(rows, self.row_shape)
         if self.average:
             rows = rows / world
         if self.sparse_grad:
@@ -156,14 +148,14 @@ class ReplicatedTable:
         else:
             grad = torch.zeros_like(self.param).index_add_(0, ids, rows)
             if counts is not None:
-                divide_by_counts(grad, torch.zeros(self.num_rows, dtype=self.dtype,
+                lookup_options.divide_by_counts(grad, torch.zeros(self.num_rows, dtype=self.dtype,
                                                    device=ids.device).index_add_(0, ids, counts))
         # accumulated onto a gradient no zero_grad cleared, as autograd does
         self.param.grad = grad if self.param.grad is None else self.param.grad + grad
 
     @property
     def _scales_by_freq(self) -> bool:
-        return scales_by_freq(self.batch_dependent)
+        return lookup_options.scales_by_freq(self.batch_dependent)
 
     def _allreduce(self) -> None:
         grad = torch.zeros_like(self.param)
@@ -175,16 +167,16 @@ class ReplicatedTable:
                 total.index_add_(0, unique, counts.to(self.dtype))
         self._pending.clear()
         # The counts ride in the same AllReduce, as one more column.
-        payload = with_counts(grad, total) if self._scales_by_freq else grad
+        payload = lookup_options.with_counts(grad, total) if self._scales_by_freq else grad
         hierarchy.account(payload, traffic=self.traffic, name=self.name)
         hierarchy.all_reduce(payload, group=self.group)
         if self._scales_by_freq:
-            grad, total = split_counts(payload, self.row_shape)
+            grad, total = lookup_options.split_counts(payload, self.row_shape)
             grad = grad.contiguous()
         if self.average:
             grad /= self.worker.world_size
         if self._scales_by_freq:
-            divide_by_counts(grad, total)
+            lookup_options.divide_by_counts(grad, total)
         # accumulated onto a gradient no zero_grad cleared, as autograd does
         self.param.grad = grad if self.param.grad is None else self.param.grad + grad
 

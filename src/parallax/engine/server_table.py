@@ -22,16 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
+from parallax.engine import lookup_options
 from parallax.engine.exchange import Hop, SparseIdError, Traffic, unique_ids
-from parallax.engine.lookup_options import (
-    BatchDependent,
-    check_batch_dependent,
-    check_one_lookup,
-    divide_by_counts,
-    scales_by_freq,
-    split_counts,
-    with_counts,
-)
 from parallax.engine.pool import SERIAL, PartitionPool
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "prefetch", "pull",
@@ -126,10 +118,10 @@ class ShardedTable:
     def __init__(self, name: str, weight: Tensor, *, num_partitions: int, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
                  local_aggregation: bool = False, first_server: int = 0,
-                 batch_dependent: BatchDependent | None = None):
+                 batch_dependent: lookup_options.BatchDependent | None = None):
         if weight.dim() < 1:
             raise ValueError(f"parameter '{name}' must have rows (dim >= 1), got a scalar")
-        check_batch_dependent(name, batch_dependent, sparse_grad)
+        lookup_options.check_batch_dependent(name, batch_dependent, sparse_grad)
         self.name = name
         # max_norm: owners renormalise the rows of every pull (all workers' ids) before
         # serving them; scale_grad_by_freq: workers push their id counts with the gradient
@@ -203,7 +195,7 @@ class ShardedTable:
         from the rows `pull` prefetched for this step when there are any."""
         if self.scales_by_freq and torch.is_grad_enabled():
             self._lookups += 1
-            check_one_lookup(self.name, self.worker.rank, self._lookups)
+            lookup_options.check_one_lookup(self.name, self.worker.rank, self._lookups)
         if self.prefetched is None:
             return pull([self], [ids])[0]
         unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
@@ -227,7 +219,7 @@ class ShardedTable:
 
     @property
     def scales_by_freq(self) -> bool:
-        return scales_by_freq(self.batch_dependent)
+        return lookup_options.scales_by_freq(self.batch_dependent)
 
     # ---- backward: push ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -333,7 +325,7 @@ class ShardedTable:
         total = torch.zeros(self.shard.shape[0], dtype=self.dtype, device=self.device)
         total.index_add_(0, torch.cat([rows for rows, _ in received]),
                          torch.cat([counts for _, counts in received]))
-        divide_by_counts(self.shard.grad, total)
+        lookup_options.divide_by_counts(self.shard.grad, total)
 
     def _gradients(self) -> list[Tensor]:
         """This server's aggregated gradient, as whole tensors (the shard's, or its
@@ -478,7 +470,7 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
             grad = lookup.rows.grad
             grads[name] = torch.zeros_like(lookup.rows) if grad is None else grad
             if lookup.counts is not None:  # counts travel as one more column of the rows
-                grads[name] = with_counts(grads[name], lookup.counts)
+                grads[name] = lookup_options.with_counts(grads[name], lookup.counts)
         if record.to_leader is not None:
             pieces = record.to_leader.forward_many(grads)
             for name, lookup in record.lookups.items():
@@ -491,7 +483,7 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
             if table.shard is not None:
                 values = received[name]
                 if table.scales_by_freq:
-                    values, counts = split_counts(values, table.row_shape)
+                    values, counts = lookup_options.split_counts(values, table.row_shape)
                     table._received_counts.append((lookup.recv_local_rows, counts))
                 if table.average:
                     values.div_(table.worker.world_size)

@@ -49,7 +49,7 @@ from parallax.engine.progress import CULPRIT
 from parallax.errors import PlanComplete
 from parallax.launch.executors import omp_threads
 
-__all__ = ["AgentPlan", "install_error_recorder", "launch", "plan_agent"]
+__all__ = ["AgentSetup", "install_error_recorder", "launch", "agent_setup"]
 
 DEFAULT_MASTER_PORT = 29500
 #: Rendezvous id; the agents of one job must agree on it (it prefixes their store keys).
@@ -73,7 +73,7 @@ _WORKER_PORT_KEY = "parallax/worker_store_port"
 
 
 @dataclass(frozen=True)
-class AgentPlan:
+class AgentSetup:
     """What the elastic agent on this host runs: its node in the job and its rendezvous."""
 
     nnodes: int
@@ -83,13 +83,13 @@ class AgentPlan:
     master_port: int
 
 
-def plan_agent(
+def agent_setup(
     spec: ResourceSpec,
     *,
     machine_index: int | None = None,
     master_addr: str | None = None,
     master_port: int | None = None,
-) -> AgentPlan:
+) -> AgentSetup:
     """Decide this host's agent: one for all workers of a local spec, else one per machine.
 
     A local spec without ``machine_index`` runs every emulated machine's workers under a
@@ -103,19 +103,19 @@ def plan_agent(
                 f"the resources name remote hosts ({hosts}): run the launcher on every machine "
                 "and give each its machine index (--machine-index)"
             )
-        return AgentPlan(
+        return AgentSetup(
             nnodes=1,
             node_rank=0,
             nproc_per_node=spec.world_size,
             master_addr=master_addr or "127.0.0.1",
             master_port=master_port or free_port(),
         )
-    return _plan_machine(spec, machine_index, master_addr, master_port)
+    return _machine_setup(spec, machine_index, master_addr, master_port)
 
 
-def _plan_machine(
+def _machine_setup(
     spec: ResourceSpec, index: int, master_addr: str | None, master_port: int | None
-) -> AgentPlan:
+) -> AgentSetup:
     """Plan for one machine of a multi-agent job; torch needs equal workers per machine."""
     if not 0 <= index < len(spec.machines):
         raise ValueError(f"machine index {index} out of range 0..{len(spec.machines) - 1}")
@@ -125,7 +125,7 @@ def _plan_machine(
             "every machine must run the same number of workers for a multi-machine launch; "
             f"the resources give {', '.join(map(str, counts))}"
         )
-    return AgentPlan(
+    return AgentSetup(
         nnodes=len(spec.machines),
         node_rank=index,
         nproc_per_node=counts[0],
@@ -141,8 +141,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch_config(plan: AgentPlan, log_dir: str, max_restarts: int = 0) -> LaunchConfig:
-    """torch's launch config for ``plan``: static rendezvous, fast monitoring, and up to
+def _launch_config(agent: AgentSetup, log_dir: str, max_restarts: int = 0) -> LaunchConfig:
+    """torch's launch config for ``agent``: static rendezvous, fast monitoring, and up to
     ``max_restarts`` restarts of the whole worker group.
 
     ``log_dir`` receives the workers' error files (torch would leave a temp dir behind).
@@ -151,16 +151,16 @@ def _launch_config(plan: AgentPlan, log_dir: str, max_restarts: int = 0) -> Laun
     """
     if max_restarts:
         rendezvous_handler_registry.register(RESTARTABLE_RDZV_BACKEND, _restartable_handler)
-    host = f"[{plan.master_addr}]" if ":" in plan.master_addr else plan.master_addr
+    host = f"[{agent.master_addr}]" if ":" in agent.master_addr else agent.master_addr
     return LaunchConfig(
-        min_nodes=plan.nnodes,
-        max_nodes=plan.nnodes,
-        nproc_per_node=plan.nproc_per_node,
+        min_nodes=agent.nnodes,
+        max_nodes=agent.nnodes,
+        nproc_per_node=agent.nproc_per_node,
         run_id=RUN_ID,
         role="parallax",
-        rdzv_endpoint=f"{host}:{plan.master_port}",
+        rdzv_endpoint=f"{host}:{agent.master_port}",
         rdzv_backend=RESTARTABLE_RDZV_BACKEND if max_restarts else "static",
-        rdzv_configs={"rank": plan.node_rank},
+        rdzv_configs={"rank": agent.node_rank},
         max_restarts=max_restarts,
         monitor_interval=MONITOR_INTERVAL,
         start_method="spawn",
@@ -257,11 +257,11 @@ def launch(
         raise ValueError("nothing to launch: cmd is empty")
     if not is_int(max_restarts, at_least=0):
         raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
-    plan = plan_agent(
+    agent = agent_setup(
         spec, machine_index=machine_index, master_addr=master_addr, master_port=master_port
     )
     worker_env = {RESOURCES_ENV: spec.to_json(), **(env or {})}
-    worker_env.setdefault("OMP_NUM_THREADS", omp_threads(plan.nproc_per_node))
+    worker_env.setdefault("OMP_NUM_THREADS", omp_threads(agent.nproc_per_node))
     with (
         tempfile.TemporaryDirectory(prefix="parallax-") as log_dir,
         _quiet_elastic_logs(),
@@ -272,7 +272,7 @@ def launch(
     ):
         try:
             elastic_launch(
-                _launch_config(plan, log_dir, max_restarts), sys.executable
+                _launch_config(agent, log_dir, max_restarts), sys.executable
             )("-u", *cmd)
         except ChildFailedError as err:
             if max_restarts:
