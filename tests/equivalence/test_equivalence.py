@@ -85,7 +85,7 @@ def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
     topology, results = distributed
     plans = {tuple(key.split("-")[:2]): json.loads(r["__plan__"]) for key, r in results.items()
              if not any(variant in key for variant in ("migrate", "lazy", "repartition",
-                                                       "search"))}
+                                                       "search", "loop"))}
     by_arch = {key: {p["name"]: p["sync"] for p in plan["parameters"]}
                for key, plan in plans.items()}
     sync = {model: placement for (arch, model), placement in by_arch.items() if arch == "hybrid"}
