@@ -7,8 +7,9 @@ single-device program with the global batch and compares the parameters.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -546,31 +547,59 @@ def loop_loss(case: Case, model: nn.Module, output: Tensor, y: Tensor, parts: in
 
 def _loop_reference(case: Case, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                     world: int) -> dict[str, Tensor]:
-    """The single-device program of a loop case (what equivalence_worker.py trains)."""
-    hidden = None
+    """The single-device program of a loop case on the global batches."""
     scaler = torch.amp.GradScaler("cpu", **SCALER) if case.loop == "scaler" else None
-    for batch in global_batches(case):
-        parts = micro_batches(batch, case, world)
+    train_loop(case, model, optimizers,
+               (micro_batches(batch, case, world) for batch in global_batches(case)),
+               clip=lambda params, max_norm: clip_like_parallax(list(params), max_norm),
+               scaler=scaler)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_loop(case: Case, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+               steps: Iterable[list[tuple[Tensor, Tensor]]], *,
+               clip: Callable[[Iterable[nn.Parameter], float], object],
+               scaler: torch.amp.GradScaler | None = None) -> None:
+    """A loop case's program, one step per item of ``steps`` (its micro-batches). The same
+    code trains on one device and, on every worker, through parallax.distribute: only the
+    model, optimizers, ``clip`` (parallax.clip_grad_norm_) and ``scaler`` (parallax's) differ,
+    as in a user's program."""
+    hidden = None
+    for parts in steps:
+        def closure(parts: list[tuple[Tensor, Tensor]] = parts) -> None:
+            for opt in optimizers:
+                opt.zero_grad()
+            for x, y in parts:
+                loop_loss(case, model, model(x), y, len(parts)).backward()
+            if case.clip is not None:
+                clip(model.parameters(), case.clip)
+
+        if case.loop == "closure":
+            (optimizer,) = optimizers
+            optimizer.step(closure)
+            continue
         for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        for x, y in parts:
-            if case.loop == "bptt":
-                output, hidden = model(x, hidden)
-                hidden = tuple(h.detach() for h in hidden)
-            else:
-                output = model(x)
-            loss = loop_loss(case, model, output, y, len(parts))
-            (scaler.scale(loss) if scaler else loss).backward()
+            opt.zero_grad()
+        for i, (x, y) in enumerate(parts):
+            # accumulating under DDP-like models: no_sync for all but the last micro-batch
+            no_sync = getattr(model, "no_sync", None)
+            with no_sync() if no_sync and i < len(parts) - 1 else contextlib.nullcontext():
+                if case.loop == "bptt":
+                    output, hidden = model(x, hidden)
+                    hidden = tuple(h.detach() for h in hidden)
+                else:
+                    output = model(x)
+                loss = loop_loss(case, model, output, y, len(parts))
+                (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
             for opt in optimizers:
                 scaler.unscale_(opt)
         if case.clip is not None:
-            clip_like_parallax(list(model.parameters()), case.clip)
+            clip(model.parameters(), case.clip)
         for opt in optimizers:
             scaler.step(opt) if scaler else opt.step()
         if scaler:
             scaler.update()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _sparse_names(model: nn.Module) -> set[str]:

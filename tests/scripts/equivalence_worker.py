@@ -7,7 +7,6 @@ or plain ``python equivalence_worker.py OUT.pt KEY_SUBSTRING --resources FILE``:
 get_runner launches the workers itself, as a user's train.py would. FILTER: comma-separated
 items, each a substring of the case keys to run, or ``=KEY`` for one case exactly."""
 
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -21,9 +20,9 @@ from equivalence_cases import (  # noqa: E402
     all_cases,
     build,
     global_batches,
-    loop_loss,
     loss_fn,
     micro_batches,
+    train_loop,
     worker_slice,
 )
 
@@ -99,50 +98,16 @@ def main() -> None:
 
 def _train_own_loop(case: Case, model: torch.nn.Module, optimizers: list,
                     config: parallax.Config, resources: str | None) -> parallax.Runner:
-    """The case's single-device loop with parallax.distribute's lines: the program of
-    equivalence_cases._loop_reference on this worker's slice of every batch."""
+    """The case's single-device loop (equivalence_cases.train_loop) with parallax's lines, on
+    this worker's slice of every batch."""
     model, optimizers = parallax.distribute(model, optimizers, config=config,
                                             resources=resources)
     worker = model.runner.worker
-    hidden = None
-    scaler = parallax.GradScaler("cpu", **SCALER) if case.loop == "scaler" else None
-    for batch in global_batches(case):
-        parts = micro_batches(worker_slice(batch, worker.rank, worker.world_size), case, 1)
-
-        def closure(parts=parts):
-            for opt in optimizers:
-                opt.zero_grad()
-            for x, y in parts:
-                loop_loss(case, model, model(x), y, len(parts)).backward()
-            if case.clip is not None:
-                parallax.clip_grad_norm_(model.parameters(), case.clip)
-
-        if case.loop == "closure":
-            (optimizer,) = optimizers
-            optimizer.step(closure)
-            continue
-        for opt in optimizers:
-            opt.zero_grad()
-        for i, (x, y) in enumerate(parts):
-            # accumulating: DDP's no_sync for all but the last micro-batch (exact either way)
-            last = i == len(parts) - 1
-            with contextlib.nullcontext() if last else model.no_sync():
-                if case.loop == "bptt":
-                    output, hidden = model(x, hidden)
-                    hidden = tuple(h.detach() for h in hidden)
-                else:
-                    output = model(x)
-                loss = loop_loss(case, model, output, y, len(parts))
-                (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            for opt in optimizers:
-                scaler.unscale_(opt)
-        if case.clip is not None:
-            parallax.clip_grad_norm_(model.parameters(), case.clip)
-        for opt in optimizers:
-            scaler.step(opt) if scaler else opt.step()
-        if scaler:
-            scaler.update()
+    train_loop(case, model, optimizers,
+               (micro_batches(worker_slice(batch, worker.rank, worker.world_size), case, 1)
+                for batch in global_batches(case)),
+               clip=parallax.clip_grad_norm_,
+               scaler=parallax.GradScaler("cpu", **SCALER) if case.loop == "scaler" else None)
     return model.runner
 
 
