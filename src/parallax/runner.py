@@ -29,6 +29,7 @@ from parallax.config import Config
 from parallax.engine.dense_sync import wrap_dense
 from parallax.engine.exchange import Traffic
 from parallax.engine.grad_norm import clip_by_global_norm, find_nonfinite
+from parallax.engine.handles import release
 from parallax.engine.pool import default_threads, shared_pool
 from parallax.engine.progress import Progress, is_collective_failure
 from parallax.engine.server_table import ShardedTable, prefetch
@@ -54,9 +55,10 @@ log = logging.getLogger("parallax")
 class Runner:
     """Trains ``model`` data-parallel; every public method is collective (call it on all ranks).
 
-    The user's ``model`` object is not modified: the runner executes a structural copy that
-    shares its dense parameters and buffers, so the dense parameters the user holds are the
-    ones being trained, and `state_dict` brings the sparse ones back from the servers.
+    The runner executes a structural copy of the user's ``model`` that shares its dense
+    parameters and buffers, so the dense parameters the user holds are the ones being trained.
+    A parameter the servers hold is released in the user's model (a storage-less handle on the
+    ``meta`` device, `parallax.engine.handles`): `state_dict` brings its values back.
     """
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -126,6 +128,11 @@ class Runner:
                                     params[name].shape)
                              for name, table in self.layout.pulled_whole.items()}
         self.last_grad_norm: float | None = None
+        # The servers hold these now: the user's copies would be stale full tables in every
+        # process (parallax.engine.handles).
+        for name, table in self.layout.all_tables().items():
+            if table.on_servers:
+                release(params[name])
         self._tuner = self._build_tuner()
         self._batch_signature: Any = None
         # the current step (see "training" below)
@@ -598,7 +605,7 @@ class Runner:
             names_of.setdefault(id(param), []).append(name)
         params = dict(self.model.named_parameters())
         for name, table in self.layout.all_tables().items():
-            full = table.full_weight().view(state[name].shape).to(state[name].device)
+            full = table.full_weight().view(state[name].shape).to(self.device)
             for alias in names_of[id(params[name])]:
                 state[alias] = full
         return state
@@ -608,11 +615,32 @@ class Runner:
         passes the same values): into the model, and the server-held rows onto their servers.
         Optimizer state is untouched, as on one device. Returns what
         ``nn.Module.load_state_dict`` returns."""
-        result = self.model.load_state_dict(state, strict=strict)
+        aliases = self._server_held_aliases()
+        held = {name for names in aliases.values() for name in names}
+        result = self.model.load_state_dict({k: v for k, v in state.items() if k not in held},
+                                            strict=False)
+        missing = [k for k in result.missing_keys if k not in held]
+        missing += sorted(k for k in held if k not in state)
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self.model).__name__}: missing "
+                f"keys {missing}, unexpected keys {result.unexpected_keys}")
+        params = dict(self.model.named_parameters())
         for name, table in self.layout.all_tables().items():
-            if name in state:
-                table.assign(state[name].to(self.device))
-        return result
+            given = [alias for alias in aliases.get(id(params[name]), ()) if alias in state]
+            if given:
+                table.assign(state[given[0]].to(self.device))
+        return result.__class__(missing, result.unexpected_keys)
+
+    def _server_held_aliases(self) -> dict[int, tuple[str, ...]]:
+        """Per server-held parameter (by id), every name it has in the state dict."""
+        params = dict(self.model.named_parameters())
+        ids = {id(params[name]) for name, t in self.layout.all_tables().items() if t.on_servers}
+        aliases: dict[int, tuple[str, ...]] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if id(param) in ids:
+                aliases[id(param)] = (*aliases.get(id(param), ()), name)
+        return aliases
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Bytes this worker sent and received per training step through the parameter-server

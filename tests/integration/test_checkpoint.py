@@ -88,6 +88,24 @@ def test_resume_on_other_shapes_and_partition_counts(tmp_path: Path) -> None:
         assert_same(torch.load(out), want)
 
 
+def test_resume_under_another_architecture(tmp_path: Path) -> None:
+    """Six hybrid steps, then the rest under ps (the dense layers move onto the servers: read
+    from the checkpoint's dense part) and under allreduce (the tables become replicas): both
+    equal ten single-device steps."""
+    saved = tmp_path / "hybrid"
+    proc = run((2, 1), str(saved), "6", "-")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    want = reference(10)
+    for architecture in ("ps", "allreduce"):
+        directory = tmp_path / architecture
+        shutil.copytree(saved, directory)
+        out = tmp_path / f"out-{architecture}.pt"
+        proc = run((2, 1), str(directory), "10", str(out), "--architecture", architecture)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "parallax: resumed from step 6" in proc.stderr
+        assert_same(torch.load(out), want)
+
+
 def test_killed_worker_stops_the_job_and_restarts_resume_it(tmp_path: Path) -> None:
     """SIGKILL of rank 1 in step 5: without restarts every process is gone quickly and the
     launcher names the rank; with one restart the job resumes from step 4 and ends exactly

@@ -3,9 +3,10 @@ Adam everywhere, clipping, float64) trained on a parallax.shard-ed loader with g
 12, checkpointing every 2 steps into DIR and resuming from the newest checkpoint at start.
 
 Usage: parallax run ... checkpoint_worker.py DIR STOP OUT [PARTITIONS] [--kill-at N]
+[--architecture A]
 trains until global step STOP (or the data ends), then rank 0 writes the exported state_dict
 to OUT ("-": nowhere). --kill-at N: in the job's first attempt, rank 1 SIGKILLs itself in
-step N (a crashed machine)."""
+step N (a crashed machine). --architecture A: Config.architecture (default hybrid)."""
 
 import os
 import signal
@@ -40,6 +41,11 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def main() -> None:
     args = sys.argv[1:]
     kill_at = None
+    architecture = "hybrid"
+    if "--architecture" in args:
+        at = args.index("--architecture")
+        architecture = args[at + 1]
+        del args[at:at + 2]
     if "--kill-at" in args:
         at = args.index("--kill-at")
         kill_at = int(args[at + 1])
@@ -52,6 +58,7 @@ def main() -> None:
     loader = parallax.shard(DataLoader(dataset(), batch_size=GLOBAL_BATCH // worker.world_size))
     model, optimizer = build()
     config = parallax.Config(clip_grad_norm=0.05, num_partitions=partitions,
+                             architecture=architecture,
                              checkpoint_dir=directory, checkpoint_every_steps=2,
                              collective_timeout_s=30)
     runner = parallax.get_runner(model, optimizer, loss_fn, config=config)

@@ -141,12 +141,22 @@ def test_a_parameter_in_no_optimizer_is_refused():
         parallax.distribute(model, torch.optim.SGD(model.embedding.parameters(), lr=0.1))
 
 
-def test_a_gradient_outside_the_lookups_is_refused(single_process):
-    """A loss term on the whole server-held table: its gradient would be lost."""
+def test_a_server_held_table_read_outside_the_model_is_refused(single_process):
+    """The user's copy of a server-held table is a handle without storage (meta device):
+    what is read from it has no values and fails with the first real tensor it meets; a loss
+    term computed from it is refused at the step, naming the parameter."""
     model, optimizer, _, _ = _pair()
+    weight = model.embedding.weight
+    assert weight.is_meta and weight.shape == (30, 4)
     ids, y = _batch(0)
+    rows = weight[ids]  # a lookup of one's own, with real ids: no values
+    assert rows.is_meta
+    with pytest.raises(RuntimeError, match="meta"):
+        model.head(rows.mean(dim=1))
     loss = nn.functional.cross_entropy(model(ids)["logits"], y)
-    (loss + model.embedding.weight.pow(2).sum()).backward()
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+        (loss + weight.pow(2).sum()).backward()
+    weight.pow(2).sum().backward()  # on the handle alone: a gradient without values
     with pytest.raises(UnsupportedProgramError, match=r"\['embedding.weight'\] live on the "
                        "parameter servers, but the program computed a gradient"):
         optimizer.step()

@@ -44,6 +44,7 @@ from parallax.checkpoint.files import (
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
 from parallax.config import Config
+from parallax.engine.handles import is_released, release, restore
 from parallax.engine.server_table import ShardedTable
 from parallax.engine.shard_optimizer import ShardOptimizer, is_per_row, optimizer_of
 from parallax.engine.table import Table
@@ -219,20 +220,31 @@ class _Restore:
 
     def apply(self, runner: Run) -> Any:
         meta = self.manifest.meta
+        params = dict(runner.model.named_parameters())
+        # A parameter dense in the checkpoint and server-held here gets its values back for a
+        # moment, so that the optimizers load its state beside it (they move state to the
+        # parameter's device) and its rows can be cut from both (engine.handles).
+        for name in self.from_model:
+            if is_released(params[name]):
+                restore(params[name], self.dense["model"][name])
         runner.model.load_state_dict(self.dense["model"], strict=False)
         for optimizer, state in zip(runner.optimizers, self.dense["optimizers"], strict=True):
             optimizer.load_state_dict(state)
-        params = dict(runner.model.named_parameters())
         tables = runner.layout.all_tables()
         for name in self.from_model:  # now that the dense state is in the model
             table = tables[name]
             if table.on_servers:
                 if table.shard is not None:
-                    self.shards[name] = _assemble_shard(table, [_piece_from_model(runner, table)],
-                                                        self.directory, runner.worker.rank)
+                    piece = _piece_from_model(runner, table, self.dense["model"][name])
+                    self.shards[name] = _assemble_shard(table, [piece], self.directory,
+                                                        runner.worker.rank)
             else:
+                piece = _piece_from_model(runner, table, self.dense["model"][name])
                 self.full[name] = _assemble_full(table.replica, table.num_rows, table.row_shape,
-                                                 [_piece_from_model(runner, table)])
+                                                 [piece])
+        for name in self.from_model:
+            if tables[name].on_servers:
+                release(params[name])
         for name, (full, state) in self.full.items():
             param = params[name]
             with torch.no_grad():
@@ -321,15 +333,16 @@ def _check_compatible(directory: Path, meta: dict[str, Any], runner: Run) -> Non
                               + "; ".join(problems))
 
 
-def _piece_from_model(runner: Run, table: Table) -> dict[str, Any]:
+def _piece_from_model(runner: Run, table: Table, values: Tensor) -> dict[str, Any]:
     """A parameter the checkpoint holds with the dense state (replicated there, server-held
-    here, e.g. a dense parameter resumed under ``ps``): already loaded into the model and the
-    user's optimizer, read back as one piece."""
+    here, e.g. a dense parameter resumed under ``ps``): its saved ``values`` and the state
+    already loaded into the user's optimizer, as one piece. (The model's own copy of a
+    server-held parameter holds no values: parallax.engine.handles.)"""
     param = dict(runner.model.named_parameters())[table.name]
     owner = optimizer_of(runner.optimizers, param)
-    rows, scalars = _split_state(dict(owner.state.get(param, {})) if owner else {}, param.shape)
+    rows, scalars = _split_state(dict(owner.state.get(param, {})) if owner else {}, param)
     shape = (table.num_rows, *table.row_shape)
-    return {"ids": torch.arange(table.num_rows), "values": param.detach().reshape(shape),
+    return {"ids": torch.arange(table.num_rows), "values": values.detach().reshape(shape),
             "state": {key: value.reshape(shape) for key, value in rows.items()},
             "scalars": scalars}
 

@@ -153,12 +153,28 @@ class ShardedTable:
         self.prefetched: _Prefetched | None = None
         # (shard rows, gradient rows) received this step, summed by `_finish_aggregation`
         self._received: list[tuple[Tensor, Tensor]] = []
-        # Rank 0's initial values are the model's, whatever the other ranks' seeds were.
-        initial = weight.detach().clone()
-        dist.broadcast(initial, src=0, group=group)
+        # Rank 0's initial values are the model's, whatever the other ranks' seeds were; each
+        # server receives its own rows only (no process but rank 0 ever holds the whole).
+        rows = self._scatter_from_rank0(weight.detach())
         if worker.is_server:
-            mine = self.partitioning.rows_of_server(worker.server_ranks.index(worker.rank))
-            self.set_shard(nn.Parameter(initial[mine.to(initial.device)].clone()))
+            self.set_shard(nn.Parameter(rows))
+
+    def _scatter_from_rank0(self, weight: Tensor) -> Tensor:
+        """This rank's shard rows of rank 0's ``weight`` (collective; empty off the servers).
+        Not counted as training traffic."""
+        world = self.worker.world_size
+        send = [0] * world
+        pieces = []
+        if self.worker.rank == 0:
+            for index, rank in sorted(enumerate(self.worker.server_ranks), key=lambda x: x[1]):
+                rows = self.partitioning.rows_of_server(index)
+                send[rank] = rows.numel()
+                pieces.append(weight[rows.to(weight.device)])
+        payload = torch.cat(pieces) if pieces else weight.new_empty((0, *self.row_shape))
+        hop = Hop.open(send, group=self.group, traffic=Traffic(self.worker.rank,
+                                                               self.worker.machine_of_rank),
+                       name=self.name, num_rows=self.num_rows, device=weight.device)
+        return hop.forward(payload)
 
     def assign(self, weight: Tensor) -> None:
         """Set the whole parameter's values (every rank passes the same ``weight``): each

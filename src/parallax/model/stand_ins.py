@@ -22,7 +22,7 @@ from parallax.model.detect import SparseUse, rewrite_gathers
 def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
                   table_of: Callable[[str], Table]) -> nn.Module:
     """A copy of ``model``'s module tree sharing every parameter and buffer, whose sparse
-    reads go to ``table_of(parameter name)`` (the user's model object is left untouched)."""
+    reads go to ``table_of(parameter name)`` (the user's module tree is left as it is)."""
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     try:
         executed = copy.deepcopy(model, memo)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
+from parallax.engine.handles import restore
 from parallax.engine.replicated import ReplicatedTable
 from parallax.engine.server_table import ShardedTable
 from parallax.engine.shard_optimizer import ShardOptimizer, is_per_row, optimizer_of
@@ -56,8 +57,7 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
                       *, worker: WorkerInfo, group: dist.ProcessGroup) -> ReplicatedTable:
     """Bring ``param``'s values and optimizer state back from the servers into the replica on
     every worker (collective); the user's optimizer updates it from now on."""
-    with torch.no_grad():
-        param.copy_(table.full_weight().view_as(param))
+    restore(param, table.full_weight())  # the user's copy was released (engine.handles)
     state = shard_optimizer.remove_table(table) if table.shard is not None else {}
     # Rank 0 is always a server: it tells everyone which entries are per-row tensors.
     layout = agree({key: ("rows" if is_per_row(value, table.shard) else value)
