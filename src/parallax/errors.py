@@ -52,10 +52,17 @@ class StalledRankError(ParallaxError, RuntimeError):
     """A collective failed because a rank did not arrive; the message names it."""
 
 
-class PlanComplete(BaseException):
+class PlanComplete(SystemExit):
     """``parallax plan``: the plan is measured and written, the workers end here.
 
-    A `BaseException` (like `SystemExit`) so that a program's ``except Exception`` does not
-    swallow it; the worker's exception hook (`parallax.launch.elastic.install_error_recorder`)
-    ends the process with status 0.
+    A `SystemExit` with status 0: a program's ``except Exception`` does not swallow it, and
+    the worker ends normally, as the program ending would (no exception hook, no
+    ``os._exit``). ``str()`` says where the plan went.
     """
+
+    def __init__(self, where: str) -> None:
+        super().__init__(0)
+        self.where = where
+
+    def __str__(self) -> str:
+        return f"parallax plan complete: {self.where}"

@@ -583,8 +583,8 @@ class Runner:
 
     def _print_plan_and_exit(self, path: str) -> None:
         """``parallax plan``: the workers ran only the warm-up steps to measure α. The plan is
-        printed and written, then `PlanComplete` ends the program (the worker's exception
-        hook, `parallax.launch.elastic.install_error_recorder`, exits with status 0)."""
+        printed and written, then `PlanComplete` (a `SystemExit` with status 0) ends the
+        program."""
         if self.worker.rank == 0:
             print("\n" + self.plan.table(), flush=True)  # below any progress bar
             if path:

@@ -38,14 +38,14 @@ def _alive(pid: int) -> bool:
 # --- planning: no processes started ---------------------------------------------------
 
 
-def test_plan_local_spec_runs_one_agent_for_all_machines():
+def test_agent_setup_of_a_local_spec_runs_one_agent_for_all_machines():
     agent = agent_setup(local_spec(2, 3))
     assert (agent.nnodes, agent.node_rank, agent.nproc_per_node) == (1, 0, 6)
     assert agent.master_addr == "127.0.0.1"
     assert agent.master_port > 0
 
 
-def test_plan_remote_spec_needs_machine_index():
+def test_agent_setup_of_a_remote_spec_needs_machine_index():
     spec = parse_resource_text("gpu-a:0,1\ngpu-b:0,1\n")
     with pytest.raises(ValueError, match="machine index"):
         agent_setup(spec)
@@ -58,7 +58,7 @@ def test_plan_remote_spec_needs_machine_index():
         agent_setup(spec, machine_index=2)
 
 
-def test_plan_remote_spec_needs_equal_machines():
+def test_agent_setup_of_a_remote_spec_needs_equal_machines():
     spec = parse_resource_text("gpu-a:0,1\ngpu-b:0\n")
     with pytest.raises(ValueError, match="same number of workers"):
         agent_setup(spec, machine_index=0)

@@ -46,7 +46,6 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from parallax.checks import is_int
 from parallax.cluster import RESOURCES_ENV, EnvironmentPatch, ResourceSpec
 from parallax.engine.progress import CULPRIT
-from parallax.errors import PlanComplete
 from parallax.launch.executors import omp_threads
 
 __all__ = ["AgentSetup", "install_error_recorder", "launch", "agent_setup"]
@@ -470,23 +469,11 @@ def install_error_recorder() -> None:
         exc: BaseException,
         tb: types.TracebackType | None,
     ) -> None:
-        if isinstance(exc, PlanComplete):
-            _end_after_plan()
         _record(handler, exc, tb)
         previous(exc_type, exc, tb)
 
     hook._parallax_recorder = True  # type: ignore[attr-defined]
     sys.excepthook = hook
-
-
-def _end_after_plan() -> None:
-    """``parallax plan`` is done on this worker (the runner has written the plan and left its
-    groups): end with status 0, skipping the interpreter's teardown, where gloo now and then
-    aborts a process (SIGABRT) and would turn a finished plan into a failed job. The launcher
-    owns this decision, not the training step."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _record(handler: ErrorHandler, exc: BaseException, tb: types.TracebackType | None) -> None:
