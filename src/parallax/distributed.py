@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -36,8 +37,9 @@ from parallax.runner import Runner
 __all__ = ["DistributedModel", "DistributedOptimizer", "GradScaler", "clip_grad_norm_",
            "distribute"]
 
-# Runners by the id of every parameter they train: how clip_grad_norm_ finds its runner.
-_runner_of_parameter: dict[int, Runner] = {}
+# Each parameter of a distributed model knows its runner (weakly): how clip_grad_norm_ finds
+# it. An attribute, not a table keyed by id: ids of dead parameters are reused.
+_RUNNER_ATTRIBUTE = "_parallax_runner"
 
 
 def distribute(model: nn.Module,
@@ -64,7 +66,7 @@ def distribute(model: nn.Module,
     for opt in wrapped:
         opt.parallax_runner = runner
     for param in model.parameters():
-        _runner_of_parameter[id(param)] = runner
+        setattr(param, _RUNNER_ATTRIBUTE, weakref.ref(runner))
     distributed = DistributedModel(runner)
     return distributed, (wrapped if isinstance(optimizer, (list, tuple)) else wrapped[0])
 
@@ -83,7 +85,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Parameter, max_norm:
         raise UnsupportedProgramError(
             f"parallax.clip_grad_norm_ clips by the L2 norm (norm_type=2.0), got norm_type="
             f"{norm_type!r}")
-    runners = {id(r): r for p in params if (r := _runner_of_parameter.get(id(p))) is not None}
+    runners = {id(r): r for p in params
+               if (ref := getattr(p, _RUNNER_ATTRIBUTE, None)) is not None
+               and (r := ref()) is not None}
     if len(runners) != 1:
         raise UnsupportedProgramError(
             "parallax.clip_grad_norm_ takes parameters of one model returned by "
