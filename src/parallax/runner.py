@@ -128,10 +128,11 @@ class Runner:
                                     params[name].shape)
                              for name, table in self.layout.pulled_whole.items()}
         self.last_grad_norm: float | None = None
-        # The servers hold these now: the user's copies would be stale full tables in every
-        # process (parallax.engine.handles).
+        # The servers hold these now, with the state the user's optimizer had for them: the
+        # user's copies would be stale full tables in every process (parallax.engine.handles).
         for name, table in self.layout.all_tables().items():
             if table.on_servers:
+                self.shard_optimizer.adopt_user_state(table, params[name], self.optimizers)
                 release(params[name])
         self._tuner = self._build_tuner()
         self._batch_signature: Any = None

@@ -3,6 +3,8 @@ forward returns, state dicts, train/eval, lr schedulers) and the misuse it names
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -213,3 +215,36 @@ def test_parallax_grad_scaler_skips_and_trains_as_torch_on_one_device(single_pro
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
     assert distributed.runner.global_step == 8
+
+
+def test_optimizer_state_loaded_before_distribute_reaches_the_servers(single_process):
+    """Resuming a single-device run: model and Adam state loaded into fresh objects, then
+    distributed; three more steps equal the single-device program continuing (the servers'
+    rows start from the loaded moments and step count, not from fresh ones)."""
+    torch.manual_seed(0)
+    single = Tagged().double()
+    single.eval()
+    single_optimizer = torch.optim.Adam(single.parameters(), lr=0.05)
+    for step in range(2):
+        ids, y = _batch(step)
+        single_optimizer.zero_grad()
+        nn.functional.cross_entropy(single(ids)["logits"], y).backward()
+        single_optimizer.step()
+    model = Tagged().double()
+    model.load_state_dict(single.state_dict())
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    # (a copy: state_dict() hands out the live tensors, as a file would not)
+    optimizer.load_state_dict(copy.deepcopy(single_optimizer.state_dict()))
+    model, optimizer = parallax.distribute(model, optimizer,
+                                           config=parallax.Config(partition_cache=None))
+    model.eval()
+    assert model.module.embedding.weight not in optimizer.state  # the servers hold it
+    for step in range(2, 5):
+        ids, y = _batch(step)
+        for net, opt in ((model, optimizer), (single, single_optimizer)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(ids)["logits"], y).backward()
+            opt.step()
+    state = model.state_dict()
+    for name, value in single.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-12, msg=name)

@@ -155,13 +155,14 @@ class ShardedTable:
         self._received: list[tuple[Tensor, Tensor]] = []
         # Rank 0's initial values are the model's, whatever the other ranks' seeds were; each
         # server receives its own rows only (no process but rank 0 ever holds the whole).
-        rows = self._scatter_from_rank0(weight.detach())
+        rows = self.scatter_from_rank0(weight.detach())
         if worker.is_server:
             self.set_shard(nn.Parameter(rows))
 
-    def _scatter_from_rank0(self, weight: Tensor) -> Tensor:
-        """This rank's shard rows of rank 0's ``weight`` (collective; empty off the servers).
-        Not counted as training traffic."""
+    def scatter_from_rank0(self, weight: Tensor) -> Tensor:
+        """This rank's shard rows of rank 0's ``weight`` (the parameter's values, or per-row
+        optimizer state shaped like it; collective; empty off the servers). Only rank 0 reads
+        ``weight``'s values. Not counted as training traffic."""
         world = self.worker.world_size
         send = [0] * world
         pieces = []

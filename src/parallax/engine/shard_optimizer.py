@@ -15,8 +15,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from parallax.cluster import WorkerInfo
+from parallax.collective import agree
 from parallax.engine.pool import SERIAL, PartitionPool
 from parallax.errors import OptimizerError
 
@@ -41,6 +44,10 @@ class ServerTable(Protocol):
     shard: nn.Parameter | None
     parts: list[nn.Parameter]
     blocks: list[tuple[int, int]]
+    worker: WorkerInfo
+    group: dist.ProcessGroup
+
+    def scatter_from_rank0(self, weight: Tensor) -> Tensor: ...
 
 
 def as_optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
@@ -191,6 +198,28 @@ class ShardOptimizer:
         self._slots = []
         self._rebuild(kept)
         return state
+
+    def adopt_user_state(self, table: ServerTable, param: nn.Parameter,
+                         optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Move the state the user's optimizer holds for ``param`` (loaded from a
+        single-device checkpoint, or made by its constructor, as Adagrad's accumulators) to
+        the servers: rank 0's, each server its own rows; the user's object keeps none (the
+        servers' is the one that trains). Collective over the table's group."""
+        owner = optimizer_of(optimizers, param)
+        mine = dict(owner.state.get(param, {})) if owner is not None else {}
+        rank = table.worker.rank
+        layout = agree({key: ("rows" if is_per_row(value, param) else value)
+                        for key, value in mine.items()}, rank=rank, group=table.group)
+        state = {}
+        for key, kind in layout.items():
+            if isinstance(kind, str) and kind == "rows":
+                state[key] = table.scatter_from_rank0(mine.get(key, param).detach())
+            else:
+                state[key] = kind.clone() if isinstance(kind, Tensor) else kind
+        if owner is not None:
+            owner.state.pop(param, None)
+        if state and table.shard is not None:
+            self.set_table_state(table, state)
 
     def set_table_state(self, table: ServerTable, state: dict) -> None:
         """Replace the optimizer state of ``table``'s shard (a checkpoint's), ``{}`` for a
