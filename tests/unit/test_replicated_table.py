@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from table_steps import lookup_step, reference_grad
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
@@ -44,23 +45,6 @@ def _lookups(seed: int = 1) -> list[tuple[Tensor, Tensor]]:
             for ids in (first, second)]
 
 
-def _step(table: ReplicatedTable, lookups: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
-    values, loss = [], torch.zeros((), dtype=torch.float64)
-    for ids, coefficient in lookups:
-        rows, inverse = table.lookup(ids)
-        values.append(rows[inverse])
-        loss = loss + (rows[inverse] * coefficient).sum()
-    loss.backward()
-    table.push_gradients()
-    return values
-
-
-def _reference_grad(weight: Tensor, lookups: list[tuple[Tensor, Tensor]], **options) -> Tensor:
-    reference = weight.detach().clone().requires_grad_(True)
-    sum((F.embedding(ids, reference, **options) * c).sum() for ids, c in lookups).backward()
-    return reference.grad
-
-
 def _dense(grad: Tensor) -> Tensor:
     return grad.to_dense() if grad.is_sparse else grad
 
@@ -74,13 +58,13 @@ def test_pushed_gradient_is_the_single_device_gradient(group, worker, sync: str,
     table.zero_grad()
     lookups = _lookups()
     table.lookup(torch.tensor([1, 2]))  # looked up, never used
-    values = _step(table, lookups)
+    values = lookup_step(table, lookups)
     for value, (ids, _) in zip(values, lookups, strict=True):
         assert torch.equal(value, param.detach()[ids])
     assert param.grad.is_sparse == sparse_grad
     if sparse_grad:
         assert param.grad.is_coalesced()
-    torch.testing.assert_close(_dense(param.grad), _reference_grad(param, lookups))
+    torch.testing.assert_close(_dense(param.grad), reference_grad(param, lookups))
     assert table.rows_used == [torch.unique(torch.cat(
         [torch.tensor([1, 2])] + [i.flatten() for i, _ in lookups])).numel()]
 
@@ -92,15 +76,15 @@ def test_zero_grad_starts_the_next_step_from_nothing(group, worker, sync: str,
     param = _param()
     table = _table(group, worker, param, sync=sync, sparse_grad=sparse_grad)
     table.zero_grad()
-    _step(table, _lookups(seed=1))
+    lookup_step(table, _lookups(seed=1))
     table.zero_grad()
     assert param.grad is None
     rows, _ = table.lookup(torch.tensor([0, 5]))  # an abandoned step: backward, no push
     rows.sum().backward()
     table.zero_grad()
     second = _lookups(seed=2)
-    _step(table, second)
-    torch.testing.assert_close(_dense(param.grad), _reference_grad(param, second))
+    lookup_step(table, second)
+    torch.testing.assert_close(_dense(param.grad), reference_grad(param, second))
 
 
 def test_lookups_without_grad_push_nothing(group, worker) -> None:
@@ -125,9 +109,9 @@ def test_scale_grad_by_freq_divides_each_row_by_its_count(group, worker, sync: s
     table.zero_grad()
     ids = torch.tensor([[2, 2, 2], [5, 2, 9]])
     coefficient = torch.randn(2, 3, 3, dtype=torch.float64)
-    _step(table, [(ids, coefficient)])
+    lookup_step(table, [(ids, coefficient)])
     torch.testing.assert_close(
-        param.grad, _reference_grad(param, [(ids, coefficient)], scale_grad_by_freq=True))
+        param.grad, reference_grad(param, [(ids, coefficient)], scale_grad_by_freq=True))
     table.zero_grad()
     table.lookup(torch.tensor([1]))
     with pytest.raises(RuntimeError, match="'emb' has scale_grad_by_freq=True and was looked "
@@ -145,7 +129,7 @@ def test_max_norm_renormalises_the_replica_like_f_embedding(group, worker, sync:
     ids = torch.tensor([[1, 4, 4], [8, 1, 0]])
     coefficient = torch.randn(2, 3, 3, dtype=torch.float64)
     reference = param.detach().clone().requires_grad_(True)
-    (value,) = _step(table, [(ids, coefficient)])
+    (value,) = lookup_step(table, [(ids, coefficient)])
     (F.embedding(ids, reference, max_norm=1.0, norm_type=1.0) * coefficient).sum().backward()
     assert not torch.equal(reference.detach(), 3 * _param().detach())  # rows were renormalised
     torch.testing.assert_close(param.detach(), reference.detach())
@@ -165,8 +149,8 @@ def test_out_of_range_id_raises_sparse_id_error(group, worker, sync: str) -> Non
     with pytest.raises(SparseIdError, match=r"'emb' got id -2 on rank 0"):
         table.lookup(torch.tensor([-2]))
     good = _lookups()
-    _step(table, good)
-    torch.testing.assert_close(param.grad, _reference_grad(param, good))
+    lookup_step(table, good)
+    torch.testing.assert_close(param.grad, reference_grad(param, good))
 
 
 def test_gradient_norm_and_scaling_are_left_to_the_dense_path(group, worker) -> None:
@@ -175,11 +159,11 @@ def test_gradient_norm_and_scaling_are_left_to_the_dense_path(group, worker) -> 
     table = _table(group, worker, param, sync="allgatherv")
     table.zero_grad()
     lookups = _lookups()
-    _step(table, lookups)
+    lookup_step(table, lookups)
     assert table.grad_norm_squared().item() == 0.0
     assert table.grad_norm_squared().dtype == torch.float64
     table.scale_grad(torch.tensor(0.5))
-    torch.testing.assert_close(param.grad, _reference_grad(param, lookups))
+    torch.testing.assert_close(param.grad, reference_grad(param, lookups))
     assert table.shard is None
     full = table.full_weight()
     assert torch.equal(full, param.detach()) and full.data_ptr() != param.data_ptr()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from table_steps import lookup_step, reference_grad
 from torch import Tensor
 
 from parallax.cluster import WorkerInfo
@@ -89,26 +90,6 @@ def _weight(num_rows: int = 10, seed: int = 0) -> Tensor:
                        generator=torch.Generator().manual_seed(seed))
 
 
-def _step(table: ShardedTable, lookups: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
-    """One forward (a lookup per (ids, coefficient)), backward and push; the looked-up values."""
-    values = []
-    loss = torch.zeros((), dtype=torch.float64)
-    for ids, coefficient in lookups:
-        rows, inverse = table.lookup(ids)
-        values.append(rows[inverse])
-        loss = loss + (rows[inverse] * coefficient).sum()
-    loss.backward()
-    table.push_gradients()
-    return values
-
-
-def _reference_grad(weight: Tensor, lookups: list[tuple[Tensor, Tensor]], **options) -> Tensor:
-    """The single-device gradient of the same loss through F.embedding."""
-    reference = weight.clone().requires_grad_(True)
-    sum((F.embedding(ids, reference, **options) * c).sum() for ids, c in lookups).backward()
-    return reference.grad
-
-
 def _lookups(num_rows: int, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
     """Two lookups of one step, with repeated ids inside each and across them."""
     generator = torch.Generator().manual_seed(seed)
@@ -129,10 +110,10 @@ def test_pushed_gradient_is_the_single_device_gradient(group, worker, sparse_gra
     assert len(table.parts) == partitions
     table.zero_grad()
     lookups = _lookups(num_rows)
-    values = _step(table, lookups)
+    values = lookup_step(table, lookups)
     for value, (ids, _) in zip(values, lookups, strict=True):
         assert torch.equal(value, weight[ids])
-    expected = _reference_grad(weight, lookups)[_shard_order(table)]
+    expected = reference_grad(weight, lookups)[_shard_order(table)]
     if sparse_grad:
         assert all(p.grad is None or p.grad.is_sparse for p in table.parts)
     torch.testing.assert_close(_dense_shard_grad(table), expected)
@@ -145,15 +126,15 @@ def test_zero_grad_starts_the_next_step_from_nothing(group, worker, sparse_grad:
     weight = _weight()
     table = _table(group, worker, weight, partitions=3, sparse_grad=sparse_grad)
     table.zero_grad()
-    _step(table, _lookups(10, seed=1))
+    lookup_step(table, _lookups(10, seed=1))
     table.zero_grad()
     rows, _ = table.lookup(torch.tensor([0, 5]))  # an abandoned step: backward, no push
     rows.sum().backward()
     table.zero_grad()
     second = _lookups(10, seed=2)
-    _step(table, second)
+    lookup_step(table, second)
     torch.testing.assert_close(_dense_shard_grad(table),
-                               _reference_grad(weight, second)[_shard_order(table)])
+                               reference_grad(weight, second)[_shard_order(table)])
 
 
 @pytest.mark.parametrize("sparse_grad", [False, True], ids=["dense", "sparse"])
@@ -163,8 +144,8 @@ def test_grad_norm_squared_and_scale_grad(group, worker, sparse_grad: bool) -> N
     table = _table(group, worker, weight, partitions=3, sparse_grad=sparse_grad)
     table.zero_grad()
     lookups = _lookups(10)
-    _step(table, lookups)
-    expected = _reference_grad(weight, lookups)
+    lookup_step(table, lookups)
+    expected = reference_grad(weight, lookups)
     squared = table.grad_norm_squared()
     assert squared.dtype == torch.float64 and squared.shape == ()
     torch.testing.assert_close(squared, expected.pow(2).sum())
@@ -217,9 +198,9 @@ def test_out_of_range_id_raises_sparse_id_error(group, worker, bad: int, ids: li
                                             r"outside its rows \[0, 10\)"):
         table.lookup(torch.tensor(ids))
     good = _lookups(10)
-    _step(table, good)
+    lookup_step(table, good)
     torch.testing.assert_close(_dense_shard_grad(table),
-                               _reference_grad(weight, good)[_shard_order(table)])
+                               reference_grad(weight, good)[_shard_order(table)])
 
 
 def test_float_ids_are_refused(group, worker) -> None:
@@ -236,11 +217,11 @@ def test_prefetched_rows_serve_every_lookup_of_the_step(group, worker) -> None:
     table.zero_grad()
     lookups = _lookups(10)
     prefetch([table], [[ids for ids, _ in lookups]])
-    values = _step(table, lookups)
+    values = lookup_step(table, lookups)
     for value, (ids, _) in zip(values, lookups, strict=True):
         assert torch.equal(value, weight[ids])
     torch.testing.assert_close(_dense_shard_grad(table),
-                               _reference_grad(weight, lookups)[_shard_order(table)])
+                               reference_grad(weight, lookups)[_shard_order(table)])
     table.zero_grad()  # forgets the prefetched rows: the next lookup pulls its own
     assert torch.equal(table.lookup(torch.tensor([7, 5]))[0], weight[[5, 7]])  # not prefetched
     table.zero_grad()
@@ -268,7 +249,7 @@ def test_max_norm_renormalises_the_served_rows_like_f_embedding(group, worker) -
     table.zero_grad()
     ids = torch.tensor([[1, 4, 4], [8, 1, 0]])
     coefficient = torch.randn(2, 3, 3, dtype=torch.float64)
-    (value,) = _step(table, [(ids, coefficient)])
+    (value,) = lookup_step(table, [(ids, coefficient)])
     reference = weight.clone().requires_grad_(True)
     (F.embedding(ids, reference, max_norm=1.0) * coefficient).sum().backward()
     torch.testing.assert_close(value, F.embedding(ids, reference.detach()))
@@ -285,8 +266,8 @@ def test_scale_grad_by_freq_divides_each_row_by_its_count(group, worker) -> None
     table.zero_grad()
     ids = torch.tensor([[2, 2, 2], [5, 2, 9]])
     coefficient = torch.randn(2, 3, 3, dtype=torch.float64)
-    _step(table, [(ids, coefficient)])
-    expected = _reference_grad(weight, [(ids, coefficient)], scale_grad_by_freq=True)
+    lookup_step(table, [(ids, coefficient)])
+    expected = reference_grad(weight, [(ids, coefficient)], scale_grad_by_freq=True)
     torch.testing.assert_close(table.shard.grad, expected[_shard_order(table)])
     table.zero_grad()
     table.lookup(torch.tensor([1]))
