@@ -80,6 +80,7 @@ class Runner:
         check_exact(model, self.sparse_uses, config)
         self.architecture = architecture_of(config)
         params = dict(model.named_parameters())
+        self._params = params  # by name; the objects never change (handles swap in place)
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self.layout = build_layout(model, self.sparse_uses, config=config, worker=worker,
                                    group=sparse_group, traffic=self.traffic)
@@ -265,7 +266,7 @@ class Runner:
         """The tables whose parameters ``optimizers`` hold."""
         mine = {id(p) for optimizer in optimizers for group in optimizer.param_groups
                 for p in group["params"]}
-        params = dict(self.model.named_parameters())
+        params = self._params
         return [t for name, t in self.layout.all_tables().items() if id(params[name]) in mine]
 
     def apply_update(self, optimizers: Sequence[torch.optim.Optimizer], *,
@@ -293,7 +294,7 @@ class Runner:
         norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective."""
         self.sync_gradients()
         wanted = None if parameters is None else {id(p) for p in parameters}
-        params = dict(self.model.named_parameters())
+        params = self._params
         tables = [t for name, t in self.layout.all_tables().items()
                   if wanted is None or id(params[name]) in wanted]
         grads = [p.grad for p in self.replicated_parameters
@@ -333,7 +334,7 @@ class Runner:
         """A server-held parameter gets its gradient through its lookups only; one that the
         program read directly (a loss term on the whole table, under ps a dense weight used
         outside the model's forward) has a gradient nobody would push: refused."""
-        params = dict(self.model.named_parameters())
+        params = self._params
         used = [name for name, table in self.layout.all_tables().items()
                 if table.on_servers and params[name].grad is not None]
         if used:
@@ -553,7 +554,7 @@ class Runner:
         """After the warm-up steps: measure α; move to AllReduce what the architecture says
         is cheaper there (the hybrid's rule: `Architecture.moves_to_allreduce`; collective)."""
         self.sparsity = measure(self.tables, self.worker, self.group, self.device)
-        params = dict(self.model.named_parameters())
+        params = self._params
         for name, table in list(self.tables.items()):
             move, why = self.architecture.moves_to_allreduce(
                 table, self.sparsity[name], config=self.config, worker=self.worker)
@@ -604,7 +605,7 @@ class Runner:
         names_of: dict[int, list[str]] = {}  # tied parameters appear under every name
         for name, param in self.model.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(param), []).append(name)
-        params = dict(self.model.named_parameters())
+        params = self._params
         for name, table in self.layout.all_tables().items():
             full = table.full_weight().view(state[name].shape).to(self.device)
             for alias in names_of[id(params[name])]:
@@ -626,7 +627,7 @@ class Runner:
             raise RuntimeError(
                 f"Error(s) in loading state_dict for {type(self.model).__name__}: missing "
                 f"keys {missing}, unexpected keys {result.unexpected_keys}")
-        params = dict(self.model.named_parameters())
+        params = self._params
         for name, table in self.layout.all_tables().items():
             given = [alias for alias in aliases.get(id(params[name]), ()) if alias in state]
             if given:
@@ -635,7 +636,7 @@ class Runner:
 
     def _server_held_aliases(self) -> dict[int, tuple[str, ...]]:
         """Per server-held parameter (by id), every name it has in the state dict."""
-        params = dict(self.model.named_parameters())
+        params = self._params
         ids = {id(params[name]) for name, t in self.layout.all_tables().items() if t.on_servers}
         aliases: dict[int, tuple[str, ...]] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
