@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import parallax
+
 GLOBAL_BATCH = 8
 STEPS = 6
 VOCAB = 40
@@ -259,6 +261,7 @@ class Case:
     # "context": model built inside parallax.partitioner(); "call": parallax.partition(model).
     # The partition count is then searched in process during training (2 steps per sample).
     search: str | None = None
+    meta: bool = False  # built in parallax.meta_init (every tensor deferred): servers replay
     steps: int = STEPS
     seed: int = field(default=0)
 
@@ -289,6 +292,8 @@ class Case:
             parts.append(self.dense_sync)
         if self.loop:
             parts.append(f"loop{self.loop}")
+        if self.meta:
+            parts.append("meta")
         return "-".join(parts)
 
     @property
@@ -428,6 +433,17 @@ def all_cases() -> list[Case]:
                           architecture=architecture, loop="scaler", steps=8, seed=len(cases)))
     cases.append(Case("mixed", "sparseadam", True, 0.05, "float32", loop="scaler", steps=8,
                       seed=len(cases)))
+    # Built in parallax.meta_init: every server makes its own rows, every worker the rest, to
+    # the single-device program's initial values (then trains as it does).
+    for architecture, (model, opt) in itertools.product(
+            ("hybrid", "allreduce", "ps", "optps"),
+            (("mixed", "adagrad-init"), ("bags", "adam"), ("gather", "momentum"))):
+        cases.append(Case(model, opt, clip=0.05, dtype="float64", architecture=architecture,
+                          meta=True, seed=len(cases)))
+    cases.append(Case("mixed", "sparseadam", True, None, "float32", meta=True, seed=len(cases)))
+    cases.append(Case("lstm", "adam", clip=0.05, dtype="float64", loop="bptt", meta=True,
+                      seed=len(cases)))
+    cases.append(Case("sparse", "adagrad", migrate_after=2, meta=True, seed=len(cases)))
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,
@@ -466,7 +482,9 @@ def build(case: Case, *, reference: bool = False,
     torch.manual_seed(case.seed)
     sparse_grad = case.sparse_grad or (reference and case.lazy)
     model_class = {**MODELS, **OPTION_MODELS, **LOOP_MODELS}[case.model]
-    model = model_class(sparse_grad=sparse_grad).to(case.torch_dtype)
+    deferred = case.meta and not reference
+    with parallax.meta_init(threshold_bytes=0) if deferred else contextlib.nullcontext():
+        model = model_class(sparse_grad=sparse_grad).to(case.torch_dtype)
     optimizers = OPTIMIZERS[case.optimizer](model)
     schedulers = ([torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers]
                   if case.scheduler else [])

@@ -31,6 +31,7 @@ from parallax.errors import (
     UnsupportedProgramError,
 )
 from parallax.loader import shard
+from parallax.model.meta_init import meta_init
 from parallax.partitions.groups import partition, partitioner
 from parallax.runner import Runner
 from parallax.session import shutdown
@@ -38,6 +39,6 @@ from parallax.session import shutdown
 __all__ = ["CheckpointError", "Config", "ConfigError", "GradScaler", "NetemError", "OptimizerError",
            "ParallaxError", "PlanComplete", "ResourceError", "Runner", "SparseIdError",
            "StalledRankError", "UnevenInputsError", "UnsupportedProgramError",
-           "clip_grad_norm_", "distribute", "get_runner", "partition", "partitioner", "shard",
-           "shutdown"]
+           "clip_grad_norm_", "distribute", "get_runner", "meta_init", "partition", "partitioner",
+           "shard", "shutdown"]
 __version__ = "0.1.0"

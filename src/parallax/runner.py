@@ -33,12 +33,18 @@ from parallax.engine.handles import release
 from parallax.engine.pool import default_threads, shared_pool
 from parallax.engine.progress import Progress, is_collective_failure
 from parallax.engine.server_table import ShardedTable, prefetch
-from parallax.engine.shard_optimizer import ShardOptimizer, check_lazy, check_per_shard
+from parallax.engine.shard_optimizer import (
+    ShardOptimizer,
+    check_lazy,
+    check_per_shard,
+    rebuild_constructor_state,
+)
 from parallax.engine.table import Table, push_all
 from parallax.errors import PlanComplete, UnsupportedProgramError
 from parallax.model.detect import SparseUse, find_sparse_parameters
 from parallax.model.exactness import check_exact
 from parallax.model.lookahead import build_id_program
+from parallax.model.meta_init import forget, materialise_kept
 from parallax.model.stand_ins import executed_copy
 from parallax.partitions.repartition import repartition
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
@@ -70,7 +76,6 @@ class Runner:
         self.worker = worker
         self.config = config
         self.device = worker.device
-        model.to(self.device)  # in place: the optimizer's Parameter objects stay the same
         self.group = sparse_group  # every rank of the run (checkpoints agree through it)
         check_same_everywhere(model, config, worker, sparse_group)
         # Where every rank is, in the job's store: a failed collective names who is missing.
@@ -79,6 +84,13 @@ class Runner:
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
         check_exact(model, self.sparse_uses, config)
         self.architecture = architecture_of(config)
+        # Built in parallax.meta_init: what every worker keeps whole gets its values now; the
+        # servers' tables stay storage-less here (each server makes its own rows).
+        for param in materialise_kept(model, self.architecture.server_held(model,
+                                                                          self.sparse_uses)):
+            rebuild_constructor_state(self.optimizers, param)
+        # in place: the optimizer's Parameter objects stay the same; meta ones have no values
+        model._apply(lambda t: t if t.device.type == "meta" else t.to(self.device))
         params = dict(model.named_parameters())
         self._params = params  # by name; the objects never change (handles swap in place)
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
@@ -135,6 +147,7 @@ class Runner:
             if table.on_servers:
                 self.shard_optimizer.adopt_user_state(table, params[name], self.optimizers)
                 release(params[name])
+                forget(params[name])  # a meta_init recipe, replayed by the servers already
         self._tuner = self._build_tuner()
         self._batch_signature: Any = None
         # the current step (see "training" below)

@@ -118,7 +118,8 @@ class ShardedTable:
     def __init__(self, name: str, weight: Tensor, *, num_partitions: int, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
                  local_aggregation: bool = False, first_server: int = 0,
-                 batch_dependent: lookup_options.BatchDependent | None = None):
+                 batch_dependent: lookup_options.BatchDependent | None = None,
+                 initial_rows: Callable[[Tensor], Tensor] | None = None):
         if weight.dim() < 1:
             raise ValueError(f"parameter '{name}' must have rows (dim >= 1), got a scalar")
         lookup_options.check_batch_dependent(name, batch_dependent, sparse_grad)
@@ -132,7 +133,8 @@ class ShardedTable:
         self.num_rows = weight.shape[0]
         self.row_shape = tuple(weight.shape[1:])
         self.dtype = weight.dtype
-        self.device = weight.device
+        # (a parallax.meta_init parameter is on meta: the table lives on the worker's device)
+        self.device = worker.device if weight.device.type == "meta" else weight.device
         self.worker = worker
         self.group = group
         self.traffic = traffic
@@ -155,7 +157,13 @@ class ShardedTable:
         self._received: list[tuple[Tensor, Tensor]] = []
         # Rank 0's initial values are the model's, whatever the other ranks' seeds were; each
         # server receives its own rows only (no process but rank 0 ever holds the whole).
-        rows = self.scatter_from_rank0(weight.detach())
+        # ``initial_rows`` (global ids -> their values; a parallax.meta_init recipe): each
+        # server makes its own rows, and no process ever holds the whole.
+        if initial_rows is None:
+            rows = self.scatter_from_rank0(weight.detach())
+        elif worker.is_server:
+            rows = initial_rows(self.partitioning.rows_of_server(
+                worker.server_ranks.index(worker.rank))).to(self.device)
         if worker.is_server:
             self.set_shard(nn.Parameter(rows))
 

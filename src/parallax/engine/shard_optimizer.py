@@ -207,6 +207,10 @@ class ShardOptimizer:
         servers' is the one that trains). Collective over the table's group."""
         owner = optimizer_of(optimizers, param)
         mine = dict(owner.state.get(param, {})) if owner is not None else {}
+        if any(_is_meta(value) for value in mine.values()):
+            # made by the constructor for a parameter built in parallax.meta_init: the
+            # servers' optimizers, built with the same arguments, made their own
+            mine = {}
         rank = table.worker.rank
         layout = agree({key: ("rows" if is_per_row(value, param) else value)
                         for key, value in mine.items()}, rank=rank, group=table.group)
@@ -254,6 +258,26 @@ def is_per_row(value: object, rows: Tensor | None) -> bool:
 def optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
     """The user's optimizer class (the one a `parallax.distribute` optimizer wraps)."""
     return getattr(type(optimizer), "parallax_base", type(optimizer))
+
+
+def rebuild_constructor_state(optimizers: Sequence[torch.optim.Optimizer],
+                              param: nn.Parameter) -> None:
+    """``param`` now has values (built in parallax.meta_init, kept whole): replace the
+    storage-less state its optimizer's constructor made for it (Adagrad's accumulators) by
+    what that constructor makes for a real tensor."""
+    owner = optimizer_of(optimizers, param)
+    if owner is None or not any(_is_meta(v) for v in owner.state.get(param, {}).values()):
+        return
+    group = next(g for g in owner.param_groups if any(p is param for p in g["params"]))
+    fresh = optimizer_class(owner)([{**_hyper_parameters(group), "params": [param]}],
+                                   **_constructor_arguments(owner))
+    owner.state.pop(param)
+    if param in fresh.state:
+        owner.state[param] = fresh.state[param]
+
+
+def _is_meta(value: object) -> bool:
+    return isinstance(value, Tensor) and value.device.type == "meta"
 
 
 def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict:

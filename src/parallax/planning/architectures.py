@@ -18,11 +18,12 @@ rule). `build_layout` creates the tables from those answers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.config import ArchitectureName, Config
@@ -31,6 +32,7 @@ from parallax.engine.replicated import ReplicatedTable
 from parallax.engine.server_table import ShardedTable
 from parallax.engine.table import Table
 from parallax.model.detect import SparseUse
+from parallax.model.meta_init import recipe_of
 from parallax.planning import cost
 from parallax.planning.sparsity import Sparsity
 
@@ -213,7 +215,8 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
             layout.sparse[name] = ShardedTable(
                 name, params[name], num_partitions=num_partitions, worker=worker, group=group,
                 traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
-                local_aggregation=aggregates, batch_dependent=use.batch_dependent)
+                local_aggregation=aggregates, batch_dependent=use.batch_dependent,
+                initial_rows=_initial_rows(params[name]))
             layout.placements[name] = ("ps", num_partitions, servers)
     if architecture.dense_on_servers:
         dense = {n: p for n, p in params.items() if p.requires_grad and n not in sparse_uses}
@@ -223,9 +226,15 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 name, weight.reshape(1) if weight.dim() == 0 else weight, num_partitions=1,
                 worker=worker, group=group, traffic=traffic, sparse_grad=False,
                 average=config.average_dense, local_aggregation=aggregates,
-                first_server=server)
+                first_server=server, initial_rows=_initial_rows(params[name]))
             layout.placements[name] = ("ps", 1, (servers[server],))
     return layout
+
+
+def _initial_rows(param: nn.Parameter) -> Callable[[Tensor], Tensor] | None:
+    """For a parameter built in `parallax.meta_init`: its rows' initial values by global id."""
+    recipe = recipe_of(param)
+    return None if recipe is None else recipe.rows
 
 
 def greedy_placement(dense: dict[str, nn.Parameter], sparse: dict[str, Table],
