@@ -118,19 +118,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _export(args: argparse.Namespace) -> int:
     """``parallax export``: a bad or corrupt checkpoint is the user's problem, not a bug, so
     it gets a one-line error naming the file rather than a traceback."""
-    from parallax.checkpoint.export import read_checkpoint, save_state_dict
+    from parallax.checkpoint.export import stream_export
     from parallax.checkpoint.files import CheckpointError  # imports torch
 
     try:
-        exported = read_checkpoint(args.checkpoint)
+        exported = stream_export(args.checkpoint, args.out)
     except CheckpointError as err:
         return _fail(str(err))
-    try:
-        out = save_state_dict(exported.state_dict, args.out)
     except OSError as err:
         return _fail(f"cannot write {args.out}: {err}")
-    print(f"parallax: exported step {exported.step} ({len(exported.state_dict)} tensors) "
-          f"to {out}")
+    print(f"parallax: exported step {exported.step} ({exported.tensors} tensors) "
+          f"to {exported.path}")
     return 0
 
 

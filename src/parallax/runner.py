@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.checkpoint import sharded as checkpoint
+from parallax.checkpoint.export import export_running
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.collective import agree
 from parallax.config import Config
@@ -624,6 +625,20 @@ class Runner:
             for alias in names_of[id(params[name])]:
                 state[alias] = full
         return state
+
+    def export(self, path: str | os.PathLike) -> Path | None:
+        """Write the plain single-device ``state_dict`` to ``path`` on rank 0 (collective),
+        streamed: each server-held table comes from its servers in chunks of rows into a
+        tensor mapped on a scratch file beside ``path``, so no process ever holds a whole
+        table in memory (`state_dict` gathers each one whole on every rank). Returns ``path``
+        on rank 0, None elsewhere; ``torch.load(path, mmap=True)`` reads it the same way."""
+        with self._explained():
+            self._check_phase(_EXPORT)
+        held = {name: t for name, t in self.layout.all_tables().items() if t.on_servers}
+        aliases = self._server_held_aliases()
+        names = {name: aliases[id(self._params[name])] for name in held}
+        return export_running(path, self.model.state_dict(), held, names,
+                              rank=self.worker.rank)
 
     def load_state_dict(self, state: dict[str, Tensor], *, strict: bool = True) -> Any:
         """Load a plain single-device ``state_dict`` of the original model class (every rank

@@ -201,3 +201,45 @@ def test_table_shapes_cover_1d_and_3d_parameters():
     shapes = {n: p.shape for n, p in make_model(0).named_parameters() if n in TABLES}
     assert {len(s) for s in shapes.values()} == {1, 2, 3}
     assert all(math.prod(s) > 0 for s in shapes.values())
+
+
+def test_a_table_larger_than_the_process_limit_exports_streamed(tmp_path):
+    """``parallax export`` under RLIMIT_DATA of 400 MiB: a 600 MiB table in 15 shard files
+    goes to the output file by file, never whole in the process; the file loads (mmap) to
+    the very values."""
+    rows, dim, parts = 600 * 2**20 // (64 * 4), 64, 15
+    torch.manual_seed(0)
+    values = torch.randn(rows, dim)
+    directory = step_dir(tmp_path / "ckpt", 3)
+    files = {"dense.pt": save_object(directory / "dense.pt", {
+        "model": {"head.weight": torch.ones(2, dim)}, "optimizers": []})}
+    relpaths = []
+    for part in range(parts):
+        ids = torch.arange(part, rows, parts)
+        relpath = f"tables/embedding.weight/part-{part}.pt"
+        files[relpath] = save_object(directory / relpath, {"ids": ids, "values": values[ids]})
+        relpaths.append(relpath)
+    meta = {"format": "parallax-checkpoint", "step": 3, "aliases": {}, "dense_file": "dense.pt",
+            "parameters": {"embedding.weight": {"shape": [rows, dim], "dtype": "float32"},
+                           "head.weight": {"shape": [2, dim], "dtype": "float32"}},
+            "tables": {"embedding.weight": {"files": relpaths, "num_rows": rows,
+                                            "row_shape": [dim], "dtype": "float32"}}}
+    write_manifest(directory, Manifest(step=3, files=files, meta=meta))
+    limit = 400 * 2**20
+
+    def limited() -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    out = tmp_path / "model.pt"
+    proc = subprocess.run([sys.executable, "-m", "parallax.cli", "export", str(directory),
+                           str(out)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          preexec_fn=limited)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = torch.load(out, mmap=True, weights_only=True)
+    assert torch.equal(loaded["embedding.weight"], values)
+    assert torch.equal(loaded["head.weight"], torch.ones(2, dim))
+    # the same program holding the table whole does not fit that limit
+    whole = subprocess.run([sys.executable, "-c", f"import torch; torch.empty({rows * dim})"],
+                           capture_output=True, text=True, timeout=300, preexec_fn=limited)
+    assert whole.returncode != 0 and "allocate memory" in whole.stderr

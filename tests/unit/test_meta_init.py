@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import parallax
+from parallax.checkpoint import export
 from parallax.errors import UnsupportedProgramError
 from parallax.model import meta_init as meta
 
@@ -123,7 +124,7 @@ class Lookup(nn.Module):
         return self.head(self.embedding(ids).mean(dim=1))
 
 
-def test_a_deferred_model_trains_as_the_materialised_one():
+def test_a_deferred_model_trains_as_the_materialised_one(tmp_path, monkeypatch):
     """Through parallax.distribute: the table stays storage-less in the user's model (the
     server made its rows from the recipe), the linear layer gets its values, Adagrad's
     constructor state is rebuilt for it, and training equals the plain program's."""
@@ -152,5 +153,13 @@ def test_a_deferred_model_trains_as_the_materialised_one():
         got = distributed.state_dict()
         for name, want in reference.state_dict().items():
             torch.testing.assert_close(got[name], want, rtol=1e-12, atol=0)
+        # streamed export: 7 rows per exchange, the same values as state_dict
+        monkeypatch.setattr(export, "_CHUNK_BYTES", 7 * 6 * 8)
+        path = distributed.runner.export(tmp_path / "out" / "model.pt")
+        exported = torch.load(path, mmap=True)
+        assert exported.keys() == got.keys()
+        for name, value in got.items():
+            assert torch.equal(exported[name], value), name
+        assert [p.name for p in path.parent.iterdir()] == ["model.pt"]  # no scratch left
     finally:
         parallax.shutdown()

@@ -13,9 +13,10 @@ an export never silently carries a corrupt shard into a model.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,15 +32,20 @@ from parallax.checkpoint.files import (
     read_manifest,
     save_object,
 )
+from parallax.checkpoint.streamed import StreamedFile
+from parallax.engine.table import Table
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "ExportedCheckpoint",
     "export",
+    "ExportedFile",
+    "export_running",
     "export_state_dict",
     "read_checkpoint",
     "resolve_checkpoint",
     "save_state_dict",
+    "stream_export",
 ]
 
 #: ``meta["format"]`` of the runner's checkpoints; anything else is not ours to export.
@@ -78,6 +84,21 @@ def read_checkpoint(checkpoint: str | os.PathLike[str]) -> ExportedCheckpoint:
     Raises CheckpointError naming the file or table at fault when a file is missing or
     corrupt, the manifest's meta is malformed, or a table's shards miss or repeat rows.
     """
+    directory, manifest, meta, state = _read_dense(checkpoint)
+    for name, table in meta.tables.items():
+        shape = meta.shape(name)
+        values = torch.empty(shape, dtype=_dtype(directory, name, table))
+        for ids, rows in _table_shards(directory, manifest, name, table, shape):
+            values[ids] = rows
+        state[name] = values
+    _add_aliases(directory, meta, state)
+    return ExportedCheckpoint(directory=directory, step=manifest.step, state_dict=state)
+
+
+def _read_dense(checkpoint: str | os.PathLike[str],
+                ) -> tuple[Path, Manifest, _Meta, dict[str, torch.Tensor]]:
+    """The checkpoint's directory, manifest, meta and dense state (checked: every parameter
+    is a table or in the dense file, and not both)."""
     directory = resolve_checkpoint(checkpoint)
     manifest = read_manifest(directory)
     meta = _Meta.parse(directory, manifest)
@@ -97,21 +118,20 @@ def read_checkpoint(checkpoint: str | os.PathLike[str]) -> ExportedCheckpoint:
                 "not a tensor"
             )
         state[key] = value.detach().cpu()
-    for name, table in meta.tables.items():
+    for name in meta.tables:
         if name in state:
             raise CheckpointError(
                 f"{directory / MANIFEST_NAME}: table {name!r} is also in "
                 f"{meta.dense_file}'s model state"
             )
-        state[name] = _assemble_table(directory, manifest, name, table, meta.shape(name))
-    _add_aliases(directory, meta, state)
-    missing = [name for name in meta.parameters if name not in state]
+    missing = [name for name in meta.parameters if name not in state
+               and name not in meta.tables and meta.aliases.get(name) is None]
     if missing:
         raise CheckpointError(
             f"{directory / MANIFEST_NAME}: parameter(s) {', '.join(map(repr, missing))} are "
             f"neither tables nor in {meta.dense_file}"
         )
-    return ExportedCheckpoint(directory=directory, step=manifest.step, state_dict=state)
+    return directory, manifest, meta, state
 
 
 def export_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -128,8 +148,69 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], out: str | os.PathLi
 
 
 def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """Write checkpoint ``checkpoint``'s model to ``out`` as a single-file state_dict."""
-    return save_state_dict(export_state_dict(checkpoint), out)
+    """Write checkpoint ``checkpoint``'s model to ``out`` as a single-file state_dict,
+    streamed (`stream_export`)."""
+    return stream_export(checkpoint, out).path
+
+
+@dataclass(frozen=True)
+class ExportedFile:
+    """Where `stream_export` wrote, which step, how many state_dict entries."""
+
+    path: Path
+    step: int
+    tensors: int
+
+
+def stream_export(checkpoint: str | os.PathLike[str],
+                  out: str | os.PathLike[str]) -> ExportedFile:
+    """Write checkpoint ``checkpoint``'s model to ``out`` as a single-file state_dict,
+    streamed: each table goes to the file shard file by shard file (`StreamedFile`), so a
+    table larger than this machine's memory exports; one shard file is read (memory-mapped)
+    at a time. ``torch.load(out, mmap=True)`` reads the result the same way."""
+    directory, manifest, meta, state = _read_dense(checkpoint)
+    tables = {name: (meta.shape(name), _dtype(directory, name, table))
+              for name, table in meta.tables.items()}
+    table_aliases = {alias: name for alias, name in meta.aliases.items() if name in tables}
+    _add_aliases(directory, meta, state, skip=set(table_aliases))
+    with StreamedFile(out, state, tables, table_aliases) as streamed:
+        for name, table in meta.tables.items():
+            for ids, rows in _table_shards(directory, manifest, name, table, meta.shape(name)):
+                streamed.write_rows(name, ids, rows)
+                del ids, rows  # one shard file mapped at a time
+    return ExportedFile(Path(out), manifest.step, len(state) + len(tables) + len(table_aliases))
+
+
+_CHUNK_BYTES = 16 << 20  # rows pulled per exchange by `export_running` (a few copies in flight)
+
+
+def export_running(out: str | os.PathLike[str], state: dict[str, torch.Tensor],
+                   tables: Mapping[str, Table], names: Mapping[str, Sequence[str]], *,
+                   rank: int) -> Path | None:
+    """Write a running model's plain state_dict to ``out`` on rank 0 (collective): ``state``
+    is the model's own (server-held entries are storage-less handles); each table of
+    ``tables`` is pulled from its servers ``_CHUNK_BYTES`` of rows at a time and written to
+    the file (`StreamedFile`) under every name in ``names[table]``. No process holds a whole
+    table in memory. Returns ``out`` on rank 0, None elsewhere."""
+    streamed = None
+    if rank == 0:
+        held = {alias for name in tables for alias in names[name]}
+        streamed = StreamedFile(
+            out, {k: v for k, v in state.items() if k not in held},
+            {name: (state[name].shape, table.dtype) for name, table in tables.items()},
+            {alias: name for name in tables for alias in names[name] if alias != name})
+    with streamed if streamed is not None else contextlib.nullcontext():
+        for name, table in tables.items():
+            row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
+            step = max(1, _CHUNK_BYTES // max(1, row_bytes))
+            for start in range(0, table.num_rows, step):
+                stop = min(table.num_rows, start + step)
+                ids = (torch.arange(start, stop) if streamed is not None
+                       else torch.empty(0, dtype=torch.long))
+                rows = table.read_rows(ids.to(table.device))  # collective
+                if streamed is not None:
+                    streamed.write_rows(name, ids, rows)
+    return Path(out) if streamed is not None else None
 
 
 @dataclass(frozen=True)
@@ -189,14 +270,18 @@ def _load(directory: Path, manifest: Manifest, relpath: str) -> Any:
     return load_object(directory / relpath, record)
 
 
-def _assemble_table(directory: Path, manifest: Manifest, name: str,
-                    table: Mapping[str, Any], shape: list[int]) -> torch.Tensor:
-    """Put table ``name``'s row shards back together and give it the parameter's shape."""
-    num_rows, row_shape = table["num_rows"], table["row_shape"]
+def _dtype(directory: Path, name: str, table: Mapping[str, Any]) -> torch.dtype:
     dtype = getattr(torch, str(table["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"{directory / MANIFEST_NAME}: table {name!r} has unknown "
                               f"dtype {table['dtype']!r}")
+    return dtype
+
+
+def _table_shape(directory: Path, name: str, table: Mapping[str, Any],
+                 shape: list[int]) -> tuple[int, ...]:
+    """``(rows, *row shape)`` of table ``name``, checked against its parameter's shape."""
+    num_rows, row_shape = table["num_rows"], table["row_shape"]
     if (not isinstance(num_rows, int) or num_rows < 0 or not isinstance(row_shape, list)
             or not shape or shape[0] != num_rows or math.prod(shape) != num_rows
             * math.prod(row_shape)):
@@ -204,12 +289,21 @@ def _assemble_table(directory: Path, manifest: Manifest, name: str,
             f"{directory / MANIFEST_NAME}: table {name!r} of {num_rows!r} rows of shape "
             f"{row_shape!r} does not fit its parameter's shape {shape}"
         )
-    values = torch.empty((num_rows, *row_shape), dtype=dtype)
+    return (num_rows, *row_shape)
+
+
+def _table_shards(directory: Path, manifest: Manifest, name: str, table: Mapping[str, Any],
+                  shape: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Table ``name``'s ``(ids, rows)``, one shard file at a time, rows in the parameter's
+    row shape; raises after the last one if the shards miss or repeat rows."""
+    num_rows, *row_shape = _table_shape(directory, name, table, shape)
+    dtype = _dtype(directory, name, table)
     counts = torch.zeros(num_rows, dtype=torch.long)
     for relpath in table["files"]:
         ids, rows = _table_shard(directory, manifest, relpath, name, num_rows, row_shape, dtype)
-        values[ids] = rows
         counts += torch.bincount(ids, minlength=num_rows)
+        yield ids, rows.reshape(len(ids), *shape[1:])
+        del ids, rows  # the file's mapping goes with the consumer's last reference
     missing, repeated = int((counts == 0).sum()), int((counts > 1).sum())
     if missing or repeated:
         first = int(torch.nonzero(counts != 1)[0])
@@ -217,7 +311,6 @@ def _assemble_table(directory: Path, manifest: Manifest, name: str,
             f"{directory}: table {name!r}: its {len(table['files'])} file(s) leave {missing} of "
             f"{num_rows} rows missing and {repeated} repeated (first bad row {first})"
         )
-    return values.reshape(shape)
 
 
 def _table_shard(directory: Path, manifest: Manifest, relpath: str, name: str,
@@ -245,9 +338,17 @@ def _table_shard(directory: Path, manifest: Manifest, relpath: str, name: str,
     return ids, rows.detach().cpu()
 
 
-def _add_aliases(directory: Path, meta: _Meta, state: dict[str, torch.Tensor]) -> None:
-    """Give tied parameters their other names, sharing the canonical tensor as in the model."""
+def _add_aliases(directory: Path, meta: _Meta, state: dict[str, torch.Tensor], *,
+                 skip: set[str] | None = None) -> None:
+    """Give tied parameters their other names, sharing the canonical tensor as in the model
+    (not those in ``skip``)."""
     for alias, canonical in meta.aliases.items():
+        if skip and alias in skip:
+            if alias in state:
+                raise CheckpointError(
+                    f"{directory / MANIFEST_NAME}: alias {alias!r} of table {canonical!r} is "
+                    f"also in {meta.dense_file}'s model state")
+            continue
         if canonical not in state:
             raise CheckpointError(
                 f"{directory / MANIFEST_NAME}: alias {alias!r} names {canonical!r}, which is "

@@ -18,16 +18,16 @@ runner's business.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -116,44 +116,67 @@ def write_atomic(path: Path, data: bytes | bytearray | memoryview) -> FileRecord
     file system), are fsynced, renamed over ``path``, and the directory is fsynced so the
     rename survives a power loss. Missing parent directories are created (durably).
     """
+    view = memoryview(data).cast("B")
+    return _write_atomic_with(path, lambda out: out.write(view))
+
+
+def _write_atomic_with(path: Path, write: Callable[[BinaryIO], object]) -> FileRecord:
+    """`write_atomic` with the bytes written by ``write(file)``; the record is read back from
+    the written file in chunks (a large object is never held twice in memory)."""
     path = Path(path)
     if is_temp_name(path.name):
         raise CheckpointError(f"{path}: file names starting with {TMP_PREFIX!r} are reserved")
     _make_dirs(path.parent)
     tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name[:200]}")
-    view = memoryview(data).cast("B")
     try:
         with open(tmp, "xb") as out:
-            out.write(view)
+            write(out)
             out.flush()
             os.fsync(out.fileno())
+        record = _record_of(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-    return FileRecord(hashlib.sha256(view).hexdigest(), view.nbytes)
+    return record
+
+
+def _record_of(path: Path) -> FileRecord:
+    """``path``'s SHA-256 and size, read in chunks."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as source:
+        while chunk := source.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return FileRecord(digest.hexdigest(), size)
 
 
 def save_object(path: Path, obj: object) -> FileRecord:
-    """``torch.save`` ``obj`` to ``path`` atomically; serialised in memory first so the
-    checksum in the record is that of exactly the bytes written."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return write_atomic(path, buffer.getbuffer())
+    """``torch.save`` ``obj`` to ``path`` atomically, streamed to the file (no in-memory
+    copy of the serialised bytes)."""
+    return _write_atomic_with(path, lambda out: torch.save(obj, out))
 
 
 def load_object(path: Path, record: FileRecord, *, weights_only: bool = True) -> object:
     """Load what `save_object` wrote, after checking size and checksum against ``record``.
+    Its tensors are memory-mapped from the file (``torch.load(mmap=True)``): a shard larger
+    than memory loads, and only what is read is paged in.
 
     ``weights_only=True`` (torch's safe unpickler) loads tensors, containers and Python
     scalars/strings; pass False only for trusted files holding other objects.
     """
     path = Path(path)
-    data = _read(path, f"manifest records {record.size} bytes")
-    _check_record(path, record, len(data), hashlib.sha256(data).hexdigest())
     try:
-        return torch.load(io.BytesIO(data), weights_only=weights_only)
+        found = _record_of(path)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: missing (manifest records {record.size} bytes)") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read: {err}") from err
+    _check_record(path, record, found.size, found.sha256)
+    try:
+        return torch.load(path, weights_only=weights_only, mmap=True)
     except Exception as err:
         raise CheckpointError(f"{path}: checksum matches but torch.load failed: {err}") from err
 
