@@ -176,7 +176,9 @@ class DistributedOptimizer:
 
     ``step()`` (and ``step(closure)``) pushes this step's gradients, checks them and applies
     this optimizer's update (replicated parameters here, its server-held rows on the servers);
-    ``zero_grad()`` clears its parameters' gradients, the servers' rows included.
+    ``zero_grad()`` clears its parameters' gradients, the servers' rows included;
+    ``state_dict()`` / ``load_state_dict()`` are the single-device ones, the servers' state
+    included (collective).
     """
 
     parallax_base: type[torch.optim.Optimizer]
@@ -204,6 +206,16 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.parallax_runner.zero_grad([self])  # type: ignore[list-item]
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        """The single-device ``state_dict`` (collective: call it on every rank): the
+        servers' state of server-held parameters gathered whole."""
+        return self.parallax_runner.optimizer_state_dict(self)  # type: ignore[arg-type]
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        """Load a single-device ``state_dict`` (every rank passes the same): the servers
+        take their rows of the server-held parameters' state."""
+        self.parallax_runner.load_optimizer_state_dict(self, state_dict)  # type: ignore[arg-type]
 
 
 class GradScaler(torch.amp.GradScaler):

@@ -38,6 +38,9 @@ from parallax.engine.shard_optimizer import (
     ShardOptimizer,
     check_lazy,
     check_per_shard,
+    is_per_row,
+    local_load_state_dict,
+    local_state_dict,
     rebuild_constructor_state,
 )
 from parallax.engine.table import Table, push_all
@@ -662,6 +665,56 @@ class Runner:
                 table.assign(state[given[0]].to(self.device))
         return result.__class__(missing, result.unexpected_keys)
 
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optimizer.state_dict()`` as on one device (collective): the state of its
+        server-held parameters is gathered from the servers, each per-row tensor whole on
+        every rank (as `state_dict` gathers the tables; for tables larger than memory,
+        checkpoint with `save`)."""
+        state = local_state_dict(optimizer)
+        state["state"] = dict(state["state"])
+        index = _indices(optimizer)
+        for name, table in self.layout.all_tables().items():
+            param = self._params[name]
+            if not table.on_servers or id(param) not in index:
+                continue
+            shard_state = (self.shard_optimizer.table_state(table)
+                           if table.shard is not None else {})
+            mine = {key: ("rows" if is_per_row(value, table.shard) else value)
+                    for key, value in shard_state.items()}
+            everyone: list[Any] = [None] * self.worker.world_size
+            dist.all_gather_object(everyone, mine, group=self.group)
+            kinds = next((kinds for kinds in everyone if kinds), {})  # a server's (all alike)
+            entry = {}
+            for key, kind in kinds.items():
+                if isinstance(kind, str) and kind == "rows":
+                    entry[key] = table.full_weight(shard_state.get(key)).view(param.shape)
+                else:
+                    entry[key] = kind
+            if entry:
+                state["state"][index[id(param)]] = entry
+        return state
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """``optimizer.load_state_dict(state)`` of a single-device state dict (every rank
+        passes the same): each server takes its rows of a server-held parameter's state,
+        the optimizer object the rest."""
+        index = _indices(optimizer)
+        kept = dict(state["state"])
+        for name, table in self.layout.all_tables().items():
+            param = self._params[name]
+            if not table.on_servers or id(param) not in index:
+                continue
+            entry = kept.pop(index[id(param)], None) or {}
+            if table.shard is None:
+                continue
+            rows = table.partitioning.rows_of_server(
+                self.worker.server_ranks.index(self.worker.rank)).to(self.device)
+            self.shard_optimizer.set_table_state(table, {
+                key: (value.reshape(table.num_rows, *table.row_shape).to(
+                    self.device, table.shard.dtype)[rows] if is_per_row(value, param)
+                    else value) for key, value in entry.items()})
+        local_load_state_dict(optimizer, {**state, "state": kept})
+
     def _server_held_aliases(self) -> dict[int, tuple[str, ...]]:
         """Per server-held parameter (by id), every name it has in the state dict."""
         params = self._params
@@ -694,6 +747,12 @@ class Runner:
 
     def reset_stats(self) -> None:
         self.traffic.reset()
+
+
+def _indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Parameter id -> its index in ``optimizer``'s state dicts (param groups in order)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {id(p): i for i, p in enumerate(params)}
 
 
 def _shapes(value: Any) -> Any:

@@ -52,6 +52,14 @@ def test_outputs_beyond_the_loss_equal_one_device_for_each_slice(tmp_path: Path)
     state = torch.load(tmp_path / "state.pt")
     for name, value in model.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-12, msg=name)
+    # optimizer.state_dict(): the single-device one, server-held tables' moments included
+    got, expected = torch.load(tmp_path / "optimizer.pt"), optimizer.state_dict()
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys()
+    for index, entry in expected["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(got["state"][index][key], value, rtol=1e-9, atol=1e-12,
+                                       msg=f"state[{index}][{key!r}]")
 
 
 @pytest.mark.parametrize("mode, said", [

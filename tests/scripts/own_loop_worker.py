@@ -2,7 +2,8 @@
 
 Usage: own_loop_worker.py MODE OUT_DIR, MODE one of
   outputs    train 4 steps of the canonical loop; save every step's model outputs for this
-             worker's slice (OUT_DIR/outputs-RANK.pt) and, on rank 0, the final state dict
+             worker's slice (OUT_DIR/outputs-RANK.pt) and, on rank 0, the final model and
+             optimizer state dicts
   skip-step  rank 1 does not call optimizer.step() in step 3 (collective timeout 20 s)
   save-on-0  rank 0 alone calls model.state_dict() after step 2, as DDP programs do
 Every worker writes OUT_DIR/pid-RANK so the test can check no process is left behind.
@@ -45,8 +46,10 @@ def main() -> None:
             torch.save(model.state_dict(), out / "state.pt")
     torch.save(outputs, out / f"outputs-{worker.rank}.pt")
     state = model.state_dict()
+    optimizer_state = optimizer.state_dict()  # collective too: the servers' moments gathered
     if worker.rank == 0:
         torch.save(state, out / "state.pt")
+        torch.save(optimizer_state, out / "optimizer.pt")
     parallax.shutdown()
 
 

@@ -46,7 +46,13 @@ from parallax.collective import agree
 from parallax.config import Config
 from parallax.engine.handles import is_released, release, restore
 from parallax.engine.server_table import ShardedTable
-from parallax.engine.shard_optimizer import ShardOptimizer, is_per_row, optimizer_of
+from parallax.engine.shard_optimizer import (
+    ShardOptimizer,
+    is_per_row,
+    local_load_state_dict,
+    local_state_dict,
+    optimizer_of,
+)
 from parallax.engine.table import Table
 from parallax.planning.architectures import Layout
 
@@ -137,7 +143,7 @@ def _save_rank_files(runner: Run, directory: Path, extra: Any) -> dict[str, File
         held = _table_keys(runner)
         model = {k: v for k, v in runner.model.state_dict().items() if k not in held}
         records["dense.pt"] = save_object(directory / "dense.pt", {
-            "model": model, "optimizers": [opt.state_dict() for opt in runner.optimizers]})
+            "model": model, "optimizers": [local_state_dict(opt) for opt in runner.optimizers]})
         if extra is not None:
             records["extra.pt"] = save_object(directory / "extra.pt", extra)
     path = f"rng/rank-{worker.rank}.pt"
@@ -229,7 +235,7 @@ class _Restore:
                 restore(params[name], self.dense["model"][name])
         runner.model.load_state_dict(self.dense["model"], strict=False)
         for optimizer, state in zip(runner.optimizers, self.dense["optimizers"], strict=True):
-            optimizer.load_state_dict(state)
+            local_load_state_dict(optimizer, state)
         tables = runner.layout.all_tables()
         for name in self.from_model:  # now that the dense state is in the model
             table = tables[name]

@@ -255,6 +255,17 @@ def is_per_row(value: object, rows: Tensor | None) -> bool:
     return isinstance(value, Tensor) and rows is not None and value.shape == rows.shape
 
 
+def local_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` of the object itself: for a `parallax.distribute` optimizer,
+    its class's own (not the collective one that gathers the servers' state)."""
+    return optimizer_class(optimizer).state_dict(optimizer)
+
+
+def local_load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)`` of the object itself (see `local_state_dict`)."""
+    optimizer_class(optimizer).load_state_dict(optimizer, state)
+
+
 def optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
     """The user's optimizer class (the one a `parallax.distribute` optimizer wraps)."""
     return getattr(type(optimizer), "parallax_base", type(optimizer))
