@@ -30,6 +30,12 @@ Each record (per system; "median" etc. over the timed steps, after the untimed w
   ``peak_rss_mib_per_rank`` lists all). The count (VmHWM) is reset just before the system is
   built, so it covers building, warming up and timing this system; in a shared launch the
   baseline still includes what earlier systems left resident (``isolated`` says which).
+  ``peak_rss_mib_per_machine``: the sum of a machine's workers' peaks, max over machines (an
+  upper bound: the peaks need not coincide). ``predicted_rss_mib``: per rank, its resident
+  memory just before the system was built plus what the memory model says it holds for
+  training (`parallax.planning.memory`: parameters kept whole and own shards, their
+  gradients, optimizer state, buffers; after the warm-up, when the plan is final), max over
+  ranks (``predicted_rss_mib_per_rank`` lists all); None for TorchRec.
 * parallax systems only, from ``runner.plan`` once α is measured (over the warm-up steps):
   ``alpha_model`` (element-weighted mean α, dense parameters count as 1), ``alphas`` (per
   sparse parameter), ``predicted_bytes_per_machine_step`` = ``plan.predicted_total(arch)``:
@@ -216,7 +222,7 @@ def fmt(value: float | None, spec: str = ",.0f", suffix: str = "") -> str:
 
 HEADER = ("| system | step (ms, median) | step p10–p90 (ms) | {unit}/s | vs {base} | "
           "wire bytes/machine/step | predicted (Table 3) | wire/predicted | α_model | "
-          "peak RSS (MiB) |")
+          "peak RSS/worker (MiB) | predicted/worker (MiB) | peak RSS/machine (MiB) |")
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
@@ -229,10 +235,10 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
              f"(emulated), {describe(args)}, batch {options_batch(args)}/worker, "
              f"{args.warmup} warm-up + {args.steps} timed steps"
              f"{', one launch per system' if args.isolate else ''}", "",
-             HEADER.format(unit=unit, base=base["system"]), "|---" * 10 + "|"]
+             HEADER.format(unit=unit, base=base["system"]), "|---" * 12 + "|"]
     for r in results:
         if "unavailable" in r:
-            lines.append(f"| {r['system']} | unavailable: {r['unavailable']} |" + " |" * 8)
+            lines.append(f"| {r['system']} | unavailable: {r['unavailable']} |" + " |" * 10)
             continue
         lines.append(
             f"| {r['system']} | {1e3 * r['median_step_s']:.0f} | "
@@ -241,7 +247,8 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             f"{r['wire_bytes_per_machine_step']:,.0f} | "
             f"{fmt(r.get('predicted_bytes_per_machine_step'))} | "
             f"{fmt(r.get('wire_over_predicted'), '.2f')} | {fmt(r.get('alpha_model'), '.3f')} | "
-            f"{r['peak_rss_mib']:,.0f} |")
+            f"{r['peak_rss_mib']:,.0f} | {fmt(r.get('predicted_rss_mib'))} | "
+            f"{fmt(r.get('peak_rss_mib_per_machine'))} |")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import re
 import resource
 import statistics
@@ -32,6 +33,7 @@ from workloads import Workload  # noqa: E402
 
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
+from parallax.planning.memory import predict_memory  # noqa: E402
 
 PARALLAX_ARCHITECTURES = ("hybrid", "optps", "ps", "allreduce")
 MAX_ALPHA_STEPS = 5  # Config's default warm-up: more steps only delay the plan
@@ -55,6 +57,12 @@ def reset_peak_rss() -> bool:
     return True
 
 
+def rss_mib() -> float:
+    """This process's resident set size now, MiB."""
+    match = re.search(r"^VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    return int(match.group(1)) / 1024 if match else 0.0
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident set size, MiB: VmHWM (resettable), else ru_maxrss."""
     try:
@@ -67,9 +75,10 @@ def peak_rss_mib() -> float:
 
 
 def make_step(system: str, workload: Workload, alpha_steps: int,
-              ) -> tuple[Callable[[Any], Any], parallax.Runner | None]:
+              ) -> tuple[Callable[[Any], Any], parallax.Runner | None, int | None]:
     """A ``step(batch) -> loss`` for ``system``, built from the same single-device program,
-    and the parallax runner behind it (None for DDP and TorchRec).
+    the parallax runner behind it (None for DDP and TorchRec) and, but for TorchRec, the bytes
+    this rank holds for training by the memory model (`parallax.planning.memory`).
     ``-sparse`` systems run the program with ``sparse=True`` embeddings, ``-lazy`` ones the
     dense-gradient program with ``Config(lazy_sparse_updates=True)``; ``torchrec-*`` the
     recommender as a TorchRec EmbeddingBagCollection, or the LM as an EmbeddingCollection
@@ -77,7 +86,7 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     if system.startswith("torchrec"):
         from torchrec_peer import make_torchrec_step
 
-        return make_torchrec_step(system, workload.cfg, lr=workload.lr), None
+        return make_torchrec_step(system, workload.cfg, lr=workload.lr), None, None
     sparse_grad = system.endswith("-sparse")
     model, optimizer = workload.model_and_optimizer(sparse_grad=sparse_grad)
     if system.startswith("ddp"):
@@ -92,7 +101,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
             optimizer.step()
             return loss
 
-        return step, None
+        held = predict_memory(model, {}, {}, [optimizer], uses_ddp=True).total
+        return step, None, held
     architecture, _, variant = system.partition("-")
     if architecture not in PARALLAX_ARCHITECTURES:
         raise ValueError(f"unknown system {system!r}")
@@ -100,7 +110,7 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
                                  config=parallax.Config(architecture=architecture,
                                                         lazy_sparse_updates=variant == "lazy",
                                                         sparsity_warmup_steps=alpha_steps))
-    return runner.step, runner
+    return runner.step, runner, None
 
 
 def spread(times: list[float]) -> dict[str, float]:
@@ -142,8 +152,9 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     alpha_steps = max(1, min(warmup, MAX_ALPHA_STEPS))
     gc.collect()
     rss_scoped = reset_peak_rss()
+    baseline = rss_mib()  # what the process holds before this system exists
     try:
-        step, runner = make_step(system, workload, alpha_steps)
+        step, runner, held = make_step(system, workload, alpha_steps)
     except Exception as error:  # a peer that cannot run here: record the exact error
         if not system.startswith("torchrec"):
             raise
@@ -166,16 +177,23 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     # differ only by where each rank's clock starts within the step) and every rank's peak
     # RSS in its own slot.
     world = worker.world_size
-    values = torch.zeros(1 + steps + world, dtype=torch.float64)
+    if runner is not None:  # after the warm-up: the plan may have moved tables
+        held = runner.predicted_memory().total
+    values = torch.zeros(1 + steps + 2 * world, dtype=torch.float64)
     values[0] = float(link_bytes() - before) if worker.is_server else 0.0
     values[1:1 + steps] = torch.tensor(times, dtype=torch.float64)
     values[1 + steps + worker.rank] = peak_rss_mib()
+    values[1 + steps + world + worker.rank] = (
+        baseline + held / 2**20 if held is not None else float("nan"))
     dist.all_reduce(values)
     machines = len(worker.server_ranks)
     step_times = (values[1:1 + steps] / world).tolist()
     median = statistics.median(step_times)
     wire = float(values[0]) / machines / steps
-    rss = values[1 + steps:].tolist()
+    rss = values[1 + steps:1 + steps + world].tolist()
+    predicted = values[1 + steps + world:].tolist()
+    per_machine = [sum(r for rank, r in enumerate(rss) if worker.machine_of_rank[rank] == m)
+                   for m in range(machines)]
     result: dict[str, Any] = {
         "system": system, "median_step_s": median,
         "items_per_s": world * workload.items / median,
@@ -184,6 +202,9 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         "step_times_s": step_times,
         **spread(step_times),
         "peak_rss_mib": max(rss), "peak_rss_mib_per_rank": rss,
+        "peak_rss_mib_per_machine": max(per_machine),
+        "predicted_rss_mib": None if math.isnan(max(predicted)) else max(predicted),
+        "predicted_rss_mib_per_rank": predicted,
         "peak_rss_scope": "system" if rss_scoped else "process lifetime",
         "isolated": bool(args.get("isolated", False)),
         "steps": steps, "warmup": warmup, "world_size": world, "machines": machines,

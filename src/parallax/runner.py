@@ -53,6 +53,7 @@ from parallax.model.stand_ins import executed_copy
 from parallax.partitions.repartition import repartition
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
 from parallax.planning.architectures import architecture_of, build_layout
+from parallax.planning.memory import MemoryEstimate, predict_memory
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
 from parallax.session import check_same_everywhere, on_shutdown, shutdown
@@ -724,6 +725,14 @@ class Runner:
             if id(param) in ids:
                 aliases[id(param)] = (*aliases.get(id(param), ()), name)
         return aliases
+
+    def predicted_memory(self) -> MemoryEstimate:
+        """The bytes this rank holds for training by the memory model
+        (`parallax.planning.memory`): what it keeps whole, its own shards, their gradients,
+        optimizer state and the buffers."""
+        return predict_memory(self._executed, self.layout.all_tables(), self._params,
+                              self.optimizers, uses_ddp=self.layout.uses_ddp,
+                              pulled_whole=self.layout.pulled_whole)
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Bytes this worker sent and received per training step through the parameter-server

@@ -39,6 +39,11 @@ def check_record(result: dict, *, machines: int = 2) -> None:
     assert len(result["step_times_s"]) == result["steps"], system
     assert result["peak_rss_mib"] > 0 and len(result["peak_rss_mib_per_rank"]) == machines
     assert result["peak_rss_scope"] == "system"
+    # one worker per machine: a machine's peak is its worker's
+    assert result["peak_rss_mib_per_machine"] == pytest.approx(result["peak_rss_mib"])
+    if not system.startswith("torchrec"):
+        # the RSS before building plus the model's memory: same order as the measured peak
+        assert 0.5 < result["predicted_rss_mib"] / result["peak_rss_mib"] < 1.5, result
     if machines > 1:
         assert result["wire_bytes_per_machine_step"] > 0, system
     if system.partition("-")[0] in PARALLAX:
@@ -78,7 +83,8 @@ def test_compare_smoke(tmp_path: Path) -> None:
     alphas = {results[s]["alpha_model"] for s in PARALLAX}
     assert max(alphas) - min(alphas) < 1e-9, alphas
     assert "| hybrid |" in proc.stdout and "wire bytes/machine/step" in proc.stdout
-    assert "wire/predicted" in proc.stdout and "peak RSS (MiB)" in proc.stdout
+    assert "wire/predicted" in proc.stdout and "peak RSS/worker (MiB)" in proc.stdout
+    assert "predicted/worker (MiB)" in proc.stdout
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
