@@ -88,7 +88,10 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
 
         return make_torchrec_step(system, workload.cfg, lr=workload.lr), None, None
     sparse_grad = system.endswith("-sparse")
-    model, optimizer = workload.model_and_optimizer(sparse_grad=sparse_grad)
+    # parallax systems build the model in parallax.meta_init(), as a program with tables
+    # larger than a worker would: each server makes its own rows (DDP needs them all)
+    model, optimizer = workload.model_and_optimizer(sparse_grad=sparse_grad,
+                                                    deferred=not system.startswith("ddp"))
     if system.startswith("ddp"):
         ddp = DistributedDataParallel(model)
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import parallax
 from parallax.cluster import current_worker
 
 T = TypeVar("T")
@@ -196,7 +197,13 @@ class Workload:
         else:
             raise ValueError(f"unknown workload {name!r}")
 
-    def model_and_optimizer(self, sparse_grad: bool):
+    def model_and_optimizer(self, sparse_grad: bool, *, deferred: bool = False):
+        """The workload's single-device model and optimizer; ``deferred``: the model built in
+        ``parallax.meta_init()`` (for parallax systems: no worker materialises a server-held
+        table)."""
+        if deferred:
+            with parallax.meta_init():
+                return self.model_and_optimizer(sparse_grad)
         torch.manual_seed(0)
         if self.name == "recsys":
             from recsys import RecModel
