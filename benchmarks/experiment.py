@@ -28,8 +28,10 @@ METRICS_NOTE = (
     "averaged over ranks); wire bytes = eth0 tx + rx per machine and step (inter-machine, "
     "with protocol overhead); predicted = Table 3 model (`runner.plan.predicted_total(arch)`): "
     "inter-machine payload bytes sent + received per machine and step; wire/predicted = their "
-    "ratio; α_model from the plan after the warm-up steps; peak RSS = max over ranks of each "
-    "worker's peak resident memory while the system ran.")
+    "ratio; α_model from the plan after the warm-up steps; peak RSS/worker = max over ranks of "
+    "each worker's peak resident memory while the system ran, /machine = the sum over a "
+    "machine's workers; predicted/worker = RSS before building + the memory model's bytes "
+    "(`parallax/planning/memory.py`), max over ranks.")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, shape: bool = True,
