@@ -8,7 +8,7 @@ head, SGD. parallax builds it in ``parallax.meta_init`` and each of the ``machin
 makes and holds its shard (``1 / machines`` of the table); DDP builds the whole table in every
 worker.
 
-    python benchmarks/table_over_limit.py --limit-mib 1024 --ratio 2 --machines 4
+    python benchmarks/table_over_limit.py --limit-mib 1280 --ratio 2 --machines 4
 
 prints one row per system (exit status, peak RSS per worker, the cause of a failure).
 """
@@ -74,7 +74,7 @@ def table_rows(limit_mib: int, ratio: float, dim: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--limit-mib", type=int, default=1024)
+    parser.add_argument("--limit-mib", type=int, default=1280)
     parser.add_argument("--ratio", type=float, default=2.0, help="table bytes / limit")
     parser.add_argument("--machines", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)

@@ -74,7 +74,8 @@ def test_distributed_equals_single_device(distributed, case: Case) -> None:
 def test_training_moves_every_parameter(case: Case) -> None:
     """Guards the comparison itself: 5+ steps move every parameter far beyond the tolerance,
     so a runner that skipped updates (of dense or of sparse parameters) could not pass."""
-    initial = {k: v.detach().clone() for k, v in build(case)[0].state_dict().items()}
+    initial = {k: v.detach().clone()
+               for k, v in build(case, reference=True)[0].state_dict().items()}
     trained = _reference(case, 1)
     for name, value in initial.items():
         moved = float((trained[name] - value).abs().max() / value.abs().max())
@@ -85,7 +86,7 @@ def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
     topology, results = distributed
     plans = {tuple(key.split("-")[:2]): json.loads(r["__plan__"]) for key, r in results.items()
              if not any(variant in key for variant in ("migrate", "lazy", "repartition",
-                                                       "search", "loop"))}
+                                                       "search", "loop", "meta"))}
     by_arch = {key: {p["name"]: p["sync"] for p in plan["parameters"]}
                for key, plan in plans.items()}
     sync = {model: placement for (arch, model), placement in by_arch.items() if arch == "hybrid"}

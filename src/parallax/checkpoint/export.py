@@ -181,7 +181,7 @@ def stream_export(checkpoint: str | os.PathLike[str],
     return ExportedFile(Path(out), manifest.step, len(state) + len(tables) + len(table_aliases))
 
 
-_CHUNK_BYTES = 16 << 20  # rows pulled per exchange by `export_running` (a few copies in flight)
+_CHUNK_BYTES = 4 << 20  # rows pulled per exchange by `export_running` (a few copies in flight)
 
 
 def export_running(out: str | os.PathLike[str], state: dict[str, torch.Tensor],
