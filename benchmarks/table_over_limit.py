@@ -8,7 +8,7 @@ head, SGD. parallax builds it in ``parallax.meta_init`` and each of the ``machin
 makes and holds its shard (``1 / machines`` of the table); DDP builds the whole table in every
 worker.
 
-    python benchmarks/table_over_limit.py --limit-mib 1280 --ratio 2 --machines 4
+    python benchmarks/table_over_limit.py --limit-mib 1280 --ratio 2 --machines 4 [--rate 1gbit]
 
 prints one row per system (exit status, peak RSS per worker, the cause of a failure).
 """
@@ -52,16 +52,19 @@ class Outcome:
 
 
 def run(system: str, *, limit_mib: int, ratio: float, machines: int, dim: int,
-        steps: int, out_dir: Path | None = None, timeout: float = 600) -> Outcome:
+        steps: int, out_dir: Path | None = None, rate: str | None = None,
+        timeout: float = 600) -> Outcome:
     """Train under ``system``; the workers' records (and parallax's exported model.pt) go to
-    ``out_dir`` (a temporary directory when None)."""
+    ``out_dir`` (a temporary directory when None). ``rate``: each machine in its own network
+    namespace with a link of that rate (``parallax run --emulate-network``; needs root)."""
     limit = limit_mib * 2**20
     rows = table_rows(limit_mib, ratio, dim)
     with tempfile.TemporaryDirectory() as scratch:
         where = Path(out_dir or scratch)
         cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(machines),
-               "--nproc-per-machine", "1", str(WORKER), system, str(limit), str(rows),
-               str(dim), str(steps), str(where)]
+               "--nproc-per-machine", "1",
+               *(["--emulate-network", rate] if rate else []),
+               str(WORKER), system, str(limit), str(rows), str(dim), str(steps), str(where)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         ranks = sorted((json.loads(p.read_text()) for p in where.glob("rank*.json")),
                        key=lambda r: r["rank"])
@@ -79,15 +82,18 @@ def main() -> None:
     parser.add_argument("--machines", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rate", help="emulated link rate per machine, e.g. 1gbit (root)")
     args = parser.parse_args()
     table_mib = args.ratio * args.limit_mib
+    network = f"emulated {args.rate} links" if args.rate else "loopback"
     print(f"limit per worker process (RLIMIT_DATA): {args.limit_mib} MiB; table "
-          f"{table_mib:,.0f} MiB ({args.ratio}x); {args.machines} machines x 1 worker\n")
+          f"{table_mib:,.0f} MiB ({args.ratio}x); {args.machines} machines x 1 worker, "
+          f"{network}\n")
     print("| system | result | peak RSS per worker, MiB | ... and after export, MiB |\n"
           "|---|---|---|---|")
     for system in ("parallax", "ddp"):
         outcome = run(system, limit_mib=args.limit_mib, ratio=args.ratio,
-                      machines=args.machines, dim=args.dim, steps=args.steps)
+                      machines=args.machines, dim=args.dim, steps=args.steps, rate=args.rate)
         print(outcome.row(), flush=True)
 
 
