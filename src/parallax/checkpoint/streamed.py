@@ -48,8 +48,12 @@ class StreamedFile:
             f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{self.out.name[:200]}")
         self.tables = {name: (tuple(shape), dtype) for name, (shape, dtype) in tables.items()}
         self.written = {name: 0 for name in self.tables}  # rows, to check every row came
-        self._layout(dict(state), dict(aliases or {}))
-        self._fd = os.open(self.tmp, os.O_RDWR)
+        try:
+            self._layout(dict(state), dict(aliases or {}))
+            self._fd = os.open(self.tmp, os.O_RDWR)
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
         self.record: FileRecord | None = None
 
     def _layout(self, state: dict[str, Tensor], aliases: dict[str, str]) -> None:

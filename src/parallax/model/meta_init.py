@@ -176,7 +176,8 @@ def materialise_kept(model: nn.Module, deferred_ok: Iterable[str]) -> list[nn.Pa
     done = []
     # nn.RNN/LSTM/GRU hold weak references to their weights, which torch.utils.swap_tensors
     # refuses: dropped here, rebuilt by the module's own _init_flat_weights below.
-    rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
+    rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase)
+            and any(p.device.type == "meta" for p in m.parameters(recurse=False))]
     for rnn in rnns:
         rnn._flat_weight_refs = []
     for name, param in model.named_parameters():
@@ -203,9 +204,9 @@ def _recipe_or_raise(name: str, tensor: Tensor) -> Recipe:
     if recipe is None:
         raise UnsupportedProgramError(
             f"'{name}' is on the meta device with no values parallax can reproduce (a model "
-            "built under torch.device('meta') alone). Build the model inside "
-            "`with parallax.meta_init():` so that parallax records its initialisation, or "
-            "build it normally")
+            "built under torch.device('meta') alone, or one an earlier parallax run released). "
+            "Build the model inside `with parallax.meta_init():` so that parallax records its "
+            "initialisation, or build it normally")
     return recipe
 
 
