@@ -5,8 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 # The emulated cluster (network namespaces, tc) needs iproute2; its tests skip without it.
-if ! command -v tc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  apt-get install -y -q iproute2 >/dev/null 2>&1 || echo "setup: could not install iproute2" >&2
+# The ssh launch's test runs Debian's sshd inside two of those namespaces (openssh-server).
+need=()
+command -v tc >/dev/null 2>&1 || need+=(iproute2)
+{ command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ]; } || need+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
+if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q "${need[@]}" >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "${need[@]}" >/dev/null 2>&1; } \
+    || echo "setup: could not install ${need[*]} (their tests will be skipped)" >&2
 fi
 stamp="$VENV/.parallax-installed"
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt constraints.txt ]; then

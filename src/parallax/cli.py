@@ -99,6 +99,19 @@ def _add_cluster_arguments(command: argparse.ArgumentParser) -> None:
         help="with --machines: each machine in its own network namespace, links limited to "
         "RATE (tc syntax: 100mbit, 1gbit); needs root and iproute2",
     )
+    ssh = command.add_argument_group(
+        "other hosts", "with --resources naming other hosts: each is started over ssh "
+        "(BatchMode), in this working directory, with this Python's path")
+    ssh.add_argument("--ssh-user", metavar="USER", help="ssh login name")
+    ssh.add_argument("--ssh-port", type=int, metavar="PORT", help="ssh port")
+    ssh.add_argument("--ssh-identity", metavar="FILE", help="ssh identity (private key) file")
+    ssh.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="an ssh -o option (repeatable)")
+    ssh.add_argument("--remote-python", metavar="PATH",
+                     help="the Python on the other hosts (default: this one's path)")
+    ssh.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                     help="also forward this variable (default: PARALLAX_*, TORCH_*, NCCL_*, "
+                     "GLOO_*, OMP_*, MKL_*, CUDA_*, PYTHONPATH; repeatable)")
     command.add_argument("--master-addr", metavar="A", help="rendezvous host")
     command.add_argument("--master-port", type=int, metavar="P", help="rendezvous port")
     command.add_argument("script", help="the training script")
@@ -155,6 +168,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         env = {PLAN_ONLY_ENV: json_path, PLAN_WARMUP_ENV: str(args.warmup_steps)}
     if args.emulate_network:
         return _run_emulated(args, env, max_restarts)
+    if args.machine_index is None and args.resources is not None and not spec.is_local():
+        return _run_over_ssh(args, spec, env, max_restarts)
     try:
         return launch(
             spec,
@@ -210,6 +225,45 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: i
             return code
     except NetemError as err:
         return _fail(str(err))
+
+
+def _run_over_ssh(args: argparse.Namespace, spec: ResourceSpec, env: dict[str, str],
+                  max_restarts: int) -> int:
+    """Every machine of the resource file from here: this host's locally, the others over
+    ssh, one rendezvous on the first machine; a failure anywhere stops all of them."""
+    from parallax.cluster import is_local_host
+    from parallax.launch.executors import (  # imports torch: keep usage errors fast
+        LocalExecutor,
+        SshExecutor,
+        SshOptions,
+        forwarded_environment,
+        launch_machines,
+    )
+
+    first = spec.machines[0].host
+    if first in ("localhost", "localhost.localdomain", "::1") or first.startswith("127."):
+        return _fail(f"{args.resources} line {spec.machines[0].line}: the first machine is the "
+                     f"rendezvous the other hosts connect to; name it by an address they can "
+                     f"reach, not {first}")
+    extra = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not name:
+            return _fail(f"--env {item!r}: expected NAME or NAME=VALUE")
+        if not sep and name not in os.environ:
+            return _fail(f"--env {name}: not set here (give NAME=VALUE)")
+        extra[name] = value if sep else os.environ[name]
+    options = SshOptions(user=args.ssh_user, port=args.ssh_port, identity=args.ssh_identity,
+                         options=tuple(args.ssh_option),
+                         python=args.remote_python or sys.executable)
+    executors = [LocalExecutor() if is_local_host(m.host)
+                 else SshExecutor(m.host, workdir=os.getcwd(), options=options)
+                 for m in spec.machines]
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
+    return launch_machines(os.path.abspath(args.resources), spec,
+                           [*restarts, args.script, *args.script_args], executors,
+                           master_port=args.master_port or 29500,
+                           env=forwarded_environment({**env, **extra}))
 
 
 def _spec_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ResourceSpec:

@@ -13,7 +13,7 @@ import os
 import re
 import socket
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +32,7 @@ __all__ = [
     "ResourceError",
     "ResourceSpec",
     "WorkerInfo",
+    "is_local_host",
     "current_worker",
     "local_spec",
     "parse_resource_text",
@@ -57,6 +58,7 @@ class Machine:
 
     host: str
     devices: tuple[int, ...] = ()
+    line: int = field(default=0, compare=False)  # in its resource file (0: not from a file)
 
     @property
     def num_workers(self) -> int:
@@ -101,11 +103,12 @@ class ResourceSpec:
 
     def is_local(self) -> bool:
         """True when every machine is this host, i.e. the cluster is emulated locally."""
-        return all(_is_local_host(m.host) for m in self.machines)
+        return all(is_local_host(m.host) for m in self.machines)
 
     def to_json(self) -> str:
         """Serialise compactly, e.g. to hand the spec to workers through the environment."""
-        machines = [{"host": m.host, "devices": list(m.devices)} for m in self.machines]
+        machines = [{"host": m.host, "devices": list(m.devices), "line": m.line}
+                    for m in self.machines]
         return json.dumps({"machines": machines}, separators=(",", ":"))
 
     @classmethod
@@ -113,11 +116,12 @@ class ResourceSpec:
         """Inverse of :meth:`to_json`."""
         data = json.loads(text)
         return cls(
-            tuple(Machine(m["host"], tuple(int(d) for d in m["devices"])) for m in data["machines"])
+            tuple(Machine(m["host"], tuple(int(d) for d in m["devices"]), int(m.get("line", 0)))
+                  for m in data["machines"])
         )
 
 
-def _is_local_host(host: str) -> bool:
+def is_local_host(host: str) -> bool:
     """Whether ``host`` names this machine (loopback names or our own host name)."""
     if host in _LOCAL_NAMES or host.startswith("127."):
         return True
@@ -140,7 +144,7 @@ def parse_resource_text(text: str, source: str = "<string>") -> ResourceSpec:
         if not body:
             continue
         try:
-            machines.append(_parse_line(body))
+            machines.append(replace(_parse_line(body), line=lineno))
         except _LineError as err:
             raise ResourceError(f"{source}:{lineno}: {err}: {raw.strip()}") from None
     if not machines:

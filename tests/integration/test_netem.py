@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from parallax.launch import netem
-from parallax.launch.executors import NamespaceExecutor, SshExecutor
+from parallax.launch.executors import NamespaceExecutor, SshExecutor, SshOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_netns = pytest.mark.skipif(
@@ -101,8 +101,14 @@ def test_bad_rate_is_named() -> None:
 
 def test_executors_quote_commands() -> None:
     argv = ["python", "train.py", "--name", "it's a test", "$HOME;rm -rf /"]
-    remote = SshExecutor("node1", workdir="/srv/my job").command(argv, {"A": "x y"})
-    assert remote[:3] == ["ssh", "-o", "BatchMode=yes"] and remote[3] == "node1"
-    assert shlex.split(remote[4]) == ["cd", "/srv/my job", "&&", "env", "A=x y", *argv]
+    options = SshOptions(user="me", port=2222, identity="/keys/id", options=("A=b",),
+                         python="/opt/venv/bin/python")
+    remote = SshExecutor("node1", workdir="/srv/my job", options=options).command(
+        argv, {"A": "x y"})
+    assert remote[:-1] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-i", "/keys/id", "-o",
+                           "A=b", "-o", "ConnectTimeout=10", "me@node1"]
+    assert shlex.split(remote[-1]) == [
+        "cd", "/srv/my job", "&&", "exec", "env", "A=x y", "/opt/venv/bin/python", "-m",
+        "parallax.launch.guard", "--", "/opt/venv/bin/python", *argv[1:]]
     assert netem.netns_exec("pxm0") == ["ip", "netns", "exec", "pxm0"]
     assert NamespaceExecutor("pxm0").command(argv, {}) == [*netem.netns_exec("pxm0"), *argv]

@@ -8,11 +8,13 @@ in namespaces, and stops them all when one fails.
 
 from __future__ import annotations
 
+import collections
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,23 +49,107 @@ class NamespaceExecutor:
         return [*netns_exec(self.namespace), *argv]
 
 
+# Variables a job's processes read that the launcher's environment may set: forwarded to
+# every remote machine (with --env NAME[=VALUE] for others), as horovodrun -x does.
+FORWARDED_PREFIXES = ("PARALLAX_", "TORCH_", "NCCL_", "GLOO_", "OMP_", "MKL_", "CUDA_")
+FORWARDED_NAMES = ("PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV")
+
+
+def forwarded_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launcher's variables a remote machine's processes get (`FORWARDED_PREFIXES`,
+    `FORWARDED_NAMES`), then ``extra``."""
+    chosen = {k: v for k, v in os.environ.items()
+              if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
+    return {**chosen, **(extra or {})}
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """How to reach the other hosts: ssh's user, port, identity file and ``-o`` options, and
+    the Python to run there (by default this one's path: the same environment, on a shared or
+    identically laid-out file system). Always BatchMode (never a password prompt)."""
+
+    user: str | None = None
+    port: int | None = None
+    identity: str | None = None
+    options: tuple[str, ...] = ()
+    python: str = sys.executable
+    connect_timeout_s: int = 10
+
+    def argv(self, host: str) -> list[str]:
+        # ssh keeps the first value it is given for an option: BatchMode first (never
+        # overridden), the user's options before our ConnectTimeout default
+        cmd = ["ssh", "-o", "BatchMode=yes"]
+        if self.port is not None:
+            cmd += ["-p", str(self.port)]
+        if self.identity is not None:
+            cmd += ["-i", self.identity]
+        for option in self.options:
+            cmd += ["-o", option]
+        cmd += ["-o", f"ConnectTimeout={self.connect_timeout_s}"]
+        return [*cmd, f"{self.user}@{host}" if self.user else host]
+
+
 @dataclass
 class SshExecutor:
-    """Run on another host over ssh, in ``workdir`` (which must hold the same files)."""
+    """Run on another host over ssh, in ``workdir`` (which must hold the same files), under
+    `parallax.launch.guard`, which ends the command when the ssh session ends."""
 
     host: str
     workdir: str = field(default_factory=os.getcwd)
-    ssh: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes")
+    options: SshOptions = field(default_factory=SshOptions)
+    remote = True
 
     def command(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
-        # ssh passes one string to the remote shell: quote every piece of it.
+        # ssh passes one string to the remote shell: quote every piece of it. argv[0] is this
+        # host's Python; the remote host runs its own (options.python).
+        python = self.options.python
         assignments = [f"{key}={shlex.quote(value)}" for key, value in env.items()]
-        remote = " ".join(["cd", shlex.quote(self.workdir), "&&", "env", *assignments,
-                           shlex.join(argv)])
-        return [*self.ssh, self.host, remote]
+        remote = " ".join(["cd", shlex.quote(self.workdir), "&&", "exec", "env", *assignments,
+                           shlex.join([python, "-m", "parallax.launch.guard", "--", python,
+                                       *argv[1:]])])
+        return [*self.options.argv(self.host), remote]
 
 
 Executor = LocalExecutor | NamespaceExecutor | SshExecutor
+
+
+@dataclass
+class _Machine:
+    """One machine's agent (or its ssh session), with the end of what it printed to stderr."""
+
+    index: int
+    where: str  # "host 10.0.0.2 (resources.txt line 2)"
+    proc: subprocess.Popen
+    over_ssh: bool
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
+    reader: threading.Thread | None = None
+
+    def relay_stderr(self) -> None:
+        """Copy the agent's stderr to ours as it comes, keeping its last lines."""
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace")
+            self.tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def cause(self) -> str:
+        """The most telling line of what it printed: an ssh error, a Python exception."""
+        lines = [line.strip() for line in self.tail if line.strip()]
+        for line in reversed(lines):
+            if self.over_ssh and (line.startswith("ssh:") or "Permission denied" in line
+                                  or "Host key verification failed" in line):
+                return line
+        for line in reversed(lines):
+            if "Error" in line or "error" in line:
+                return line
+        return lines[-1] if lines else "nothing printed"
+
+    def describe_exit(self, code: int) -> str:
+        if self.over_ssh and code == 255:
+            return "ssh failed (exit status 255)"
+        return f"exit status {code}"
 
 
 def launch_machines(spec_file: str, spec: ResourceSpec, cmd: Sequence[str],
@@ -72,32 +158,44 @@ def launch_machines(spec_file: str, spec: ResourceSpec, cmd: Sequence[str],
     """Start ``parallax run --machine-index I`` on every machine through its executor and wait.
 
     When one machine's agent fails, the others are stopped (SIGTERM, then SIGKILL after
-    ``grace_s``) and its exit status is returned; 0 when all succeed.
+    ``grace_s``; an ssh session's end stops its remote side) and its exit status is returned,
+    naming the host, its resource-file line and the cause; 0 when all succeed.
     """
     if len(executors) != len(spec.machines):
         raise ValueError(f"{len(executors)} executors for {len(spec.machines)} machines")
     extra = dict(env or {})
-    procs = []
-    for index, executor in enumerate(executors):
-        argv = [sys.executable, "-m", "parallax.cli", "run", "--resources", spec_file,
-                "--machine-index", str(index), "--master-addr", spec.machines[0].host,
-                "--master-port", str(master_port), *cmd]
-        procs.append(subprocess.Popen(executor.command(argv, extra), env={**os.environ, **extra},
-                                      start_new_session=True))
+    machines: list[_Machine] = []
     try:
-        return _wait_all(procs, grace_s)
+        for index, executor in enumerate(executors):
+            argv = [sys.executable, "-m", "parallax.cli", "run", "--resources", spec_file,
+                    "--machine-index", str(index), "--master-addr", spec.machines[0].host,
+                    "--master-port", str(master_port), *cmd]
+            machine = spec.machines[index]
+            line = f", {spec_file} line {machine.line}" if machine.line else ""
+            proc = subprocess.Popen(executor.command(argv, extra),
+                                    env={**os.environ, **extra}, start_new_session=True,
+                                    stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+            record = _Machine(index, f"host {machine.host}{line}", proc,
+                              over_ssh=isinstance(executor, SshExecutor))
+            record.reader = threading.Thread(target=record.relay_stderr, daemon=True)
+            record.reader.start()
+            machines.append(record)
+        return _wait_all(machines)
     finally:
-        _stop(procs, grace_s)
+        _stop([m.proc for m in machines], grace_s)
 
 
-def _wait_all(procs: list[subprocess.Popen], grace_s: float) -> int:
+def _wait_all(machines: list[_Machine]) -> int:
     while True:
-        codes = [p.poll() for p in procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        codes = [m.proc.poll() for m in machines]
+        failed = [(m, c) for m, c in zip(machines, codes, strict=True) if c not in (None, 0)]
         if failed:
-            index, code = failed[0]
-            print(f"parallax: machine {index} failed (exit status {code}); stopping the "
-                  f"others", file=sys.stderr)
+            machine, code = failed[0]
+            if machine.reader is not None:
+                machine.reader.join(timeout=2)  # its last lines
+            print(f"parallax: machine {machine.index} ({machine.where}) failed: "
+                  f"{machine.describe_exit(code)}: {machine.cause()}; stopping the others",
+                  file=sys.stderr)
             return code
         if all(c == 0 for c in codes):
             return 0

@@ -111,6 +111,14 @@ class EmulatedNetwork:
         self._created = False
 
     # ---- use -------------------------------------------------------------------------------
+    def reach_from_host(self) -> str:
+        """Give the bridge an address on the machines' subnet, so that this host (its root
+        namespace) reaches them, as a launcher on a real cluster reaches its hosts; returns
+        it. Gone with the bridge at teardown."""
+        address = f"{SUBNET}.{self.net}.254"
+        _ip("addr", "add", f"{address}/24", "dev", self.bridge)
+        return address
+
     def exec_prefix(self, machine: int) -> list[str]:
         """Command prefix that runs a program inside ``machine``'s namespace."""
         return netns_exec(self.namespace(machine))
