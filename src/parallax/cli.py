@@ -3,12 +3,16 @@
 ``parallax run`` starts a training script on every worker; ``parallax plan`` runs it only for
 the warm-up steps that measure sparsity (and, for tables in a `parallax.partitioner`, the
 partition-count search), then prints the per-parameter plan (and writes it as JSON) and stops.
-``parallax export`` turns a sharded checkpoint into one plain state_dict file.
+``parallax export`` turns a sharded checkpoint into one plain state_dict file; ``parallax
+manifest`` prints a Kubernetes PyTorchJob.
 
 Examples::
 
     parallax run --machines 2 --nproc-per-machine 2 train.py --epochs 3
-    parallax run --resources cluster.txt --machine-index 0 train.py   # on each machine
+    parallax run --resources cluster.txt train.py       # every host: here, the others over ssh
+    parallax run --resources cluster.txt --machine-index 0 train.py   # one host, by hand
+    srun --ntasks-per-node=1 parallax run --slurm --nproc-per-machine 4 train.py
+    parallax manifest --name lm --image registry/lm:1 --nodes 4 train.py > job.json
     parallax run --machines 1 --nproc-per-machine 4 --max-restarts 3 train.py
     parallax plan --machines 2 --nproc-per-machine 2 --json plan.json train.py
     parallax export checkpoints/ model.pt    # the newest complete step under checkpoints/
@@ -17,6 +21,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -77,6 +82,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="step directory or root")
     export.add_argument("out", metavar="OUT", help="the .pt file to write")
+    manifest = commands.add_parser(
+        "manifest",
+        help="print a Kubernetes PyTorchJob that runs a script on several pods",
+        description="Print a Kubeflow PyTorchJob (JSON, which kubectl apply -f takes like YAML) "
+        "whose pods run `torchrun --nproc-per-node K SCRIPT ARGS`; the training operator sets "
+        "the variables torchrun reads (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...) and "
+        "parallax joins torchrun's launch. The image must hold the script and parallax.")
+    manifest.add_argument("--name", required=True, help="the job's Kubernetes name")
+    manifest.add_argument("--image", required=True, help="container image")
+    manifest.add_argument("--nodes", type=int, default=2, help="pods (machines; default 2)")
+    manifest.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
+                          help="workers per pod (default 1)")
+    manifest.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
+                          help="nvidia.com/gpu limit per pod (default 0)")
+    manifest.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                          help="a variable for the workers (repeatable)")
+    manifest.add_argument("script", help="the training script, as the image holds it")
+    manifest.add_argument("script_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -84,9 +107,13 @@ def _add_cluster_arguments(command: argparse.ArgumentParser) -> None:
     where = command.add_mutually_exclusive_group(required=True)
     where.add_argument("--resources", metavar="FILE", help="resource file: host[:dev,...] lines")
     where.add_argument("--machines", type=int, metavar="M", help="emulate M machines locally")
+    where.add_argument("--slurm", action="store_true",
+                       help="this node's agent of a SLURM job (under srun --ntasks-per-node=1: "
+                       "machines from SLURM_JOB_NODELIST, this one from SLURM_NODEID)")
     command.add_argument(
-        "--nproc-per-machine", type=int, metavar="K", help="workers per emulated machine"
-    )
+        "--nproc-per-machine", type=int, metavar="K",
+        help="workers per emulated machine (with --slurm: per node; default SLURM_GPUS_ON_NODE "
+        "or 1)")
     command.add_argument(
         "--machine-index",
         type=int,
@@ -125,7 +152,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "export":
         return _export(args)
+    if args.command == "manifest":
+        return _manifest(args)
     return _run(parser, args)
+
+
+def _manifest(args: argparse.Namespace) -> int:
+    """``parallax manifest``: a PyTorchJob for Kubernetes, on stdout."""
+    from parallax.launch.schedulers import pytorchjob_manifest
+
+    env = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not name or not sep:
+            return _fail(f"--env {item!r}: expected NAME=VALUE")
+        env[name] = value
+    try:
+        job = pytorchjob_manifest(args.name, args.image, nodes=args.nodes,
+                                  nproc_per_node=args.nproc_per_node,
+                                  command=[args.script, *args.script_args],
+                                  gpus_per_node=args.gpus_per_node, env=env)
+    except ValueError as err:
+        return _fail(str(err))
+    print(json.dumps(job, indent=2))
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -168,6 +218,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         env = {PLAN_ONLY_ENV: json_path, PLAN_WARMUP_ENV: str(args.warmup_steps)}
     if args.emulate_network:
         return _run_emulated(args, env, max_restarts)
+    if args.slurm:
+        return _run_slurm(args, env, max_restarts)
     if args.machine_index is None and args.resources is not None and not spec.is_local():
         return _run_over_ssh(args, spec, env, max_restarts)
     try:
@@ -227,6 +279,22 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: i
         return _fail(str(err))
 
 
+def _run_slurm(args: argparse.Namespace, env: dict[str, str], max_restarts: int) -> int:
+    """This node's agent of a SLURM job (one srun task per node)."""
+    from parallax.launch.elastic import launch
+    from parallax.launch.schedulers import slurm_job
+
+    try:
+        job = slurm_job(os.environ, nproc_per_machine=args.nproc_per_machine,
+                        master_port=args.master_port)
+        return launch(job.spec, [args.script, *args.script_args],
+                      machine_index=job.machine_index, master_addr=args.master_addr
+                      or job.master_addr, master_port=job.master_port, env=env,
+                      max_restarts=max_restarts)
+    except (ValueError, ResourceError) as err:
+        return _fail(str(err))
+
+
 def _run_over_ssh(args: argparse.Namespace, spec: ResourceSpec, env: dict[str, str],
                   max_restarts: int) -> int:
     """Every machine of the resource file from here: this host's locally, the others over
@@ -267,7 +335,13 @@ def _run_over_ssh(args: argparse.Namespace, spec: ResourceSpec, env: dict[str, s
 
 
 def _spec_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ResourceSpec:
-    """The resource spec from --resources, or from --machines/--nproc-per-machine."""
+    """The resource spec from --resources, or from --machines/--nproc-per-machine (--slurm:
+    read from SLURM's variables later; the local spec stands in for the checks)."""
+    if args.slurm:
+        if args.machine_index is not None or args.emulate_network:
+            parser.error("--slurm takes the machine from SLURM_NODEID; no --machine-index or "
+                         "--emulate-network")
+        return local_spec(1, 1)
     if args.resources is not None:
         if args.nproc_per_machine is not None:
             parser.error("--nproc-per-machine goes with --machines, not --resources")
