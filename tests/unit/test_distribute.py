@@ -30,6 +30,26 @@ class Tagged(nn.Module):
         return "tagged"
 
 
+def _train(steps: range, *pairs: tuple[nn.Module, torch.optim.Optimizer]) -> None:
+    """The plain loop on ``_batch(step)`` for each step, each (model, optimizer) in turn."""
+    for step in steps:
+        ids, y = _batch(step)
+        for net, opt in pairs:
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(ids)["logits"], y).backward()
+            opt.step()
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    """Two state dicts (model's, or an optimizer's ``state``) equal to 1e-12."""
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, dict):
+            _assert_same(got[key], value)
+        else:
+            torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=str(key))
+
+
 @pytest.fixture
 def single_process():
     yield
@@ -225,11 +245,7 @@ def test_optimizer_state_loaded_before_distribute_reaches_the_servers(single_pro
     single = Tagged().double()
     single.eval()
     single_optimizer = torch.optim.Adam(single.parameters(), lr=0.05)
-    for step in range(2):
-        ids, y = _batch(step)
-        single_optimizer.zero_grad()
-        nn.functional.cross_entropy(single(ids)["logits"], y).backward()
-        single_optimizer.step()
+    _train(range(2), (single, single_optimizer))
     model = Tagged().double()
     model.load_state_dict(single.state_dict())
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
@@ -239,15 +255,8 @@ def test_optimizer_state_loaded_before_distribute_reaches_the_servers(single_pro
                                            config=parallax.Config(partition_cache=None))
     model.eval()
     assert model.module.embedding.weight not in optimizer.state  # the servers hold it
-    for step in range(2, 5):
-        ids, y = _batch(step)
-        for net, opt in ((model, optimizer), (single, single_optimizer)):
-            opt.zero_grad()
-            nn.functional.cross_entropy(net(ids)["logits"], y).backward()
-            opt.step()
-    state = model.state_dict()
-    for name, value in single.state_dict().items():
-        torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-12, msg=name)
+    _train(range(2, 5), (model, optimizer), (single, single_optimizer))
+    _assert_same(model.state_dict(), single.state_dict())
 
 
 def test_optimizer_state_dict_is_the_single_device_one_and_loads_back(single_process):
@@ -263,19 +272,9 @@ def test_optimizer_state_dict_is_the_single_device_one_and_loads_back(single_pro
     model, optimizer = parallax.distribute(
         model, torch.optim.Adam(model.parameters(), lr=0.05), config=config)
     model.eval()
-    for step in range(2):
-        ids, y = _batch(step)
-        for net, opt in ((model, optimizer), (single, single_optimizer)):
-            opt.zero_grad()
-            nn.functional.cross_entropy(net(ids)["logits"], y).backward()
-            opt.step()
+    _train(range(2), (model, optimizer), (single, single_optimizer))
     saved_model, saved = model.state_dict(), optimizer.state_dict()
-    expected = single_optimizer.state_dict()
-    assert saved["state"].keys() == expected["state"].keys()
-    for index, entry in expected["state"].items():
-        for key, value in entry.items():
-            torch.testing.assert_close(saved["state"][index][key], value, rtol=1e-12,
-                                       atol=1e-12, msg=f"state[{index}][{key!r}]")
+    _assert_same(saved["state"], single_optimizer.state_dict()["state"])
     parallax.shutdown()
 
     model = Tagged().double()
@@ -285,12 +284,5 @@ def test_optimizer_state_dict_is_the_single_device_one_and_loads_back(single_pro
     model.load_state_dict(saved_model)
     optimizer.load_state_dict(copy.deepcopy(saved))
     assert model.module.embedding.weight not in optimizer.state  # the servers hold it
-    for step in range(2, 5):
-        ids, y = _batch(step)
-        for net, opt in ((model, optimizer), (single, single_optimizer)):
-            opt.zero_grad()
-            nn.functional.cross_entropy(net(ids)["logits"], y).backward()
-            opt.step()
-    state = model.state_dict()
-    for name, value in single.state_dict().items():
-        torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-12, msg=name)
+    _train(range(2, 5), (model, optimizer), (single, single_optimizer))
+    _assert_same(model.state_dict(), single.state_dict())
