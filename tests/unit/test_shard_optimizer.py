@@ -25,12 +25,14 @@ from parallax.engine.shard_optimizer import (
     check_lazy,
     check_per_shard,
     optimizer_of,
+    zero_gradient_is_identity,
 )
 from parallax.errors import OptimizerError
 
 Factory = Callable[[list[dict]], torch.optim.Optimizer]
 
 DENSE_OPTIMIZERS: dict[str, Factory] = {
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1),
     "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True,
                                                    weight_decay=0.01),
     "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=0.1, lr_decay=0.01, eps=1e-6),
@@ -103,6 +105,53 @@ def test_server_update_equals_the_user_optimizer_on_one_device(
     assert not torch.allclose(weight.detach(), start)
     torch.testing.assert_close(table.full_weight(), weight.detach())
     assert other.grad is None
+
+
+@pytest.mark.parametrize(("factory", "touched_only"), [
+    (lambda g: torch.optim.SGD(g, lr=0.1), True),
+    (lambda g: torch.optim.SGD(g, lr=0.1, dampening=0.5, maximize=True), True),
+    (lambda g: torch.optim.Adagrad(g, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
+     True),
+    (lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9), False),
+    (lambda g: torch.optim.SGD(g, lr=0.1, weight_decay=0.01), False),
+    (lambda g: torch.optim.Adagrad(g, lr=0.1, weight_decay=0.01), False),
+    (lambda g: torch.optim.Adam(g, lr=0.1), False),
+])
+def test_only_touched_rows_are_updated_where_a_zero_gradient_changes_nothing(
+        group, worker, factory: Factory, touched_only: bool) -> None:
+    """Dense-gradient tables under plain SGD and Adagrad without weight decay: the servers'
+    optimizer gets the touched rows alone (a sparse gradient), the other rows and their state
+    stay bitwise as they were, and the result equals the dense single-device update. Every
+    other optimizer keeps the dense update."""
+    weight, other, user = _user_model(factory)
+    assert zero_gradient_is_identity(user, user.param_groups[1]) is touched_only
+    table = _table(group, worker, weight, partitions=3, sparse_grad=False)
+    servers = ShardOptimizer([user], {id(weight): table})
+    seen: list[bool] = []
+    for server_opt, _, _ in servers._slots:
+        def recording(step=server_opt.step, opt=server_opt):
+            seen.extend(p.grad.is_sparse for g in opt.param_groups for p in g["params"]
+                        if p.grad is not None)
+            return step()
+        server_opt.step = recording
+    for ids, coefficient in _batches(3):
+        before = table.full_weight()
+        state_before = {k: v.clone() for k, v in servers.table_state(table).items()}
+        _server_step(table, servers, ids, coefficient)
+        _reference_step(weight, user, ids, coefficient, sparse=False)
+        untouched = torch.ones(10, dtype=torch.bool)
+        untouched[ids.unique()] = False
+        if touched_only:
+            assert torch.equal(table.full_weight()[untouched], before[untouched])
+            for key, value in servers.table_state(table).items():
+                if key in state_before and value.dim() > 0:  # per row, in shard order
+                    rows = table.partitioning.rows_of_server(0)
+                    assert torch.equal(value[untouched[rows]], state_before[key][
+                        untouched[rows]]), key
+        assert not table.shard.grad.is_sparse  # the dense gradient is back after the step
+    # (a partition whose every row was touched keeps its dense gradient: nothing to skip)
+    assert seen and any(seen) is touched_only
+    torch.testing.assert_close(table.full_weight(), weight.detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_adagrad_initial_accumulator_value_reaches_the_servers(group, worker) -> None:

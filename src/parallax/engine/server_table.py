@@ -155,6 +155,8 @@ class ShardedTable:
         self.prefetched: _Prefetched | None = None
         # (shard rows, gradient rows) received this step, summed by `_finish_aggregation`
         self._received: list[tuple[Tensor, Tensor]] = []
+        # shard rows that received gradient since the last zero_grad (`touched_rows_by_part`)
+        self._touched: list[Tensor] = []
         # Rank 0's initial values are the model's, whatever the other ranks' seeds were; each
         # server receives its own rows only (no process but rank 0 ever holds the whole).
         # ``initial_rows`` (global ids -> their values; a parallax.meta_init recipe): each
@@ -198,6 +200,7 @@ class ShardedTable:
     def set_shard(self, shard: nn.Parameter) -> None:
         """Hold ``shard`` (this server's rows under the current partitioning)."""
         self.shard = shard
+        self._touched = []
         self.blocks = self.partitioning.shard_blocks(
             self.worker.server_ranks.index(self.worker.rank)) or [(0, 0)]
         if len(self.blocks) == 1:
@@ -256,6 +259,7 @@ class ShardedTable:
         self.prefetched = None
         self._received.clear()
         self._received_counts.clear()
+        self._touched.clear()
         self._lookups = 0
         if self.shard is None:
             return
@@ -294,6 +298,7 @@ class ShardedTable:
             self.machine_rows_used.append(sum(lookup.merged_count for lookup in lookups))
 
     def _accumulate(self, local_rows: Tensor, grad_rows: Tensor) -> None:
+        self._touched.append(local_rows)
         if self.sparse_grad or len(self.parts) > 1:
             self._received.append((local_rows, grad_rows))
         else:
@@ -340,6 +345,18 @@ class ShardedTable:
             # accumulated onto a gradient no zero_grad cleared, as autograd does
             part.grad = (grad if part.grad is None else part.grad + grad).coalesce()
         return aggregate
+
+    def touched_rows_by_part(self) -> list[Tensor]:
+        """Per partition, the (sorted, distinct) rows of it that received gradient since the
+        last zero_grad, in the partition's own row numbers: the only rows whose gradient
+        can be non-zero."""
+        rows = (torch.unique(torch.cat(self._touched)) if self._touched
+                else torch.empty(0, dtype=torch.long, device=self.device))
+        starts = torch.tensor([start for start, _ in self.blocks] + [self.shard.shape[0]],
+                              dtype=rows.dtype, device=rows.device)
+        bounds = torch.searchsorted(rows, starts).tolist()
+        return [rows[bounds[i]:bounds[i + 1]] - start
+                for i, (start, _) in enumerate(self.blocks)]
 
     def _divide_by_counts(self) -> None:
         """scale_grad_by_freq: each aggregated row over its count in the global batch (rows

@@ -161,13 +161,43 @@ class ShardOptimizer:
                 self._slots.append((server_opt, user_opt, indices))
 
     def step(self, optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
-        """Apply the update of every user optimizer (or of ``optimizers``) to its rows."""
+        """Apply the update of every user optimizer (or of ``optimizers``) to its rows.
+
+        Where a zero gradient provably leaves a row and its state as they are
+        (`zero_gradient_is_identity`), only the rows that received gradient are updated: their
+        gradient is handed to the optimizer as a sparse tensor of those rows, which torch's
+        SGD and Adagrad apply to those rows alone. Untouched rows would have been left
+        unchanged by the dense update too, so the result is the dense-gradient program's."""
         wanted = None if optimizers is None else {id(o) for o in optimizers}
         slots = [slot for slot in self._slots if wanted is None or id(slot[1]) in wanted]
         for server_opt, user_opt, indices in slots:
             for server_group, index in zip(server_opt.param_groups, indices, strict=True):
                 server_group.update(_hyper_parameters(user_opt.param_groups[index]))
-        self.pool.run([server_opt.step for server_opt, _, _ in slots])
+        dense_grads = self._touched_rows_only(wanted)
+        try:
+            self.pool.run([server_opt.step for server_opt, _, _ in slots])
+        finally:
+            for part, grad in dense_grads:
+                part.grad = grad
+
+    def _touched_rows_only(self, wanted: set[int] | None) -> list[tuple[nn.Parameter, Tensor]]:
+        """Swap each eligible partition's dense gradient for a sparse one of its touched
+        rows; returns the dense ones, to put back after the step."""
+        swapped = []
+        for name, table in self._tables.items():
+            user_opt, index = self._owners[name]
+            if ((wanted is not None and id(user_opt) not in wanted) or table.sparse_grad
+                    or not hasattr(table, "touched_rows_by_part")
+                    or not zero_gradient_is_identity(user_opt, user_opt.param_groups[index])):
+                continue
+            for part, rows in zip(table.parts, table.touched_rows_by_part(), strict=True):
+                grad = part.grad
+                if grad is None or grad.is_sparse or rows.numel() == part.shape[0]:
+                    continue
+                part.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), grad[rows], part.shape,
+                                                    is_coalesced=True)
+                swapped.append((part, grad))
+        return swapped
 
     def _state_of(self, part: nn.Parameter) -> dict:
         for server_opt, _, _ in self._slots:
@@ -253,6 +283,21 @@ def is_per_row(value: object, rows: Tensor | None) -> bool:
     with the rows (Adam's moments), unlike scalars and step counts. False for every value when
     there are no rows (None: a rank that holds no shard)."""
     return isinstance(value, Tensor) and rows is not None and value.shape == rows.shape
+
+
+def zero_gradient_is_identity(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether a step with a zero gradient leaves a parameter element and its optimizer
+    state exactly unchanged, for this optimizer's class and ``group``'s hyper-parameters:
+    plain SGD (no momentum, no weight decay) and Adagrad without weight decay (any lr_decay,
+    eps, initial accumulator); not the fused kernels, nor subclasses (their steps may
+    differ). Everything else (momentum, weight decay, Adam's moment decay) moves untouched
+    rows too, and keeps the dense update."""
+    cls = optimizer_class(optimizer)
+    if group.get("weight_decay", 0) != 0 or group.get("fused"):
+        return False
+    if cls is torch.optim.SGD:
+        return group.get("momentum", 0) == 0
+    return cls is torch.optim.Adagrad
 
 
 def local_state_dict(optimizer: torch.optim.Optimizer) -> dict:
