@@ -435,9 +435,10 @@ def all_cases() -> list[Case]:
                       seed=len(cases)))
     # Built in parallax.meta_init: every server makes its own rows, every worker the rest, to
     # the single-device program's initial values (then trains as it does).
-    for architecture, (model, opt) in itertools.product(
-            ("hybrid", "allreduce", "ps", "optps"),
-            (("mixed", "adagrad-init"), ("bags", "adam"), ("gather", "momentum"))):
+    for architecture, model, opt in (
+            ("hybrid", "mixed", "adagrad-init"), ("hybrid", "bags", "adam"),
+            ("hybrid", "gather", "momentum"), ("allreduce", "mixed", "adagrad-init"),
+            ("ps", "bags", "adam"), ("optps", "gather", "momentum")):
         cases.append(Case(model, opt, clip=0.05, dtype="float64", architecture=architecture,
                           meta=True, seed=len(cases)))
     cases.append(Case("mixed", "sparseadam", True, None, "float32", meta=True, seed=len(cases)))
