@@ -35,19 +35,28 @@ class LMConfig:
 
 
 class SampledSoftmaxLM(nn.Module):
-    """Embedding -> LSTM -> sampled softmax. The output weight is read only through a row
-    gather of the step's candidates (targets + sampled classes): sparse, found by tracing."""
+    """Embedding -> LSTM -> sampled softmax. The output table is read only through a lookup
+    of the step's candidates (targets + sampled classes): sparse; with ``sparse_grad`` both
+    tables give sparse gradients."""
 
     def __init__(self, cfg: LMConfig):
         super().__init__()
         self.embedding = nn.Embedding(cfg.vocab, cfg.emb, sparse=cfg.sparse_grad)
         self.lstm = nn.LSTM(cfg.emb, cfg.hidden, batch_first=True)
-        self.softmax_weight = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) * 0.01)
+        # an nn.Embedding, so that the sparse-gradient program reads both tables with sparse
+        # gradients and DDP knows it (DDP-sparse at full strength: a plain gathered Parameter
+        # would keep the output weight's 51 MB gradient dense)
+        self.softmax = nn.Embedding(cfg.vocab, cfg.hidden, sparse=cfg.sparse_grad)
+        nn.init.normal_(self.softmax.weight, std=0.01)
         self.hidden_size = cfg.hidden
+
+    @property
+    def softmax_weight(self) -> nn.Parameter:
+        return self.softmax.weight
 
     def forward(self, tokens: Tensor, candidates: Tensor) -> Tensor:
         hidden = self.lstm(self.embedding(tokens))[0].reshape(-1, self.hidden_size)
-        return hidden @ self.softmax_weight[candidates].t()  # [tokens, candidates]
+        return hidden @ self.softmax(candidates).t()  # [tokens, candidates]
 
 
 def sampled_softmax_loss(logits: Tensor, targets: Tensor) -> Tensor:

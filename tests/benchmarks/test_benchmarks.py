@@ -202,7 +202,7 @@ def test_partitions_smoke(tmp_path: Path) -> None:
                for r in data["brute_force"])
     search = data["search"]
     assert search["source"] == "searched" and search["samples"][0]["partitions"] == 2
-    assert set(search["tables"]) == {"embedding.weight", "softmax_weight"}
+    assert set(search["tables"]) == {"embedding.weight", "softmax.weight"}
     verdict = data["verdict"]
     assert verdict["chosen_partitions"] in (1, 2, 4) and verdict["chosen_over_best"] >= 1
     assert verdict["samples"] == len(search["samples"]) <= 3
