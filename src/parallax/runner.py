@@ -632,10 +632,11 @@ class Runner:
 
     def export(self, path: str | os.PathLike) -> Path | None:
         """Write the plain single-device ``state_dict`` to ``path`` on rank 0 (collective),
-        streamed: each server-held table comes from its servers in chunks of rows into a
-        tensor mapped on a scratch file beside ``path``, so no process ever holds a whole
-        table in memory (`state_dict` gathers each one whole on every rank). Returns ``path``
-        on rank 0, None elsewhere; ``torch.load(path, mmap=True)`` reads it the same way."""
+        streamed: each server-held table comes from its servers in chunks of rows written
+        straight into the file (`parallax.checkpoint.streamed`), so no process ever holds a
+        whole table in memory (`state_dict` gathers each one whole on every rank). Returns
+        ``path`` on rank 0, None elsewhere; ``torch.load(path, mmap=True)`` reads it the same
+        way."""
         with self._explained():
             self._check_phase(_EXPORT)
         held = {name: t for name, t in self.layout.all_tables().items() if t.on_servers}
@@ -708,12 +709,9 @@ class Runner:
             entry = kept.pop(index[id(param)], None) or {}
             if table.shard is None:
                 continue
-            rows = table.partitioning.rows_of_server(
-                self.worker.server_ranks.index(self.worker.rank)).to(self.device)
             self.shard_optimizer.set_table_state(table, {
-                key: (value.reshape(table.num_rows, *table.row_shape).to(
-                    self.device, table.shard.dtype)[rows] if is_per_row(value, param)
-                    else value) for key, value in entry.items()})
+                key: table.own_rows(value) if is_per_row(value, param) else value
+                for key, value in entry.items()})
         local_load_state_dict(optimizer, {**state, "state": kept})
 
     def _server_held_aliases(self) -> dict[int, tuple[str, ...]]:

@@ -164,8 +164,7 @@ class ShardedTable:
         if initial_rows is None:
             rows = self.scatter_from_rank0(weight.detach())
         elif worker.is_server:
-            rows = initial_rows(self.partitioning.rows_of_server(
-                worker.server_ranks.index(worker.rank))).to(self.device)
+            rows = initial_rows(self.own_ids()).to(self.device)
         if worker.is_server:
             self.set_shard(nn.Parameter(rows))
 
@@ -191,11 +190,18 @@ class ShardedTable:
         """Set the whole parameter's values (every rank passes the same ``weight``): each
         server copies its own rows."""
         if self.shard is not None:
-            rows = self.partitioning.rows_of_server(
-                self.worker.server_ranks.index(self.worker.rank))
             with torch.no_grad():
-                full = weight.detach().reshape(self.num_rows, *self.row_shape)
-                self.shard.copy_(full[rows.to(full.device)].to(self.shard.device))
+                self.shard.copy_(self.own_rows(weight.detach()))
+
+    def own_ids(self) -> Tensor:
+        """Global ids of this server's rows, in its shard's order (call on a server)."""
+        return self.partitioning.rows_of_server(self.worker.server_ranks.index(self.worker.rank))
+
+    def own_rows(self, whole: Tensor) -> Tensor:
+        """This server's rows of ``whole``, a tensor shaped like the parameter (its values or
+        per-row optimizer state), in shard order, on the shard's device and dtype."""
+        full = whole.reshape(self.num_rows, *self.row_shape)
+        return full[self.own_ids().to(full.device)].to(self.device, self.dtype)
 
     def set_shard(self, shard: nn.Parameter) -> None:
         """Hold ``shard`` (this server's rows under the current partitioning)."""
