@@ -26,9 +26,15 @@ sys.path.insert(0, str(WORKER.parent))
 import checkpoint_worker  # noqa: E402
 
 
-def reference(steps: int) -> dict[str, torch.Tensor]:
+def reference(steps: int, optimizer: str = "adam") -> dict[str, torch.Tensor]:
+    """The single-device program's parameters after ``steps``."""
+    return reference_program(steps, optimizer)[0].state_dict()
+
+
+def reference_program(steps: int, optimizer: str = "adam",
+                      ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The single-device program: global batches of 12 in the data set's order."""
-    model, optimizer = checkpoint_worker.build()
+    model, optimizer = checkpoint_worker.build(optimizer)
     ids, targets = checkpoint_worker.dataset().tensors
     batch = checkpoint_worker.GLOBAL_BATCH
     for k in range(steps):
@@ -37,7 +43,7 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
                 ).backward()
         clip_like_parallax(list(model.parameters()), 0.05)
         optimizer.step()
-    return model.state_dict()
+    return model, optimizer
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -126,8 +132,8 @@ def test_killed_worker_stops_the_job_and_restarts_resume_it(tmp_path: Path) -> N
 
 
 # ---- in one process --------------------------------------------------------------------------
-def single_runner(directory: Path, **config) -> parallax.Runner:
-    model, optimizer = checkpoint_worker.build()
+def single_runner(directory: Path, optimizer: str = "adam", **config) -> parallax.Runner:
+    model, optimizer = checkpoint_worker.build(optimizer)
     return parallax.get_runner(model, optimizer, loss_fn, config=parallax.Config(
         clip_grad_norm=0.05, checkpoint_dir=str(directory), collective_timeout_s=30, **config))
 
@@ -160,6 +166,40 @@ def test_save_load_round_trip_with_extra_and_export(tmp_path: Path) -> None:
     model = Mixed().double()
     model.load_state_dict(torch.load(exported), strict=True)
     assert_same(model.state_dict(), reference(3))
+
+
+def test_deferred_sgd_steps_are_applied_before_save_export_and_load(tmp_path: Path) -> None:
+    """SGD with momentum and weight decay defers the steps of untouched rows on the servers:
+    the checkpoint, the exported file, the optimizer state dict and a load over rows that
+    still owe steps all see the single-device program's values."""
+    runner = single_runner(tmp_path, "momentum", num_partitions=3)
+    try:
+        for batch in batches(0, 3):
+            runner.step(batch)
+        assert any(rows.pending for rows in runner.shard_optimizer._deferred.values())
+        runner.save()
+        runner.export(tmp_path / "at-3.pt")
+        for batch in batches(3, 5):
+            runner.step(batch)
+        state = runner.optimizer_state_dict(runner.optimizers[0])["state"]
+        want = reference_program(5, "momentum")[1].state_dict()["state"]
+        assert state.keys() == want.keys()
+        for key, value in want.items():
+            assert_same(state[key], value)  # the momentum buffers, untouched rows caught up
+        runner.step(batches(5, 6)[0])
+        assert any(rows.pending for rows in runner.shard_optimizer._deferred.values())
+        runner.load()  # over rows that owe steps taken after the save
+        for batch in batches(3, 6):
+            runner.step(batch)
+        assert_same(runner.state_dict(), reference(6, "momentum"))
+    finally:
+        parallax.shutdown()
+    assert_same(torch.load(tmp_path / "at-3.pt"), reference(3, "momentum"))
+    exported = tmp_path / "exported.pt"
+    proc = subprocess.run([sys.executable, "-m", "parallax.cli", "export", str(tmp_path),
+                           str(exported)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert_same(torch.load(exported), reference(3, "momentum"))
 
 
 def test_checkpoint_of_another_model_is_refused_naming_the_parameters(tmp_path: Path) -> None:

@@ -32,9 +32,14 @@ def dataset() -> TensorDataset:
     return TensorDataset(ids, torch.randint(0, 4, (GLOBAL_BATCH * STEPS,), generator=generator))
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(optimizer: str = "adam") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and its optimizer: Adam, or ("momentum") SGD with nesterov momentum and
+    weight decay, whose servers defer the steps of untouched rows."""
     torch.manual_seed(0)
     model = Mixed().double()
+    if optimizer == "momentum":
+        return model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, nesterov=True,
+                                      weight_decay=0.01)
     return model, torch.optim.Adam(model.parameters(), lr=0.05)
 
 

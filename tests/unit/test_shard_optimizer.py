@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
+from parallax.engine import deferred_sgd
 from parallax.engine.exchange import Traffic
 from parallax.engine.server_table import ShardedTable
 from parallax.engine.shard_optimizer import (
@@ -24,6 +25,7 @@ from parallax.engine.shard_optimizer import (
     as_optimizer_list,
     check_lazy,
     check_per_shard,
+    deferrable_sgd,
     optimizer_of,
     zero_gradient_is_identity,
 )
@@ -112,8 +114,6 @@ def test_server_update_equals_the_user_optimizer_on_one_device(
     (lambda g: torch.optim.SGD(g, lr=0.1, dampening=0.5, maximize=True), True),
     (lambda g: torch.optim.Adagrad(g, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
      True),
-    (lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9), False),
-    (lambda g: torch.optim.SGD(g, lr=0.1, weight_decay=0.01), False),
     (lambda g: torch.optim.Adagrad(g, lr=0.1, weight_decay=0.01), False),
     (lambda g: torch.optim.Adam(g, lr=0.1), False),
 ])
@@ -305,3 +305,94 @@ def test_optimizer_of_and_as_optimizer_list() -> None:
     with pytest.raises(TypeError, match=r"optimizer\[1\] must be a torch.optim.Optimizer, "
                                         r"got str"):
         as_optimizer_list([sgd, "adam"])
+
+
+DEFERRED_SGD: dict[str, Factory] = {
+    "momentum": lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9),
+    "nesterov-wd": lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, nesterov=True,
+                                             weight_decay=0.01),
+    "dampening-wd-maximize": lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.5, dampening=0.3,
+                                                       weight_decay=0.05, maximize=True),
+    "weight-decay": lambda g: torch.optim.SGD(g, lr=0.1, weight_decay=0.1),
+}
+
+
+def _shard_order(table: ShardedTable, whole: Tensor) -> Tensor:
+    return whole[table.partitioning.rows_of_server(0)]
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+@pytest.mark.parametrize("optimizer", list(DEFERRED_SGD))
+def test_sgd_with_momentum_or_weight_decay_defers_untouched_rows(
+        group, worker, optimizer: str, partitions: int) -> None:
+    """SGD with momentum / dampening / nesterov / weight decay / maximize and an lr that
+    changes every step: the servers step the touched rows only, the other rows lag behind in
+    the shard, and every read (a pull, the gathered table, the optimizer state) sees them
+    caught up: equal to the dense single-device update (float64, 1e-12)."""
+    factory = DEFERRED_SGD[optimizer]
+    weight, _, user = _user_model(factory)
+    assert not zero_gradient_is_identity(user, user.param_groups[1])
+    assert deferrable_sgd(user, user.param_groups[1])
+    table = _table(group, worker, weight, partitions=partitions, sparse_grad=False)
+    servers = ShardOptimizer([user], {id(weight): table})
+    lagged = False
+    for step, (ids, coefficient) in enumerate(_batches(8)):
+        _server_step(table, servers, ids, coefficient)
+        _reference_step(weight, user, ids, coefficient, sparse=False)
+        raw = table.shard.detach().clone()  # before any read catches rows up
+        lagged |= not torch.allclose(raw, _shard_order(table, weight.detach()))
+        if step % 3 == 2:  # reads in between must not disturb the deferred steps
+            torch.testing.assert_close(table.full_weight(), weight.detach(),
+                                       rtol=1e-12, atol=1e-12)
+        for g in (user.param_groups[1],):
+            g["lr"] *= 0.9
+    assert lagged
+    torch.testing.assert_close(table.full_weight(), weight.detach(), rtol=1e-12, atol=1e-12)
+    mine = servers.table_state(table)
+    if "momentum_buffer" in user.state[weight]:
+        torch.testing.assert_close(mine["momentum_buffer"],
+                                   _shard_order(table, user.state[weight]["momentum_buffer"]),
+                                   rtol=1e-12, atol=1e-12)
+    else:
+        assert not mine
+
+
+def test_deferred_steps_are_flushed_and_survive_assign_and_state_load(
+        group, worker, monkeypatch) -> None:
+    """Every FLUSH_EVERY steps all rows are brought up to date; assigning the parameter and
+    loading the optimizer state apply the deferred steps first, as the single-device program
+    has them applied already."""
+    monkeypatch.setattr(deferred_sgd, "FLUSH_EVERY", 2)
+    weight, _, user = _user_model(DEFERRED_SGD["nesterov-wd"])
+    table = _table(group, worker, weight, partitions=3, sparse_grad=False)
+    servers = ShardOptimizer([user], {id(weight): table})
+    generator = torch.Generator().manual_seed(5)
+    for step, (ids, coefficient) in enumerate(_batches(9)):
+        _server_step(table, servers, ids, coefficient)
+        _reference_step(weight, user, ids, coefficient, sparse=False)
+        assert all(len(rows.maps) < 2 for rows in servers._deferred.values())
+        if step == 3:
+            new = torch.randn(10, 3, dtype=torch.float64, generator=generator)
+            table.assign(new)
+            with torch.no_grad():
+                weight.copy_(new)
+        if step == 6:
+            buffer = torch.randn(10, 3, dtype=torch.float64, generator=generator)
+            servers.set_table_state(table, {"momentum_buffer": _shard_order(table, buffer)})
+            user.state[weight]["momentum_buffer"] = buffer.clone()
+    torch.testing.assert_close(table.full_weight(), weight.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_pull_serves_caught_up_rows(group, worker) -> None:
+    """A lookup of rows that skipped steps gets their current values (the forward of the
+    next step reads what the single-device parameter holds)."""
+    weight, _, user = _user_model(DEFERRED_SGD["momentum"])
+    table = _table(group, worker, weight, partitions=2, sparse_grad=False)
+    servers = ShardOptimizer([user], {id(weight): table})
+    for ids, coefficient in _batches(4):
+        _server_step(table, servers, ids, coefficient)
+        _reference_step(weight, user, ids, coefficient, sparse=False)
+    every = torch.arange(10)
+    with torch.no_grad():
+        rows, inverse = table.lookup(every)
+    torch.testing.assert_close(rows[inverse], weight.detach(), rtol=1e-12, atol=1e-12)

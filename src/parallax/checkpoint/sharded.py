@@ -261,6 +261,7 @@ class _Restore:
                                       for k, v in state.items()}
         for name, (values, state) in self.shards.items():
             table = tables[name]
+            table.settle()  # deferred steps belong to the values being replaced
             with torch.no_grad():
                 table.shard.copy_(values)  # in place: the partitions view the shard's storage
             runner.shard_optimizer.set_table_state(table, state)

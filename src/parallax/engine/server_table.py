@@ -157,6 +157,9 @@ class ShardedTable:
         self._received: list[tuple[Tensor, Tensor]] = []
         # shard rows that received gradient since the last zero_grad (`touched_rows_by_part`)
         self._touched: list[Tensor] = []
+        # Set by the servers' optimizer where row updates are deferred (SGD with momentum or
+        # weight decay): called with shard rows (None: all) before they are read or written.
+        self.before_read: Callable[[Tensor | None], None] | None = None
         # Rank 0's initial values are the model's, whatever the other ranks' seeds were; each
         # server receives its own rows only (no process but rank 0 ever holds the whole).
         # ``initial_rows`` (global ids -> their values; a parallax.meta_init recipe): each
@@ -190,8 +193,15 @@ class ShardedTable:
         """Set the whole parameter's values (every rank passes the same ``weight``): each
         server copies its own rows."""
         if self.shard is not None:
+            self.settle()
             with torch.no_grad():
                 self.shard.copy_(self.own_rows(weight.detach()))
+
+    def settle(self) -> None:
+        """Bring every row of this server's shard (and its optimizer state) up to date: apply
+        the update steps the servers' optimizer deferred (before a whole read or write)."""
+        if self.shard is not None and self.before_read is not None:
+            self.before_read(None)
 
     def own_ids(self) -> Tensor:
         """Global ids of this server's rows, in its shard's order (call on a server)."""
@@ -485,6 +495,8 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
     served, lookups = {}, {}
     for table in tables:
         local = table.partitioning.local_row(recv_ids[table.name])
+        if table.shard is not None and table.before_read is not None:
+            table.before_read(local)  # deferred steps first (values and optimizer state)
         held = source if source is not None else table.shard
         options = table.batch_dependent
         if renorm and held is not None and options is not None and options.max_norm is not None:

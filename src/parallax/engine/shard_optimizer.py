@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -20,6 +20,8 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
+from parallax.engine import deferred_sgd
+from parallax.engine.deferred_sgd import DeferredRows, sgd_rows, zero_gradient_map
 from parallax.engine.pool import SERIAL, PartitionPool
 from parallax.errors import OptimizerError
 
@@ -46,6 +48,9 @@ class ServerTable(Protocol):
     blocks: list[tuple[int, int]]
     worker: WorkerInfo
     group: dist.ProcessGroup
+    sparse_grad: bool
+    # called with shard rows (None: all) before they are read or written (`catch_up`)
+    before_read: Callable[[Tensor | None], None] | None
 
     def scatter_from_rank0(self, weight: Tensor) -> Tensor: ...
 
@@ -131,7 +136,11 @@ class ShardOptimizer:
                         self._tables[table.name] = table
         # (server optimizer, user optimizer, user group index of each server group)
         self._slots: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer, list[int]]] = []
+        # per partition under deferred SGD: the steps its untouched rows still owe
+        self._deferred: dict[nn.Parameter, DeferredRows] = {}
         self._rebuild({})
+        for table in self._tables.values():
+            table.before_read = lambda rows, table=table: self.catch_up(table, rows)
 
     def _rebuild(self, states: dict[nn.Parameter, dict]) -> None:
         """Server optimizers over the tables' current partitions, with ``states`` (keyed by
@@ -159,6 +168,8 @@ class ShardOptimizer:
                         if part in states:
                             server_opt.state[part] = states[part]
                 self._slots.append((server_opt, user_opt, indices))
+        live = {part for table in self._tables.values() for part in table.parts}
+        self._deferred = {part: rows for part, rows in self._deferred.items() if part in live}
 
     def step(self, optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
         """Apply the update of every user optimizer (or of ``optimizers``) to its rows.
@@ -167,29 +178,95 @@ class ShardOptimizer:
         (`zero_gradient_is_identity`), only the rows that received gradient are updated: their
         gradient is handed to the optimizer as a sparse tensor of those rows, which torch's
         SGD and Adagrad apply to those rows alone. Untouched rows would have been left
-        unchanged by the dense update too, so the result is the dense-gradient program's."""
+        unchanged by the dense update too, so the result is the dense-gradient program's.
+
+        Under SGD with momentum or weight decay (`deferrable_sgd`) the touched rows take the
+        step and the others' steps are deferred (`parallax.engine.deferred_sgd`) until they
+        are read (`catch_up`)."""
         wanted = None if optimizers is None else {id(o) for o in optimizers}
         slots = [slot for slot in self._slots if wanted is None or id(slot[1]) in wanted]
         for server_opt, user_opt, indices in slots:
             for server_group, index in zip(server_opt.param_groups, indices, strict=True):
                 server_group.update(_hyper_parameters(user_opt.param_groups[index]))
         dense_grads = self._touched_rows_only(wanted)
+        deferred_steps = self._deferred_steps(wanted, dense_grads)
         try:
-            self.pool.run([server_opt.step for server_opt, _, _ in slots])
+            self.pool.run([server_opt.step for server_opt, _, _ in slots] + deferred_steps)
         finally:
             for part, grad in dense_grads:
                 part.grad = grad
+
+    def _eligible(self, wanted: set[int] | None,
+                  rule: Callable[[torch.optim.Optimizer, dict], bool],
+                  ) -> list[tuple[ServerTable, dict]]:
+        """The dense-gradient tables of the wanted optimizers whose param group satisfies
+        ``rule``, with the group."""
+        eligible = []
+        for name, table in self._tables.items():
+            user_opt, index = self._owners[name]
+            group = user_opt.param_groups[index]
+            if ((wanted is None or id(user_opt) in wanted) and not table.sparse_grad
+                    and hasattr(table, "touched_rows_by_part") and rule(user_opt, group)):
+                eligible.append((table, group))
+        return eligible
+
+    def _deferred_steps(self, wanted: set[int] | None,
+                        held: list[tuple[nn.Parameter, Tensor]]) -> list[Callable[[], None]]:
+        """The deferred-SGD updates of this step, one task per partition; the partitions'
+        gradients are taken from the servers' optimizers (which skip them) into ``held``."""
+        tasks = []
+        for table, group in self._eligible(wanted, deferrable_sgd):
+            hyper = _hyper_parameters(group)
+            for part, rows in zip(table.parts, table.touched_rows_by_part(), strict=True):
+                if part.grad is None:  # torch skips a parameter without gradient
+                    continue
+                deferred = self._deferred.setdefault(
+                    part, DeferredRows(part.shape[0], part.device))
+                tasks.append(self._deferred_step(part, part.grad, rows, hyper, deferred))
+                held.append((part, part.grad))
+                part.grad = None
+        return tasks
+
+    def _deferred_step(self, part: nn.Parameter, grad: Tensor, rows: Tensor, group: dict,
+                       deferred: DeferredRows) -> Callable[[], None]:
+        state = self._optimizer_of(part).state[part]
+
+        def step() -> None:
+            buf = state.get("momentum_buffer")
+            with torch.no_grad():
+                deferred.catch_up(part.data, buf, rows)
+                new_buf = sgd_rows(part.data, grad, buf, rows, group)
+                if new_buf is not None:
+                    state["momentum_buffer"] = new_buf
+                deferred.record(zero_gradient_map(group, buf is not None), rows)
+                if len(deferred.maps) >= deferred_sgd.FLUSH_EVERY:
+                    deferred.flush(part.data, new_buf)
+        return step
+
+    def catch_up(self, table: ServerTable, rows: Tensor | None = None) -> None:
+        """Apply to ``rows`` of ``table``'s shard (its own row numbers; all when None) the
+        deferred SGD steps they owe, before anything reads or writes them."""
+        for part, (start, stop) in zip(table.parts, table.blocks, strict=True):
+            deferred = self._deferred.get(part)
+            if deferred is None or not deferred.pending:
+                continue
+            mine = rows
+            if rows is not None and len(table.parts) > 1:
+                mine = rows[(rows >= start) & (rows < stop)] - start
+            with torch.no_grad():
+                deferred.catch_up(part.data, self._state_of(part).get("momentum_buffer"), mine)
+
+    def _optimizer_of(self, part: nn.Parameter) -> torch.optim.Optimizer:
+        for server_opt, _, _ in self._slots:
+            if any(p is part for group in server_opt.param_groups for p in group["params"]):
+                return server_opt
+        raise KeyError(part)
 
     def _touched_rows_only(self, wanted: set[int] | None) -> list[tuple[nn.Parameter, Tensor]]:
         """Swap each eligible partition's dense gradient for a sparse one of its touched
         rows; returns the dense ones, to put back after the step."""
         swapped = []
-        for name, table in self._tables.items():
-            user_opt, index = self._owners[name]
-            if ((wanted is not None and id(user_opt) not in wanted) or table.sparse_grad
-                    or not hasattr(table, "touched_rows_by_part")
-                    or not zero_gradient_is_identity(user_opt, user_opt.param_groups[index])):
-                continue
+        for table, _ in self._eligible(wanted, zero_gradient_is_identity):
             for part, rows in zip(table.parts, table.touched_rows_by_part(), strict=True):
                 grad = part.grad
                 if grad is None or grad.is_sparse or rows.numel() == part.shape[0]:
@@ -208,7 +285,8 @@ class ShardOptimizer:
     def table_state(self, table: ServerTable) -> dict:
         """The optimizer state of ``table``'s whole shard (empty before its first step):
         per-row tensors of its partitions joined in shard order, the rest (step counts) as
-        its first partition has them."""
+        its first partition has them. Deferred steps are applied first."""
+        self.catch_up(table)
         states = [self._state_of(part) for part in table.parts]
         if not states[0]:
             return {}
@@ -223,6 +301,7 @@ class ShardOptimizer:
         state = self.table_state(table)
         parts = {id(part) for part in table.parts}
         del self._owners[table.name], self._tables[table.name]
+        table.before_read = None
         kept = {p: s for server_opt, _, _ in self._slots for p, s in server_opt.state.items()
                 if id(p) not in parts}
         self._slots = []
@@ -257,7 +336,10 @@ class ShardOptimizer:
 
     def set_table_state(self, table: ServerTable, state: dict) -> None:
         """Replace the optimizer state of ``table``'s shard (a checkpoint's), ``{}`` for a
-        fresh one."""
+        fresh one. The rows' deferred steps are applied first (with the state they had)."""
+        self.catch_up(table)
+        for part in table.parts:
+            self._deferred.pop(part, None)
         parts = {id(part) for part in table.parts}
         for server_opt, _, _ in self._slots:
             for part in [p for p in server_opt.state if id(p) in parts]:
@@ -298,6 +380,16 @@ def zero_gradient_is_identity(optimizer: torch.optim.Optimizer, group: dict) -> 
     if cls is torch.optim.SGD:
         return group.get("momentum", 0) == 0
     return cls is torch.optim.Adagrad
+
+
+def deferrable_sgd(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether the steps of rows with a zero gradient can be deferred and applied later in
+    closed form (`parallax.engine.deferred_sgd`): torch's own SGD (not a subclass, not fused
+    or differentiable) with momentum or weight decay; without either a zero gradient changes
+    nothing (`zero_gradient_is_identity`)."""
+    return (optimizer_class(optimizer) is torch.optim.SGD and not group.get("fused")
+            and not group.get("differentiable")
+            and (group.get("momentum", 0) != 0 or group.get("weight_decay", 0) != 0))
 
 
 def local_state_dict(optimizer: torch.optim.Optimizer) -> dict:
