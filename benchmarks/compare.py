@@ -14,6 +14,15 @@ each system gets its own `parallax run` launch (fresh processes, fresh namespace
 one launch per system (seconds), but no system's leftovers (memory the allocator kept, threads,
 warm caches) touch the next one's time or memory.
 
+``--repeats N`` (default 3) runs everything N times, the systems interleaved (round r runs
+every system once, in an order rotated by r), so a slow spell of the shared host touches every
+system alike. A record then holds each repeat's figures under ``repeats`` and, on top, the
+median over repeats of their median step times (``median_step_s``, ``items_per_s``), its
+``repeat_min_step_s``/``repeat_max_step_s``, the median wire bytes and the largest peak RSS.
+Every record also names what produced it: ``provenance`` = commit (and whether the tree had
+uncommitted changes), the exact command, host (CPU model, cores), torch and Python versions,
+and the time it finished.
+
 Each record (per system; "median" etc. over the timed steps, after the untimed warm-up):
 
 * ``step_times_s``: the timed steps' times, each the mean over ranks of that step's time
@@ -56,9 +65,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import platform
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from workloads import fetch_data
@@ -104,13 +117,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "'{\"vocab\": 8000}' for an option this script has no flag for")
     parser.add_argument("--isolate", action="store_true",
                         help="one launch per system (per-system memory, no interference)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of every system, interleaved (median and min-max shown)")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="after the timed steps, 5 steps per system under torch.profiler: "
+                        "DIR/<system>-rank<r>.txt (operators by self CPU time) and rank 0's "
+                        "Chrome trace")
     parser.add_argument("--out", type=Path, help="results JSON (default under results/)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     if not isinstance(args.workload_options, dict):
         parser.error("--workload-options must be a JSON object")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+        parser.error("--steps and --repeats must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -139,24 +158,29 @@ def run(args: argparse.Namespace) -> list[dict]:
     out = args.out or default_out(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     fetch_data(args.workload, workload_options(args))  # workers in namespaces cannot download
-    if args.isolate:
-        results = []
-        with tempfile.TemporaryDirectory(prefix="compare-") as tmp:
-            for i, system in enumerate(args.systems, 1):
+    rounds: list[list[dict]] = []
+    with tempfile.TemporaryDirectory(prefix="compare-") as tmp:
+        for repeat in range(args.repeats):
+            # rotated each round: no system always runs first (or right after another)
+            order = args.systems[repeat % len(args.systems):] + \
+                args.systems[:repeat % len(args.systems)]
+            launches = [[system] for system in order] if args.isolate else [order]
+            records = []
+            for i, systems in enumerate(launches, 1):
                 print(f"[compare] {args.workload} {args.machines}x{args.nproc_per_machine} "
-                      f"{args.rate}: launch {i}/{len(args.systems)} ({system})", flush=True)
-                part = Path(tmp) / f"{i}.json"
-                launch(args, [system], part)
-                results += json.loads(part.read_text())
-    else:
-        print(f"[compare] {args.workload} {args.machines}x{args.nproc_per_machine} {args.rate}: "
-              f"{' '.join(args.systems)}", flush=True)
-        launch(args, args.systems, out)
-        results = json.loads(out.read_text())
+                      f"{args.rate}: repeat {repeat + 1}/{args.repeats}, launch "
+                      f"{i}/{len(launches)} ({' '.join(systems)})", flush=True)
+                part = Path(tmp) / f"{repeat}-{i}.json"
+                launch(args, systems, part)
+                records += json.loads(part.read_text())
+            rounds.append(sorted(records, key=lambda r: args.systems.index(r["system"])))
+    results = [combine_repeats([records[i] for records in rounds])
+               for i in range(len(args.systems))]
+    source = provenance()
     for result in results:  # what ran, so each record stands on its own in an experiment
         result.update(workload=args.workload, rate=args.rate,
                       nproc_per_machine=args.nproc_per_machine,
-                      workload_options=workload_options(args))
+                      workload_options=workload_options(args), provenance=source)
     out.write_text(json.dumps(results, indent=1))
     print(markdown(results, args), flush=True)
     if not args.no_plot:
@@ -164,11 +188,64 @@ def run(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def combine_repeats(records: list[dict]) -> dict:
+    """One system's records of every repeat as one: the first's fields, each repeat's
+    figures under ``repeats``, and the median over repeats on top (see the docstring)."""
+    if any("unavailable" in r for r in records):
+        return next(r for r in records if "unavailable" in r)
+    if len(records) == 1:
+        return records[0]
+    medians = [r["median_step_s"] for r in records]
+    combined = dict(records[0])
+    combined["repeats"] = [{k: r.get(k) for k in REPEAT_FIELDS} for r in records]
+    combined["median_step_s"] = statistics.median(medians)
+    combined["repeat_min_step_s"], combined["repeat_max_step_s"] = min(medians), max(medians)
+    combined["items_per_s"] = (records[0]["items_per_s"] * records[0]["median_step_s"]
+                               / combined["median_step_s"])
+    combined["wire_bytes_per_machine_step"] = statistics.median(
+        r["wire_bytes_per_machine_step"] for r in records)
+    for key in ("peak_rss_mib", "peak_rss_mib_per_machine"):
+        combined[key] = max(r[key] for r in records)
+    del combined["step_times_s"]  # per repeat, under "repeats"
+    return combined
+
+
+REPEAT_FIELDS = ("median_step_s", "items_per_s", "step_times_s", "step_p10_s", "step_p90_s",
+                 "wire_bytes_per_machine_step", "peak_rss_mib", "peak_rss_mib_per_machine",
+                 "predicted_rss_mib", "engine_bytes_per_machine_step", "alpha_model")
+
+
+def provenance() -> dict:
+    """What produced a result: commit (dirty: uncommitted changes in the tree), command,
+    host, versions, time."""
+    root = HERE.parent
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "command": " ".join([Path(sys.argv[0]).name if sys.argv[0] else "python",
+                                 *sys.argv[1:]]),
+            "host": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+                     "torch": torch.__version__},
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
 def launch(args: argparse.Namespace, systems: list[str], out: Path) -> None:
     """One `parallax run` of compare_worker.py over ``systems``, writing ``out``."""
     worker_args = {"systems": systems, "steps": args.steps, "warmup": args.warmup,
                    "out": str(out.resolve()), "workload_name": args.workload,
-                   "workload": workload_options(args), "isolated": args.isolate}
+                   "workload": workload_options(args), "isolated": args.isolate,
+                   "profile_dir": str(args.profile.resolve()) if args.profile else None}
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
            "--nproc-per-machine", str(args.nproc_per_machine), "--emulate-network", args.rate,
            str(HERE / "compare_worker.py"), json.dumps(worker_args)]
@@ -220,7 +297,7 @@ def fmt(value: float | None, spec: str = ",.0f", suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
-HEADER = ("| system | step (ms, median) | step p10–p90 (ms) | {unit}/s | vs {base} | "
+HEADER = ("| system | step (ms, median) | {spread} (ms) | {unit}/s | vs {base} | "
           "wire bytes/machine/step | predicted (Table 3) | wire/predicted | α_model | "
           "peak RSS/worker (MiB) | predicted/worker (MiB) | peak RSS/machine (MiB) |")
 
@@ -231,18 +308,29 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         return "no system could run: " + "; ".join(r["unavailable"] for r in results)
     base = next((r for r in done if r["system"] == "ddp-dense"), done[-1])
     unit = done[0]["unit"]
+    repeats = len(done[0].get("repeats", [])) or 1
+    source = done[0].get("provenance") or {}
+    commit = (source.get("commit") or "?")[:10] + (" (uncommitted changes)"
+                                                   if source.get("dirty") else "")
     lines = [f"{args.machines} machines x {args.nproc_per_machine} workers, {args.rate} "
              f"(emulated), {describe(args)}, batch {options_batch(args)}/worker, "
              f"{args.warmup} warm-up + {args.steps} timed steps"
-             f"{', one launch per system' if args.isolate else ''}", "",
-             HEADER.format(unit=unit, base=base["system"]), "|---" * 12 + "|"]
+             f"{', one launch per system' if args.isolate else ''}"
+             + (f", {repeats} interleaved repeats (median of their medians; spread: min–max)"
+                if repeats > 1 else ", one run (spread: p10–p90 of the timed steps)")
+             + f"; commit {commit}", "",
+             HEADER.format(unit=unit, base=base["system"],
+                           spread="repeats min–max" if repeats > 1 else "step p10–p90"),
+             "|---" * 12 + "|"]
     for r in results:
         if "unavailable" in r:
             lines.append(f"| {r['system']} | unavailable: {r['unavailable']} |" + " |" * 10)
             continue
+        low, high = ((r["repeat_min_step_s"], r["repeat_max_step_s"]) if "repeats" in r
+                     else (r["step_p10_s"], r["step_p90_s"]))
         lines.append(
             f"| {r['system']} | {1e3 * r['median_step_s']:.0f} | "
-            f"{1e3 * r['step_p10_s']:.0f}–{1e3 * r['step_p90_s']:.0f} | "
+            f"{1e3 * low:.0f}–{1e3 * high:.0f} | "
             f"{r['items_per_s']:,.0f} | {r['items_per_s'] / base['items_per_s']:.2f}x | "
             f"{r['wire_bytes_per_machine_step']:,.0f} | "
             f"{fmt(r.get('predicted_bytes_per_machine_step'))} | "
@@ -253,7 +341,8 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
 
 
 def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
-    """Throughput per system; the whiskers are the p10–p90 step times as throughput."""
+    """Throughput per system; the whiskers: the repeats' min–max (one run: the p10–p90 step
+    times), as throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -265,8 +354,10 @@ def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     items = [r["items_per_s"] * r["median_step_s"] for r in done]  # per cluster step
     heights = [r["items_per_s"] for r in done]
-    low = [h - n / r["step_p90_s"] for h, n, r in zip(heights, items, done, strict=True)]
-    high = [n / r["step_p10_s"] - h for h, n, r in zip(heights, items, done, strict=True)]
+    slow = [r.get("repeat_max_step_s", r["step_p90_s"]) for r in done]
+    fast = [r.get("repeat_min_step_s", r["step_p10_s"]) for r in done]
+    low = [h - n / t for h, n, t in zip(heights, items, slow, strict=True)]
+    high = [n / t - h for h, n, t in zip(heights, items, fast, strict=True)]
     ax.bar([r["system"] for r in done], heights,
            yerr=[[max(v, 0) for v in low], [max(v, 0) for v in high]], capsize=3)
     ax.set_ylabel(f"{done[0]['unit']}/s")

@@ -146,6 +146,24 @@ def plan_fields(runner: parallax.Runner, system: str, wire: float) -> dict[str, 
     }
 
 
+def profile(step: Callable[[Any], Any], workload: Workload, generator: torch.Generator,
+            system: str, directory: Path, steps: int = 5) -> None:
+    """``steps`` more steps under torch.profiler (after the timed ones, so the timing is not
+    the profiler's): each rank writes its operators by self CPU time, and rank 0 a Chrome
+    trace, to ``directory``."""
+    rank = current_worker().rank
+    directory.mkdir(parents=True, exist_ok=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step(workload.batch(generator))
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+    (directory / f"{system}-rank{rank}.txt").write_text(
+        f"{system}, rank {rank}: {steps} steps under torch.profiler\n{table}\n")
+    if rank == 0:
+        prof.export_chrome_trace(str(directory / f"{system}-rank0-trace.json"))
+    dist.barrier()
+
+
 def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     """Build, warm up and time one system on every rank; the result is the same on all."""
     worker = current_worker()
@@ -175,6 +193,8 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         step(batch)
         times.append(time.perf_counter() - start)
     dist.barrier()
+    if args.get("profile_dir"):
+        profile(step, workload, generator, system, Path(args["profile_dir"]))
     # One reduction: this machine's link bytes (its first worker reads them), every rank's
     # step times (summed, then averaged: all ranks wait for each other every step, so they
     # differ only by where each rank's clock starts within the step) and every rank's peak

@@ -54,6 +54,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, shape: bool = True,
     parser.add_argument("--hidden", type=int, default=128, help="lm LSTM width")
     parser.add_argument("--isolate", action="store_true",
                         help="one launch per system (per-system peak memory, no interference)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved rounds of every system (compare.py --repeats)")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
 
 
@@ -62,7 +64,7 @@ def compare_args(args: argparse.Namespace, **overrides: Any) -> argparse.Namespa
     ``overrides`` (names as compare's attributes: machines, systems, workload, ...)."""
     result = compare.parse_args([])
     for name in ("rate", "steps", "warmup", "machines", "nproc_per_machine", "batch", "vocab",
-                 "emb", "hidden", "seq_len", "isolate"):
+                 "emb", "hidden", "seq_len", "isolate", "repeats"):
         if hasattr(args, name):
             setattr(result, name, getattr(args, name))
     for name, value in overrides.items():

@@ -1,39 +1,75 @@
 #!/usr/bin/env bash
-# The full benchmark runs of BENCHMARKS.md (not CI: an hour or more; needs root and iproute2
-# for the emulated network). Results: benchmarks/results/*.json, *.md, *.png; tables on stdout.
+# The benchmark runs of BENCHMARKS.md (not CI: hours with 3 repeats; needs root and iproute2
+# for the emulated network). Results: benchmarks/results/*.json and *.md (committed: each record
+# names its commit, command and host), *.png; tables on stdout.
+#   bash scripts/bench.sh                  every experiment
+#   bash scripts/bench.sh lm-4x1 table4    the named ones (bash scripts/bench.sh --list)
 # Every experiment runs even when an earlier one failed; the exit status says whether any did.
+# REPEATS=N overrides the interleaved repeats of each table (default 3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+py=.venv/bin/python
+repeats=(--repeats "${REPEATS:-3}")
+results=benchmarks/results
+
+declare -A EXPERIMENTS=(
+  [lm-2x2]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --systems hybrid optps ps allreduce ddp-sparse ddp-dense torchrec-rw --isolate"
+  [lm-4x1]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
+--rate 1gbit --systems hybrid optps ps allreduce ddp-sparse ddp-dense torchrec-rw torchrec-tw \
+--isolate"
+  [lm-kjv]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --workload-options {\"corpus\":\"kjv\"} --systems hybrid ddp-sparse ddp-dense \
+torchrec-rw --isolate --out $results/compare-lm-kjv-2x2-1gbit.json"
+  [recsys]="$py benchmarks/compare.py --workload recsys --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --hash-multiplier 1000 --systems hybrid-lazy hybrid-sparse hybrid ddp-sparse \
+torchrec-rw torchrec-tw --steps 10 --isolate"
+  [cnn]="$py benchmarks/compare.py --workload cnn --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --systems ddp-dense hybrid allreduce ps --steps 30 --isolate"
+  [table1]="$py benchmarks/table1.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
+  [table4]="$py benchmarks/table4.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
+  [scaling]="$py benchmarks/scaling.py --machines 1 2 4 8 --nproc-per-machine 1 --rate 1gbit \
+--isolate"
+  [sparsity]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --isolate"
+  [bandwidth]="$py benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit 5gbit --isolate"
+  [alpha]="$py benchmarks/alpha_crossover.py"
+  [partitions-2x2]="$py benchmarks/partitions.py --machines 2 --nproc-per-machine 2 \
+--rate 1gbit"
+  [partitions-4x1]="$py benchmarks/partitions.py --machines 4 --nproc-per-machine 1 \
+--rate 1gbit"
+  [table-over-limit]="$py benchmarks/table_over_limit.py --limit-mib 1280 --ratio 2 \
+--machines 4 --rate 1gbit"
+  [progress]="$py benchmarks/progress_overhead.py"
+)
+ORDER=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling sparsity bandwidth alpha
+       partitions-2x2 partitions-4x1 table-over-limit progress)
+# the scripts that interleave systems over repeats (compare.py and the experiments on it)
+TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling sparsity bandwidth)
+
+if [ "${1:-}" = "--list" ]; then
+  for name in "${ORDER[@]}"; do printf '%-18s %s\n' "$name" "${EXPERIMENTS[$name]}"; done
+  exit 0
+fi
+names=("$@")
+[ ${#names[@]} -eq 0 ] && names=("${ORDER[@]}")
+for name in "${names[@]}"; do
+  if [ -z "${EXPERIMENTS[$name]+x}" ]; then
+    echo "bench.sh: no experiment '$name'; the experiments: ${ORDER[*]}" >&2
+    exit 2
+  fi
+done
+
 bash scripts/setup.sh || exit 1
 if [ -f benchmarks/setup_bench.sh ]; then bash benchmarks/setup_bench.sh || exit 1; fi
-py=.venv/bin/python
 failed=()
-run() {
-  echo "== $*"
-  "$@" || failed+=("$*")
-}
-# Systems side by side (one table each)
-run $py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 --rate 1gbit
-run $py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 --rate 1gbit \
-  --systems hybrid optps ps allreduce ddp-sparse ddp-dense torchrec-rw torchrec-tw --isolate
-run $py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 --rate 1gbit \
-  --workload-options '{"corpus": "kjv"}' --systems hybrid ddp-sparse ddp-dense torchrec-rw \
-  --isolate --out benchmarks/results/compare-lm-kjv-2x2-1gbit.json
-run $py benchmarks/compare.py --workload recsys --machines 2 --nproc-per-machine 2 --rate 1gbit \
-  --hash-multiplier 1000 --systems hybrid-lazy hybrid-sparse hybrid ddp-sparse torchrec-rw \
-  torchrec-tw --steps 10 --isolate
-run $py benchmarks/compare.py --workload cnn --machines 2 --nproc-per-machine 2 --rate 1gbit \
-  --systems ddp-dense hybrid allreduce ps --steps 30
-# Issue 4's experiments; --isolate: one launch per system, so peak memory is per system
-run $py benchmarks/table1.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate
-run $py benchmarks/table4.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate
-run $py benchmarks/scaling.py --machines 1 2 4 8 --nproc-per-machine 1 --rate 1gbit --isolate
-run $py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate
-run $py benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit 5gbit --isolate
-run $py benchmarks/alpha_crossover.py
-# Issue 5: partition counts, brute force against the in-process search (Tables 2 and 5)
-run $py benchmarks/partitions.py --machines 2 --nproc-per-machine 2 --rate 1gbit
-run $py benchmarks/partitions.py --machines 4 --nproc-per-machine 1 --rate 1gbit
+for name in "${names[@]}"; do
+  # word splitting of the command line is intended (no argument holds a space)
+  read -r -a cmd <<< "${EXPERIMENTS[$name]}"
+  if [[ " ${TAKES_REPEATS[*]} " == *" $name "* ]]; then cmd+=("${repeats[@]}"); fi
+  echo "== $name: ${cmd[*]}"
+  "${cmd[@]}" || failed+=("$name")
+done
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'bench.sh: failed: %s\n' "${failed[@]}" >&2
   exit 1

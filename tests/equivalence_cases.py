@@ -452,6 +452,25 @@ def all_cases() -> list[Case]:
     return cases
 
 
+# Variants whose keys the plan test leaves out (their plans differ from the plain case's).
+PLAN_VARIANTS = ("migrate", "lazy", "repartition", "search", "loop", "meta")
+
+
+def sampled_cases(every: int = 3) -> list[Case]:
+    """A ``1/every`` sample of the matrix for the smaller cluster shapes (1x1, 1x2; the
+    full matrix runs on 2x1 and 2x2): every ``every``-th case, plus what the plan and search
+    tests read on every shape (each architecture x model's last plain case, every search and
+    migrate case)."""
+    cases = all_cases()
+    plain = {}
+    for case in cases:
+        if not any(variant in case.key for variant in PLAN_VARIANTS):
+            plain[(case.architecture, case.model)] = case.key
+    wanted = set(plain.values())
+    return [case for i, case in enumerate(cases)
+            if i % every == 0 or case.key in wanted or case.search or case.migrate_after]
+
+
 # ---- data, model and program -----------------------------------------------------------------
 def global_batches(case: Case) -> list[tuple[Tensor, Tensor]]:
     """``case.steps`` global batches of GLOBAL_BATCH samples, deterministic per case."""

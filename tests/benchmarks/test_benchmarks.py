@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-TINY = ["--steps", "2", "--warmup", "1", "--vocab", "2000"]
+TINY = ["--steps", "2", "--warmup", "1", "--vocab", "2000", "--repeats", "1"]
 PARALLAX = {"hybrid", "optps", "ps", "allreduce"}
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"),
@@ -34,9 +34,20 @@ def check_record(result: dict, *, machines: int = 2) -> None:
     """The fields every compare record has, and the plan's for parallax systems."""
     system = result["system"]
     assert result["median_step_s"] > 0 and result["items_per_s"] > 0, system
-    assert (result["step_min_s"] <= result["step_p10_s"] <= result["median_step_s"]
-            <= result["step_p90_s"] <= result["step_max_s"]), system
-    assert len(result["step_times_s"]) == result["steps"], system
+    source = result["provenance"]
+    assert len(source["commit"]) == 40 and source["host"]["cores"] >= 1, source
+    repeats = result.get("repeats", [result])
+    for repeat in repeats:
+        assert len(repeat["step_times_s"]) == result["steps"], system
+        assert (min(repeat["step_times_s"]) <= repeat["step_p10_s"] <= repeat["median_step_s"]
+                <= repeat["step_p90_s"] <= max(repeat["step_times_s"])), system
+    if len(repeats) > 1:  # the median of the repeats' medians, and their range
+        medians = sorted(r["median_step_s"] for r in repeats)
+        assert result["repeat_min_step_s"] == medians[0], system
+        assert result["repeat_max_step_s"] == medians[-1], system
+        assert medians[0] <= result["median_step_s"] <= medians[-1], system
+        assert result["items_per_s"] == pytest.approx(
+            repeats[0]["items_per_s"] * repeats[0]["median_step_s"] / result["median_step_s"])
     assert result["peak_rss_mib"] > 0 and len(result["peak_rss_mib_per_rank"]) == machines
     assert result["peak_rss_scope"] == "system"
     # one worker per machine: a machine's peak is its worker's
@@ -71,13 +82,15 @@ def check_outputs(out_dir: Path, name: str) -> dict:
 
 
 def test_compare_smoke(tmp_path: Path) -> None:
+    """Every system, two interleaved repeats (one launch each, the order rotated)."""
     out = tmp_path / "compare.json"
     proc = run_script("compare.py", "--machines", "2", "--nproc-per-machine", "1", *TINY,
-                      "--out", str(out))
+                      "--repeats", "2", "--out", str(out))
     results = {r["system"]: r for r in json.loads(out.read_text())}
     assert set(results) == {"hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"}
     for result in results.values():
         check_record(result)
+        assert len(result["repeats"]) == 2
         assert result["isolated"] is False and result["workload"] == "lm"
     # every parallax system sees the same batches, so measures the same α_model
     alphas = {results[s]["alpha_model"] for s in PARALLAX}
@@ -85,6 +98,7 @@ def test_compare_smoke(tmp_path: Path) -> None:
     assert "| hybrid |" in proc.stdout and "wire bytes/machine/step" in proc.stdout
     assert "wire/predicted" in proc.stdout and "peak RSS/worker (MiB)" in proc.stdout
     assert "predicted/worker (MiB)" in proc.stdout
+    assert "2 interleaved repeats" in proc.stdout and "repeat 2/2, launch 1/1 (optps" in proc.stdout
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
@@ -146,7 +160,7 @@ def test_scaling_smoke(tmp_path: Path) -> None:
 def test_sparsity_sweep_smoke(tmp_path: Path) -> None:
     run_script("sparsity_sweep.py", "--points", "2000:5", "200:40", "--systems", "hybrid",
                "allreduce", "--machines", "2", "--nproc-per-machine", "1", "--steps", "2",
-               "--warmup", "1", "--out-dir", str(tmp_path))
+               "--warmup", "1", "--repeats", "1", "--out-dir", str(tmp_path))
     data = check_outputs(tmp_path, "sparsity")
     for run in data["runs"]:
         for result in run["results"]:

@@ -5,7 +5,8 @@ state_dicts on rank 0.
 Usage: parallax run ... equivalence_worker.py OUT.pt [FILTER], under torchrun the same,
 or plain ``python equivalence_worker.py OUT.pt KEY_SUBSTRING --resources FILE``: then the first
 get_runner launches the workers itself, as a user's train.py would. FILTER: comma-separated
-items, each a substring of the case keys to run, or ``=KEY`` for one case exactly."""
+items, each a substring of the case keys to run, or ``=KEY`` for one case exactly; or
+``sample:N``: `equivalence_cases.sampled_cases(N)`."""
 
 import os
 import sys
@@ -22,6 +23,7 @@ from equivalence_cases import (  # noqa: E402
     global_batches,
     loss_fn,
     micro_batches,
+    sampled_cases,
     train_loop,
     worker_slice,
 )
@@ -38,8 +40,11 @@ def main() -> None:
         del args[at:at + 2]
     out = Path(args[0])
     only = (args[1] if len(args) > 1 else "").split(",")
+    cases = all_cases()
+    if only[0].startswith("sample:"):
+        cases, only = sampled_cases(int(only[0].removeprefix("sample:"))), [""]
     results = {}
-    for case in all_cases():
+    for case in cases:
         if not any(case.key == item[1:] if item.startswith("=") else item in case.key
                    for item in only):
             continue
