@@ -193,7 +193,8 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         step(batch)
         times.append(time.perf_counter() - start)
     dist.barrier()
-    if args.get("profile_dir"):
+    sent, peak = link_bytes() - before, peak_rss_mib()
+    if args.get("profile_dir"):  # after every count of the timed steps is taken
         profile(step, workload, generator, system, Path(args["profile_dir"]))
     # One reduction: this machine's link bytes (its first worker reads them), every rank's
     # step times (summed, then averaged: all ranks wait for each other every step, so they
@@ -203,9 +204,9 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     if runner is not None:  # after the warm-up: the plan may have moved tables
         held = runner.predicted_memory().total
     values = torch.zeros(1 + steps + 2 * world, dtype=torch.float64)
-    values[0] = float(link_bytes() - before) if worker.is_server else 0.0
+    values[0] = float(sent) if worker.is_server else 0.0
     values[1:1 + steps] = torch.tensor(times, dtype=torch.float64)
-    values[1 + steps + worker.rank] = peak_rss_mib()
+    values[1 + steps + worker.rank] = peak
     values[1 + steps + world + worker.rank] = (
         baseline + held / 2**20 if held is not None else float("nan"))
     dist.all_reduce(values)

@@ -137,6 +137,25 @@ def test_zero_grad_starts_the_next_step_from_nothing(group, worker, sparse_grad:
                                reference_grad(weight, second)[_shard_order(table)])
 
 
+def test_zero_grad_of_touched_rows_only_leaves_a_zero_gradient(group, worker) -> None:
+    """Under an optimizer that never writes gradients (`grad_zero_elsewhere`), zero_grad clears
+    the rows that received gradient only, yet every step starts from a zero gradient; after
+    a non-finite scale (0 x inf is NaN in every row) the whole gradient is cleared."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=3)
+    table.grad_zero_elsewhere = True
+    table.zero_grad()
+    for seed, factor in ((1, 0.5), (2, float("inf")), (3, 1.0), (4, 1.0)):
+        table.zero_grad()
+        lookups = _lookups(10, seed=seed)
+        lookup_step(table, lookups)
+        torch.testing.assert_close(_dense_shard_grad(table),
+                                   reference_grad(weight, lookups)[_shard_order(table)])
+        table.scale_grad(torch.tensor(factor, dtype=torch.float64))
+        if factor == float("inf"):
+            assert table.shard.grad.isnan().any()  # untouched rows too, as on one device
+
+
 @pytest.mark.parametrize("sparse_grad", [False, True], ids=["dense", "sparse"])
 def test_grad_norm_squared_and_scale_grad(group, worker, sparse_grad: bool) -> None:
     """grad_norm_squared is the gradient's squared L2 norm; scale_grad scales every partition."""

@@ -140,7 +140,10 @@ class ShardedTable:
         self.traffic = traffic
         self.sparse_grad = sparse_grad
         self.average = average
-        self.local_aggregation = local_aggregation and worker.world_size > 1
+        # (with one worker per machine every worker is its own leader: nothing to merge, and
+        # the leader hop would only add collectives)
+        self.local_aggregation = (local_aggregation
+                                  and worker.world_size > len(worker.server_ranks))
         self.partitioning = RowPartitioning(self.num_rows, num_partitions, worker.server_ranks,
                                             first_server)
         self.shard: nn.Parameter | None = None
@@ -157,6 +160,12 @@ class ShardedTable:
         self._received: list[tuple[Tensor, Tensor]] = []
         # shard rows that received gradient since the last zero_grad (`touched_rows_by_part`)
         self._touched: list[Tensor] = []
+        self._touched_unique: Tensor | None = None  # `touched_rows`, until more arrive
+        # Set by the servers' optimizer when its class (torch's own) never writes gradients:
+        # a dense gradient is then zero outside the touched rows, unless a non-finite factor
+        # scaled it whole (0 x inf), which `_grad_scaled_everywhere` records.
+        self.grad_zero_elsewhere = False
+        self._grad_scaled_everywhere = False
         # Set by the servers' optimizer where row updates are deferred (SGD with momentum or
         # weight decay): called with shard rows (None: all) before they are read or written.
         self.before_read: Callable[[Tensor | None], None] | None = None
@@ -216,7 +225,7 @@ class ShardedTable:
     def set_shard(self, shard: nn.Parameter) -> None:
         """Hold ``shard`` (this server's rows under the current partitioning)."""
         self.shard = shard
-        self._touched = []
+        self._touched, self._touched_unique = [], None
         self.blocks = self.partitioning.shard_blocks(
             self.worker.server_ranks.index(self.worker.rank)) or [(0, 0)]
         if len(self.blocks) == 1:
@@ -275,22 +284,26 @@ class ShardedTable:
         self.prefetched = None
         self._received.clear()
         self._received_counts.clear()
-        self._touched.clear()
         self._lookups = 0
-        if self.shard is None:
-            return
-        if self.sparse_grad:
+        if self.shard is not None and self.sparse_grad:
             for part in self.parts:
                 part.grad = None
-            return
-        self._zero_dense_grad()
+        elif self.shard is not None:
+            self._zero_dense_grad()
+        self._touched.clear()
+        self._touched_unique = None
 
     def _zero_dense_grad(self) -> None:
-        """A zero dense gradient for the shard, its partitions' gradients viewing it."""
+        """A zero dense gradient for the shard, its partitions' gradients viewing it. Where
+        only the touched rows can be non-zero (`grad_zero_elsewhere`), only they are zeroed:
+        a pass over the whole shard per step saved."""
         if self.shard.grad is None:
             self.shard.grad = torch.zeros_like(self.shard)
+        elif self.grad_zero_elsewhere and not self._grad_scaled_everywhere:
+            self.shard.grad.index_fill_(0, self.touched_rows(), 0)
         else:
             self.shard.grad.zero_()
+        self._grad_scaled_everywhere = False
         if len(self.parts) > 1:
             for part, (start, stop) in zip(self.parts, self.blocks, strict=True):
                 part.grad = self.shard.grad[start:stop]
@@ -315,6 +328,7 @@ class ShardedTable:
 
     def _accumulate(self, local_rows: Tensor, grad_rows: Tensor) -> None:
         self._touched.append(local_rows)
+        self._touched_unique = None
         if self.sparse_grad or len(self.parts) > 1:
             self._received.append((local_rows, grad_rows))
         else:
@@ -362,12 +376,18 @@ class ShardedTable:
             part.grad = (grad if part.grad is None else part.grad + grad).coalesce()
         return aggregate
 
-    def touched_rows_by_part(self) -> list[Tensor]:
-        """Per partition, the (sorted, distinct) rows of it that received gradient since the
-        last zero_grad, in the partition's own row numbers: the only rows whose gradient
-        can be non-zero."""
-        rows = (torch.unique(torch.cat(self._touched)) if self._touched
+    def touched_rows(self) -> Tensor:
+        """The (sorted, distinct) shard rows that received gradient since the last zero_grad:
+        the only rows whose aggregated gradient can be non-zero."""
+        if self._touched_unique is None:
+            self._touched_unique = (
+                torch.unique(torch.cat(self._touched)) if self._touched
                 else torch.empty(0, dtype=torch.long, device=self.device))
+        return self._touched_unique
+
+    def touched_rows_by_part(self) -> list[Tensor]:
+        """Per partition, `touched_rows` in the partition's own row numbers."""
+        rows = self.touched_rows()
         starts = torch.tensor([start for start, _ in self.blocks] + [self.shard.shape[0]],
                               dtype=rows.dtype, device=rows.device)
         bounds = torch.searchsorted(rows, starts).tolist()
@@ -396,16 +416,30 @@ class ShardedTable:
 
     def grad_norm_squared(self) -> Tensor:
         """This server's part of the squared global gradient norm (0 on non-servers): computed
-        where the aggregated gradient lives, so only a scalar travels."""
+        where the aggregated gradient lives, so only a scalar travels. A dense gradient is
+        read at its touched rows only (the others are zero), not cast whole to float64."""
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         for grad in self._gradients():
-            values = grad._values() if grad.is_sparse else grad
+            rows = None if grad.is_sparse else self.touched_rows()
+            if grad.is_sparse:
+                values = grad._values()
+            else:
+                values = grad if rows.numel() == grad.shape[0] else grad[rows]
             squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
         return squared
 
     def scale_grad(self, factor: Tensor) -> None:
+        """Multiply the aggregated gradient by ``factor`` (clipping, a loss scaler's unscale):
+        a dense one at its touched rows, the others being zero, unless ``factor`` is NaN or
+        infinite (0 x inf is NaN on one device too)."""
+        factor = factor.to(self.dtype)
         for grad in self._gradients():
-            grad.mul_(factor.to(self.dtype))
+            rows = None if grad.is_sparse else self.touched_rows()
+            if rows is None or rows.numel() == grad.shape[0] or not bool(torch.isfinite(factor)):
+                grad.mul_(factor)
+                self._grad_scaled_everywhere = rows is not None
+            else:
+                grad[rows] = grad[rows] * factor
 
     def full_weight(self, source: Tensor | None = None) -> Tensor:
         """The whole table (or a shard-shaped ``source``), gathered from the servers

@@ -139,8 +139,11 @@ class ShardOptimizer:
         # per partition under deferred SGD: the steps its untouched rows still owe
         self._deferred: dict[nn.Parameter, DeferredRows] = {}
         self._rebuild({})
-        for table in self._tables.values():
+        for name, table in self._tables.items():
             table.before_read = lambda rows, table=table: self.catch_up(table, rows)
+            # torch's own optimizers read gradients and never write them
+            owner = optimizer_class(self._owners[name][0])
+            table.grad_zero_elsewhere = owner in PER_SHARD_OPTIMIZERS
 
     def _rebuild(self, states: dict[nn.Parameter, dict]) -> None:
         """Server optimizers over the tables' current partitions, with ``states`` (keyed by
@@ -302,6 +305,7 @@ class ShardOptimizer:
         parts = {id(part) for part in table.parts}
         del self._owners[table.name], self._tables[table.name]
         table.before_read = None
+        table.grad_zero_elsewhere = False
         kept = {p: s for server_opt, _, _ in self._slots for p, s in server_opt.state.items()
                 if id(p) not in parts}
         self._slots = []

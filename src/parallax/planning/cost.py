@@ -52,12 +52,14 @@ def allreduce_dense(w: float, shape: Shape) -> float:
 
 
 def ps_rows(rows: float, row_bytes: float, shape: Shape, *, local_aggregation: bool) -> float:
-    """Pull and push of ``rows`` rows per sender (a worker, or a machine when aggregating)."""
+    """Pull and push of ``rows`` rows per sender (a worker, or a machine when aggregating;
+    with one worker per machine there is no leader hop: `ShardedTable`)."""
     n = shape.machines
     if n == 1:
         return 0.0
-    senders = 1 if local_aggregation else shape.workers_per_machine
-    exchanges = 2 if local_aggregation else 1
+    aggregating = local_aggregation and shape.workers_per_machine > 1
+    senders = 1 if aggregating else shape.workers_per_machine
+    exchanges = 2 if aggregating else 1
     traffic = 2 * senders * rows * (n - 1) / n * (ID_BYTES + 2 * row_bytes)
     return traffic + count_messages(shape, exchanges)
 
