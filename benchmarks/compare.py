@@ -80,9 +80,10 @@ HERE = Path(__file__).resolve().parent
 SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # Also: "hybrid-sparse" (and other "<architecture>-sparse"): the program with sparse=True
 # embeddings under parallax; "hybrid-lazy": Config(lazy_sparse_updates=True);
-# "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys and lm workloads).
+# "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys and lm workloads);
+# "plain": the single-device loop, no DDP (one worker only: parallax's single-worker overhead).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "torchrec-rw",
-               "torchrec-tw"]
+               "torchrec-tw", "plain"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 
@@ -306,7 +307,7 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
     done = [r for r in results if "unavailable" not in r]
     if not done:
         return "no system could run: " + "; ".join(r["unavailable"] for r in results)
-    base = next((r for r in done if r["system"] == "ddp-dense"), done[-1])
+    base = next((r for r in done if r["system"] in ("ddp-dense", "plain")), done[-1])
     unit = done[0]["unit"]
     repeats = len(done[0].get("repeats", [])) or 1
     source = done[0].get("provenance") or {}

@@ -79,10 +79,12 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     """A ``step(batch) -> loss`` for ``system``, built from the same single-device program,
     the parallax runner behind it (None for DDP and TorchRec) and, but for TorchRec, the bytes
     this rank holds for training by the memory model (`parallax.planning.memory`).
-    ``-sparse`` systems run the program with ``sparse=True`` embeddings, ``-lazy`` ones the
-    dense-gradient program with ``Config(lazy_sparse_updates=True)``; ``torchrec-*`` the
-    recommender as a TorchRec EmbeddingBagCollection, or the LM as an EmbeddingCollection
-    (row- or table-wise sharded)."""
+    ``plain`` is the single-device program's own loop (one worker: the baseline of parallax's
+    single-worker overhead). ``-sparse`` systems run the program with ``sparse=True``
+    embeddings, ``-lazy`` ones the dense-gradient program with
+    ``Config(lazy_sparse_updates=True)``; ``torchrec-*`` the recommender as a TorchRec
+    EmbeddingBagCollection, or the LM as an EmbeddingCollection (row- or table-wise
+    sharded)."""
     if system.startswith("torchrec"):
         from torchrec_peer import make_torchrec_step
 
@@ -90,10 +92,13 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     sparse_grad = system.endswith("-sparse")
     # parallax systems build the model in parallax.meta_init(), as a program with tables
     # larger than a worker would: each server makes its own rows (DDP needs them all)
+    baseline = system.startswith("ddp") or system == "plain"
     model, optimizer = workload.model_and_optimizer(sparse_grad=sparse_grad,
-                                                    deferred=not system.startswith("ddp"))
-    if system.startswith("ddp"):
-        ddp = DistributedDataParallel(model)
+                                                    deferred=not baseline)
+    if baseline:
+        if system == "plain" and current_worker().world_size != 1:
+            raise ValueError("system 'plain' (the single-device loop) runs on one worker only")
+        ddp = model if system == "plain" else DistributedDataParallel(model)
 
         def step(batch):
             inputs, targets = batch
@@ -104,7 +109,7 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
             optimizer.step()
             return loss
 
-        held = predict_memory(model, {}, {}, [optimizer], uses_ddp=True).total
+        held = predict_memory(model, {}, {}, [optimizer], uses_ddp=system != "plain").total
         return step, None, held
     architecture, _, variant = system.partition("-")
     if architecture not in PARALLAX_ARCHITECTURES:

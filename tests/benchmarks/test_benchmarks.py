@@ -102,6 +102,18 @@ def test_compare_smoke(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+def test_single_worker_against_the_plain_loop(tmp_path: Path) -> None:
+    """One worker: parallax's hybrid beside the single-device loop itself (its overhead)."""
+    out = tmp_path / "one.json"
+    proc = run_script("compare.py", "--machines", "1", "--nproc-per-machine", "1", *TINY,
+                      "--systems", "plain", "hybrid", "--no-plot", "--out", str(out))
+    results = {r["system"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {"plain", "hybrid"}
+    for result in results.values():
+        check_record(result, machines=1)
+    assert "vs plain" in proc.stdout
+
+
 @pytest.mark.network  # may fetch Fashion-MNIST (Debian package) on first use
 def test_table1_smoke(tmp_path: Path) -> None:
     run_script("table1.py", "--workloads", "lm", "cnn", "--machines", "2",
