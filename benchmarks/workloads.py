@@ -155,14 +155,28 @@ def fashion_batch(images: Tensor, labels: Tensor, batch: int, generator: torch.G
     return images[index], labels[index]
 
 
+LM_OPTIMIZERS = {
+    "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
+    "momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9,
+                                                   weight_decay=1e-5),
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr / 100),
+}
+
+
 class Workload:
     """A plain single-device program: model, optimizer, loss, batches, and what one batch
     counts (words or samples) per worker."""
 
     def __init__(self, name: str, options: dict):
         self.name = name
+        # the LM's optimizer: "adagrad" (default), "momentum" (SGD, momentum 0.9, weight decay
+        # 1e-5: the servers defer untouched rows' steps) or "adam" (every row each step)
+        self.optimizer = options.get("optimizer", "adagrad") if name == "lm" else None
+        if self.optimizer not in (None, *LM_OPTIMIZERS):
+            raise ValueError(f"LM optimizer must be one of {sorted(LM_OPTIMIZERS)}, "
+                             f"got {self.optimizer!r}")
         if name == "lm":
-            self.cfg = LMConfig(**options)
+            self.cfg = LMConfig(**{k: v for k, v in options.items() if k != "optimizer"})
             if self.cfg.corpus == "kjv":
                 self.windows, vocab = kjv_windows(self.cfg)
                 self.cfg = replace(self.cfg, vocab=vocab)
@@ -226,7 +240,7 @@ class Workload:
             return model, torch.optim.Adagrad(model.parameters(), lr=self.lr)
         if self.name == "lm":
             model = SampledSoftmaxLM(replace(self.cfg, sparse_grad=sparse_grad))
-            return model, torch.optim.Adagrad(model.parameters(), lr=self.lr)
+            return model, LM_OPTIMIZERS[self.optimizer](model.parameters(), self.lr)
         model = SmallResNet()
         return model, torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
 
