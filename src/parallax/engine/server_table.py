@@ -420,11 +420,8 @@ class ShardedTable:
         read at its touched rows only (the others are zero), not cast whole to float64."""
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         for grad in self._gradients():
-            rows = None if grad.is_sparse else self.touched_rows()
-            if grad.is_sparse:
-                values = grad._values()
-            else:
-                values = grad if rows.numel() == grad.shape[0] else grad[rows]
+            rows = self._rows_to_read(grad)
+            values = grad._values() if grad.is_sparse else grad if rows is None else grad[rows]
             squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
         return squared
 
@@ -433,13 +430,22 @@ class ShardedTable:
         a dense one at its touched rows, the others being zero, unless ``factor`` is NaN or
         infinite (0 x inf is NaN on one device too)."""
         factor = factor.to(self.dtype)
+        finite = bool(torch.isfinite(factor))
         for grad in self._gradients():
-            rows = None if grad.is_sparse else self.touched_rows()
-            if rows is None or rows.numel() == grad.shape[0] or not bool(torch.isfinite(factor)):
+            rows = self._rows_to_read(grad)
+            if rows is None or not finite:
                 grad.mul_(factor)
-                self._grad_scaled_everywhere = rows is not None
+                self._grad_scaled_everywhere |= not finite and not grad.is_sparse
             else:
                 grad[rows] = grad[rows] * factor
+
+    def _rows_to_read(self, grad: Tensor) -> Tensor | None:
+        """The rows of a dense aggregated ``grad`` that can be non-zero, when they are fewer
+        than all; None: read it whole (sparse, or every row touched)."""
+        if grad.is_sparse:
+            return None
+        rows = self.touched_rows()
+        return None if rows.numel() == grad.shape[0] else rows
 
     def full_weight(self, source: Tensor | None = None) -> Tensor:
         """The whole table (or a shard-shaped ``source``), gathered from the servers
