@@ -230,5 +230,6 @@ def test_ctrl_c_stops_every_host(cluster: SshCluster, tmp_path: Path) -> None:
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode != 0
+    # the signal is caught (not raised mid-call) and reported as a shell reports it
+    assert launcher.returncode == 128 + signal.SIGINT, launcher.stderr.read()[-2000:]
     _assert_nothing_left(marker)

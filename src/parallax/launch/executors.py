@@ -165,6 +165,11 @@ def launch_machines(spec_file: str, spec: ResourceSpec, cmd: Sequence[str],
         raise ValueError(f"{len(executors)} executors for {len(spec.machines)} machines")
     extra = dict(env or {})
     machines: list[_Machine] = []
+    # Ctrl-C / SIGTERM set a flag the wait loop reads, rather than raising wherever the main
+    # thread is: a KeyboardInterrupt inside Popen.poll() can leave its wait lock held, and
+    # stopping the machines would then block forever on proc.wait().
+    signals: list[int] = []
+    previous = _catch_signals(signals)
     try:
         for index, executor in enumerate(executors):
             argv = [sys.executable, "-m", "parallax.cli", "run", "--resources", spec_file,
@@ -180,13 +185,32 @@ def launch_machines(spec_file: str, spec: ResourceSpec, cmd: Sequence[str],
             record.reader = threading.Thread(target=record.relay_stderr, daemon=True)
             record.reader.start()
             machines.append(record)
-        return _wait_all(machines)
+        return _wait_all(machines, signals)
     finally:
         _stop([m.proc for m in machines], grace_s)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def _wait_all(machines: list[_Machine]) -> int:
+def _catch_signals(caught: list[int]) -> dict[int, object]:
+    """Record SIGINT and SIGTERM in ``caught`` (main thread only: elsewhere Python cannot set
+    handlers); returns the handlers to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, lambda number, _frame: caught.append(number))
+    return previous
+
+
+def _wait_all(machines: list[_Machine], signals: list[int]) -> int:
+    """Wait until every machine succeeds (0), one fails (its status) or a signal came
+    (128 + its number; the caller stops the machines)."""
     while True:
+        if signals:
+            name = signal.Signals(signals[0]).name
+            print(f"parallax: {name} received; stopping every machine", file=sys.stderr)
+            return 128 + signals[0]
         codes = [m.proc.poll() for m in machines]
         failed = [(m, c) for m, c in zip(machines, codes, strict=True) if c not in (None, 0)]
         if failed:
