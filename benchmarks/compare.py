@@ -79,10 +79,12 @@ from workloads import fetch_data
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # Also: "hybrid-sparse" (and other "<architecture>-sparse"): the program with sparse=True
-# embeddings under parallax; "hybrid-lazy": Config(lazy_sparse_updates=True);
+# embeddings under parallax; "hybrid-lazy": Config(lazy_sparse_updates=True); "hybrid-direct":
+# Config(local_aggregation=False) (every worker exchanges with the servers itself);
 # "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys and lm workloads);
 # "plain": the single-device loop, no DDP (one worker only: parallax's single-worker overhead).
-ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "torchrec-rw",
+ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
+               "optps-direct", "torchrec-rw",
                "torchrec-tw", "plain"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}

@@ -82,7 +82,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     ``plain`` is the single-device program's own loop (one worker: the baseline of parallax's
     single-worker overhead). ``-sparse`` systems run the program with ``sparse=True``
     embeddings, ``-lazy`` ones the dense-gradient program with
-    ``Config(lazy_sparse_updates=True)``; ``torchrec-*`` the recommender as a TorchRec
+    ``Config(lazy_sparse_updates=True)``, ``-direct`` ones ``Config(local_aggregation=False)``;
+    ``torchrec-*`` the recommender as a TorchRec
     EmbeddingBagCollection, or the LM as an EmbeddingCollection (row- or table-wise
     sharded)."""
     if system.startswith("torchrec"):
@@ -117,6 +118,9 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     runner = parallax.get_runner(model, optimizer, workload.loss,
                                  config=parallax.Config(architecture=architecture,
                                                         lazy_sparse_updates=variant == "lazy",
+                                                        local_aggregation=(
+                                                            False if variant == "direct"
+                                                            else None),
                                                         sparsity_warmup_steps=alpha_steps))
     return runner.step, runner, None
 

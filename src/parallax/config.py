@@ -53,8 +53,10 @@ class Config:
             machines' leaders, broadcast back (Table 3's AllReduce bytes, which the plan
             predicts). ``"flat"``: one ring over all ranks, as DDP does by default.
         local_aggregation: workers of one machine merge their ids and sum their gradient rows
-            before anything crosses machines. ``None``: on for ``hybrid`` and ``optps``, off for
-            ``ps``; it does not apply to ``allreduce``.
+            before anything crosses machines. ``None``: on for ``optps``, off for ``ps``; the
+            ``hybrid`` starts with it and keeps it once α is measured only if merging saves
+            at least 20 % of the predicted bytes (``MIN_AGGREGATION_SAVING``: the extra hop costs
+            time too); it does not apply to ``allreduce``.
         sparsity_warmup_steps: α of every sparse parameter is measured over the first this
             many training steps; then the plan is completed (and, under ``hybrid``, a sparse
             parameter with α above the threshold moves to AllReduce). 0: never measure.

@@ -89,6 +89,9 @@ class Runner:
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
         check_exact(model, self.sparse_uses, config)
         self.architecture = architecture_of(config)
+        # whether sparse exchanges go through each machine's leader (the hybrid may turn it
+        # off once α is measured: `Architecture.keeps_local_aggregation`)
+        self.local_aggregation = self.architecture.aggregates_locally(config)
         # Built in parallax.meta_init: what every worker keeps whole gets its values now; the
         # servers' tables stay storage-less here (each server makes its own rows).
         for param in materialise_kept(model, self.architecture.server_held(model,
@@ -565,13 +568,14 @@ class Runner:
                                num_machines=len(self.worker.server_ranks),
                                architecture=self.config.architecture, sparsity=self.sparsity,
                                reasons=self._decisions,
-                               local_aggregation=self.config.local_aggregation,
+                               local_aggregation=self.local_aggregation,
                                searches=tuple(self.partition_searches.values()))
 
     def _complete_plan(self) -> None:
         """After the warm-up steps: measure α; move to AllReduce what the architecture says
         is cheaper there (the hybrid's rule: `Architecture.moves_to_allreduce`; collective)."""
         self.sparsity = measure(self.tables, self.worker, self.group, self.device)
+        self._decide_local_aggregation()
         params = self._params
         for name, table in list(self.tables.items()):
             move, why = self.architecture.moves_to_allreduce(
@@ -586,6 +590,20 @@ class Runner:
         self._start_search()
         self._build_plan()
         self._exit_if_plan_only()
+
+    def _decide_local_aggregation(self) -> None:
+        """Keep or drop the leader hop as the architecture says for the measured α and α_m
+        (the same answer on every rank: both are all-reduced)."""
+        keep, why = self.architecture.keeps_local_aggregation(
+            self.tables, self.sparsity, config=self.config, worker=self.worker)
+        if not self.local_aggregation:
+            return
+        self.local_aggregation = keep
+        for name, table in self.layout.all_tables().items():
+            if table.on_servers:
+                table.local_aggregation = table.local_aggregation and keep
+                if name in self.sparse_uses and why:
+                    self._decisions[name] = why
 
     def _exit_if_plan_only(self) -> None:
         """Under ``parallax plan``, stop once α is measured and any search is done."""

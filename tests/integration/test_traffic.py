@@ -31,7 +31,8 @@ def traffic(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("run", ["allreduce", "ps", "optps", "hybrid", "hybrid-nolocalagg"])
+@pytest.mark.parametrize("run", ["allreduce", "ps", "optps", "hybrid", "hybrid-nolocalagg",
+                                 "hybrid-apart"])
 def test_measured_inter_machine_bytes_match_the_plan(traffic, run: str) -> None:
     result = traffic[run]
     assert set(result["measured"]) == {"embedding.weight", "dense.weight", "dense.bias"}
@@ -65,6 +66,21 @@ def test_local_aggregation_cuts_inter_machine_bytes(traffic) -> None:
     assert merged <= 0.8 * separate, (merged, separate)
     assert traffic["optps"]["measured"]["dense.weight"] < traffic["ps"]["measured"][
         "dense.weight"]
+
+
+def test_hybrid_keeps_local_aggregation_only_where_merging_saves_bytes(traffic) -> None:
+    # 40 + 40 rows merged into 60: the predicted saving is above the threshold, kept
+    assert traffic["hybrid"]["local_aggregation"] is True
+    assert "local aggregation kept" in traffic["hybrid"]["reason"]["embedding.weight"]
+    # the workers of a machine share no row: α_m = 2 α, nothing to save, the hop is dropped
+    apart = traffic["hybrid-apart"]
+    alpha, alpha_machine = apart["alpha"]["embedding.weight"]
+    assert alpha_machine == pytest.approx(2 * alpha)
+    assert apart["local_aggregation"] is False
+    assert "local aggregation off" in apart["reason"]["embedding.weight"]
+    # ... and the bytes after the warm-up are those of every worker exchanging on its own
+    assert apart["measured"]["embedding.weight"] == pytest.approx(
+        traffic["hybrid-nolocalagg"]["measured"]["embedding.weight"], rel=0.05)
 
 
 def test_parallax_plan_runs_the_warmup_prints_and_writes_the_plan(tmp_path: Path) -> None:

@@ -39,3 +39,35 @@ def test_allreduce_crosses_machines_once_per_machine(machines: int, workers: int
     n = machines
     assert cost.allreduce_dense(W, cost.Shape(machines, workers)) == pytest.approx(
         4 * W * (n - 1) / n)
+
+
+def _aggregating_table(rows: int = 10_000) -> object:
+    from types import SimpleNamespace
+
+    import torch
+    return SimpleNamespace(on_servers=True, local_aggregation=True, dtype=torch.float32,
+                           row_shape=(32,), num_rows=rows)
+
+
+@pytest.mark.parametrize("shared,keep", [(0.0, False), (0.1, False), (0.6, True), (1.0, True)])
+def test_hybrid_keeps_the_leader_hop_only_where_merging_saves_enough(shared: float,
+                                                                     keep: bool) -> None:
+    """2 workers per machine using 1 % of the rows each, ``shared`` of them in common:
+    merging saves about shared / 2 of the bytes; the threshold is 20 %."""
+    from types import SimpleNamespace
+
+    from parallax import Config
+    from parallax.planning.architectures import MIN_AGGREGATION_SAVING, Hybrid
+    from parallax.planning.sparsity import Sparsity
+
+    worker = SimpleNamespace(server_ranks=(0, 2), world_size=4)
+    measured = {"t": Sparsity(alpha=0.01, alpha_machine=0.01 * (2 - shared))}
+    tables = {"t": _aggregating_table()}
+    kept, why = Hybrid().keeps_local_aggregation(tables, measured, config=Config(),
+                                                 worker=worker)
+    assert kept is keep and (shared / 2 >= MIN_AGGREGATION_SAVING) is keep
+    assert ("kept" if keep else "off") in why
+    # an explicit Config.local_aggregation is obeyed whatever α_m says
+    for forced in (True, False):
+        assert Hybrid().keeps_local_aggregation(
+            tables, measured, config=Config(local_aggregation=forced), worker=worker)[0] is forced

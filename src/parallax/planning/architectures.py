@@ -2,7 +2,7 @@
 
 | architecture | dense parameters | sparse parameters |
 |---|---|---|
-| hybrid (default) | replicated, AllReduce (DDP) | servers, local aggregation |
+| hybrid (default) | replicated, AllReduce (DDP) | servers, local aggregation where it pays |
 | allreduce | replicated, AllReduce (DDP) | replicated, AllGatherv of (ids, rows) |
 | ps | servers, whole parameter on one server | servers |
 | optps | as ps | as ps, local aggregation |
@@ -36,8 +36,8 @@ from parallax.model.meta_init import recipe_of
 from parallax.planning import cost
 from parallax.planning.sparsity import Sparsity
 
-__all__ = ["ARCHITECTURES", "Architecture", "Layout", "ParameterCost", "architecture_of",
-           "build_layout", "server_held"]
+__all__ = ["ARCHITECTURES", "MIN_AGGREGATION_SAVING", "Architecture", "Layout", "ParameterCost",
+           "architecture_of", "build_layout", "server_held"]
 
 
 @dataclass
@@ -112,6 +112,19 @@ class Architecture:
         gradient once its α is measured, and why. Only the hybrid moves tables."""
         return False, ""
 
+    def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
+                                *, config: Config, worker: WorkerInfo) -> tuple[bool, str]:
+        """Whether the sparse exchanges keep going through each machine's leader once α and
+        α_m are measured, and why. The architectures as named keep their rule; the hybrid
+        decides (`Hybrid.keeps_local_aggregation`)."""
+        return self.aggregates_locally(config), ""
+
+
+# The leader hop costs a second exchange each way, a merge and a fan-out per step; measured on
+# the LM at 2 machines x 2 workers, 1 Gbit/s (BENCHMARKS.md), a 6 % byte saving cost 9 ms a step
+# (41 -> 50 ms). The hybrid keeps it only where it saves at least this fraction of the bytes.
+MIN_AGGREGATION_SAVING = 0.2
+
 
 class Hybrid(Architecture):
     name = ArchitectureName.HYBRID
@@ -146,6 +159,33 @@ class Hybrid(Architecture):
         ar_bytes = cost.allreduce_dense(row_bytes * table.num_rows, shape)
         return (ar_bytes < ps_bytes,
                 f"AllReduce predicted {ar_bytes:,.0f} B < PS {ps_bytes:,.0f} B per step")
+
+    def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
+                                *, config: Config, worker: WorkerInfo) -> tuple[bool, str]:
+        """With `Config.local_aggregation` unset: keep the leader hop only if the measured
+        α_m of the machines' merged rows makes the server-held tables' predicted bytes at
+        least `MIN_AGGREGATION_SAVING` smaller than every worker exchanging on its own."""
+        if config.local_aggregation is not None:
+            return config.local_aggregation, ""
+        machines = len(worker.server_ranks)
+        shape = cost.Shape(machines, max(1, worker.world_size // machines))
+        merged = separate = 0.0
+        for name, table in tables.items():
+            alpha_machine = measured[name].alpha_machine
+            if not (table.on_servers and table.local_aggregation) or alpha_machine is None:
+                continue
+            row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
+            merged += cost.ps_rows(alpha_machine * table.num_rows, row_bytes, shape,
+                                   local_aggregation=True)
+            separate += cost.ps_rows(measured[name].alpha * table.num_rows, row_bytes, shape,
+                                     local_aggregation=False)
+        if separate == 0:
+            return any(t.on_servers and t.local_aggregation for t in tables.values()), ""
+        saving = 1 - merged / separate
+        keep = saving >= MIN_AGGREGATION_SAVING
+        return keep, (f"local aggregation {'kept' if keep else 'off'}: predicted "
+                      f"{merged:,.0f} B merged vs {separate:,.0f} B per worker, "
+                      f"{saving:.0%} {'>=' if keep else '<'} {MIN_AGGREGATION_SAVING:.0%} saved")
 
 
 class AllReduce(Architecture):
