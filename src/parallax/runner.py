@@ -594,10 +594,10 @@ class Runner:
     def _decide_local_aggregation(self) -> None:
         """Keep or drop the leader hop as the architecture says for the measured α and α_m
         (the same answer on every rank: both are all-reduced)."""
-        keep, why = self.architecture.keeps_local_aggregation(
-            self.tables, self.sparsity, config=self.config, worker=self.worker)
         if not self.local_aggregation:
             return
+        keep, why = self.architecture.keeps_local_aggregation(
+            self.tables, self.sparsity, config=self.config, worker=self.worker)
         self.local_aggregation = keep
         for name, table in self.layout.all_tables().items():
             if table.on_servers:

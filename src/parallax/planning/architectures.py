@@ -150,13 +150,9 @@ class Hybrid(Architecture):
             threshold = config.alpha_threshold
             return (measured.alpha > threshold,
                     f"alpha {measured.alpha:.3f} > {threshold:.3f}: AllReduce")
-        machines = len(worker.server_ranks)
-        shape = cost.Shape(machines, max(1, worker.world_size // machines))
-        row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
         aggregated = table.local_aggregation and measured.alpha_machine is not None
-        used = (measured.alpha_machine if aggregated else measured.alpha) * table.num_rows
-        ps_bytes = cost.ps_rows(used, row_bytes, shape, local_aggregation=aggregated)
-        ar_bytes = cost.allreduce_dense(row_bytes * table.num_rows, shape)
+        ps_bytes = _ps_bytes(table, measured, worker, aggregated=aggregated)
+        ar_bytes = cost.allreduce_dense(_row_bytes(table) * table.num_rows, _shape(worker))
         return (ar_bytes < ps_bytes,
                 f"AllReduce predicted {ar_bytes:,.0f} B < PS {ps_bytes:,.0f} B per step")
 
@@ -167,18 +163,13 @@ class Hybrid(Architecture):
         least `MIN_AGGREGATION_SAVING` smaller than every worker exchanging on its own."""
         if config.local_aggregation is not None:
             return config.local_aggregation, ""
-        machines = len(worker.server_ranks)
-        shape = cost.Shape(machines, max(1, worker.world_size // machines))
         merged = separate = 0.0
         for name, table in tables.items():
-            alpha_machine = measured[name].alpha_machine
-            if not (table.on_servers and table.local_aggregation) or alpha_machine is None:
+            if (not (table.on_servers and table.local_aggregation)
+                    or measured[name].alpha_machine is None):
                 continue
-            row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
-            merged += cost.ps_rows(alpha_machine * table.num_rows, row_bytes, shape,
-                                   local_aggregation=True)
-            separate += cost.ps_rows(measured[name].alpha * table.num_rows, row_bytes, shape,
-                                     local_aggregation=False)
+            merged += _ps_bytes(table, measured[name], worker, aggregated=True)
+            separate += _ps_bytes(table, measured[name], worker, aggregated=False)
         if separate == 0:
             return any(t.on_servers and t.local_aggregation for t in tables.values()), ""
         saving = 1 - merged / separate
@@ -186,6 +177,22 @@ class Hybrid(Architecture):
         return keep, (f"local aggregation {'kept' if keep else 'off'}: predicted "
                       f"{merged:,.0f} B merged vs {separate:,.0f} B per worker, "
                       f"{saving:.0%} {'>=' if keep else '<'} {MIN_AGGREGATION_SAVING:.0%} saved")
+
+
+def _shape(worker: WorkerInfo) -> cost.Shape:
+    machines = len(worker.server_ranks)
+    return cost.Shape(machines, max(1, worker.world_size // machines))
+
+
+def _row_bytes(table: Table) -> int:
+    return table.dtype.itemsize * math.prod(table.row_shape)
+
+
+def _ps_bytes(table: Table, measured: Sparsity, worker: WorkerInfo, *, aggregated: bool) -> float:
+    """Predicted PS bytes of ``table`` at its measured α (α_m when ``aggregated``)."""
+    alpha = measured.alpha_machine if aggregated else measured.alpha
+    return cost.ps_rows(alpha * table.num_rows, _row_bytes(table), _shape(worker),
+                        local_aggregation=aggregated)
 
 
 class AllReduce(Architecture):
