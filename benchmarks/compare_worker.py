@@ -83,9 +83,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     single-worker overhead). ``-sparse`` systems run the program with ``sparse=True``
     embeddings, ``-lazy`` ones the dense-gradient program with
     ``Config(lazy_sparse_updates=True)``, ``-direct`` ones ``Config(local_aggregation=False)``;
-    ``torchrec-*`` the recommender as a TorchRec
-    EmbeddingBagCollection, or the LM as an EmbeddingCollection (row- or table-wise
-    sharded)."""
+    ``torchrec-*`` the recommender as a TorchRec EmbeddingBagCollection, or the LM as an
+    EmbeddingCollection (row- or table-wise sharded)."""
     if system.startswith("torchrec"):
         from torchrec_peer import make_torchrec_step
 
