@@ -82,10 +82,10 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # embeddings under parallax; "hybrid-lazy": Config(lazy_sparse_updates=True); "hybrid-direct":
 # Config(local_aggregation=False) (every worker exchanges with the servers itself);
 # "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys and lm workloads);
+# "torchrec-plan": TorchRec with each table's sharding chosen by its own planner;
 # "plain": the single-device loop, no DDP (one worker only: parallax's single-worker overhead).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
-               "optps-direct", "torchrec-rw",
-               "torchrec-tw", "plain"]
+               "optps-direct", "torchrec-rw", "torchrec-tw", "torchrec-plan", "plain"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 

@@ -243,6 +243,10 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     }
     if runner is not None:
         result.update(plan_fields(runner, system, wire))
+    if getattr(step, "plan", None) is not None:  # TorchRec: each table's sharding, as planned
+        from torchrec_peer import plan_summary
+
+        result["torchrec_plan"] = plan_summary(step.plan)
     return result
 
 

@@ -3,10 +3,13 @@
 Recommender (benchmarks/recsys.py): the same model as ``recsys.RecModel``, its tables in a TorchRec
 ``EmbeddingBagCollection``. LM (benchmarks/workloads.py): see ``torchrec_lm.py``, which uses the
 helpers here. Tables are sharded by ``DistributedModelParallel`` on CPU (gloo): ``row_wise`` (each
-table split by rows over all ranks) or ``table_wise`` (each table whole on one rank). The dense
-part is replicated (DMP wraps it in DDP). Tables use TorchRec's fused (in-backward) optimizer
-kernels; the dense part a plain torch optimizer. Gradient division stays on (TorchRec's default),
-so, like DDP and parallax, a step uses the mean gradient of the global batch.
+table split by rows over all ranks), ``table_wise`` (each table whole on one rank) or, for
+``torchrec-plan``, whatever TorchRec's own planner picks per table (row-, table-, column-wise or
+data-parallel). The dense part is replicated (DMP wraps it in DDP). Tables use TorchRec's fused
+(in-backward) optimizer kernels; the dense part a plain torch optimizer. Gradient division stays
+on (TorchRec's default), so, like DDP and parallax, a step uses the mean gradient of the global
+batch. Index dedup (``EmbeddingCollectionSharder(use_index_dedup=True)``) is not offered: its
+kernel ``fbgemm::jagged_unique_indices`` has no CPU implementation in fbgemm-gpu-cpu 1.8.0.
 
 Notes on CPU: TorchRec offers ROW_WISE for bags only on CUDA, so a sharder subclass adds it on
 CPU; row-wise sharding requires the same batch size on every rank. If a sharding type cannot be
@@ -29,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recsys import RecConfig, RecModel, mlp, rec_loss  # noqa: E402
 
-SHARDINGS = {"torchrec-rw": "row_wise", "torchrec-tw": "table_wise"}
+# system -> the sharding type forced on every table; None: TorchRec's planner picks per table
+SHARDINGS: dict[str, str | None] = {"torchrec-rw": "row_wise", "torchrec-tw": "table_wise",
+                                    "torchrec-plan": None}
 FEATURES = ("user", "item", "genre")
 OPTIMIZERS = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 
@@ -111,12 +116,15 @@ def _cpu_sharder(model: nn.Module) -> Any:
     return CPUSharder()
 
 
-def _plan(model: nn.Module, tables: list[str], sharding: str, world: int, sharder: Any) -> Any:
-    """A sharding plan forcing ``sharding`` with the FUSED kernel on every table."""
+def _plan(model: nn.Module, tables: list[str], sharding: str | None, world: int,
+          sharder: Any) -> Any:
+    """A sharding plan with the FUSED kernel on every table and ``sharding`` forced on all of
+    them (None: the planner's own choice per table, among the types the sharder offers)."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    constraints = {t: ParameterConstraints(sharding_types=[sharding], compute_kernels=["fused"])
+    constraints = {t: ParameterConstraints(sharding_types=[sharding] if sharding else None,
+                                           compute_kernels=["fused"])
                    for t in tables}
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)

@@ -5,10 +5,12 @@
 #   bash scripts/bench.sh                  every experiment
 #   bash scripts/bench.sh lm-4x1 table4    the named ones (bash scripts/bench.sh --list)
 # Every experiment runs even when an earlier one failed; the exit status says whether any did.
-# REPEATS=N overrides the interleaved repeats of each table (default 3).
+# REPEATS=N overrides the interleaved repeats of each table (default 3); VENV=DIR runs in
+# another virtual environment (default .venv; the setup scripts install into it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-py=.venv/bin/python
+export VENV=${VENV:-.venv}
+py=$VENV/bin/python
 repeats=(--repeats "${REPEATS:-3}")
 results=benchmarks/results
 
@@ -17,13 +19,13 @@ declare -A EXPERIMENTS=(
 --rate 1gbit --systems hybrid optps ps allreduce ddp-sparse ddp-dense torchrec-rw --isolate"
   [lm-4x1]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
 --rate 1gbit --systems hybrid optps ps allreduce ddp-sparse ddp-dense torchrec-rw torchrec-tw \
---isolate"
+torchrec-plan --isolate"
   [lm-kjv]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --workload-options {\"corpus\":\"kjv\"} --systems hybrid ddp-sparse ddp-dense \
 torchrec-rw --isolate --out $results/compare-lm-kjv-2x2-1gbit.json"
   [recsys]="$py benchmarks/compare.py --workload recsys --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --hash-multiplier 1000 --systems hybrid-lazy hybrid-sparse hybrid ddp-sparse \
-torchrec-rw torchrec-tw --steps 10 --isolate"
+torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
   [cnn]="$py benchmarks/compare.py --workload cnn --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --systems ddp-dense hybrid allreduce ps --steps 30 --isolate"
   [table1]="$py benchmarks/table1.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
