@@ -31,6 +31,7 @@ torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
   [table1]="$py benchmarks/table1.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
   [table4]="$py benchmarks/table4.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
   [scaling]="$py benchmarks/scaling.py --machines 1 2 4 8 --nproc-per-machine 1 --rate 1gbit \
+--systems hybrid ps allreduce ddp-dense ddp-sparse \
 --isolate"
   [sparsity]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --isolate"
