@@ -155,18 +155,51 @@ def test_table4_smoke(tmp_path: Path) -> None:
 
 
 def test_scaling_smoke(tmp_path: Path) -> None:
-    run_script("scaling.py", "--machines", "1", "2", "--systems", "hybrid", "ddp-dense", *TINY,
-               "--out-dir", str(tmp_path))
+    run_script("scaling.py", "--machines", "1", "2", "4", "--systems", "hybrid", "ps",
+               "allreduce", *TINY, "--out-dir", str(tmp_path))
     data = check_outputs(tmp_path, "scaling")
-    assert [run["settings"]["machines"] for run in data["runs"]] == [1, 2]
+    assert [run["settings"]["machines"] for run in data["runs"]] == [1, 2, 4]
     for run in data["runs"]:
         for result in run["results"]:
             check_record(result, machines=run["settings"]["machines"])
     one = data["runs"][0]["results"][0]
     assert one["wire_over_predicted"] is None  # nothing crosses machines on one machine
-    for system in ("hybrid", "ddp-dense"):
+    for system in ("hybrid", "ps", "allreduce"):
         normalised = data["normalised"][system]
         assert normalised["1"] == 1.0 and normalised["2"] > 0
+
+    # the extrapolation's byte model is the engine's plan: same bytes from the same α
+    sys.path.insert(0, str(BENCH))
+    import extrapolate
+
+    from parallax.planning.cost import Shape
+
+    cfg = extrapolate.lm_config(data["runs"][0]["settings"])
+    for run in data["runs"][1:]:
+        machines = run["settings"]["machines"]
+        for result in run["results"]:
+            costs = extrapolate.parameter_costs(cfg, {
+                name: (alpha * cfg.vocab, alpha * cfg.vocab)
+                for name, alpha in result["alphas"].items()})
+            model = extrapolate.predicted_bytes(result["system"], costs, Shape(machines, 1))
+            assert model == pytest.approx(result["predicted_bytes_per_machine_step"],
+                                          rel=1e-9), (machines, result["system"])
+    # the rows it counts on the harness's batches are the α the runs measured
+    used = extrapolate.rows_used(cfg, 1)
+    for result in data["runs"][1]["results"]:
+        for name, alpha in result["alphas"].items():
+            assert used[name][0] / cfg.vocab == pytest.approx(alpha, rel=0.1), name
+    run_script("extrapolate.py", "--scaling", str(tmp_path / "scaling.json"),
+               "--machines", "16", "64", "--out", str(tmp_path / "extrapolation.json"))
+    result = json.loads((tmp_path / "extrapolation.json").read_text())
+    assert (tmp_path / "extrapolation.png").stat().st_size > 0
+    assert [r["machines"] for r in result["measured"] if r["held_out"]] == [4, 4, 4]
+    assert all(math.isfinite(r["validation_error"]) for r in result["measured"])
+    assert [(r["machines"], r["workers"]) for r in result["predictions"]] == [
+        (16, 1), (16, 8), (64, 1), (64, 8)]
+    for row in result["predictions"]:
+        for system in ("hybrid", "ps", "allreduce"):
+            assert row[system]["step_s"] > 0 and row[system]["bytes"] > 0
 
 
 def test_sparsity_sweep_smoke(tmp_path: Path) -> None:
