@@ -69,6 +69,12 @@ class Config:
             dense-gradient embedding does on one device under Adagrad/momentum (exact, but its
             cost grows with the table). Training then equals the single-device program with
             ``sparse=True`` embeddings; needs SGD, Adagrad or SparseAdam for those parameters.
+        overlap_push: in `Runner.step`, send each pull's gradient rows to the servers as soon
+            as the backward has produced them (an async exchange that overlaps the rest of
+            the backward and DDP's AllReduce; `parallax.engine.early_push`), with the same
+            results. False: push after the backward. A loop of your own
+            (`parallax.distribute`) always pushes after the backward, in ``optimizer.step()``:
+            it may call backward more than once per step.
         average_dense: divide AllReduced dense gradients by the number of workers (mean of the
             per-worker gradients, as DDP does). False sums them.
         average_sparse: servers divide the aggregated sparse gradient rows by the number of
@@ -117,6 +123,7 @@ class Config:
     sparsity_warmup_steps: int = 5
     alpha_threshold: float | None = None
     lazy_sparse_updates: bool = False
+    overlap_push: bool = True
     average_dense: bool = True
     average_sparse: bool = True
     clip_grad_norm: float | None = None
@@ -149,7 +156,7 @@ class Config:
                      "local_aggregation", self.local_aggregation,
                      "None or False with architecture='allreduce' (it has no servers)")
         for name in ("average_dense", "average_sparse", "find_unused_parameters",
-                     "lazy_sparse_updates"):
+                     "lazy_sparse_updates", "overlap_push"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
         if self.clip_grad_norm is not None:
             value = self.clip_grad_norm

@@ -28,6 +28,7 @@ from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.collective import agree
 from parallax.config import Config
 from parallax.engine.dense_sync import wrap_dense
+from parallax.engine.early_push import EarlyPush
 from parallax.engine.exchange import Traffic
 from parallax.engine.grad_norm import clip_by_global_norm, find_nonfinite
 from parallax.engine.handles import release
@@ -149,6 +150,8 @@ class Runner:
                                     params[name].shape)
                              for name, table in self.layout.pulled_whole.items()}
         self.last_grad_norm: float | None = None
+        # Runner.step's gradient rows leave during its backward (Config.overlap_push)
+        self._early = EarlyPush(worker.rank) if config.overlap_push else None
         # The servers hold these now, with the state the user's optimizer had for them: the
         # user's copies would be stale full tables in every process (parallax.engine.handles).
         for name, table in self.layout.all_tables().items():
@@ -238,6 +241,8 @@ class Runner:
             loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
             if self.progress is not None:
                 self.progress.phase(self.global_step + 1, "backward")
+            if self._early is not None:
+                self._early.arm([t for t in self.layout.all_tables().values() if t.on_servers])
             loss.backward()
             self.apply_update(self.optimizers, loss=loss)
         return loss.detach()
@@ -263,6 +268,8 @@ class Runner:
         self._check_no_gradient_outside_lookups()
         with self._explained():
             self._check_phase(_UPDATE)
+            if self._early is not None:
+                self._early.flush()  # what Runner.step's backward did not push yet
             push_all(self.layout.all_tables().values())
             self._applies = True if scaled else self._finite_or_skip(loss)
             self._synced = True
@@ -576,6 +583,8 @@ class Runner:
         is cheaper there (the hybrid's rule: `Architecture.moves_to_allreduce`; collective)."""
         self.sparsity = measure(self.tables, self.worker, self.group, self.device)
         self._decide_local_aggregation()
+        if self._early is not None:
+            self._early.learn(self.group)
         params = self._params
         for name, table in list(self.tables.items()):
             move, why = self.architecture.moves_to_allreduce(

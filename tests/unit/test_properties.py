@@ -304,6 +304,7 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     "alpha_threshold": lambda v, _: v is None or (
         isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1),
     "lazy_sparse_updates": lambda v, _: isinstance(v, bool),
+    "overlap_push": lambda v, _: isinstance(v, bool),
     "average_dense": lambda v, _: isinstance(v, bool),
     "average_sparse": lambda v, _: isinstance(v, bool),
     "clip_grad_norm": lambda v, _: v is None or _finite_positive(v),
@@ -361,6 +362,7 @@ def valid_configs(draw: st.DrawFn) -> Config:
         "sparsity_warmup_steps": st.integers(0, 1000),
         "alpha_threshold": st.none() | st.floats(0, 1) | st.sampled_from([0, 1]),
         "lazy_sparse_updates": st.booleans(),
+        "overlap_push": st.booleans(),
         "average_dense": st.booleans(),
         "average_sparse": st.booleans(),
         "clip_grad_norm": st.none() | positive,

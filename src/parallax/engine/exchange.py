@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -178,17 +179,31 @@ class Hop:
         return self.backward_many({name: payload})[name]
 
     def forward_many(self, payloads: dict[str, Tensor]) -> dict[str, Tensor]:
-        return self._send(payloads, self.send_counts, self.recv_counts)
+        return self._start(payloads, self.send_counts, self.recv_counts, async_op=False)()
 
     def backward_many(self, payloads: dict[str, Tensor]) -> dict[str, Tensor]:
-        return self._send(payloads, self.recv_counts, self.send_counts)
+        return self._start(payloads, self.recv_counts, self.send_counts, async_op=False)()
 
-    def _send(self, payloads: dict[str, Tensor], send: dict[str, list[int]],
-              receive: dict[str, list[int]]) -> dict[str, Tensor]:
+    def start_forward_many(self, payloads: dict[str, Tensor],
+                           ) -> Callable[[], dict[str, Tensor]]:
+        """`forward_many` without waiting: the all_to_all is issued now (this rank's place
+        in the group's order of collectives is taken now) and the returned function waits
+        for it (under the group's timeout) and returns what arrived."""
+        return self._start(payloads, self.send_counts, self.recv_counts, async_op=True)
+
+    def subset(self, names: Sequence[str]) -> Hop:
+        """The same splits for the tables ``names`` only (their payloads in a message of
+        their own: every rank must take the same subsets in the same order)."""
+        return Hop({n: self.send_counts[n] for n in names},
+                   {n: self.recv_counts[n] for n in names}, self.group, self.traffic)
+
+    def _start(self, payloads: dict[str, Tensor], send: dict[str, list[int]],
+               receive: dict[str, list[int]], *, async_op: bool,
+               ) -> Callable[[], dict[str, Tensor]]:
         names = list(self.send_counts)
         if len(names) == 1:  # one table: no byte views needed
             name = names[0]
-            return {name: self._send_one(name, payloads[name], send[name], receive[name])}
+            return self._start_one(name, payloads[name], send[name], receive[name], async_op)
         world = len(send[names[0]])
         payloads = {name: payloads[name].contiguous() for name in names}
         item = {name: p.element_size() * math.prod(p.shape[1:]) for name, p in payloads.items()}
@@ -199,20 +214,36 @@ class Hop:
         send_splits = [sum(send[n][peer] * item[n] for n in names) for peer in range(world)]
         recv_splits = [sum(receive[n][peer] * item[n] for n in names) for peer in range(world)]
         out = message.new_empty(sum(recv_splits))
-        dist.all_to_all_single(out, message, recv_splits, send_splits, group=self.group)
-        cut = out.split([receive[n][peer] * item[n] for peer in range(world) for n in names])
-        result = {}
-        for t, name in enumerate(names):
-            payload = payloads[name]
-            own = torch.cat([cut[peer * len(names) + t] for peer in range(world)])
-            result[name] = own.view(payload.dtype).view(-1, *payload.shape[1:])
+        work = dist.all_to_all_single(out, message, recv_splits, send_splits, group=self.group,
+                                      async_op=async_op)
+        for name in names:
             self.traffic.record(name, send[name], receive[name], item[name])
-        return result
 
-    def _send_one(self, name: str, payload: Tensor, send: list[int],
-                  receive: list[int]) -> Tensor:
+        def finish() -> dict[str, Tensor]:
+            if work is not None:
+                work.wait()
+            cut = out.split([receive[n][peer] * item[n] for peer in range(world) for n in names])
+            result = {}
+            for t, name in enumerate(names):
+                payload = payloads[name]
+                own = torch.cat([cut[peer * len(names) + t] for peer in range(world)])
+                result[name] = own.view(payload.dtype).view(-1, *payload.shape[1:])
+            return result
+
+        return finish
+
+    def _start_one(self, name: str, payload: Tensor, send: list[int], receive: list[int],
+                   async_op: bool) -> Callable[[], dict[str, Tensor]]:
         out = payload.new_empty((sum(receive), *payload.shape[1:]))
-        dist.all_to_all_single(out, payload.contiguous(), receive, send, group=self.group)
+        payload = payload.contiguous()
+        work = dist.all_to_all_single(out, payload, receive, send, group=self.group,
+                                      async_op=async_op)
         item_bytes = payload.element_size() * math.prod(payload.shape[1:])
         self.traffic.record(name, send, receive, item_bytes)
-        return out
+
+        def finish() -> dict[str, Tensor]:
+            if work is not None:
+                work.wait()
+            return {name: out}
+
+        return finish

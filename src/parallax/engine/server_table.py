@@ -15,7 +15,7 @@ leader before anything crosses machines.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,8 @@ from parallax.engine import lookup_options
 from parallax.engine.exchange import Hop, SparseIdError, Traffic, unique_ids
 from parallax.engine.pool import SERIAL, PartitionPool
 
-__all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "prefetch", "pull",
-           "push_gradients"]
+__all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
+           "pending_pulls", "prefetch", "pull", "push_gradients", "start_push"]
 
 
 class RowPartitioning:
@@ -92,11 +92,16 @@ class _Lookup:
 
 @dataclass
 class _Pull:
-    """Rows of several tables pulled in one exchange; their gradients go back the same way."""
+    """Rows of several tables pulled in one exchange; their gradients go back the same way
+    (in one exchange, or, pushed early, in one per group of tables: `start_push`)."""
 
     lookups: dict[str, _Lookup]
     direct: Hop                   # worker -> owners (leader -> owners when aggregating)
     to_leader: Hop | None = None  # worker -> its machine's leader (local aggregation)
+    # pushed early: the exchanges issued (each returns what its owners received) and their
+    # tables; `push_gradients` waits for them
+    in_flight: list[Callable[[], dict[str, Tensor]]] = field(default_factory=list)
+    launched: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -556,8 +561,9 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
 
 def push_gradients(tables: Sequence[ShardedTable]) -> None:
     """Send the gradient rows of every pull of this step to their servers (collective, in pull
-    order, one exchange per pull for all its tables); servers sum the rows of all workers and,
-    by default, divide by the worker count. ``tables`` must hold every table of those pulls."""
+    order, one exchange per pull for all its tables, unless `start_push` sent them already);
+    servers sum the rows of all workers and, by default, divide by the worker count.
+    ``tables`` must hold every table of those pulls."""
     by_name = {table.name: table for table in tables}
     pulls: dict[int, _Pull] = {}
     for table in tables:
@@ -565,31 +571,85 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
         for record in table._pending:
             pulls.setdefault(id(record), record)
     for record in pulls.values():  # dicts keep insertion order: the pull order of all ranks
-        grads = {}
-        for name, lookup in record.lookups.items():
-            grad = lookup.rows.grad
-            grads[name] = torch.zeros_like(lookup.rows) if grad is None else grad
-            if lookup.counts is not None:  # counts travel as one more column of the rows
-                grads[name] = lookup_options.with_counts(grads[name], lookup.counts)
+        if record.in_flight:
+            if sorted(record.launched) != sorted(record.lookups):
+                raise RuntimeError(
+                    f"parallax internal error: rank {record.direct.traffic.rank} pushed "
+                    f"{record.launched} of a pull of {sorted(record.lookups)}; please report it")
+            for finish in record.in_flight:
+                _deliver(record, finish(), by_name)
+            continue
+        grads = _gradients_to_push(record, list(record.lookups))
         if record.to_leader is not None:
             pieces = record.to_leader.forward_many(grads)
             for name, lookup in record.lookups.items():
                 merged = pieces[name].new_zeros((lookup.merged_count, *pieces[name].shape[1:]))
                 grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
-        received = record.direct.forward_many({name: grads[name][lookup.order]
-                                               for name, lookup in record.lookups.items()})
-        for name, lookup in record.lookups.items():
-            table = by_name[name]
-            if table.shard is not None:
-                values = received[name]
-                if table.scales_by_freq:
-                    values, counts = lookup_options.split_counts(values, table.row_shape)
-                    table._received_counts.append((lookup.recv_local_rows, counts))
-                if table.average:
-                    values.div_(table.worker.world_size)
-                table._accumulate(lookup.recv_local_rows, values)
+        _deliver(record, record.direct.forward_many(
+            {name: grads[name][lookup.order] for name, lookup in record.lookups.items()}),
+            by_name)
     for table in tables:
         table._pending.clear()
         table._finish_aggregation()
         if table.scales_by_freq:
             table._divide_by_counts()
+
+
+def pending_pulls(tables: Sequence[ShardedTable]) -> list[_Pull]:
+    """This step's pulls not yet pushed, in the order `push_gradients` takes them (the same
+    on every rank)."""
+    pulls: dict[int, _Pull] = {}
+    for table in tables:
+        for record in table._pending:
+            pulls.setdefault(id(record), record)
+    return list(pulls.values())
+
+
+def can_push_early(record: _Pull) -> bool:
+    """Whether `start_push` may send ``record``'s gradients: not through a machine's leader
+    (that hop merges rows of several workers before the direct exchange can start)."""
+    return record.to_leader is None
+
+
+def start_push(record: _Pull, names: Sequence[str]) -> None:
+    """Issue now, without waiting, the exchange of the gradient rows that ``record`` holds
+    for the tables ``names`` (their backward must be complete); `push_gradients` waits for
+    it and hands the rows to the servers. Every rank must start the same groups of the
+    same pulls in the same order (collective)."""
+    if not can_push_early(record):
+        raise RuntimeError("parallax internal error: an early push through the leader hop")
+    names = list(names)
+    grads = _gradients_to_push(record, names)
+    hop = record.direct if len(names) == len(record.lookups) else record.direct.subset(names)
+    record.in_flight.append(hop.start_forward_many(
+        {name: grads[name][record.lookups[name].order] for name in names}))
+    record.launched.extend(names)
+
+
+def _gradients_to_push(record: _Pull, names: Sequence[str]) -> dict[str, Tensor]:
+    """The gradient rows of ``names`` in ``record`` (zeros where backward gave none), with
+    their lookup counts as one more column under ``scale_grad_by_freq``."""
+    grads = {}
+    for name in names:
+        lookup = record.lookups[name]
+        grad = lookup.rows.grad
+        grads[name] = torch.zeros_like(lookup.rows) if grad is None else grad
+        if lookup.counts is not None:  # counts travel as one more column of the rows
+            grads[name] = lookup_options.with_counts(grads[name], lookup.counts)
+    return grads
+
+
+def _deliver(record: _Pull, received: dict[str, Tensor],
+             by_name: dict[str, ShardedTable]) -> None:
+    """At the servers: add the gradient rows received for ``record``'s tables."""
+    for name, values in received.items():
+        table = by_name[name]
+        if table.shard is None:
+            continue
+        lookup = record.lookups[name]
+        if table.scales_by_freq:
+            values, counts = lookup_options.split_counts(values, table.row_shape)
+            table._received_counts.append((lookup.recv_local_rows, counts))
+        if table.average:
+            values.div_(table.worker.world_size)
+        table._accumulate(lookup.recv_local_rows, values)
