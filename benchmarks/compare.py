@@ -81,11 +81,13 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # Also: "hybrid-sparse" (and other "<architecture>-sparse"): the program with sparse=True
 # embeddings under parallax; "hybrid-lazy": Config(lazy_sparse_updates=True); "hybrid-direct":
 # Config(local_aggregation=False) (every worker exchanges with the servers itself);
+# "hybrid-late" / "ps-late": Config(overlap_push=False) (gradient rows pushed after the backward);
 # "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys and lm workloads);
 # "torchrec-plan": TorchRec with each table's sharding chosen by its own planner;
 # "plain": the single-device loop, no DDP (one worker only: parallax's single-worker overhead).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
-               "optps-direct", "torchrec-rw", "torchrec-tw", "torchrec-plan", "plain"]
+               "optps-direct", "hybrid-late", "ps-late", "torchrec-rw", "torchrec-tw",
+               "torchrec-plan", "plain"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 
@@ -235,7 +237,9 @@ def provenance() -> dict:
                 Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
                platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
     return {"commit": git("rev-parse", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            # uncommitted changes to what ran (the records being rewritten do not count)
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                              ":(exclude)benchmarks/results")),
             "command": " ".join([Path(sys.argv[0]).name if sys.argv[0] else "python",
                                  *sys.argv[1:]]),
             "host": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),

@@ -82,7 +82,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     ``plain`` is the single-device program's own loop (one worker: the baseline of parallax's
     single-worker overhead). ``-sparse`` systems run the program with ``sparse=True``
     embeddings, ``-lazy`` ones the dense-gradient program with
-    ``Config(lazy_sparse_updates=True)``, ``-direct`` ones ``Config(local_aggregation=False)``;
+    ``Config(lazy_sparse_updates=True)``, ``-direct`` ones ``Config(local_aggregation=False)``,
+    ``-late`` ones ``Config(overlap_push=False)`` (gradient rows pushed after the backward);
     ``torchrec-*`` the recommender as a TorchRec EmbeddingBagCollection, or the LM as an
     EmbeddingCollection (row- or table-wise sharded)."""
     if system.startswith("torchrec"):
@@ -120,6 +121,7 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
                                                         local_aggregation=(
                                                             False if variant == "direct"
                                                             else None),
+                                                        overlap_push=variant != "late",
                                                         sparsity_warmup_steps=alpha_steps))
     return runner.step, runner, None
 

@@ -16,10 +16,11 @@ results=benchmarks/results
 
 declare -A EXPERIMENTS=(
   [lm-2x2]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
---rate 1gbit --systems hybrid optps ps allreduce ddp-sparse ddp-dense torchrec-rw --isolate"
+--rate 1gbit --systems hybrid hybrid-late optps ps allreduce ddp-sparse ddp-dense torchrec-rw \
+--isolate"
   [lm-4x1]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
---rate 1gbit --systems hybrid optps ps allreduce ddp-sparse ddp-dense torchrec-rw torchrec-tw \
-torchrec-plan --isolate"
+--rate 1gbit --systems hybrid hybrid-late optps ps allreduce ddp-sparse ddp-dense torchrec-rw \
+torchrec-tw torchrec-plan --isolate"
   [lm-kjv]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --workload-options {\"corpus\":\"kjv\"} --systems hybrid ddp-sparse ddp-dense \
 torchrec-rw --isolate --out $results/compare-lm-kjv-2x2-1gbit.json"
@@ -31,8 +32,9 @@ torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
   [table1]="$py benchmarks/table1.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
   [table4]="$py benchmarks/table4.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
   [scaling]="$py benchmarks/scaling.py --machines 1 2 4 8 --nproc-per-machine 1 --rate 1gbit \
---systems hybrid ps allreduce ddp-dense ddp-sparse \
+--systems hybrid ps allreduce ddp-dense ddp-sparse torchrec-rw \
 --isolate"
+  [extrapolate]="$py benchmarks/extrapolate.py"
   [sparsity]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --isolate"
   [bandwidth]="$py benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit 5gbit --isolate"
@@ -45,7 +47,7 @@ torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
 --machines 4 --rate 1gbit"
   [progress]="$py benchmarks/progress_overhead.py"
 )
-ORDER=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling sparsity bandwidth alpha
+ORDER=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling extrapolate sparsity bandwidth alpha
        partitions-2x2 partitions-4x1 table-over-limit progress)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling sparsity bandwidth)
