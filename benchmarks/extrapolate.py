@@ -345,8 +345,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     left.set(xscale="log", yscale="log", xlabel="machines (1 worker each, this host)",
              ylabel="step (ms)", title="measured vs fitted model")
     left.set_xscale("log", base=2)
-    right.set(xscale="log", yscale="log", xlabel="machines", ylabel="words/s (predicted)",
+    right.set(yscale="log", xlabel="machines", ylabel="words/s (predicted)",
               title="predicted, one core per worker")
+    machines = sorted({r["machines"] for r in result["predictions"]})
+    right.set_xscale("log", base=2)
+    right.set_xticks(machines, [str(m) for m in machines])
+    right.minorticks_off()
     right.legend(fontsize=7)
     experiment.save_figure(fig, left, path)
 
