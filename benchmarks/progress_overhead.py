@@ -8,12 +8,19 @@ against a TCPStore served by another process, as the launcher's agent serves it.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import statistics
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import compare  # noqa: E402
 
 from parallax.engine.progress import Progress
 from parallax.launch.elastic import free_port
@@ -47,6 +54,11 @@ def main() -> None:
     server.join()
     print(f"progress records: {statistics.median(rounds):.1f} us per step (median of 5 rounds "
           f"of {args.steps} steps; min {min(rounds):.1f}, max {max(rounds):.1f})")
+    out = Path(__file__).resolve().parent / "results" / "progress_overhead.json"
+    out.write_text(json.dumps({"us_per_step_median": statistics.median(rounds),
+                               "us_per_step_rounds": rounds, "steps_per_round": args.steps,
+                               "provenance": compare.provenance()}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import compare
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "table_over_limit_worker.py"
 
@@ -91,10 +93,16 @@ def main() -> None:
           f"{network}\n")
     print("| system | result | peak RSS per worker, MiB | ... and after export, MiB |\n"
           "|---|---|---|---|")
+    rows = []
     for system in ("parallax", "ddp"):
         outcome = run(system, limit_mib=args.limit_mib, ratio=args.ratio,
                       machines=args.machines, dim=args.dim, steps=args.steps, rate=args.rate)
-        print(outcome.row(), flush=True)
+        rows.append(outcome.row())
+        print(rows[-1], flush=True)
+    out = Path(__file__).resolve().parent / "results" / "table_over_limit.json"
+    out.write_text(json.dumps({"options": vars(args), "table_mib": table_mib, "rows": rows,
+                               "provenance": compare.provenance()}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
