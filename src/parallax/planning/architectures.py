@@ -121,8 +121,9 @@ class Architecture:
 
 
 # The leader hop costs a second exchange each way, a merge and a fan-out per step; measured on
-# the LM at 2 machines x 2 workers, 1 Gbit/s (BENCHMARKS.md), a 6 % byte saving cost 9 ms a step
-# (41 -> 50 ms). The hybrid keeps it only where it saves at least this fraction of the bytes.
+# the LM at 2 machines x 2 workers, 1 Gbit/s (benchmarks/HISTORY.md), a 6 % byte saving cost
+# 9 ms a step (41 -> 50 ms). The hybrid keeps it only where it saves at least this fraction
+# of the bytes.
 MIN_AGGREGATION_SAVING = 0.2
 
 
