@@ -565,12 +565,9 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
     servers sum the rows of all workers and, by default, divide by the worker count.
     ``tables`` must hold every table of those pulls."""
     by_name = {table.name: table for table in tables}
-    pulls: dict[int, _Pull] = {}
     for table in tables:
         table._record_usage()
-        for record in table._pending:
-            pulls.setdefault(id(record), record)
-    for record in pulls.values():  # dicts keep insertion order: the pull order of all ranks
+    for record in pending_pulls(tables):
         if record.in_flight:
             if sorted(record.launched) != sorted(record.lookups):
                 raise RuntimeError(
@@ -602,7 +599,7 @@ def pending_pulls(tables: Sequence[ShardedTable]) -> list[_Pull]:
     for table in tables:
         for record in table._pending:
             pulls.setdefault(id(record), record)
-    return list(pulls.values())
+    return list(pulls.values())  # dicts keep insertion order: the same on all ranks
 
 
 def can_push_early(record: _Pull) -> bool:
