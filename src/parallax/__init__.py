@@ -15,7 +15,7 @@ their partition count searched in process during the first steps after the warm-
 """
 
 from parallax.api import get_runner
-from parallax.config import Config
+from parallax.config import QSGD, Config, SlimDP
 from parallax.distributed import GradScaler, clip_grad_norm_, distribute
 from parallax.errors import (
     CheckpointError,
@@ -37,8 +37,8 @@ from parallax.runner import Runner
 from parallax.session import shutdown
 
 __all__ = ["CheckpointError", "Config", "ConfigError", "GradScaler", "NetemError", "OptimizerError",
-           "ParallaxError", "PlanComplete", "ResourceError", "Runner", "SparseIdError",
-           "StalledRankError", "UnevenInputsError", "UnsupportedProgramError",
+           "ParallaxError", "PlanComplete", "QSGD", "ResourceError", "Runner", "SparseIdError",
+           "SlimDP", "StalledRankError", "UnevenInputsError", "UnsupportedProgramError",
            "clip_grad_norm_", "distribute", "get_runner", "meta_init", "partition", "partitioner",
            "shard", "shutdown"]
 __version__ = "0.1.0"

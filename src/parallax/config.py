@@ -25,11 +25,68 @@ class ArchitectureName(StrEnum):
 
 
 class DenseSyncName(StrEnum):
-    """How replicated dense gradients are AllReduced (`Config.dense_sync`); each is a DDP
-    comm hook in `parallax.engine.dense_sync` (its registry is keyed by these)."""
+    """How replicated dense parameters are synchronised (`Config.dense_sync`); each is a
+    strategy in `parallax.engine.dense_sync` (its registries are keyed by these)."""
 
     HIERARCHICAL = "hierarchical"
     FLAT = "flat"
+    QSGD = "qsgd"
+    PLUMP = "plump"
+    SLIM = "slim"
+
+
+#: dense syncs that move the workers' updates through servers instead of AllReducing gradients
+SERVER_SYNCS = (DenseSyncName.PLUMP, DenseSyncName.SLIM)
+
+
+@dataclass(frozen=True)
+class QSGD:
+    """Random quantisation of dense gradients or updates (QSGD, Alistarh et al.): each bucket of
+    ``bucket_size`` values travels as its L2 norm and one signed level in
+    ``[-s, s]`` per value, ``s = 2**(bits-1) - 1``, rounded up or down at random so the decoded
+    vector is an unbiased estimate (variance at most ``min(d/s², √d/s)·‖v‖²`` per bucket of
+    ``d`` values). ``bits`` is 2, 4 or 8 (the paper's 8-bit, bucket 512 is the default)."""
+
+    bits: int = 8
+    bucket_size: int = 512
+
+    def __post_init__(self) -> None:
+        _require(self.bits in (2, 4, 8) and is_int(self.bits), "qsgd.bits", self.bits,
+                 "2, 4 or 8")
+        _require(is_int(self.bucket_size) and self.bucket_size >= 1, "qsgd.bucket_size",
+                 self.bucket_size, "an int >= 1")
+
+
+@dataclass(frozen=True)
+class SlimDP:
+    """Slim-DP's significance-aware partial synchronisation (`Config.dense_sync` ``"slim"``).
+
+    Each server keeps a *core*: the ``beta`` share of its dense values most significant by
+    ``|w| + significance·|Δw|``, re-selected every ``reselect_every`` communications. Each
+    worker adds a random *explorer* of ``alpha - beta`` of the other values, re-drawn every
+    communication; it pushes the core's and the explorer's accumulated updates and pulls their
+    values. Every ``reselect_every``-th communication (the last before a re-selection) pushes
+    and pulls everything. Workers communicate every ``sync_every`` local steps. The paper's
+    defaults: alpha 0.2, beta 0.1 (VGG-16), p = 1; its q (20k-50k mini-batches) is far longer
+    than our runs, hence 20."""
+
+    alpha: float = 0.2
+    beta: float = 0.1
+    reselect_every: int = 20
+    sync_every: int = 1
+    significance: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(is_number(self.beta) and 0 < self.beta <= 1, "slim.beta", self.beta,
+                 "a number in (0, 1]")
+        _require(is_number(self.alpha) and self.beta <= self.alpha <= 1, "slim.alpha",
+                 self.alpha, f"a number in [beta, 1] = [{self.beta}, 1]")
+        for name in ("reselect_every", "sync_every"):
+            value = getattr(self, name)
+            _require(is_int(value) and value >= 1, f"slim.{name}", value, "an int >= 1")
+        _require(is_number(self.significance) and math.isfinite(self.significance)
+                 and self.significance >= 0, "slim.significance", self.significance,
+                 "a finite number >= 0")
 
 
 ARCHITECTURES = tuple(a.value for a in ArchitectureName)
@@ -48,10 +105,23 @@ class Config:
             replicated; sparse gradients exchanged by AllGatherv of (ids, rows).
             ``"ps"`` (naive parameter server): every parameter, dense ones too, on servers.
             ``"optps"``: ``"ps"`` with local aggregation.
-        dense_sync: how replicated dense gradients are AllReduced (DDP comm hook).
+        dense_sync: how replicated dense parameters are synchronised (under ``hybrid`` and
+            ``allreduce``; under ``ps``/``optps`` they live on the servers).
+            Gradients AllReduced through DDP (Plump-DP by AllReduce; equal to one device):
             ``"hierarchical"`` (default): reduced inside each machine, a ring among the
             machines' leaders, broadcast back (Table 3's AllReduce bytes, which the plan
             predicts). ``"flat"``: one ring over all ranks, as DDP does by default.
+            ``"qsgd"`` (Quant-DP): each rank's gradient quantised by `Config.qsgd`, the codes
+            all-gathered and decoded (a sum of codes is no code): unbiased, not exact.
+            Updates through servers (the workers run the optimizer on their own gradients;
+            needs ``torch.optim.SGD`` for those parameters): ``"plump"`` (Plump-DP): every
+            ``slim.sync_every`` steps each worker pushes its whole update to the servers and
+            pulls the whole model (with ``sync_every=1``, equal to one device);
+            ``"slim"`` (Slim-DP): only a core and an explorer travel (`Config.slim`).
+            With ``Config.qsgd`` set, their pushes are quantised (Quant-DP through servers).
+        qsgd: the quantiser of ``dense_sync="qsgd"`` (default `QSGD()` there), and of the
+            pushes of ``"plump"``/``"slim"`` when set.
+        slim: Slim-DP's α, β, q, p and c (`SlimDP`); ``"plump"`` uses its ``sync_every``.
         local_aggregation: workers of one machine merge their ids and sum their gradient rows
             before anything crosses machines. ``None``: on for ``optps``, off for ``ps``; the
             ``hybrid`` starts with it and keeps it once α is measured only if merging saves
@@ -119,6 +189,8 @@ class Config:
 
     architecture: str = ArchitectureName.HYBRID
     dense_sync: str = DenseSyncName.HIERARCHICAL
+    qsgd: QSGD | None = None
+    slim: SlimDP = dataclasses.field(default_factory=SlimDP)
     local_aggregation: bool | None = None
     sparsity_warmup_steps: int = 5
     alpha_threshold: float | None = None
@@ -149,6 +221,7 @@ class Config:
         _require(isinstance(self.dense_sync, str) and self.dense_sync in DENSE_SYNCS,
                  "dense_sync", self.dense_sync, f"one of {DENSE_SYNCS}")
         object.__setattr__(self, "dense_sync", DenseSyncName(self.dense_sync))
+        self._check_dense_sync()
         if self.local_aggregation is not None:
             _require(isinstance(self.local_aggregation, bool), "local_aggregation",
                      self.local_aggregation, "None or a bool")
@@ -212,6 +285,41 @@ class Config:
               and 0 < timeout < timedelta.max.total_seconds())
         _require(ok, "collective_timeout_s", timeout,
                  "a number of seconds > 0 and below timedelta.max")
+
+    def _check_dense_sync(self) -> None:
+        """The dense-sync options: dicts (from `to_dict`/JSON) become their classes."""
+        for name, kind in (("qsgd", QSGD), ("slim", SlimDP)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                fields = {f.name for f in dataclasses.fields(kind)}
+                _require(set(value) <= fields, name, value,
+                         f"a parallax.{kind.__name__} or a dict of its fields {sorted(fields)}")
+                object.__setattr__(self, name, kind(**value))
+        _require(self.qsgd is None or isinstance(self.qsgd, QSGD), "qsgd", self.qsgd,
+                 "None or a parallax.QSGD")
+        _require(isinstance(self.slim, SlimDP), "slim", self.slim, "a parallax.SlimDP")
+        if self.dense_sync == DenseSyncName.QSGD and self.qsgd is None:
+            object.__setattr__(self, "qsgd", QSGD())
+        _require(self.qsgd is None or self.dense_sync in (DenseSyncName.QSGD, *SERVER_SYNCS),
+                 "qsgd", self.qsgd, "None unless dense_sync is 'qsgd', 'plump' or 'slim'")
+        if self.dense_sync in (DenseSyncName.HIERARCHICAL, DenseSyncName.FLAT):
+            return
+        _require(self.architecture in (ArchitectureName.HYBRID, ArchitectureName.ALLREDUCE),
+                 "dense_sync", str(self.dense_sync),
+                 f"'hierarchical' or 'flat' with architecture={str(self.architecture)!r} "
+                 f"(its dense parameters live on the parameter servers)")
+        if self.dense_sync in SERVER_SYNCS:
+            # the workers' gradients differ (each updates its own copy): a global norm of
+            # aggregated gradients does not exist, and the servers' dense model is assembled
+            # from every rank, which the sharded checkpoint format does not hold yet
+            _require(self.clip_grad_norm is None, "clip_grad_norm", self.clip_grad_norm,
+                     f"None with dense_sync={str(self.dense_sync)!r} (each worker updates "
+                     f"its own copy from its own gradients: there is no aggregated gradient "
+                     f"to clip)")
+            _require(self.checkpoint_dir is None, "checkpoint_dir", self.checkpoint_dir,
+                     f"None with dense_sync={str(self.dense_sync)!r}: checkpoints of the "
+                     f"servers' dense model and the workers' pending updates are not "
+                     f"implemented yet (export the model with Runner.export)")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:

@@ -26,8 +26,9 @@ from parallax.checkpoint import sharded as checkpoint
 from parallax.checkpoint.export import export_running
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.collective import agree
-from parallax.config import Config
-from parallax.engine.dense_sync import wrap_dense
+from parallax.config import SERVER_SYNCS, Config
+from parallax.engine.dense_sync import codec_of, wrap_dense
+from parallax.engine.dense_sync.server_sync import ServerSync, build_server_sync
 from parallax.engine.early_push import EarlyPush
 from parallax.engine.exchange import Traffic
 from parallax.engine.grad_norm import clip_by_global_norm, find_nonfinite
@@ -133,11 +134,20 @@ class Runner:
         self.replicated_parameters += [t.replica for t in self.tables.values()
                                        if t.replica is not None]
         self.module = executed
-        if self.layout.uses_ddp:
+        # Config.dense_sync "plump"/"slim": each worker trains its own dense copy, whose
+        # updates go through servers at the end of a step (`_end_round`); no DDP.
+        self.server_sync: ServerSync | None = None
+        if self.layout.uses_ddp and config.dense_sync in SERVER_SYNCS:
+            self.server_sync = build_server_sync(
+                executed, self.optimizers, sync=str(config.dense_sync), slim=config.slim,
+                codec=codec_of(config.qsgd), rank=worker.rank, world=worker.world_size,
+                server_ranks=worker.server_ranks, group=self.group, traffic=self.traffic,
+                average=config.average_dense, seed=config.seed)
+        elif self.layout.uses_ddp:
             self.module = wrap_dense(executed, device=self.device, sync=config.dense_sync,
                                      average=config.average_dense,
                                      find_unused_parameters=config.find_unused_parameters,
-                                     traffic=self.traffic)
+                                     traffic=self.traffic, qsgd=config.qsgd, seed=config.seed)
         on_shutdown(self._release_ddp)
         self.pool = shared_pool(config.server_threads or default_threads())
         for table in self.layout.all_tables().values():
@@ -320,6 +330,12 @@ class Runner:
                        ) -> float:
         """Clip the aggregated gradients of ``parameters`` (default: all) by their global L2
         norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective."""
+        if self.server_sync is not None:
+            raise UnsupportedProgramError(
+                f"rank {self.worker.rank}: clipping by the global norm of the aggregated "
+                f"gradients under dense_sync={str(self.config.dense_sync)!r}: each worker "
+                f"updates its own dense copy from its own gradients, there is no aggregated "
+                f"dense gradient; use dense_sync='hierarchical' or 'qsgd' to clip")
         self.sync_gradients()
         wanted = None if parameters is None else {id(p) for p in parameters}
         params = self._params
@@ -384,8 +400,13 @@ class Runner:
         self._synced = False
 
     def _end_round(self) -> None:
-        """After a step's updates: counters, progress, the warm-up's plan, the partition
-        search and checkpoints."""
+        """After a step's updates: the dense servers' round (`Config.dense_sync` "plump" or
+        "slim"), counters, progress, the warm-up's plan, the partition search and
+        checkpoints."""
+        if (self.server_sync is not None
+                and (self.global_step + 1) % self.config.slim.sync_every == 0):
+            with self._explained():
+                self.server_sync.communicate()
         if self.progress is not None:
             self.progress.done(self.global_step + 1)
         self._in_round = self._synced = False
@@ -429,7 +450,7 @@ class Runner:
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         was_training = self.module.training
         self.module.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._serving_global():
             for inputs, targets in batches:
                 targets = _to_device(targets, self.device)
                 loss = self.loss_fn(self.forward(inputs), targets)
@@ -533,6 +554,12 @@ class Runner:
         root = path if path is not None else self.config.checkpoint_dir
         if root is None:
             raise ValueError("Runner.save needs a path, or Config(checkpoint_dir=...)")
+        if self.server_sync is not None:
+            raise UnsupportedProgramError(
+                f"rank {self.worker.rank}: checkpoints under dense_sync="
+                f"{str(self.config.dense_sync)!r} are not implemented (the servers' dense model "
+                f"and each worker's pending update would have to be saved); Runner.export "
+                f"writes the trained model")
         keep = self.config.checkpoint_keep if path is None else None
         directory = checkpoint.save(self, root, keep=keep, extra=extra)
         self._last_save = time.monotonic()
@@ -646,7 +673,10 @@ class Runner:
         every rank, not only on the one that saves it)."""
         with self._explained():
             self._check_phase(_EXPORT)
-        state = self.model.state_dict()
+        with self._serving_global():
+            state = self.model.state_dict()
+            if self.server_sync is not None:  # the parameters get this worker's values back
+                state = {k: v.clone() for k, v in state.items()}
         names_of: dict[int, list[str]] = {}  # tied parameters appear under every name
         for name, param in self.model.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(param), []).append(name)
@@ -669,8 +699,17 @@ class Runner:
         held = {name: t for name, t in self.layout.all_tables().items() if t.on_servers}
         aliases = self._server_held_aliases()
         names = {name: aliases[id(self._params[name])] for name in held}
-        return export_running(path, self.model.state_dict(), held, names,
-                              rank=self.worker.rank)
+        with self._serving_global():
+            return export_running(path, self.model.state_dict(), held, names,
+                                  rank=self.worker.rank)
+
+    def _serving_global(self) -> contextlib.AbstractContextManager[None]:
+        """Under `Config.dense_sync` "plump"/"slim", the servers' dense values in the model
+        while inside (evaluation and export see what training produced, not this worker's
+        copy; collective); otherwise nothing."""
+        if self.server_sync is None:
+            return contextlib.nullcontext()
+        return self.server_sync.serving_global()
 
     def load_state_dict(self, state: dict[str, Tensor], *, strict: bool = True) -> Any:
         """Load a plain single-device ``state_dict`` of the original model class (every rank

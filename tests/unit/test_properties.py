@@ -25,7 +25,15 @@ from parallax.cluster import (
     parse_resource_text,
     parse_resources,
 )
-from parallax.config import ARCHITECTURES, DENSE_SYNCS, NONFINITE, Config, ConfigError
+from parallax.config import (
+    ARCHITECTURES,
+    DENSE_SYNCS,
+    NONFINITE,
+    QSGD,
+    Config,
+    ConfigError,
+    SlimDP,
+)
 from parallax.planning.architectures import architecture_of
 
 # Derandomised and without an example database: the same examples on every run and machine,
@@ -297,7 +305,12 @@ def _finite_positive(value: object) -> bool:
 #: What the Config docstring allows for each field, given the architecture.
 RULES: dict[str, Callable[[Any, str], bool]] = {
     "architecture": lambda v, _: isinstance(v, str) and v in ARCHITECTURES,
-    "dense_sync": lambda v, _: isinstance(v, str) and v in DENSE_SYNCS,
+    # the other dense syncs are for replicated dense parameters (not under ps/optps)
+    "dense_sync": lambda v, arch: isinstance(v, str) and v in DENSE_SYNCS and (
+        v in ("hierarchical", "flat") or arch in ("hybrid", "allreduce")),
+    # only with dense_sync qsgd/plump/slim (here the default, hierarchical)
+    "qsgd": lambda v, _: v is None,
+    "slim": lambda v, _: isinstance(v, SlimDP),
     "local_aggregation": lambda v, arch: v is None or v is False
     or (v is True and arch != "allreduce"),
     "sparsity_warmup_steps": lambda v, _: _is_int(v) and v >= 0,
@@ -380,6 +393,19 @@ def valid_configs(draw: st.DrawFn) -> Config:
         "find_unused_parameters": st.booleans(),
     }
     values = {name: draw(strategy) for name, strategy in strategies.items() if name in FIELDS}
+    replicated = architecture in ("hybrid", "allreduce")
+    values["dense_sync"] = draw(st.sampled_from(DENSE_SYNCS if replicated
+                                                else ("hierarchical", "flat")))
+    if values["dense_sync"] in ("qsgd", "plump", "slim"):
+        values["qsgd"] = draw(st.none() | st.builds(QSGD, bits=st.sampled_from([2, 4, 8]),
+                                                    bucket_size=st.integers(1, 4096)))
+    if values["dense_sync"] in ("plump", "slim"):  # each worker's own gradients
+        values["clip_grad_norm"] = values["checkpoint_dir"] = None
+    beta = draw(st.floats(1e-3, 1))
+    values["slim"] = SlimDP(alpha=draw(st.floats(beta, 1)), beta=beta,
+                            reselect_every=draw(st.integers(1, 10**5)),
+                            sync_every=draw(st.integers(1, 100)),
+                            significance=draw(st.floats(0, 100)))
     return Config(architecture=architecture, **values)
 
 

@@ -82,6 +82,17 @@ class Traffic:
         received[(self.rank - 1) % world] = volume
         self.record(name, sent, received, 1)
 
+    def record_ring_allgather(self, name: str, payload_bytes: int) -> None:
+        """An all_gather of ``payload_bytes`` from every rank by gloo's ring: each rank passes
+        the ``W-1`` payloads that are not its successor's own to it."""
+        world = len(self.machine_of_rank)
+        if world == 1:
+            return
+        sent, received = [0] * world, [0] * world
+        sent[(self.rank + 1) % world] = (world - 1) * payload_bytes
+        received[(self.rank - 1) % world] = (world - 1) * payload_bytes
+        self.record(name, sent, received, 1)
+
     def record_hierarchical_allreduce(self, name: str, payload_bytes: int, *, leader: int,
                                       num_machines: int) -> None:
         """A `parallax.engine.hierarchy.all_reduce`: inside the machine, each worker sends its

@@ -1,5 +1,6 @@
-"""Dense parameters: replicated on every worker, gradients AllReduced by PyTorch DDP through a
-comm hook chosen by `Config.dense_sync`.
+"""Dense parameters: replicated on every worker, synchronised as `Config.dense_sync` says:
+gradients AllReduced by PyTorch DDP through a comm hook (``hierarchical``, ``flat``, ``qsgd``),
+or updates through servers (``plump``, ``slim``: `server_sync.ServerSync`, no DDP).
 
 DDP brings bucketing and overlap of the AllReduce with the backward pass. The module given to
 it holds only dense parameters: the sparse ones have been replaced by lookups into the
@@ -11,7 +12,8 @@ A strategy is DDP's own pattern (`torch.distributed.algorithms.ddp_comm_hooks`):
 `DenseSyncName`. The state (`DenseSyncState`) carries what every hook needs: where to count
 bytes, the parameters' names, and whether to average. Adding one (e.g. a quantising codec) is
 one file and one entry here; the hook must leave the bucket summed (or averaged) over all ranks
-and count the bytes it sends in ``state.traffic`` so ``runner.stats()`` stays honest.
+(the same on every rank) and count the bytes it sends in ``state.traffic`` so
+``runner.stats()`` stays honest.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from parallax.config import DenseSyncName
+from parallax.config import QSGD, DenseSyncName
 from parallax.engine.dense_sync.flat import flat_allreduce
 from parallax.engine.dense_sync.hierarchical import hierarchical_allreduce
+from parallax.engine.dense_sync.qsgd import qsgd_allgather
+from parallax.engine.dense_sync.qsgd_codec import QSGDCodec
 from parallax.engine.dense_sync.state import DenseSyncState
 from parallax.engine.exchange import Traffic
 
@@ -35,15 +39,23 @@ CommHook = Callable[[DenseSyncState, dist.GradBucket], torch.futures.Future[torc
 HOOKS: dict[DenseSyncName, CommHook] = {
     DenseSyncName.HIERARCHICAL: hierarchical_allreduce,
     DenseSyncName.FLAT: flat_allreduce,
+    DenseSyncName.QSGD: qsgd_allgather,
 }
 
-__all__ = ["HOOKS", "CommHook", "DenseSyncState", "wrap_dense"]
+__all__ = ["HOOKS", "CommHook", "DenseSyncState", "QSGDCodec", "codec_of", "wrap_dense"]
+
+
+def codec_of(qsgd: QSGD | None) -> QSGDCodec | None:
+    """The codec `Config.qsgd` describes."""
+    return None if qsgd is None else QSGDCodec(qsgd.bits, qsgd.bucket_size)
 
 
 def wrap_dense(module: nn.Module, *, device: torch.device, sync: str, average: bool,
-               find_unused_parameters: bool, traffic: Traffic) -> nn.Module:
+               find_unused_parameters: bool, traffic: Traffic, qsgd: QSGD | None = None,
+               seed: int = 0) -> nn.Module:
     """``module`` under DDP with the ``sync`` strategy's comm hook, or as is when it has no
-    trainable (dense) parameter."""
+    trainable (dense) parameter. ``qsgd``: the codec's options of ``sync="qsgd"``; its random
+    rounding is seeded by ``seed`` and the rank."""
     if not any(p.requires_grad for p in module.parameters()):
         return module
     ddp = DistributedDataParallel(
@@ -52,7 +64,10 @@ def wrap_dense(module: nn.Module, *, device: torch.device, sync: str, average: b
         find_unused_parameters=find_unused_parameters,
     )
     names = {id(p): n for n, p in module.named_parameters()}
-    state = DenseSyncState(traffic, names, dist.get_world_size(), average)
+    rank = dist.get_rank()
+    generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + rank) % 2**63)
+    state = DenseSyncState(traffic, names, dist.get_world_size(), average,
+                           codec=codec_of(qsgd), generator=generator)
     ddp.register_comm_hook(state, HOOKS[DenseSyncName(sync)])
     return ddp
 

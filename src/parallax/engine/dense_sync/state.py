@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallax.engine.dense_sync.qsgd_codec import QSGDCodec
 from parallax.engine.exchange import Traffic
 
 
@@ -16,12 +17,15 @@ class DenseSyncState:
 
     ``traffic`` counts the bytes each parameter moves (c10d reports none); ``names`` maps a
     parameter's ``id`` to its name there; ``world`` ranks sum the bucket; ``average`` divides
-    the sum by ``world`` (DDP's mean)."""
+    the sum by ``world`` (DDP's mean); ``codec`` and ``generator``: a quantising hook's
+    codec and the generator of its random rounding (this rank's own)."""
 
     traffic: Traffic
     names: dict[int, str]
     world: int
     average: bool
+    codec: QSGDCodec | None = None
+    generator: torch.Generator | None = None
 
     def pieces(self, bucket: dist.GradBucket) -> list[tuple[str, torch.Tensor]]:
         """Each parameter's slice of the bucket's flat buffer, with its name."""

@@ -1,0 +1,94 @@
+"""`Config.dense_sync` "plump"/"slim" in one process: what it refuses (with the reason and the
+way out) and what a one-worker run gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import parallax
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids).mean(dim=1)).squeeze(1)
+
+
+@pytest.fixture
+def single_process():
+    yield
+    parallax.shutdown()
+
+
+def _runner(config: parallax.Config, make_optimizer=None) -> tuple[parallax.Runner, nn.Module]:
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = (make_optimizer or (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5)))(
+        model.parameters())
+    return parallax.get_runner(model, optimizer, nn.functional.mse_loss, config=config), model
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(10, (4, 3), generator=g), torch.rand(4, generator=g)
+
+
+@pytest.mark.parametrize("sync", ["plump", "slim"])
+def test_an_optimizer_not_linear_in_the_gradient_is_refused(single_process, sync) -> None:
+    config = parallax.Config(dense_sync=sync, partition_cache=None)
+    with pytest.raises(parallax.UnsupportedProgramError,
+                       match=rf"rank 0: dense_sync='{sync}' averages .* updated by Adam"):
+        _runner(config, lambda p: torch.optim.Adam(p, lr=0.1))
+
+
+def test_clipping_and_checkpoints_are_refused_by_name(single_process, tmp_path) -> None:
+    runner, _ = _runner(parallax.Config(dense_sync="slim", partition_cache=None))
+    runner.step(_batch(0))
+    with pytest.raises(parallax.UnsupportedProgramError, match="no aggregated dense gradient"):
+        runner.clip_grad_norm(1.0)
+    with pytest.raises(parallax.UnsupportedProgramError, match="Runner.export writes"):
+        runner.save(tmp_path)
+
+
+def test_mixed_dense_dtypes_are_refused(single_process) -> None:
+    torch.manual_seed(0)
+    model = Model()
+    model.head.bias.data = model.head.bias.data.double()
+    with pytest.raises(parallax.UnsupportedProgramError, match=r"dtypes \['torch.float32', "
+                                                               r"'torch.float64'\]"):
+        parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            nn.functional.mse_loss,
+                            config=parallax.Config(dense_sync="plump", partition_cache=None))
+
+
+@pytest.mark.parametrize("sync", ["plump", "slim"])
+def test_one_worker_trains_as_on_one_device(single_process, sync) -> None:
+    """One worker, one server: its copy is the one-device model after every step; the
+    servers' model (what is exported) catches up at each full round (Slim-DP's partial rounds
+    leave the values outside the core and explorer on the worker): the 6th here."""
+    runner, _ = _runner(parallax.Config(dense_sync=sync, partition_cache=None,
+                                        slim=parallax.SlimDP(reselect_every=3)))
+    for step in range(6):
+        runner.step(_batch(step))
+    trained = runner.state_dict()
+    local = runner.server_sync.local_values()
+    parallax.shutdown()
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    for step in range(6):
+        optimizer.zero_grad()
+        ids, target = _batch(step)
+        nn.functional.mse_loss(model(ids), target).backward()
+        optimizer.step()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    torch.testing.assert_close(local, torch.cat([p.detach().reshape(-1)
+                                                 for p in model.head.parameters()]))
+    assert runner.server_sync is not None and runner.server_sync.rounds == 6
