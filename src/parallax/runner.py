@@ -27,7 +27,7 @@ from parallax.checkpoint.export import export_running
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.collective import agree
 from parallax.config import SERVER_SYNCS, Config
-from parallax.engine.dense_sync import codec_of, wrap_dense
+from parallax.engine.dense_sync import DenseSyncState, codec_of, wrap_dense
 from parallax.engine.dense_sync.server_sync import ServerSync, build_server_sync
 from parallax.engine.early_push import EarlyPush
 from parallax.engine.exchange import Traffic
@@ -137,6 +137,7 @@ class Runner:
         # Config.dense_sync "plump"/"slim": each worker trains its own dense copy, whose
         # updates go through servers at the end of a step (`_end_round`); no DDP.
         self.server_sync: ServerSync | None = None
+        self._hook_state: DenseSyncState | None = None
         if self.layout.uses_ddp and config.dense_sync in SERVER_SYNCS:
             self.server_sync = build_server_sync(
                 executed, self.optimizers, sync=str(config.dense_sync), slim=config.slim,
@@ -144,10 +145,10 @@ class Runner:
                 server_ranks=worker.server_ranks, group=self.group, traffic=self.traffic,
                 average=config.average_dense, seed=config.seed)
         elif self.layout.uses_ddp:
-            self.module = wrap_dense(executed, device=self.device, sync=config.dense_sync,
-                                     average=config.average_dense,
-                                     find_unused_parameters=config.find_unused_parameters,
-                                     traffic=self.traffic, qsgd=config.qsgd, seed=config.seed)
+            self.module, self._hook_state = wrap_dense(
+                executed, device=self.device, sync=config.dense_sync,
+                average=config.average_dense, find_unused_parameters=config.find_unused_parameters,
+                traffic=self.traffic, qsgd=config.qsgd, seed=config.seed)
         on_shutdown(self._release_ddp)
         self.pool = shared_pool(config.server_threads or default_threads())
         for table in self.layout.all_tables().values():
@@ -818,8 +819,24 @@ class Runner:
         values /= len(self.worker.server_ranks)
         return dict(zip(names, values.tolist(), strict=True))
 
+    @property
+    def dense_sync_seconds(self) -> float:
+        """Seconds this worker spent synchronising dense parameters since the start or the
+        last ``reset_stats``: inside the synchronous comm hooks (``hierarchical``, ``qsgd``:
+        collectives, encoding, decoding) or the servers' rounds (``plump``, ``slim``: core
+        selection and exploration too); 0 for ``flat`` (asynchronous: it overlaps the
+        backward) and for a model with no replicated dense parameter."""
+        if self.server_sync is not None:
+            return self.server_sync.seconds
+        return self._hook_state.seconds if self._hook_state is not None else 0.0
+
     def reset_stats(self) -> None:
+        """Restart the byte counts of `stats` and `dense_sync_seconds`."""
         self.traffic.reset()
+        if self.server_sync is not None:
+            self.server_sync.seconds = 0.0
+        if self._hook_state is not None:
+            self._hook_state.seconds = 0.0
 
 
 def _indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:

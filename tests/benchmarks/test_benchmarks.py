@@ -267,3 +267,28 @@ def test_partitions_smoke(tmp_path: Path) -> None:
     assert verdict["samples"] == len(search["samples"]) <= 3
     assert "Searched P's brute-force time / best" in (tmp_path / f"{name}.md").read_text()
     assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+@pytest.mark.network  # may fetch Fashion-MNIST (Debian package) on first use
+def test_slim_dp_smoke(tmp_path: Path) -> None:
+    """The Slim-DP tables' harness: every mode trains, times split into computation and
+    communication, speeds normalised to Plump-DP, Quant-DP and Slim-DP moving fewer bytes."""
+    run_script("slim_dp.py", "--machines", "2", "--rates", "1gbit", "--steps", "4",
+               "--eval-every", "2", "--repeats", "1", "--eval-size", "200", "--out-dir",
+               str(tmp_path))
+    data = json.loads((tmp_path / "slim_dp.json").read_text())
+    assert len(data["provenance"]["commit"]) == 40
+    rows = data["summary"]["K=2, 1gbit"]
+    assert set(rows) == {"plump-ar", "plump", "quant-ar", "quant", "slim"}
+    for label, row in rows.items():
+        assert row["comm_s"] > 0 and row["comp_s"] > 0, label
+        assert row["comp_s"] + row["comm_s"] == pytest.approx(row["train_s"]), label
+        assert [p["step"] for p in row["curve"]] == [2, 4], label
+        assert 0 <= row["final_accuracy"] <= 1, label
+        assert row["wire_bytes_per_step_machine"] > 0, label
+    assert rows["plump"]["speed_d"] == 1.0
+    plump = rows["plump"]["engine_bytes_per_step_rank0"]
+    assert rows["quant"]["engine_bytes_per_step_rank0"] < 0.7 * plump
+    assert rows["slim"]["engine_bytes_per_step_rank0"] < 0.3 * plump  # (2α-β)n + αn of 2n
+    assert "| slim |" in (tmp_path / "slim_dp.md").read_text()
+    assert (tmp_path / "slim_dp.png").stat().st_size > 0

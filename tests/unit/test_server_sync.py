@@ -92,3 +92,6 @@ def test_one_worker_trains_as_on_one_device(single_process, sync) -> None:
     torch.testing.assert_close(local, torch.cat([p.detach().reshape(-1)
                                                  for p in model.head.parameters()]))
     assert runner.server_sync is not None and runner.server_sync.rounds == 6
+    assert runner.dense_sync_seconds > 0  # the rounds are timed
+    runner.reset_stats()
+    assert runner.dense_sync_seconds == 0

@@ -52,12 +52,12 @@ def codec_of(qsgd: QSGD | None) -> QSGDCodec | None:
 
 def wrap_dense(module: nn.Module, *, device: torch.device, sync: str, average: bool,
                find_unused_parameters: bool, traffic: Traffic, qsgd: QSGD | None = None,
-               seed: int = 0) -> nn.Module:
-    """``module`` under DDP with the ``sync`` strategy's comm hook, or as is when it has no
-    trainable (dense) parameter. ``qsgd``: the codec's options of ``sync="qsgd"``; its random
-    rounding is seeded by ``seed`` and the rank."""
+               seed: int = 0) -> tuple[nn.Module, DenseSyncState | None]:
+    """``module`` under DDP with the ``sync`` strategy's comm hook and the hook's state, or
+    ``(module, None)`` when it has no trainable (dense) parameter. ``qsgd``: the codec's
+    options of ``sync="qsgd"``; its random rounding is seeded by ``seed`` and the rank."""
     if not any(p.requires_grad for p in module.parameters()):
-        return module
+        return module, None
     ddp = DistributedDataParallel(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -69,5 +69,5 @@ def wrap_dense(module: nn.Module, *, device: torch.device, sync: str, average: b
     state = DenseSyncState(traffic, names, dist.get_world_size(), average,
                            codec=codec_of(qsgd), generator=generator)
     ddp.register_comm_hook(state, HOOKS[DenseSyncName(sync)])
-    return ddp
+    return ddp, state
 

@@ -5,6 +5,8 @@ bytes on each machine's link, which the plan predicts.
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations are real types.
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -17,10 +19,12 @@ def hierarchical_allreduce(state: DenseSyncState, bucket: dist.GradBucket,
     """DDP comm hook: AllReduce the bucket machine by machine and count its bytes per
     parameter. The three collectives run before the hook returns: the backward waits for them
     (on CPU there is little compute to overlap with)."""
+    began = time.perf_counter()
     for name, piece in state.pieces(bucket):
         hierarchy.account(piece, traffic=state.traffic, name=name)
     buffer = bucket.buffer()
     hierarchy.all_reduce(buffer)
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(state.finish(buffer))
+    state.seconds += time.perf_counter() - began
     return done

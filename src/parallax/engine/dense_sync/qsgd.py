@@ -10,6 +10,8 @@ raw bucket only while ``W`` is below ``2 × (raw / encoded)`` (8-bit float32: W 
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations are real types.
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -22,6 +24,7 @@ TRAFFIC_NAME = "dense (qsgd)"
 def qsgd_allgather(state: DenseSyncState, bucket: dist.GradBucket,
                    ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: quantise, all_gather the codes, decode and sum (then average)."""
+    began = time.perf_counter()
     codec, buffer = state.codec, bucket.buffer()
     assert codec is not None and state.generator is not None  # wrap_dense sets both
     payload = codec.encode(buffer, state.generator)
@@ -34,4 +37,5 @@ def qsgd_allgather(state: DenseSyncState, bucket: dist.GradBucket,
     buffer.copy_(total)
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(state.finish(buffer))
+    state.seconds += time.perf_counter() - began
     return done

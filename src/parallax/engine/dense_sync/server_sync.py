@@ -26,6 +26,7 @@ statistics) are broadcast from rank 0 at every round, as DDP does before each fo
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -64,6 +65,7 @@ class ServerSync:
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.rounds = 0
+        self.seconds = 0.0  # spent in rounds (selection, coding and collectives included)
         flat = self.local_values()
         self.n = flat.numel()
         cuts = [self.n * s // len(self.servers) for s in range(len(self.servers) + 1)]
@@ -123,6 +125,7 @@ class ServerSync:
     def communicate(self) -> None:
         """One round: push this worker's accumulated updates, servers add them, pull back
         (collective)."""
+        began = time.perf_counter()
         self.rounds += 1
         full = self.is_full(self.rounds)
         flat = self.local_values()
@@ -156,6 +159,7 @@ class ServerSync:
             dist.broadcast(buffer, src=0, group=self.group)
         if full and self.slim is not None:
             self._select_and_share(self.last_update)
+        self.seconds += time.perf_counter() - began
 
     def _pushed(self, delta: Tensor, s: int, pick: Tensor | None) -> Tensor:
         start, end = self.ranges[s]

@@ -18,7 +18,8 @@ class DenseSyncState:
     ``traffic`` counts the bytes each parameter moves (c10d reports none); ``names`` maps a
     parameter's ``id`` to its name there; ``world`` ranks sum the bucket; ``average`` divides
     the sum by ``world`` (DDP's mean); ``codec`` and ``generator``: a quantising hook's
-    codec and the generator of its random rounding (this rank's own)."""
+    codec and the generator of its random rounding (this rank's own); ``seconds``: time the
+    synchronous hooks spent (collectives, encoding and decoding), for `Runner.stats`."""
 
     traffic: Traffic
     names: dict[int, str]
@@ -26,6 +27,7 @@ class DenseSyncState:
     average: bool
     codec: QSGDCodec | None = None
     generator: torch.Generator | None = None
+    seconds: float = 0.0
 
     def pieces(self, bucket: dist.GradBucket) -> list[tuple[str, torch.Tensor]]:
         """Each parameter's slice of the bucket's flat buffer, with its name."""

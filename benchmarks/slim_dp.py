@@ -1,0 +1,212 @@
+"""Analogs of the Slim-DP paper's Tables 1-2 and Figure 3: Plump-DP, Quant-DP and Slim-DP on a
+dense CNN with many parameters for its compute (a small VGG-style net, ~0.5 M parameters, on
+Fashion-MNIST), K workers on K emulated machines.
+
+    python benchmarks/slim_dp.py --machines 4 8 --rates 1gbit 100mbit --steps 200
+    python benchmarks/slim_dp.py --sweep --machines 4 --rates 100mbit     # alpha/beta sweep
+    python benchmarks/slim_dp.py --machines 2 --rates 1gbit --steps 4 --eval-every 2 \
+        --repeats 1 --eval-size 200 --out-dir /tmp/smoke                  # smoke size
+
+Modes (``--sweep``: Plump-DP and Slim-DP at several (alpha, beta)):
+``plump-ar`` Plump-DP by AllReduce (``dense_sync="hierarchical"``), ``plump`` Plump-DP through
+servers, ``quant-ar`` Quant-DP by all-gathered QSGD codes (8 bits, buckets of 512),
+``quant`` Quant-DP through servers (pushes quantised), ``slim`` Slim-DP (alpha 0.2, beta 0.1,
+q 20, p 1). Each launch trains every mode in turn with the same seeds and batches (SGD,
+momentum 0.9); ``--repeats`` launches rotate their order. Per mode: computation and
+communication time per worker (communication: `Runner.dense_sync_seconds`, i.e. the hooks'
+or the servers' rounds including encoding, decoding and selection, as the paper counts them;
+computation: the rest of the step), the test accuracy every ``--eval-every`` steps on the
+first ``--eval-size`` test images (evaluation time is not on the clock), Speed_d (Plump-DP's
+training time over the mode's, same data) and Speed_a (Plump-DP's time to its final accuracy
+over the mode's time to reach it), engine and wire bytes.
+
+Writes ``<out-dir>/slim_dp[-sweep].json`` (every launch's raw records and provenance), ``.md``
+and ``.png`` (accuracy against training time, one panel per K and rate). The network is
+emulated (tbf-limited veths, no delay) and every worker shares this host's cores: with K
+above the core count, computation is K-fold contended. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+from compare import provenance  # noqa: E402
+
+MODES = [
+    {"label": "plump-ar", "dense_sync": "hierarchical"},
+    {"label": "plump", "dense_sync": "plump"},
+    {"label": "quant-ar", "dense_sync": "qsgd", "qsgd": {"bits": 8, "bucket_size": 512}},
+    {"label": "quant", "dense_sync": "plump", "qsgd": {"bits": 8, "bucket_size": 512}},
+    {"label": "slim", "dense_sync": "slim",
+     "slim": {"alpha": 0.2, "beta": 0.1, "reselect_every": 20, "sync_every": 1}},
+]
+SWEEP = [(0.1, 0.05), (0.2, 0.1), (0.3, 0.15), (0.5, 0.25), (0.2, 0.2)]
+BASELINE = "plump"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--machines", type=int, nargs="+", default=[4, 8],
+                        help="K values: one worker per emulated machine")
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=32, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--width", type=int, default=256, help="fully connected width")
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-size", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sweep", action="store_true",
+                        help="Plump-DP and Slim-DP at several (alpha, beta) instead")
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--no-plot", action="store_true")
+    return parser.parse_args(argv)
+
+
+def modes_of(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if not args.sweep:
+        return MODES
+    return [MODES[1]] + [{"label": f"slim a={a} b={b}", "dense_sync": "slim",
+                          "slim": {"alpha": a, "beta": b, "reselect_every": 20,
+                                   "sync_every": 1}} for a, b in SWEEP]
+
+
+def launch(args: argparse.Namespace, machines: int, rate: str, repeat: int,
+           out: Path) -> list[dict[str, Any]]:
+    worker_args = {"modes": modes_of(args), "steps": args.steps, "batch": args.batch,
+                   "lr": args.lr, "width": args.width, "eval_every": args.eval_every,
+                   "eval_size": args.eval_size, "order_shift": repeat, "out": str(out)}
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(machines),
+           "--nproc-per-machine", "1", "--emulate-network", rate,
+           str(HERE / "slim_dp_worker.py"), json.dumps(worker_args)]
+    out.unlink(missing_ok=True)
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())
+
+
+def summarise(records: list[list[dict[str, Any]]], steps: int) -> dict[str, dict[str, Any]]:
+    """Per mode, over repeats: medians of training time, communication and computation per
+    worker, final accuracy, bytes; the median repeat's accuracy curve."""
+    out: dict[str, dict[str, Any]] = {}
+    labels = [r["label"] for r in records[0]]
+    for label in labels:
+        runs = [next(r for r in repeat if r["label"] == label) for repeat in records]
+        totals, comms = [], []
+        for run in runs:
+            ranks = run["ranks"]
+            per_step = [statistics.fmean(r["step_s"][i] for r in ranks) for i in range(steps)]
+            totals.append(sum(per_step))
+            comms.append(statistics.fmean(sum(r["sync_s"]) for r in ranks))
+        median_run = runs[sorted(range(len(runs)), key=lambda i: totals[i])[len(runs) // 2]]
+        stats = median_run["ranks"][0]["stats"]
+        dense_bytes = sum(v for counts in stats.values() for v in counts.values())
+        out[label] = {
+            "train_s": statistics.median(totals), "train_s_all": totals,
+            "comm_s": statistics.median(comms),
+            "comp_s": statistics.median(t - c for t, c in zip(totals, comms, strict=True)),
+            "final_accuracy": median_run["curve"][-1]["accuracy"],
+            "curve": median_run["curve"],
+            "engine_bytes_per_step_rank0": dense_bytes,
+            "wire_bytes_per_step_machine": statistics.fmean(
+                r["wire"] for r in median_run["ranks"]) / steps,
+            "params": median_run["params"]}
+    base = out.get(BASELINE)
+    for row in out.values():
+        if base is None:
+            continue
+        row["speed_d"] = base["train_s"] / row["train_s"]
+        target = base["final_accuracy"]
+        reached = next((p["seconds"] for p in row["curve"] if p["accuracy"] >= target), None)
+        base_reached = next(p["seconds"] for p in base["curve"] if p["accuracy"] >= target)
+        row["speed_a"] = base_reached / reached if reached else None
+    return out
+
+
+def markdown(summary: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
+    per = 1000 / args.steps
+    lines = [f"{args.steps} steps x {args.batch} images per worker, SmallVGG width "
+             f"{args.width}, SGD lr {args.lr} momentum 0.9; accuracy on the first "
+             f"{args.eval_size} test images; medians over {args.repeats} repeats; times per "
+             f"worker scaled to 1,000 mini-batches; speeds normalised to `{BASELINE}` "
+             f"(Plump-DP through servers). Emulated network.", ""]
+    for key, rows in summary.items():
+        lines += [f"### {key}", "",
+                  "| mode | comp s/1k | comm s/1k | total s/1k | accuracy | Speed_d | "
+                  "Speed_a | dense bytes/step (rank 0, engine) | wire bytes/step/machine |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for label, row in rows.items():
+            speed_a = f"{row['speed_a']:.2f}" if row.get("speed_a") else "not reached"
+            lines.append(
+                f"| {label} | {row['comp_s'] * per:.1f} | {row['comm_s'] * per:.1f} | "
+                f"{row['train_s'] * per:.1f} | {row['final_accuracy']:.4f} | "
+                f"{row.get('speed_d', float('nan')):.2f} | {speed_a} | "
+                f"{row['engine_bytes_per_step_rank0']:,.0f} | "
+                f"{row['wire_bytes_per_step_machine']:,.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(summary)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for label, row in summary[key].items():
+            ax.plot([p["seconds"] for p in row["curve"]], [p["accuracy"] for p in row["curve"]],
+                    marker="o", markersize=3, label=label)
+        ax.set_title(f"{key} (emulated)")
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from corpora import fetch
+
+    fetch("fashion-mnist")  # workers behind the emulated network cannot download
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    name = "slim_dp-sweep" if args.sweep else "slim_dp"
+    raw: dict[str, list[list[dict[str, Any]]]] = {}
+    for machines in args.machines:
+        for rate in args.rates:
+            key = f"K={machines}, {rate}"
+            for repeat in range(args.repeats):
+                print(f"slim_dp: {key}, repeat {repeat + 1}/{args.repeats}", file=sys.stderr,
+                      flush=True)
+                out = args.out_dir / f"{name}-launch.json"
+                raw.setdefault(key, []).append(launch(args, machines, rate, repeat, out))
+                out.unlink(missing_ok=True)
+    summary = {key: summarise(records, args.steps) for key, records in raw.items()}
+    report = {"experiment": name, "options": {k: str(v) if isinstance(v, Path) else v
+                                              for k, v in vars(args).items()},
+              "provenance": provenance(), "summary": summary, "raw": raw}
+    (args.out_dir / f"{name}.json").write_text(json.dumps(report, indent=1))
+    text = markdown(summary, args)
+    (args.out_dir / f"{name}.md").write_text(text + "\n")
+    print(text)
+    if not args.no_plot:
+        plot(summary, args.out_dir / f"{name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
