@@ -84,10 +84,12 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # "hybrid-late" / "ps-late": Config(overlap_push=False) (gradient rows pushed after the backward);
 # "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys and lm workloads);
 # "torchrec-plan": TorchRec with each table's sharding chosen by its own planner;
-# "plain": the single-device loop, no DDP (one worker only: parallax's single-worker overhead).
+# "plain": the single-device loop, no DDP (one worker only: parallax's single-worker overhead);
+# "hybrid-plump" / "hybrid-qsgd" / "hybrid-slim" (and allreduce-*): that Config.dense_sync for
+# the dense layers (Plump-DP through servers, Quant-DP, Slim-DP; SGD for plump and slim).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
                "optps-direct", "hybrid-late", "ps-late", "torchrec-rw", "torchrec-tw",
-               "torchrec-plan", "plain"]
+               "torchrec-plan", "plain", "hybrid-plump", "hybrid-qsgd", "hybrid-slim"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 
@@ -217,7 +219,7 @@ def combine_repeats(records: list[dict]) -> dict:
 
 REPEAT_FIELDS = ("median_step_s", "items_per_s", "step_times_s", "step_p10_s", "step_p90_s",
                  "wire_bytes_per_machine_step", "peak_rss_mib", "peak_rss_mib_per_machine",
-                 "predicted_rss_mib", "engine_bytes_per_machine_step", "alpha_model")
+                 "predicted_rss_mib", "engine_bytes_per_machine_step", "alpha_model", "loss_last")
 
 
 def provenance() -> dict:

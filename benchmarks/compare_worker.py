@@ -37,6 +37,8 @@ from parallax.planning.memory import predict_memory  # noqa: E402
 
 PARALLAX_ARCHITECTURES = ("hybrid", "optps", "ps", "allreduce")
 MAX_ALPHA_STEPS = 5  # Config's default warm-up: more steps only delay the plan
+LOSS_STEPS = 10  # loss_last: the mean training loss over this many last timed steps
+DENSE_SYNCS = {"plump": "plump", "qsgd": "qsgd", "slim": "slim"}  # system variant -> dense_sync
 
 
 def link_bytes() -> int:
@@ -84,6 +86,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     embeddings, ``-lazy`` ones the dense-gradient program with
     ``Config(lazy_sparse_updates=True)``, ``-direct`` ones ``Config(local_aggregation=False)``,
     ``-late`` ones ``Config(overlap_push=False)`` (gradient rows pushed after the backward);
+    ``-plump``, ``-qsgd``, ``-slim`` ones that ``Config.dense_sync`` (defaults of `QSGD` and
+    `SlimDP`; plump/slim need the LM's ``momentum`` optimizer: SGD);
     ``torchrec-*`` the recommender as a TorchRec EmbeddingBagCollection, or the LM as an
     EmbeddingCollection (row- or table-wise sharded)."""
     if system.startswith("torchrec"):
@@ -122,6 +126,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
                                                             False if variant == "direct"
                                                             else None),
                                                         overlap_push=variant != "late",
+                                                        dense_sync=DENSE_SYNCS.get(
+                                                            variant, "hierarchical"),
                                                         sparsity_warmup_steps=alpha_steps))
     return runner.step, runner, None
 
@@ -196,12 +202,13 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     dist.barrier()
     if runner is not None:
         runner.reset_stats()  # the engine's count then covers the timed steps only
-    before, times = link_bytes(), []
+    before, times, losses = link_bytes(), [], []
     for _ in range(steps):
         batch = workload.batch(generator)
         start = time.perf_counter()
-        step(batch)
+        loss = step(batch)
         times.append(time.perf_counter() - start)
+        losses.append(float(loss))
     dist.barrier()
     sent, peak = link_bytes() - before, peak_rss_mib()
     if args.get("profile_dir"):  # after every count of the timed steps is taken
@@ -220,6 +227,9 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     values[1 + steps + world + worker.rank] = (
         baseline + held / 2**20 if held is not None else float("nan"))
     dist.all_reduce(values)
+    # the training loss at the end: this rank's mean over the last timed steps, mean of ranks
+    last = torch.tensor(statistics.fmean(losses[-LOSS_STEPS:]), dtype=torch.float64)
+    dist.all_reduce(last)
     machines = len(worker.server_ranks)
     step_times = (values[1:1 + steps] / world).tolist()
     median = statistics.median(step_times)
@@ -242,6 +252,7 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         "peak_rss_scope": "system" if rss_scoped else "process lifetime",
         "isolated": bool(args.get("isolated", False)),
         "steps": steps, "warmup": warmup, "world_size": world, "machines": machines,
+        "loss_last": float(last) / world,
     }
     if runner is not None:
         result.update(plan_fields(runner, system, wire))

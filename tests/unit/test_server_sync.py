@@ -95,3 +95,26 @@ def test_one_worker_trains_as_on_one_device(single_process, sync) -> None:
     assert runner.dense_sync_seconds > 0  # the rounds are timed
     runner.reset_stats()
     assert runner.dense_sync_seconds == 0
+
+
+def test_evaluate_and_export_see_the_servers_model_between_full_rounds(single_process) -> None:
+    """After a partial round the worker's copy is ahead of the servers' model on the values
+    it did not sync: evaluation and export use the servers' (what training produced), and the
+    worker keeps its own copy for the next step."""
+    runner, _ = _runner(parallax.Config(dense_sync="slim", partition_cache=None,
+                                        slim=parallax.SlimDP(reselect_every=3)))
+    for step in range(5):  # round 5 is partial
+        runner.step(_batch(step))
+    local = runner.server_sync.local_values()
+    exported = runner.state_dict()
+    assert not torch.allclose(torch.cat([exported["head.weight"].reshape(-1),
+                                         exported["head.bias"]]), local)
+    probe = _batch(99)
+    evaluated = runner.evaluate([probe])
+    torch.manual_seed(0)
+    model = Model()
+    model.load_state_dict(exported)
+    with torch.no_grad():
+        expected = float(nn.functional.mse_loss(model(probe[0]), probe[1]))
+    assert evaluated == pytest.approx(expected, rel=1e-6)
+    assert torch.equal(runner.server_sync.local_values(), local)  # its copy is back

@@ -66,6 +66,7 @@ class ServerSync:
         self.device = params[0].device
         self.rounds = 0
         self.seconds = 0.0  # spent in rounds (selection, coding and collectives included)
+        self.choosing_seconds = 0.0  # of which drawing explorers and selecting cores
         flat = self.local_values()
         self.n = flat.numel()
         cuts = [self.n * s // len(self.servers) for s in range(len(self.servers) + 1)]
@@ -134,12 +135,14 @@ class ServerSync:
         explorers: list[Tensor] = []
         if not full:
             assert self.slim is not None
+            choosing = time.perf_counter()
             for s, (start, end) in enumerate(self.ranges):
                 count = sel.explorer_size(end - start, self.slim.alpha, self.slim.beta)
                 explorer = sel.draw_explorer(self.outside[s], count, sel.explorer_generator(
                     self.seed, self.rank, self.rounds, s))
                 explorers.append(explorer)
                 picks[s] = torch.cat([self.core[s], explorer])
+            self.choosing_seconds += time.perf_counter() - choosing
         pushed = [self._pushed(delta, s, picks[s]) for s in range(len(self.servers))]
         received = self._to_servers([self._encode(values) for values in pushed], PUSH,
                                     self._push_size(full), torch.uint8 if self.codec else None)
@@ -227,18 +230,22 @@ class ServerSync:
         """Servers choose their cores; every worker receives every core's keys (collective)."""
         assert self.slim is not None
         mine = None
+        choosing = time.perf_counter()
         if self.server is not None:
             start, end = self.ranges[self.server]
             mine = sel.select_core(self.values, update, sel.core_size(end - start,
                                                                       self.slim.beta),
                                    self.slim.significance).to(self.key_dtype)
+        self.choosing_seconds += time.perf_counter() - choosing
         sizes = [sel.core_size(end - start, self.slim.beta) for start, end in self.ranges]
         cores = self._from_servers([mine] * self.world if mine is not None
                                    else [torch.empty(0, dtype=self.key_dtype)] * self.world,
                                    sizes, name=CORE_KEYS)
+        choosing = time.perf_counter()
         self.core = [c.long() for c in cores]
         self.outside = [sel.complement(end - start, core)
                         for (start, end), core in zip(self.ranges, self.core, strict=True)]
+        self.choosing_seconds += time.perf_counter() - choosing
 
     # ---- the collectives -----------------------------------------------------------------
     def _to_servers(self, per_server: list[Tensor], name: str, each: int | None,
