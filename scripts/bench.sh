@@ -49,13 +49,14 @@ torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
   [slim-dp]="$py benchmarks/slim_dp.py --machines 4 8 --rates 1gbit 100mbit --steps 200"
   [slim-sweep]="$py benchmarks/slim_dp.py --sweep --machines 4 --rates 100mbit --steps 200"
   [lm-dense-sync]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
---rate 1gbit --workload-options {\"optimizer\":\"momentum\"} --systems hybrid hybrid-plump \
-hybrid-qsgd hybrid-slim --steps 100 --isolate \
---out $results/compare-lm-4x1-1gbit-dense-sync.json"
+--rate 1gbit --workload-options {\"corpus\":\"kjv\",\"optimizer\":\"momentum\"} \
+--systems hybrid hybrid-plump hybrid-qsgd hybrid-slim --steps 200 --isolate \
+--out $results/compare-lm-kjv-4x1-1gbit-dense-sync.json"
   [lm-dense-sync-100mbit]="$py benchmarks/compare.py --workload lm --machines 4 \
---nproc-per-machine 1 --rate 100mbit --workload-options {\"optimizer\":\"momentum\"} \
---systems hybrid hybrid-plump hybrid-qsgd hybrid-slim --steps 100 --isolate \
---out $results/compare-lm-4x1-100mbit-dense-sync.json"
+--nproc-per-machine 1 --rate 100mbit \
+--workload-options {\"corpus\":\"kjv\",\"optimizer\":\"momentum\"} \
+--systems hybrid hybrid-plump hybrid-qsgd hybrid-slim --steps 200 --isolate \
+--out $results/compare-lm-kjv-4x1-100mbit-dense-sync.json"
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling extrapolate sparsity bandwidth alpha
        partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep lm-dense-sync

@@ -292,3 +292,9 @@ def test_slim_dp_smoke(tmp_path: Path) -> None:
     assert rows["slim"]["engine_bytes_per_step_rank0"] < 0.3 * plump  # (2α-β)n + αn of 2n
     assert "| slim |" in (tmp_path / "slim_dp.md").read_text()
     assert (tmp_path / "slim_dp.png").stat().st_size > 0
+    # the tables again from the raw records alone, the run's provenance kept
+    (tmp_path / "slim_dp.md").unlink()
+    run_script("slim_dp.py", "--from-json", str(tmp_path / "slim_dp.json"), "--no-plot")
+    again = json.loads((tmp_path / "slim_dp.json").read_text())
+    assert again["provenance"] == data["provenance"] and again["summary"] == data["summary"]
+    assert "| slim |" in (tmp_path / "slim_dp.md").read_text()
