@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-size", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", metavar="LABEL",
+                        help="only these modes (labels as in the tables; default: all)")
     parser.add_argument("--sweep", action="store_true",
                         help="Plump-DP and Slim-DP at several (alpha, beta) instead")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
@@ -78,11 +80,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def modes_of(args: argparse.Namespace) -> list[dict[str, Any]]:
-    if not args.sweep:
-        return MODES
-    return [MODES[1]] + [{"label": f"slim a={a} b={b}", "dense_sync": "slim",
-                          "slim": {"alpha": a, "beta": b, "reselect_every": 20,
-                                   "sync_every": 1}} for a, b in SWEEP]
+    modes = MODES if not args.sweep else [MODES[1]] + [
+        {"label": f"slim a={a} b={b}", "dense_sync": "slim",
+         "slim": {"alpha": a, "beta": b, "reselect_every": 20, "sync_every": 1}}
+        for a, b in SWEEP]
+    if not getattr(args, "modes", None):
+        return modes
+    unknown = sorted(set(args.modes) - {m["label"] for m in modes})
+    if unknown:
+        raise SystemExit(f"slim_dp: unknown mode(s) {unknown}; the modes: "
+                         f"{[m['label'] for m in modes]}")
+    return [m for m in modes if m["label"] in args.modes]
 
 
 def launch(args: argparse.Namespace, machines: int, rate: str, repeat: int,
