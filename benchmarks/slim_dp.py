@@ -229,12 +229,14 @@ def rebuild(path: Path, args: argparse.Namespace) -> int:
     report = json.loads(path.read_text())
     options = argparse.Namespace(**{**vars(args), **report["options"]})
     options.no_plot = args.no_plot
-    write(report, path.parent, options)
+    write(report, path.parent, options, name=path.stem)
     return 0
 
 
-def write(report: dict[str, Any], out_dir: Path, args: argparse.Namespace) -> None:
-    name = report["experiment"]
+def write(report: dict[str, Any], out_dir: Path, args: argparse.Namespace,
+          name: str | None = None) -> None:
+    """``<name>.json`` (default: the experiment's name) with the summary, ``.md``, ``.png``."""
+    name = name or report["experiment"]
     summary = {key: summarise(records, args.steps) for key, records in report["raw"].items()}
     report = {**report, "summary": summary}
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1))
