@@ -269,9 +269,10 @@ class ServerSync:
         return [got[rank] for rank in self.servers]
 
     def _all_to_all(self, send: list[Tensor], recv: list[int], name: str) -> list[Tensor]:
-        dtype = next((t.dtype for t in send if t.numel()), send[0].dtype)
-        flat_send = torch.cat([t.reshape(-1).to(dtype) for t in send])
-        out = torch.empty(sum(recv), dtype=dtype, device=self.device)
+        """One all_to_all_single: ``send[r]`` to rank ``r``, ``recv[r]`` items from it (every
+        ``send`` tensor has the payload's dtype, empty ones too)."""
+        flat_send = torch.cat([t.reshape(-1) for t in send])
+        out = torch.empty(sum(recv), dtype=flat_send.dtype, device=self.device)
         sent = [t.numel() for t in send]
         dist.all_to_all_single(out, flat_send, output_split_sizes=recv,
                                input_split_sizes=sent, group=self.group)
