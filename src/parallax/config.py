@@ -35,6 +35,16 @@ class DenseSyncName(StrEnum):
     SLIM = "slim"
 
 
+class ParallelismName(StrEnum):
+    """How the dense layers are laid out (`Config.parallelism`); each is a strategy in
+    `parallax.parallelism`."""
+
+    DATA = "data"
+    MODEL = "model"
+    TWO_D = "2d"
+    AUTO = "auto"
+
+
 #: dense syncs that move the workers' updates through servers instead of AllReducing gradients
 SERVER_SYNCS = (DenseSyncName.PLUMP, DenseSyncName.SLIM)
 
@@ -90,6 +100,7 @@ class SlimDP:
 
 
 ARCHITECTURES = tuple(a.value for a in ArchitectureName)
+PARALLELISMS = tuple(p.value for p in ParallelismName)
 DENSE_SYNCS = tuple(d.value for d in DenseSyncName)
 NONFINITE = ("raise", "skip", "ignore")
 
@@ -122,6 +133,21 @@ class Config:
         qsgd: the quantiser of ``dense_sync="qsgd"`` (default `QSGD()` there), and of the
             pushes of ``"plump"``/``"slim"`` when set.
         slim: Slim-DP's α, β, q, p and c (`SlimDP`); ``"plump"`` uses its ``sync_every``.
+        parallelism: how the dense layers are laid out over the workers
+            (`parallax.parallelism`). ``"data"`` (default): whole on every worker.
+            ``"model"``: every ``nn.Linear`` split over all workers (pairs of linear layers
+            around element-wise activations split column- then row-wise, others by output
+            neurons with their outputs gathered), all of them reading the same batch.
+            ``"2d"``: the grid ``mesh = (data, model)``: the batch split over ``data``
+            groups, the layers over ``model`` groups of consecutive ranks. ``"auto"``: the grid
+            the cost model predicts fastest (α, β measured at start-up, the compute of each
+            grid's matrix products timed; needs a `parallax.shard` loader created first, for
+            the global batch); prints its table on rank 0. Every grid trains the same global
+            batch (the workers of a model group read together what they would read under
+            ``"data"``). Needs ``architecture="hybrid"`` (the sparse path still runs beside
+            it) and ``dense_sync`` ``"hierarchical"`` or ``"flat"``.
+        mesh: the ``(data, model)`` degrees of ``parallelism="2d"`` (their product is the
+            number of workers).
         local_aggregation: workers of one machine merge their ids and sum their gradient rows
             before anything crosses machines. ``None``: on for ``optps``, off for ``ps``; the
             ``hybrid`` starts with it and keeps it once α is measured only if merging saves
@@ -191,6 +217,8 @@ class Config:
     dense_sync: str = DenseSyncName.HIERARCHICAL
     qsgd: QSGD | None = None
     slim: SlimDP = dataclasses.field(default_factory=SlimDP)
+    parallelism: str = ParallelismName.DATA
+    mesh: tuple[int, int] | None = None
     local_aggregation: bool | None = None
     sparsity_warmup_steps: int = 5
     alpha_threshold: float | None = None
@@ -222,6 +250,7 @@ class Config:
                  "dense_sync", self.dense_sync, f"one of {DENSE_SYNCS}")
         object.__setattr__(self, "dense_sync", DenseSyncName(self.dense_sync))
         self._check_dense_sync()
+        self._check_parallelism()
         if self.local_aggregation is not None:
             _require(isinstance(self.local_aggregation, bool), "local_aggregation",
                      self.local_aggregation, "None or a bool")
@@ -320,6 +349,34 @@ class Config:
                      f"None with dense_sync={str(self.dense_sync)!r}: checkpoints of the "
                      f"servers' dense model and the workers' pending updates are not "
                      f"implemented yet (export the model with Runner.export)")
+
+    def _check_parallelism(self) -> None:
+        _require(isinstance(self.parallelism, str) and self.parallelism in PARALLELISMS,
+                 "parallelism", self.parallelism, f"one of {PARALLELISMS}")
+        object.__setattr__(self, "parallelism", ParallelismName(self.parallelism))
+        if isinstance(self.mesh, list):  # from JSON
+            object.__setattr__(self, "mesh", tuple(self.mesh))
+        if self.parallelism == ParallelismName.TWO_D:
+            _require(self.mesh is not None, "parallelism", str(self.parallelism),
+                     "'data', 'model' or 'auto' unless Config.mesh names the (data, model) grid")
+            ok = (isinstance(self.mesh, tuple) and len(self.mesh) == 2
+                  and all(is_int(d) and d >= 1 for d in self.mesh))
+            _require(ok, "mesh", self.mesh,
+                     "a (data, model) pair of ints >= 1 with parallelism='2d'")
+        else:
+            _require(self.mesh is None, "mesh", self.mesh,
+                     f"None with parallelism={str(self.parallelism)!r} (a grid is named "
+                     f"with parallelism='2d')")
+        if self.parallelism == ParallelismName.DATA:
+            return
+        _require(self.architecture == ArchitectureName.HYBRID, "architecture",
+                 str(self.architecture),
+                 f"'hybrid' with parallelism={str(self.parallelism)!r} (the split layers' "
+                 f"gradients are reduced over the data groups beside the hybrid's servers)")
+        _require(self.dense_sync in (DenseSyncName.HIERARCHICAL, DenseSyncName.FLAT),
+                 "dense_sync", str(self.dense_sync),
+                 f"'hierarchical' or 'flat' with parallelism={str(self.parallelism)!r} (its "
+                 f"data groups all-reduce the dense gradients themselves)")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:

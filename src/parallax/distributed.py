@@ -59,6 +59,11 @@ def distribute(model: nn.Module,
         model, optimizer = parallax.distribute(model, torch.optim.Adagrad(model.parameters()))
     """
     optimizers = as_optimizer_list(optimizer)
+    if config is not None and config.parallelism != "data":
+        raise UnsupportedProgramError(
+            f"parallax.distribute with Config.parallelism={str(config.parallelism)!r}: the "
+            f"split layers' parameters are new (DTensor) objects that the program's own loop "
+            f"does not hold; train with parallax.get_runner(...).step(batch) instead")
     _check_every_parameter_optimized(model, optimizers)
     wrapped = [_distributed_optimizer(opt) for opt in optimizers]
     runner = get_runner(model, wrapped, _no_loss, resources=resources, config=config)

@@ -77,22 +77,47 @@ class ShardedLoader:
     `position` and `resume` let a checkpoint continue the data stream where it stopped, also
     on a different number of workers: positions count samples of the epoch's *global* order,
     which does not depend on W.
+
+    Under model or 2-D parallelism (`Config.parallelism`) the ``m`` workers of a model group
+    share one data replica: each reads the ``m * b`` samples the group would read under data
+    parallelism (`set_data_parallel`), so the global batch stays ``W * b``.
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler, worker: WorkerInfo):
-        self.loader = loader
-        self.sampler = sampler
+    def __init__(self, original: DataLoader, seed: int, worker: WorkerInfo):
+        self.original = original
+        self.seed = seed
         self.worker = worker
         self.epoch = 0
-        self._skipper = loader.sampler if isinstance(loader.sampler, _SkipSampler) else None
         self._state: _EpochState | None = None
         self._resume_at: dict[str, int] | None = None
+        self.regrid(*(_data_parallel or (worker.world_size, worker.rank, 1)))
         _registry.append(weakref.ref(self))
+
+    def regrid(self, replicas: int, index: int, group_size: int) -> None:
+        """Read as data replica ``index`` of ``replicas``, ``group_size`` times the original
+        batch per step (the workers of a model group read the same samples)."""
+        original = self.original
+        self.replicas = replicas
+        self.sampler = DistributedSampler(original.dataset, num_replicas=replicas, rank=index,
+                                          shuffle=isinstance(original.sampler, RandomSampler),
+                                          seed=self.seed, drop_last=original.drop_last)
+        assert original.batch_size is not None  # shard checked it
+        skipper = _SkipSampler(self.sampler)
+        self.loader = DataLoader(
+            original.dataset, batch_size=original.batch_size * group_size,
+            sampler=skipper, num_workers=original.num_workers,
+            collate_fn=original.collate_fn, pin_memory=original.pin_memory,
+            drop_last=original.drop_last, timeout=original.timeout,
+            worker_init_fn=original.worker_init_fn,
+            persistent_workers=original.persistent_workers if original.num_workers else False,
+        )
+        self._skipper: _SkipSampler | None = skipper
 
     @property
     def global_batch(self) -> int:
         """Samples all workers together take per step: ``W * b``."""
-        return self.worker.world_size * self.loader.batch_size
+        assert self.loader.batch_size is not None
+        return self.replicas * self.loader.batch_size
 
     def __iter__(self) -> Iterator[Any]:
         epoch, skipped = self.epoch, 0
@@ -101,7 +126,7 @@ class ShardedLoader:
             self._resume_at = None
         if self._skipper is not None:
             # Only the resumed epoch is shortened: every other iteration resets the skip.
-            self._skipper.skip = skipped // self.worker.world_size
+            self._skipper.skip = skipped // self.replicas
         self.sampler.set_epoch(epoch)
         self.epoch = epoch + 1
         self._state = _EpochState(epoch, skipped, len(self.loader))
@@ -155,7 +180,7 @@ class ShardedLoader:
         this epoch is shortened; later ones are whole. ``seed`` and shuffling must match.
         """
         epoch, samples = _checked_position(position)
-        world = self.worker.world_size
+        world = self.replicas
         if samples % world:
             raise ValueError(
                 f"cannot resume at samples={samples} on {world} workers: every worker must skip "
@@ -197,15 +222,23 @@ def shard(loader: DataLoader, *, seed: int = 0) -> DataLoader | ShardedLoader:
     if loader.batch_size is None:
         raise TypeError("parallax.shard needs a DataLoader built with batch_size "
                         "(a custom batch_sampler cannot be split)")
-    sampler = DistributedSampler(loader.dataset, num_replicas=worker.world_size,
-                                 rank=worker.rank, shuffle=isinstance(loader.sampler,
-                                                                      RandomSampler),
-                                 seed=seed, drop_last=loader.drop_last)
-    sharded = DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=_SkipSampler(sampler),
-        num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        persistent_workers=loader.persistent_workers if loader.num_workers else False,
-    )
-    return ShardedLoader(sharded, sampler, worker)
+    return ShardedLoader(loader, seed, worker)
+
+
+_data_parallel: tuple[int, int, int] | None = None
+
+
+def set_data_parallel(*, replicas: int, index: int, group_size: int) -> None:
+    """This worker reads as data replica ``index`` of ``replicas``, with the other
+    ``group_size - 1`` workers of its model group (`parallax.parallelism`): every live
+    `ShardedLoader` and every later one."""
+    global _data_parallel
+    _data_parallel = (replicas, index, group_size)
+    for loader in sharded_loaders():
+        loader.regrid(replicas, index, group_size)
+
+
+def clear_data_parallel() -> None:
+    """`ShardedLoader` objects made later read as plain data-parallel workers again."""
+    global _data_parallel
+    _data_parallel = None

@@ -52,6 +52,7 @@ from parallax.model.exactness import check_exact
 from parallax.model.lookahead import build_id_program
 from parallax.model.meta_init import forget, materialise_kept
 from parallax.model.stand_ins import executed_copy
+from parallax.parallelism import Parallelism, build_parallelism
 from parallax.partitions.repartition import repartition
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
 from parallax.planning.architectures import architecture_of, build_layout
@@ -124,13 +125,21 @@ class Runner:
                                                 config.sparsity_warmup_steps))
         self._build_plan()
         executed = executed_copy(model, self.sparse_uses, lambda name: self.tables[name])
+        # Config.parallelism: "model"/"2d" split the linear layers over model groups here
+        # (in place; the user's optimizers are re-pointed at the split parameters).
+        self.parallelism: Parallelism = build_parallelism(
+            model, config, worker=worker, group=sparse_group, traffic=self.traffic)
+        executed = self.parallelism.prepare(executed, model, self.optimizers)
         self._executed = executed
         # All lookups' ids from the inputs, when the model allows: one pull for all tables.
         self._id_program = build_id_program(executed) if self.tables else None
         # Parameters every worker holds whole, with a gradient AllReduced (DDP) or exchanged
         # by their table, updated by the user's optimizer. (Under ps/optps the dense ones are
         # pulled from the servers instead: they get no gradient here.)
-        self.replicated_parameters = [p for p in executed.parameters() if p.requires_grad]
+        self.replicated_parameters = [p for p in executed.parameters()
+                                      if p.requires_grad and not self.parallelism.is_sharded(p)]
+        self._split_parameters = [p for p in executed.parameters()
+                                  if self.parallelism.is_sharded(p)]
         self.replicated_parameters += [t.replica for t in self.tables.values()
                                        if t.replica is not None]
         self.module = executed
@@ -144,7 +153,7 @@ class Runner:
                 codec=codec_of(config.qsgd), rank=worker.rank, world=worker.world_size,
                 server_ranks=worker.server_ranks, group=self.group, traffic=self.traffic,
                 average=config.average_dense, seed=config.seed)
-        elif self.layout.uses_ddp:
+        elif self.layout.uses_ddp and not self.parallelism.replaces_ddp:
             self.module, self._hook_state = wrap_dense(
                 executed, device=self.device, sync=config.dense_sync,
                 average=config.average_dense, find_unused_parameters=config.find_unused_parameters,
@@ -249,12 +258,14 @@ class Runner:
             self._batch_signature = _shapes(batch)
         with self._explained():
             self.zero_grad()
-            loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
-            if self.progress is not None:
-                self.progress.phase(self.global_step + 1, "backward")
-            if self._early is not None:
-                self._early.arm([t for t in self.layout.all_tables().values() if t.on_servers])
-            loss.backward()
+            with self.parallelism.counting():
+                loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
+                if self.progress is not None:
+                    self.progress.phase(self.global_step + 1, "backward")
+                if self._early is not None:
+                    self._early.arm([t for t in self.layout.all_tables().values()
+                                     if t.on_servers])
+                loss.backward()
             self.apply_update(self.optimizers, loss=loss)
         return loss.detach()
 
@@ -282,6 +293,7 @@ class Runner:
             if self._early is not None:
                 self._early.flush()  # what Runner.step's backward did not push yet
             push_all(self.layout.all_tables().values())
+            self.parallelism.reduce_gradients()  # "model"/"2d": over the data groups
             self._applies = True if scaled else self._finite_or_skip(loss)
             self._synced = True
             if self._applies and self.config.clip_grad_norm is not None:
@@ -345,6 +357,10 @@ class Runner:
         grads = [p.grad for p in self.replicated_parameters
                  if p.grad is not None and (wanted is None or id(p) in wanted)]
         everything = wanted is None or len(tables) == len(self.layout.all_tables())
+        parts = self.parallelism.norm_parts()  # split parameters' shards, like tables
+        chosen = [part for part in parts.values() if wanted is None or id(part.param) in wanted]
+        everything = everything and len(chosen) == len(parts)
+        tables = [*tables, *chosen]
         with self._explained():
             return clip_by_global_norm(
                 max_norm, grads, tables,
@@ -467,13 +483,13 @@ class Runner:
         replicated parameters here, their tables' rows on the servers). Gradients of forwards
         not yet backpropagated are kept, as on one device."""
         if optimizers is None:
-            for param in self.replicated_parameters:
+            for param in [*self.replicated_parameters, *self._split_parameters]:
                 param.grad = None
             tables = list(self.layout.all_tables().values())
         else:
             mine = {id(p) for optimizer in optimizers for group in optimizer.param_groups
                     for p in group["params"]}
-            for param in self.replicated_parameters:
+            for param in [*self.replicated_parameters, *self._split_parameters]:
                 if id(param) in mine:
                     param.grad = None
             tables = self._tables_of(optimizers)
@@ -486,7 +502,8 @@ class Runner:
         self._tables_squared = None
         if self.config.nonfinite == "ignore":
             return True
-        found = find_nonfinite(loss, self.layout.all_tables(),
+        found = find_nonfinite(loss, {**self.layout.all_tables(),
+                                      **self.parallelism.norm_parts()},
                                [(n, p.grad) for n, p in self._replicated_named_parameters()],
                                rank=self.worker.rank, world=self.worker.world_size,
                                group=self.group, device=self.device)
@@ -662,6 +679,8 @@ class Runner:
         program."""
         if self.worker.rank == 0:
             print("\n" + self.plan.table(), flush=True)  # below any progress bar
+            if self.parallelism.grid.model > 1:
+                print(self.parallelism.describe(), flush=True)
             if path:
                 Path(path).write_text(self.plan.to_json())
         dist.barrier(group=self.group)
@@ -675,7 +694,7 @@ class Runner:
         with self._explained():
             self._check_phase(_EXPORT)
         with self._serving_global():
-            state = self.model.state_dict()
+            state = self.parallelism.plain_model_state(self.model.state_dict())
             if self.server_sync is not None:  # the parameters get this worker's values back
                 state = {k: v.clone() for k, v in state.items()}
         names_of: dict[int, list[str]] = {}  # tied parameters appear under every name
@@ -701,7 +720,9 @@ class Runner:
         aliases = self._server_held_aliases()
         names = {name: aliases[id(self._params[name])] for name in held}
         with self._serving_global():
-            return export_running(path, self.model.state_dict(), held, names,
+            return export_running(path,
+                                  self.parallelism.plain_model_state(self.model.state_dict()),
+                                  held, names,
                                   rank=self.worker.rank)
 
     def _serving_global(self) -> contextlib.AbstractContextManager[None]:
@@ -719,9 +740,11 @@ class Runner:
         ``nn.Module.load_state_dict`` returns."""
         aliases = self._server_held_aliases()
         held = {name for names in aliases.values() for name in names}
+        state = self.parallelism.load_plain_model_state(state)  # the split layers' shards
         result = self.model.load_state_dict({k: v for k, v in state.items() if k not in held},
                                             strict=False)
-        missing = [k for k in result.missing_keys if k not in held]
+        missing = [k for k in result.missing_keys
+                   if k not in held and k not in self.parallelism.sharded]
         missing += sorted(k for k in held if k not in state)
         if strict and (missing or result.unexpected_keys):
             raise RuntimeError(
@@ -739,7 +762,7 @@ class Runner:
         server-held parameters is gathered from the servers, each per-row tensor whole on
         every rank (as `state_dict` gathers the tables; for tables larger than memory,
         checkpoint with `save`)."""
-        state = local_state_dict(optimizer)
+        state = self.parallelism.plain_optimizer_state(optimizer, local_state_dict(optimizer))
         state["state"] = dict(state["state"])
         index = _indices(optimizer)
         for name, table in self.layout.all_tables().items():
@@ -780,6 +803,7 @@ class Runner:
                 key: table.own_rows(value) if is_per_row(value, param) else value
                 for key, value in entry.items()})
         local_load_state_dict(optimizer, {**state, "state": kept})
+        self.parallelism.distribute_optimizer_state(optimizer)
 
     def _server_held_aliases(self) -> dict[int, tuple[str, ...]]:
         """Per server-held parameter (by id), every name it has in the state dict."""
@@ -833,6 +857,7 @@ class Runner:
     def reset_stats(self) -> None:
         """Restart the byte counts of `stats` and `dense_sync_seconds`."""
         self.traffic.reset()
+        self.parallelism.reset()
         if self.server_sync is not None:
             self.server_sync.seconds = 0.0
         if self._hook_state is not None:

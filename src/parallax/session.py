@@ -24,6 +24,7 @@ from parallax.config import Config
 from parallax.engine import hierarchy, progress
 from parallax.engine.pool import close_shared_pools
 from parallax.launch.elastic import free_port
+from parallax.parallelism.grid import forget_meshes
 from parallax.partitions.groups import group_of
 
 __all__ = ["check_same_everywhere", "join", "on_shutdown", "shutdown", "single_process_worker"]
@@ -95,6 +96,7 @@ def shutdown() -> None:
     _environment.restore()
     close_shared_pools()
     hierarchy.leave()
+    forget_meshes()  # their groups go with the default group below
     if _sparse_group is not None and dist.is_initialized():
         dist.destroy_process_group(_sparse_group)
     _sparse_group = None

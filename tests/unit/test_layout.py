@@ -24,6 +24,7 @@ LAYERS = [
     ["parallax.model"],
     ["parallax.partitions"],
     ["parallax.planning"],
+    ["parallax.parallelism"],
     ["parallax.checkpoint"],
     ["parallax.session"],
     ["parallax.runner"],

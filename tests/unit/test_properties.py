@@ -311,6 +311,10 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     # only with dense_sync qsgd/plump/slim (here the default, hierarchical)
     "qsgd": lambda v, _: v is None,
     "slim": lambda v, _: isinstance(v, SlimDP),
+    # "2d" needs a mesh (None here); the others split layers beside the hybrid's servers only
+    "parallelism": lambda v, arch: isinstance(v, str) and (
+        v == "data" or (v in ("model", "auto") and arch == "hybrid")),
+    "mesh": lambda v, _: v is None,  # only with parallelism="2d"
     "local_aggregation": lambda v, arch: v is None or v is False
     or (v is True and arch != "allreduce"),
     "sparsity_warmup_steps": lambda v, _: _is_int(v) and v >= 0,
@@ -401,6 +405,10 @@ def valid_configs(draw: st.DrawFn) -> Config:
                                                     bucket_size=st.integers(1, 4096)))
     if values["dense_sync"] in ("plump", "slim"):  # each worker's own gradients
         values["clip_grad_norm"] = values["checkpoint_dir"] = None
+    if architecture == "hybrid" and values["dense_sync"] in ("hierarchical", "flat"):
+        values["parallelism"] = draw(st.sampled_from(["data", "model", "2d", "auto"]))
+        if values["parallelism"] == "2d":
+            values["mesh"] = (draw(st.integers(1, 8)), draw(st.integers(1, 8)))
     beta = draw(st.floats(1e-3, 1))
     values["slim"] = SlimDP(alpha=draw(st.floats(beta, 1)), beta=beta,
                             reselect_every=draw(st.integers(1, 10**5)),

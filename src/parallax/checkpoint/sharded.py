@@ -54,6 +54,7 @@ from parallax.engine.shard_optimizer import (
     optimizer_of,
 )
 from parallax.engine.table import Table
+from parallax.parallelism import Parallelism
 from parallax.planning.architectures import Layout
 
 
@@ -70,6 +71,7 @@ class Run(Protocol):
     layout: Layout
     shard_optimizer: ShardOptimizer
     group: dist.ProcessGroup
+    parallelism: Parallelism
 
 __all__ = ["CheckpointError", "find", "load", "save"]
 
@@ -139,11 +141,16 @@ def _save_rank_files(runner: Run, directory: Path, extra: Any) -> dict[str, File
             records[path] = save_object(directory / path, {
                 "ids": torch.arange(table.num_rows), "values": table.replica.detach(),
                 "state": rows, "scalars": scalars})
+    # whole tensors of split layers (parallax.parallelism; collective in each model group)
+    plain = runner.parallelism
+    dense_model = plain.plain_model_state(runner.model.state_dict())
+    optimizers = [plain.plain_optimizer_state(opt, local_state_dict(opt))
+                  for opt in runner.optimizers]
     if worker.rank == 0:
         held = _table_keys(runner)
-        model = {k: v for k, v in runner.model.state_dict().items() if k not in held}
+        model = {k: v for k, v in dense_model.items() if k not in held}
         records["dense.pt"] = save_object(directory / "dense.pt", {
-            "model": model, "optimizers": [local_state_dict(opt) for opt in runner.optimizers]})
+            "model": model, "optimizers": optimizers})
         if extra is not None:
             records["extra.pt"] = save_object(directory / "extra.pt", extra)
     path = f"rng/rank-{worker.rank}.pt"
@@ -233,9 +240,11 @@ class _Restore:
         for name in self.from_model:
             if is_released(params[name]):
                 restore(params[name], self.dense["model"][name])
-        runner.model.load_state_dict(self.dense["model"], strict=False)
+        rest = runner.parallelism.load_plain_model_state(self.dense["model"])
+        runner.model.load_state_dict(rest, strict=False)
         for optimizer, state in zip(runner.optimizers, self.dense["optimizers"], strict=True):
             local_load_state_dict(optimizer, state)
+            runner.parallelism.distribute_optimizer_state(optimizer)
         tables = runner.layout.all_tables()
         for name in self.from_model:  # now that the dense state is in the model
             table = tables[name]

@@ -1,0 +1,209 @@
+"""The cost model of batch, model and integrated parallelism, and the choice of a grid.
+
+The report's formulas (α latency per message, β seconds per byte, P processes, layers of
+``|W_l|`` weights and width ``d_l``, batch ``B``), per process and step:
+
+* batch: ``2 Σ_l (α ⌈log P⌉ + β (P-1)/P |W_l|)``
+* model: ``3 Σ_l (α ⌈log P⌉ + β B (P-1)/P d_l)``
+
+`report_bytes` gives their β terms in bytes. What parallax runs differs where it saves a
+collective (`parallax.parallelism.splits`: column/row pairs), so `scheme_collectives` lists the
+collectives the chosen splits issue, per communicator, each with its bytes by gloo's ring
+schedule; their sum is what `ModelParallel.bytes_per_step` measures (the equality is tested).
+`predict` prices them with ring latencies, ``2 (k-1) α`` for an all-reduce in a group of ``k``
+and ``(k-1) α`` for an all-gather (gloo's rings, not the report's tree ``⌈log P⌉``), adds the
+measured compute of each process's share of the matrix products, and `choose_grid` takes the
+cheapest grid.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallax.parallelism.grid import Grid
+from parallax.parallelism.splits import LinearSplit, Split
+
+__all__ = ["Collective", "Link", "Prediction", "choose_grid", "measure_compute", "measure_link",
+           "predict", "report_bytes", "scheme_collectives"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """α: seconds per message; β: seconds per byte (one link type for both communicators)."""
+
+    alpha: float
+    beta: float
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step: on which communicator, its kind, group size and the bytes
+    one rank sends in it."""
+
+    communicator: str  # "model" or "data"
+    kind: str          # "all_reduce" or "all_gather"
+    group: int
+    sent: float
+
+    def seconds(self, link: Link) -> float:
+        hops = 2 * (self.group - 1) if self.kind == "all_reduce" else self.group - 1
+        return hops * link.alpha + self.sent * link.beta
+
+
+def _chunk(width: int, parts: int, index: int) -> int:
+    """Width of piece ``index`` of ``width`` split as ``torch.chunk`` (and DTensor) split."""
+    size = math.ceil(width / parts)
+    return max(0, min(size, width - size * index))
+
+
+def report_bytes(mode: str, widths: list[int], batch: int, processes: int,
+                 itemsize: int) -> float:
+    """The β term of the report's ``batch`` or ``model`` formula in bytes: ``widths`` are
+    ``[d_0, ..., d_L]`` (input, then each layer's outputs); weights include biases."""
+    p = processes
+    if mode == "batch":
+        weights = sum(widths[i] * widths[i + 1] + widths[i + 1] for i in range(len(widths) - 1))
+        return 2 * (p - 1) / p * weights * itemsize
+    return 3 * sum(batch * (p - 1) / p * d for d in widths[1:]) * itemsize
+
+
+def scheme_collectives(splits: list[LinearSplit], grid: Grid, *, batch: int, itemsize: int,
+                       model_index: int = 0, first_input_grad: bool = False,
+                       other_dense_elements: int = 0) -> list[Collective]:
+    """The collectives one step issues on a rank at ``model_index`` of ``grid`` with a global
+    ``batch`` (``batch / grid.data`` rows per data group) for a network whose linear layers
+    are split as ``splits`` (in the order they run; the first layer's input needs a gradient
+    only if ``first_input_grad``). ``other_dense_elements``: trainable elements outside the
+    linear layers (reduced over the data group with them)."""
+    n, rows = grid.model, batch // grid.data
+    out: list[Collective] = []
+    local_elements = other_dense_elements
+    for i, s in enumerate(splits):
+        input_grad = first_input_grad or i > 0
+        if s.split in (Split.COLUMN, Split.GATHERED):
+            mine = _chunk(s.out_features, n, model_index)
+            local_elements += mine * s.in_features + mine
+            if s.split == Split.GATHERED:
+                piece = rows * math.ceil(s.out_features / n) * itemsize
+                out.append(Collective("model", "all_gather", n, (n - 1) * piece))
+            if input_grad:
+                out.append(Collective("model", "all_reduce", n,
+                                      2 * (n - 1) / n * rows * s.in_features * itemsize))
+        elif s.split == Split.ROW:
+            local_elements += s.out_features * _chunk(s.in_features, n, model_index)
+            local_elements += s.out_features
+            out.append(Collective("model", "all_reduce", n,
+                                  2 * (n - 1) / n * rows * s.out_features * itemsize))
+        else:
+            local_elements += s.in_features * s.out_features + s.out_features
+    b = grid.data
+    if b > 1:
+        out.append(Collective("data", "all_reduce", b,
+                              2 * (b - 1) * (local_elements * itemsize) // b))
+    return [c for c in out if c.group > 1]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A grid's predicted step: communication and compute seconds, bytes per communicator."""
+
+    grid: Grid
+    communication_s: float
+    compute_s: float
+    model_bytes: float
+    data_bytes: float
+
+    @property
+    def total_s(self) -> float:
+        return self.communication_s + self.compute_s
+
+
+def predict(splits: list[LinearSplit], grid: Grid, link: Link, *, batch: int, itemsize: int,
+            compute_s: float) -> Prediction:
+    """``grid``'s step time by the cost model (see the module docstring)."""
+    collectives = scheme_collectives(splits, grid, batch=batch, itemsize=itemsize)
+    return Prediction(grid, sum(c.seconds(link) for c in collectives), compute_s,
+                      sum(c.sent for c in collectives if c.communicator == "model"),
+                      sum(c.sent for c in collectives if c.communicator == "data"))
+
+
+def measure_compute(splits: list[LinearSplit], grid: Grid, *, batch: int, dtype: torch.dtype,
+                    repeats: int = 3) -> float:
+    """Seconds of one process's matrix products for a step on ``grid`` (forward, and the
+    backward's two products per layer), timed here on this process's shapes: the median of
+    ``repeats``."""
+    rows, n = max(1, batch // grid.data), grid.model
+    shapes = []
+    for s in splits:
+        if s.split in (Split.COLUMN, Split.GATHERED):
+            shapes.append((s.in_features, _chunk(s.out_features, n, 0)))
+        elif s.split == Split.ROW:
+            shapes.append((_chunk(s.in_features, n, 0), s.out_features))
+        else:
+            shapes.append((s.in_features, s.out_features))
+    tensors = [(torch.randn(rows, i, dtype=dtype), torch.randn(i, o, dtype=dtype),
+                torch.randn(rows, o, dtype=dtype)) for i, o in shapes]
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for x, w, g in tensors:
+            x @ w
+            g @ w.T
+            x.T @ g
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_link(group: dist.ProcessGroup, world_size: int, *, payload_bytes: int = 1 << 20,
+                 repeats: int = 5) -> Link:
+    """α and β of this cluster from timed all-reduces over ``group`` (collective): a one-value
+    all-reduce gives α (``2 (P-1)`` messages), a ``payload_bytes`` one β."""
+    if world_size == 1:
+        return Link(0.0, 0.0)
+    small = torch.zeros(1)
+    big = torch.zeros(payload_bytes // 4)
+    p = world_size
+
+    def timed(tensor: torch.Tensor) -> float:
+        dist.all_reduce(tensor, group=group)  # warm the connections
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            dist.all_reduce(tensor, group=group)
+            times.append(time.perf_counter() - began)
+        return sorted(times)[len(times) // 2]
+
+    t_small, t_big = timed(small), timed(big)
+    alpha = t_small / (2 * (p - 1))
+    beta = max(t_big - t_small, 0.0) / (2 * (p - 1) / p * payload_bytes)
+    return Link(alpha, beta)
+
+
+def grids_of(world_size: int) -> list[Grid]:
+    """Every ``data x model`` factorisation of ``world_size``, pure batch parallelism first."""
+    return [Grid(world_size // m, m) for m in range(1, world_size + 1) if world_size % m == 0]
+
+
+def choose_grid(predictions: list[Prediction]) -> Prediction:
+    """The fastest predicted grid (ties go to more data parallelism, listed first)."""
+    return min(predictions, key=lambda p: p.total_s)
+
+
+def explain(predictions: list[Prediction], chosen: Prediction, link: Link, batch: int) -> str:
+    """The table `Config(parallelism="auto")` prints: every grid's predicted step."""
+    lines = [f"parallelism auto: global batch {batch}, link alpha {link.alpha * 1e6:.1f} us, "
+             f"beta {link.beta * 1e9:.3f} ns/byte ({1 / link.beta / 1e6 if link.beta else 0:.0f}"
+             f" MB/s)",
+             f"  {'grid':>6} {'model MB':>9} {'data MB':>9} {'comm ms':>8} {'comp ms':>8} "
+             f"{'total ms':>9}"]
+    for p in predictions:
+        mark = "  <- chosen" if p is chosen else ""
+        lines.append(f"  {p.grid.data}x{p.grid.model:<4} {p.model_bytes / 1e6:9.3f} "
+                     f"{p.data_bytes / 1e6:9.3f} {p.communication_s * 1e3:8.2f} "
+                     f"{p.compute_s * 1e3:8.2f} {p.total_s * 1e3:9.2f}{mark}")
+    return "\n".join(lines)
