@@ -97,6 +97,7 @@ class ShardedLoader:
         """Read as data replica ``index`` of ``replicas``, ``group_size`` times the original
         batch per step (the workers of a model group read the same samples)."""
         original = self.original
+        self.grid = (replicas, index, group_size)
         self.replicas = replicas
         self.sampler = DistributedSampler(original.dataset, num_replicas=replicas, rank=index,
                                           shuffle=isinstance(original.sampler, RandomSampler),
@@ -235,10 +236,16 @@ def set_data_parallel(*, replicas: int, index: int, group_size: int) -> None:
     global _data_parallel
     _data_parallel = (replicas, index, group_size)
     for loader in sharded_loaders():
-        loader.regrid(replicas, index, group_size)
+        if loader.grid != _data_parallel:
+            loader.regrid(replicas, index, group_size)
 
 
 def clear_data_parallel() -> None:
-    """`ShardedLoader` objects made later read as plain data-parallel workers again."""
+    """Every worker reads as its own data replica again (`ShardedLoader` objects made by an
+    earlier model-parallel runner of this process, and every later one)."""
     global _data_parallel
     _data_parallel = None
+    for loader in sharded_loaders():
+        default = (loader.worker.world_size, loader.worker.rank, 1)
+        if loader.grid != default:
+            loader.regrid(*default)

@@ -215,3 +215,24 @@ def test_registry_lists_live_loaders_in_creation_order() -> None:
     del loaders
     gc.collect()
     assert sharded_loaders() == before
+
+
+def test_a_model_group_reads_its_data_replicas_samples_and_returns_to_data_parallel() -> None:
+    """`set_data_parallel` (a 2x2 grid): ranks 0, 1 read replica 0's and ranks 2, 3 replica
+    1's samples, twice the batch each, and the global batch and positions stay those of four
+    data-parallel workers; `clear_data_parallel` gives each rank its own samples back."""
+    loaders = _loaders(24, 4, 2, shuffle=False, drop_last=False)  # one order every epoch
+    plain = _global_batches([iter(loader) for loader in loaders], steps=2)
+    try:
+        for rank, loader in enumerate(loaders):  # what each rank's runner does for itself
+            loader.regrid(2, rank // 2, 2)
+        first = [next(iter(loader)) for loader in loaders]
+        assert torch.equal(first[0][0], first[1][0]) and torch.equal(first[2][0], first[3][0])
+        assert sorted(torch.cat([first[0][0], first[2][0]]).tolist()) == sorted(plain[0])
+        assert all(loader.global_batch == 8 for loader in loaders)
+        loader_module.set_data_parallel(replicas=2, index=0, group_size=2)
+        assert all(loader.grid == (2, 0, 2) for loader in sharded_loaders())
+    finally:
+        loader_module.clear_data_parallel()
+    assert [loader.grid for loader in loaders] == [(4, r, 1) for r in range(4)]
+    assert _global_batches([iter(loader) for loader in loaders], steps=2) == plain

@@ -31,18 +31,10 @@ from parallax.collective import agree
 from parallax.config import Config, ParallelismName
 from parallax.engine.exchange import Traffic
 from parallax.errors import ConfigError
-from parallax.parallelism.cost import (
-    choose_grid,
-    explain,
-    grids_of,
-    measure_compute,
-    measure_link,
-    predict,
-)
+from parallax.parallelism.cost import choose_grid, explain, measure_link, predict_grids
 from parallax.parallelism.data_parallel import DataParallel
 from parallax.parallelism.grid import Grid, build_mesh
 from parallax.parallelism.model_parallel import ModelParallel
-from parallax.parallelism.splits import plan_splits
 
 __all__ = ["DataParallel", "Grid", "ModelParallel", "Parallelism", "build_parallelism"]
 
@@ -77,8 +69,8 @@ def build_parallelism(model: nn.Module, config: Config, *, worker: WorkerInfo,
 
     kind = ParallelismName(config.parallelism)
     world = worker.world_size
-    clear_data_parallel()
     if kind == ParallelismName.DATA:
+        clear_data_parallel()
         return DataParallel(world)
     if kind == ParallelismName.MODEL:
         grid = Grid(1, world)
@@ -88,6 +80,7 @@ def build_parallelism(model: nn.Module, config: Config, *, worker: WorkerInfo,
     else:
         grid = _auto_grid(model, worker=worker, group=group)
     if grid.model == 1:
+        clear_data_parallel()
         return DataParallel(world)
     mesh = build_mesh(grid, rank=worker.rank, world_size=world, device=worker.device,
                       timeout_s=config.collective_timeout_s)
@@ -109,15 +102,7 @@ def _auto_grid(model: nn.Module, *, worker: WorkerInfo, group: dist.ProcessGroup
     link = measure_link(group, worker.world_size)
     decision = None
     if worker.rank == 0:
-        params = [p for p in model.parameters() if p.requires_grad]
-        dtype = params[0].dtype if params else torch.float32
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        predictions = []
-        for grid in grids_of(worker.world_size):
-            splits = plan_splits(model, grid.model)
-            compute = measure_compute(splits, grid, batch=batch, dtype=dtype)
-            predictions.append(predict(splits, grid, link, batch=batch, itemsize=itemsize,
-                                       compute_s=compute))
+        predictions = predict_grids(model, worker.world_size, batch=batch, link=link)
         chosen = choose_grid(predictions)
         print(explain(predictions, chosen, link, batch), file=sys.stderr, flush=True)
         decision = (chosen.grid.data, chosen.grid.model)

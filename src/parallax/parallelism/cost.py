@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from parallax.parallelism.grid import Grid
-from parallax.parallelism.splits import LinearSplit, Split
+from parallax.parallelism.splits import LinearSplit, Split, plan_splits
 
 __all__ = ["Collective", "Link", "Prediction", "choose_grid", "measure_compute", "measure_link",
-           "predict", "report_bytes", "scheme_collectives"]
+           "predict", "predict_grids", "report_bytes", "scheme_collectives"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,22 @@ def measure_link(group: dist.ProcessGroup, world_size: int, *, payload_bytes: in
 def grids_of(world_size: int) -> list[Grid]:
     """Every ``data x model`` factorisation of ``world_size``, pure batch parallelism first."""
     return [Grid(world_size // m, m) for m in range(1, world_size + 1) if world_size % m == 0]
+
+
+def predict_grids(model: nn.Module, world_size: int, *, batch: int,
+                  link: Link) -> list[Prediction]:
+    """Every grid of ``world_size`` priced for ``model`` (what ``parallelism="auto"``
+    compares): its splits' collectives at ``link``, and the compute of its shapes timed here."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtype = params[0].dtype if params else torch.float32
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    predictions = []
+    for grid in grids_of(world_size):
+        splits = plan_splits(model, grid.model)
+        compute = measure_compute(splits, grid, batch=batch, dtype=dtype)
+        predictions.append(predict(splits, grid, link, batch=batch, itemsize=itemsize,
+                                   compute_s=compute))
+    return predictions
 
 
 def choose_grid(predictions: list[Prediction]) -> Prediction:
