@@ -114,7 +114,7 @@ def summarise(runs: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                          else None,
                          "model_bytes": r["bytes"].get("model", 0.0),
                          "data_bytes": r["bytes"].get("data", 0.0),
-                         "loss_last": r["loss_last"], "auto": r["auto"]})
+                         "final_mse": r["final_mse"], "auto": r["auto"]})
     return rows
 
 
@@ -138,7 +138,7 @@ def markdown(rows: list[dict[str, Any]], auto: list[dict[str, Any]],
              f"for P <= 2, replayed comm + single-thread compute for P >= 4 (partly "
              f"modelled).", "",
              "| width | P | grid | mode | wall ms | comm ms | compute ms | measured ms | "
-             "predicted ms | speedup | predicted speedup | model B | data B | loss |",
+             "predicted ms | speedup | predicted speedup | model B | data B | final MSE |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sp = "" if r["speedup"] is None else f"{r['speedup']:.2f}"
@@ -146,7 +146,7 @@ def markdown(rows: list[dict[str, Any]], auto: list[dict[str, Any]],
         lines.append(f"| {r['width']} | {r['P']} | {r['grid']} | {r['mode']} | "
                      f"{r['wall_ms']:.2f} | {r['comm_ms']:.2f} | {r['compute_ms']:.2f} | "
                      f"{r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | {sp} | {ps} | "
-                     f"{r['model_bytes']:.0f} | {r['data_bytes']:.0f} | {r['loss_last']:.4f} |")
+                     f"{r['model_bytes']:.0f} | {r['data_bytes']:.0f} | {r['final_mse']:.4f} |")
     lines += ["", "| width | P | auto picks | fastest measured | same | auto's time / fastest |",
               "|---|---|---|---|---|---|"]
     for a in auto:

@@ -158,6 +158,18 @@ def main() -> None:
                                  grid.model)
             comm = replay(grid, runner, splits, batch, options["replay"])
             bytes_sent = runner.parallelism.bytes_per_step()
+            if grid.model == 1:  # data parallelism: DDP's gradients, counted by the runner
+                bytes_sent = {"model": 0.0, "data": sum(
+                    v.get("intra_sent", 0.0) + v.get("inter_sent", 0.0)
+                    for v in runner.stats().values())}
+            state = runner.state_dict()  # the trained model, whole (collective)
+            final_mse = None
+            if runner.worker.rank == 0:
+                trained = network(inputs, width, outputs, options["hidden"])
+                trained.load_state_dict(state)
+                with torch.no_grad():
+                    final_mse = float(nn.functional.mse_loss(trained(data.tensors[0]),
+                                                             data.tensors[1]))
             compute = None
             dist.barrier(group=runner.group)
             if runner.worker.rank == 0:
@@ -167,6 +179,7 @@ def main() -> None:
                       "wall_s": sum(times[warm:]) / max(1, len(times[warm:])),
                       "replay_comm_s": comm, "compute_s": compute,
                       "loss_last": sum(losses[-10:]) / len(losses[-10:]),
+                      "final_mse": final_mse,
                       "bytes": bytes_sent}
             if runner.worker.rank == 0:
                 predictions = predict_grids(network(inputs, width, outputs, options["hidden"]),
