@@ -22,6 +22,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -160,29 +161,31 @@ def measure_compute(splits: list[LinearSplit], grid: Grid, *, batch: int, dtype:
     return sorted(times)[len(times) // 2]
 
 
-def measure_link(group: dist.ProcessGroup, world_size: int, *, payload_bytes: int = 1 << 20,
+def measure_link(group: dist.ProcessGroup, world_size: int, *,
+                 sizes: tuple[int, ...] = (4, 16 << 10, 256 << 10, 1 << 20),
                  repeats: int = 5) -> Link:
-    """α and β of this cluster from timed all-reduces over ``group`` (collective): a one-value
-    all-reduce gives α (``2 (P-1)`` messages), a ``payload_bytes`` one β."""
+    """α and β of this cluster (collective over ``group``): all-reduces of ``sizes`` bytes
+    timed (median of ``repeats``) and ``t = 2 (P-1) α + 2 (P-1)/P n β`` fitted by least
+    squares over them. Messages of several sizes, because a one-value all-reduce alone
+    under-reads the per-message cost that the kilobyte-sized activations of a split layer
+    pay (on the emulated network, replayed kilobyte collectives took milliseconds where a
+    one-value α predicted tenths of one: BENCHMARKS.md)."""
     if world_size == 1:
         return Link(0.0, 0.0)
-    small = torch.zeros(1)
-    big = torch.zeros(payload_bytes // 4)
     p = world_size
-
-    def timed(tensor: torch.Tensor) -> float:
+    rows, times = [], []
+    for size in sizes:
+        tensor = torch.zeros(max(1, size // 4))
         dist.all_reduce(tensor, group=group)  # warm the connections
-        times = []
+        samples = []
         for _ in range(repeats):
             began = time.perf_counter()
             dist.all_reduce(tensor, group=group)
-            times.append(time.perf_counter() - began)
-        return sorted(times)[len(times) // 2]
-
-    t_small, t_big = timed(small), timed(big)
-    alpha = t_small / (2 * (p - 1))
-    beta = max(t_big - t_small, 0.0) / (2 * (p - 1) / p * payload_bytes)
-    return Link(alpha, beta)
+            samples.append(time.perf_counter() - began)
+        rows.append([2 * (p - 1), 2 * (p - 1) / p * tensor.numel() * 4])
+        times.append(sorted(samples)[len(samples) // 2])
+    (alpha, beta), *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
+    return Link(max(float(alpha), 0.0), max(float(beta), 0.0))
 
 
 def grids_of(world_size: int) -> list[Grid]:
