@@ -194,6 +194,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.data == "airfoil" and not args.airfoil.is_file():
+        raise SystemExit(f"--airfoil {args.airfoil}: no such file (the UCI Airfoil Self-Noise "
+                         f"set, tab-separated with a header line; or use --data synthetic)")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     runs = {}
     for p in args.processes:

@@ -57,10 +57,16 @@ torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
 --workload-options {\"corpus\":\"kjv\",\"optimizer\":\"momentum\"} \
 --systems hybrid hybrid-plump hybrid-qsgd hybrid-slim --steps 200 --isolate \
 --out $results/compare-lm-kjv-4x1-100mbit-dense-sync.json"
+  [mp-airfoil]="$py benchmarks/model_parallel.py --data airfoil --widths 32 64 128 512 1024 \
+--processes 1 2 4 8 --rate 1gbit --steps 150"
+  [mp-synthetic]="$py benchmarks/model_parallel.py --data synthetic --rows 700000 \
+--widths 128 512 1024 --processes 1 2 4 8 --rate 1gbit --steps 60"
+  [mp-airfoil-100mbit]="$py benchmarks/model_parallel.py --data airfoil --widths 128 512 1024 \
+--processes 1 2 4 --rate 100mbit --steps 40"
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling extrapolate sparsity bandwidth alpha
        partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep lm-dense-sync
-       lm-dense-sync-100mbit)
+       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling sparsity bandwidth slim-dp
                slim-sweep lm-dense-sync lm-dense-sync-100mbit)

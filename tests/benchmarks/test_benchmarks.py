@@ -298,3 +298,26 @@ def test_slim_dp_smoke(tmp_path: Path) -> None:
     again = json.loads((tmp_path / "slim_dp.json").read_text())
     assert again["provenance"] == data["provenance"] and again["summary"] == data["summary"]
     assert "| slim |" in (tmp_path / "slim_dp.md").read_text()
+
+
+def test_model_parallel_smoke(tmp_path: Path) -> None:
+    """The strong-scaling harness (the report's Figures 5-7): every grid of P trains the same
+    model (equal final MSE), each record has its measured and predicted times, bytes per
+    communicator and the grid ``auto`` picks, and the figure is drawn."""
+    run_script("model_parallel.py", "--data", "synthetic", "--rows", "2000", "--widths", "16",
+               "--processes", "1", "2", "--steps", "4", "--warmup", "1", "--replay", "2",
+               "--out-dir", str(tmp_path))
+    data = json.loads((tmp_path / "model_parallel-synthetic-1gbit.json").read_text())
+    assert len(data["provenance"]["commit"]) == 40
+    rows = {(r["P"], r["grid"]): r for r in data["rows"]}
+    assert set(rows) == {(1, "1x1"), (2, "2x1"), (2, "1x2")}
+    mse = {r["final_mse"] for r in rows.values()}
+    assert max(mse) - min(mse) < 1e-5, mse  # every grid trains the global batch
+    assert rows[(2, "2x1")]["data_bytes"] > 0 and rows[(2, "2x1")]["model_bytes"] == 0
+    assert rows[(2, "1x2")]["model_bytes"] > 0 and rows[(2, "1x2")]["data_bytes"] == 0
+    for row in rows.values():
+        assert row["wall_ms"] > 0 and row["predicted_ms"] > 0 and row["compute_ms"] > 0
+    assert [a["auto"] in ("2x1", "1x2") for a in data["auto"]] == [True]
+    table = (tmp_path / "model_parallel-synthetic-1gbit.md").read_text()
+    assert "| 16 | 2 | 1x2 | model |" in table
+    assert (tmp_path / "model_parallel-synthetic-1gbit.png").stat().st_size > 0
