@@ -820,7 +820,8 @@ class Runner:
         (`parallax.planning.memory`): what it keeps whole, its own shards, their gradients,
         optimizer state and the buffers."""
         return predict_memory(self._executed, self.layout.all_tables(), self._params,
-                              self.optimizers, uses_ddp=self.layout.uses_ddp,
+                              self.optimizers,
+                              uses_ddp=self.layout.uses_ddp and not self.parallelism.replaces_ddp,
                               pulled_whole=self.layout.pulled_whole)
 
     def stats(self) -> dict[str, dict[str, float]]:

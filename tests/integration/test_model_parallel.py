@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallax.parallelism.cost import scheme_collectives
+from parallax.parallelism.cost import local_elements, scheme_collectives
 from parallax.parallelism.grid import Grid
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +92,20 @@ def test_bytes_per_communicator_equal_the_cost_model(trained, key) -> None:
         assert measured["bytes"]["model"] > 0
         if grid.data > 1:
             assert measured["bytes"]["data"] > 0
+
+
+@pytest.mark.parametrize("key", [("model", "adam"), ("2d", "adam")])
+def test_each_rank_holds_and_predicts_only_its_shards(trained, key) -> None:
+    if key not in trained["runs"]:
+        pytest.skip("no 2-D grid on 2 processes")
+    run = trained["runs"][key]
+    grid = Grid(*run["grid"])
+    for rank, measured in enumerate(run["ranks"]):
+        mine = local_elements(run["splits"], grid, rank % grid.model) * 8  # float64
+        memory = measured["memory"]
+        assert memory.parameters == mine, (key, rank)
+        assert memory.gradients == mine  # one copy: no DDP bucket beside the gradients
+        assert memory.optimizer_state == 2 * mine  # Adam's two moments
 
 
 def test_checkpoint_resumes_on_another_grid(trained) -> None:

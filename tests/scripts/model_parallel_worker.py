@@ -93,7 +93,8 @@ def train(make, optimizer: str, batches, loss_fn, config: parallax.Config, steps
         runner.save(checkpoint)
     record["state"] = runner.state_dict()
     everyone = [None] * runner.worker.world_size
-    dist.all_gather_object(everyone, {"bytes": record["bytes"], "stats": runner.stats()})
+    dist.all_gather_object(everyone, {"bytes": record["bytes"], "stats": runner.stats(),
+                                      "memory": runner.predicted_memory()})
     record["ranks"] = everyone
     return record
 

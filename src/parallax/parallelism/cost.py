@@ -30,8 +30,8 @@ from torch import nn
 from parallax.parallelism.grid import Grid
 from parallax.parallelism.splits import LinearSplit, Split, plan_splits
 
-__all__ = ["Collective", "Link", "Prediction", "choose_grid", "measure_compute", "measure_link",
-           "predict", "predict_grids", "report_bytes", "scheme_collectives"]
+__all__ = ["Collective", "Link", "Prediction", "choose_grid", "local_elements", "measure_compute",
+           "measure_link", "predict", "predict_grids", "report_bytes", "scheme_collectives"]
 
 
 @dataclass(frozen=True)
@@ -84,12 +84,9 @@ def scheme_collectives(splits: list[LinearSplit], grid: Grid, *, batch: int, ite
     linear layers (reduced over the data group with them)."""
     n, rows = grid.model, batch // grid.data
     out: list[Collective] = []
-    local_elements = other_dense_elements
     for i, s in enumerate(splits):
         input_grad = first_input_grad or i > 0
         if s.split in (Split.COLUMN, Split.GATHERED):
-            mine = _chunk(s.out_features, n, model_index)
-            local_elements += mine * s.in_features + mine
             if s.split == Split.GATHERED:
                 piece = rows * math.ceil(s.out_features / n) * itemsize
                 out.append(Collective("model", "all_gather", n, (n - 1) * piece))
@@ -97,17 +94,29 @@ def scheme_collectives(splits: list[LinearSplit], grid: Grid, *, batch: int, ite
                 out.append(Collective("model", "all_reduce", n,
                                       2 * (n - 1) / n * rows * s.in_features * itemsize))
         elif s.split == Split.ROW:
-            local_elements += s.out_features * _chunk(s.in_features, n, model_index)
-            local_elements += s.out_features
             out.append(Collective("model", "all_reduce", n,
                                   2 * (n - 1) / n * rows * s.out_features * itemsize))
-        else:
-            local_elements += s.in_features * s.out_features + s.out_features
+    local = other_dense_elements + local_elements(splits, grid, model_index)
     b = grid.data
     if b > 1:
         out.append(Collective("data", "all_reduce", b,
-                              2 * (b - 1) * (local_elements * itemsize) // b))
+                              2 * (b - 1) * (local * itemsize) // b))
     return [c for c in out if c.group > 1]
+
+
+def local_elements(splits: list[LinearSplit], grid: Grid, model_index: int) -> int:
+    """Elements of the linear layers' weights and biases a rank at ``model_index`` holds
+    (pieces as ``torch.chunk`` cuts them; a row split's bias is whole everywhere)."""
+    n, total = grid.model, 0
+    for s in splits:
+        if s.split in (Split.COLUMN, Split.GATHERED):
+            mine = _chunk(s.out_features, n, model_index)
+            total += mine * s.in_features + mine
+        elif s.split == Split.ROW:
+            total += s.out_features * _chunk(s.in_features, n, model_index) + s.out_features
+        else:
+            total += s.in_features * s.out_features + s.out_features
+    return total
 
 
 @dataclass(frozen=True)

@@ -164,9 +164,6 @@ class ModelParallel:
     def is_sharded(self, param: Tensor) -> bool:
         return isinstance(param, DTensor)
 
-    def local_grad(self, param: Tensor) -> Tensor | None:
-        return None if param.grad is None else _local(param.grad)
-
     def bytes_per_step(self) -> dict[str, float]:
         """Bytes this rank sent per training step through each communicator (``"model"``:
         DTensor's collectives of forwards and backwards, ``"data"``: the gradients'

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from parallax.engine.shard_optimizer import (
     _constructor_arguments,
@@ -96,7 +97,9 @@ def predict_memory(module: nn.Module, tables: dict[str, Table], user_params: dic
     copy: its dense parameters), the tables' replicas or this rank's shards, the parameters
     ``pulled_whole`` each step, and ``module``'s buffers."""
     per_optimizer: dict[int, int] = {}
-    held = [(p, p) for p in module.parameters() if p.device.type != "meta"]
+    # a parameter split by model parallelism (a DTensor) holds its local shard here
+    held = [(p.to_local() if isinstance(p, DTensor) else p, p) for p in module.parameters()
+            if p.device.type != "meta"]
     estimate = _held(held, optimizers, per_optimizer, gradient_copies=2 if uses_ddp else 1)
     for name, table in tables.items():
         param = user_params[name]
