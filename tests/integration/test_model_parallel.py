@@ -2,8 +2,9 @@
 tests/scripts/model_parallel_worker.py), on 4 processes (grids 1x4 and 2x2) and on 2 (1x2):
 
 - training equals the single-device program with the global batch for SGD, momentum and Adam
-  (float64, 1e-9) with widths no group size divides, with clipping by the global norm, and
-  for a model whose embedding bag stays on the hybrid's sparse servers;
+  (float64, 1e-9) with widths no group size divides, with clipping by the global norm, for a
+  model whose embedding bag stays on the hybrid's sparse servers, and (2x2) for a layer that
+  only some data replicas' rows reach (``find_unused_parameters``);
 - the bytes each rank sends per step through each communicator equal the cost model's terms
   for the splits it ran (`parallax.parallelism.cost.scheme_collectives`);
 - `state_dict` gives the plain single-device model, and a checkpoint saved on one grid
@@ -46,11 +47,13 @@ def trained(request, tmp_path_factory) -> dict:
 
 def _reference(key) -> str:
     return key[1] if isinstance(key, tuple) else {"clip": "clip", "mixed": "mixed",
-                                                  "resumed": "adam", "auto": "adam"}[key]
+                                                  "routed": "routed", "resumed": "adam",
+                                                  "auto": "adam"}[key]
 
 
 def test_every_run_equals_the_single_device_program(trained) -> None:
     assert len(trained["runs"]) >= 7
+    assert ("routed" in trained["runs"]) == (trained["world"] == 4)
     for key, run in trained["runs"].items():
         single = trained["single"][_reference(key)]
         assert set(run["state"]) == set(single), key

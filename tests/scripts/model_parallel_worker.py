@@ -41,6 +41,33 @@ class Mixed(nn.Module):
         return self.body(self.embedding(tokens))
 
 
+class Routed(nn.Module):
+    """A linear layer outside any Sequential that only rows with ``x[:, 0] > 3`` reach: a
+    step's data replica without such rows gives it no gradient (find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = net()
+        self.aux = nn.Linear(5, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.body(x)
+        rare = x[:, 0] > 3
+        if bool(rare.any()):
+            out = out + self.aux(x) * rare.unsqueeze(1)
+        return out
+
+
+def routed_batch(step: int) -> tuple[Tensor, Tensor]:
+    """Rare rows in replica 0 only (step 0), replica 1 only (1), none (2), both (3)."""
+    x, y = net_batch(step)
+    x = x.clone()
+    x[:, 0] = x[:, 0].clamp(-2, 2)
+    for row in {0: [1], 1: [6], 2: [], 3: [0, 7]}[step % 4]:
+        x[row, 0] = 5.0
+    return x, y
+
+
 def net_batch(step: int) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(GLOBAL, 5, generator=g, dtype=torch.float64)
@@ -137,6 +164,9 @@ def main() -> None:
     results["runs"]["clip"] = train(net, "momentum", net_batch, mse, clipped, STEPS)
     mixed = parallax.Config(**base, **grids[list(grids)[-1]])
     results["runs"]["mixed"] = train(Mixed, "adam", mixed_batch, ce, mixed, STEPS)
+    if world == 4:  # a data group of 2 whose replicas use different parameters
+        routed = parallax.Config(**base, **grids["2d"], find_unused_parameters=True)
+        results["runs"]["routed"] = train(Routed, "momentum", routed_batch, mse, routed, STEPS)
     # a checkpoint of the last grid, resumed on the pure model grid (or 1x1 data: world 2)
     first = train(net, "adam", net_batch, mse, parallax.Config(**base, **grids[list(grids)[-1]]),
                   2, checkpoint=ckpt)
@@ -158,6 +188,8 @@ def main() -> None:
         results["single"]["clip"] = single_device(net, "momentum", net_batch, mse, STEPS,
                                                   clip=0.05)
         results["single"]["mixed"] = single_device(Mixed, "adam", mixed_batch, ce, STEPS)
+        results["single"]["routed"] = single_device(Routed, "momentum", routed_batch, mse,
+                                                    STEPS)
         torch.save(results, out)
     parallax.shutdown()
 

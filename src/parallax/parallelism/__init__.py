@@ -85,7 +85,8 @@ def build_parallelism(model: nn.Module, config: Config, *, worker: WorkerInfo,
     mesh = build_mesh(grid, rank=worker.rank, world_size=world, device=worker.device,
                       timeout_s=config.collective_timeout_s)
     set_data_parallel(replicas=grid.data, index=mesh.data_index, group_size=grid.model)
-    return ModelParallel(mesh, traffic=traffic, average=config.average_dense, rank=worker.rank)
+    return ModelParallel(mesh, traffic=traffic, average=config.average_dense, rank=worker.rank,
+                         find_unused_parameters=config.find_unused_parameters)
 
 
 def _auto_grid(model: nn.Module, *, worker: WorkerInfo, group: dist.ProcessGroup) -> Grid:

@@ -78,15 +78,17 @@ class ModelParallel:
 
     replaces_ddp = True
 
-    def __init__(self, mesh: Mesh, *, traffic: Traffic, average: bool, rank: int) -> None:
+    def __init__(self, mesh: Mesh, *, traffic: Traffic, average: bool, rank: int,
+                 find_unused_parameters: bool = False) -> None:
         self.mesh = mesh
+        self.find_unused_parameters = find_unused_parameters
         self.grid = mesh.grid
         self.traffic = traffic
         self.average = average
         self.rank = rank
         self.splits: list[LinearSplit] = []
         self.sharded: dict[str, DTensor] = {}   # split parameters by their model name
-        self.dense: list[nn.Parameter] = []     # every trainable parameter of the module
+        self.dense: dict[str, nn.Parameter] = {}  # every trainable parameter of the module
         self.counter = CollectiveCounter({mesh.model_group.group_name: self.grid.model})
         self.steps = 0
         self.data_sent = 0.0
@@ -113,7 +115,7 @@ class ModelParallel:
             _repoint(optimizers, old, param)
             self.sharded[name] = param
             release(old)  # the user's module keeps a storage-less handle (engine.handles)
-        self.dense = [p for p in executed.parameters() if p.requires_grad]
+        self.dense = {n: p for n, p in executed.named_parameters() if p.requires_grad}
         return executed
 
     # ---- training ----------------------------------------------------------------------
@@ -129,7 +131,7 @@ class ModelParallel:
         self.steps += 1
         if self.grid.data == 1:
             return
-        grads = [_local(p.grad) for p in self.dense if p.grad is not None]
+        grads = [_local(p.grad) for p in self._with_gradients()]
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for grad in grads:
             by_dtype.setdefault(grad.dtype, []).append(grad)
@@ -143,6 +145,29 @@ class ModelParallel:
             for grad in same:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+
+    def _with_gradients(self) -> list[nn.Parameter]:
+        """The dense parameters to reduce, the same list on every rank of the data group.
+        With `Config.find_unused_parameters`, one small all-reduce says which got a gradient
+        on some rank; a rank whose part of the batch did not use one reduces zeros for it
+        (its gradient on one device is the other parts' sum). Otherwise every parameter must
+        have one: a rank without refuses, naming it, instead of sending a shorter buffer."""
+        if not self.find_unused_parameters:
+            missing = [name for name, p in self.dense.items() if p.grad is None]
+            if missing:
+                raise UnsupportedProgramError(
+                    f"rank {self.rank}: parameter(s) {missing} got no gradient in this step; "
+                    f"the data groups of model/2-D parallelism reduce every dense "
+                    f"gradient, so a parameter this rank's part of the batch did not use needs "
+                    f"Config(find_unused_parameters=True) (one more small all-reduce per step)")
+            return list(self.dense.values())
+        params = list(self.dense.values())
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        dist.all_reduce(used, group=self.mesh.data_group)
+        for param, count in zip(params, used.tolist(), strict=True):
+            if count and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        return [p for p, count in zip(params, used.tolist(), strict=True) if count]
 
     def _record_data(self, payload: int) -> None:
         world = len(self.traffic.machine_of_rank)
