@@ -210,7 +210,10 @@ class Config:
         collective_timeout_s: every collective and wait gives up after this many seconds with
             an error instead of hanging.
         find_unused_parameters: passed to DDP for models whose dense parameters are not all
-            used in every step.
+            used in every step. Under ``parallelism`` ``"model"``/``"2d"`` the data groups
+            agree each step on which parameters got a gradient (one small all-reduce); a
+            replica whose rows did not use one reduces zeros for it. Without it, a missing
+            gradient is refused, naming the parameter.
     """
 
     architecture: str = ArchitectureName.HYBRID
