@@ -95,6 +95,13 @@ def test_bytes_per_communicator_equal_the_cost_model(trained, key) -> None:
         assert measured["bytes"]["model"] > 0
         if grid.data > 1:
             assert measured["bytes"]["data"] > 0
+        # the runner's own counts (intra-machine here: one machine) say the same
+        stats = measured["stats"]
+        assert stats["activations (model group)"]["intra_sent"] == pytest.approx(
+            measured["bytes"]["model"], abs=1)
+        if grid.data > 1:
+            assert stats["dense gradients (data group)"]["intra_sent"] == pytest.approx(
+                measured["bytes"]["data"])
 
 
 @pytest.mark.parametrize("key", [("model", "adam"), ("2d", "adam")])

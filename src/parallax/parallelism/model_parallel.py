@@ -92,6 +92,7 @@ class ModelParallel:
         self.counter = CollectiveCounter({mesh.model_group.group_name: self.grid.model})
         self.steps = 0
         self.data_sent = 0.0
+        self._model_recorded = 0.0  # of the counter's bytes, those already in `traffic`
 
     # ---- building ----------------------------------------------------------------------
     def prepare(self, executed: nn.Module, model: nn.Module,
@@ -129,6 +130,7 @@ class ModelParallel:
         """Sum (or average) every dense gradient over the data group: one flat all-reduce
         per dtype. Each rank holds its model index's shards, the same in every data group."""
         self.steps += 1
+        self._record_model()
         if self.grid.data == 1:
             return
         grads = [_local(p.grad) for p in self._with_gradients()]
@@ -170,16 +172,31 @@ class ModelParallel:
         return [p for p, count in zip(params, used.tolist(), strict=True) if count]
 
     def _record_data(self, payload: int) -> None:
-        world = len(self.traffic.machine_of_rank)
         ranks = self.grid.data_group_ranks(self.mesh.model_index)
         n = len(ranks)
         volume = 2 * (n - 1) * payload // n
-        position = ranks.index(self.rank)
-        sent, received = [0] * world, [0] * world
         self.data_sent += volume
+        self._record_ring(DATA_TRAFFIC, ranks, volume)
+
+    def _record_model(self) -> None:
+        """This step's model-group bytes (the counter's) into `traffic`, so `Runner.stats`
+        and the intra/inter-machine split see them too."""
+        total = sum(self.counter.sent.values())
+        volume = int(round(total - self._model_recorded))
+        self._model_recorded = total
+        if volume:
+            self._record_ring(MODEL_TRAFFIC, self.grid.model_group_ranks(self.mesh.data_index),
+                              volume)
+
+    def _record_ring(self, name: str, ranks: list[int], volume: int) -> None:
+        """``volume`` bytes sent to this rank's successor in the ring over ``ranks`` (and as
+        many received from its predecessor)."""
+        world = len(self.traffic.machine_of_rank)
+        n, position = len(ranks), ranks.index(self.rank)
+        sent, received = [0] * world, [0] * world
         sent[ranks[(position + 1) % n]] = volume
         received[ranks[(position - 1) % n]] = volume
-        self.traffic.record(DATA_TRAFFIC, sent, received, 1)
+        self.traffic.record(name, sent, received, 1)
 
     def norm_parts(self) -> dict[str, ShardedGradNorm]:
         """The split parameters' parts of the global norm (see `ShardedGradNorm`)."""
@@ -200,6 +217,7 @@ class ModelParallel:
     def reset(self) -> None:
         self.steps = 0
         self.data_sent = 0.0
+        self._model_recorded = 0.0
         self.counter.sent.clear()
         self.counter.calls.clear()
 
