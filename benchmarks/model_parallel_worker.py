@@ -16,7 +16,6 @@ Usage (by model_parallel.py): parallax run ... model_parallel_worker.py '<json o
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,12 +29,13 @@ import parallax
 from parallax.parallelism.cost import (
     choose_grid,
     grids_of,
+    local_shape,
     measure_link,
     predict_grids,
     scheme_collectives,
 )
 from parallax.parallelism.grid import Grid
-from parallax.parallelism.splits import Split, plan_splits
+from parallax.parallelism.splits import plan_splits
 
 
 def network(inputs: int, width: int, outputs: int, hidden: int) -> nn.Sequential:
@@ -96,15 +96,10 @@ def local_compute(splits, grid: Grid, inputs: int, outputs: int, batch: int,
                   steps: int) -> float:
     """One process's share of a training step, alone: its local shapes' forward, backward and
     SGD step (median of ``steps``)."""
-    n, rows = grid.model, batch // grid.data
+    rows = batch // grid.data
     layers: list[nn.Module] = []
     for s in splits:
-        size_in, size_out = s.in_features, s.out_features
-        if s.split in (Split.COLUMN, Split.GATHERED):
-            size_out = math.ceil(size_out / n)
-        elif s.split == Split.ROW:
-            size_in = math.ceil(size_in / n)
-        layers += [nn.Linear(size_in, size_out), nn.ReLU()]
+        layers += [nn.Linear(*local_shape(s, grid.model)), nn.ReLU()]
     model = nn.Sequential(*layers[:-1])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(rows, model[0].in_features)

@@ -77,13 +77,18 @@ def test_clipping_was_active(trained) -> None:
     assert trained["runs"]["clip"]["last_grad_norm"] > 0.05
 
 
-@pytest.mark.parametrize("key", [("model", "sgd"), ("model", "adam"), ("2d", "momentum"),
-                                 "mixed"])
-def test_bytes_per_communicator_equal_the_cost_model(trained, key) -> None:
+def _run(trained: dict, key) -> tuple[dict, Grid]:
+    """The run ``key`` and its grid; skipped where this launch has no such grid."""
     if key not in trained["runs"]:
         pytest.skip("no 2-D grid on 2 processes")
     run = trained["runs"][key]
-    grid = Grid(*run["grid"])
+    return run, Grid(*run["grid"])
+
+
+@pytest.mark.parametrize("key", [("model", "sgd"), ("model", "adam"), ("2d", "momentum"),
+                                 "mixed"])
+def test_bytes_per_communicator_equal_the_cost_model(trained, key) -> None:
+    run, grid = _run(trained, key)
     for rank, measured in enumerate(run["ranks"]):
         predicted = scheme_collectives(run["splits"], grid, batch=8, itemsize=8,
                                        model_index=rank % grid.model,
@@ -106,10 +111,7 @@ def test_bytes_per_communicator_equal_the_cost_model(trained, key) -> None:
 
 @pytest.mark.parametrize("key", [("model", "adam"), ("2d", "adam")])
 def test_each_rank_holds_and_predicts_only_its_shards(trained, key) -> None:
-    if key not in trained["runs"]:
-        pytest.skip("no 2-D grid on 2 processes")
-    run = trained["runs"][key]
-    grid = Grid(*run["grid"])
+    run, grid = _run(trained, key)
     for rank, measured in enumerate(run["ranks"]):
         mine = local_elements(run["splits"], grid, rank % grid.model) * 8  # float64
         memory = measured["memory"]

@@ -76,11 +76,7 @@ class Traffic:
         world = len(self.machine_of_rank)
         if world == 1:
             return
-        volume = 2 * (world - 1) * payload_bytes // world
-        sent, received = [0] * world, [0] * world
-        sent[(self.rank + 1) % world] = volume
-        received[(self.rank - 1) % world] = volume
-        self.record(name, sent, received, 1)
+        self.record_ring(name, 2 * (world - 1) * payload_bytes // world)
 
     def record_ring_allgather(self, name: str, payload_bytes: int) -> None:
         """An all_gather of ``payload_bytes`` from every rank by gloo's ring: each rank passes
@@ -88,9 +84,18 @@ class Traffic:
         world = len(self.machine_of_rank)
         if world == 1:
             return
+        self.record_ring(name, (world - 1) * payload_bytes)
+
+    def record_ring(self, name: str, volume: int, ranks: list[int] | None = None) -> None:
+        """``volume`` bytes sent to this rank's successor in a ring over ``ranks`` (default:
+        every rank; a subgroup's, e.g. a model or data group of `parallax.parallelism`) and
+        as many received from its predecessor."""
+        world = len(self.machine_of_rank)
+        ring = list(range(world)) if ranks is None else ranks
+        n, position = len(ring), ring.index(self.rank)
         sent, received = [0] * world, [0] * world
-        sent[(self.rank + 1) % world] = (world - 1) * payload_bytes
-        received[(self.rank - 1) % world] = (world - 1) * payload_bytes
+        sent[ring[(position + 1) % n]] = volume
+        received[ring[(position - 1) % n]] = volume
         self.record(name, sent, received, 1)
 
     def record_hierarchical_allreduce(self, name: str, payload_bytes: int, *, leader: int,

@@ -30,8 +30,9 @@ from torch import nn
 from parallax.parallelism.grid import Grid
 from parallax.parallelism.splits import LinearSplit, Split, plan_splits
 
-__all__ = ["Collective", "Link", "Prediction", "choose_grid", "local_elements", "measure_compute",
-           "measure_link", "predict", "predict_grids", "report_bytes", "scheme_collectives"]
+__all__ = ["Collective", "Link", "Prediction", "choose_grid", "local_elements", "local_shape",
+           "measure_compute", "measure_link", "predict", "predict_grids", "report_bytes",
+           "scheme_collectives"]
 
 
 @dataclass(frozen=True)
@@ -104,19 +105,21 @@ def scheme_collectives(splits: list[LinearSplit], grid: Grid, *, batch: int, ite
     return [c for c in out if c.group > 1]
 
 
+def local_shape(split: LinearSplit, parts: int, index: int = 0) -> tuple[int, int]:
+    """``(in, out)`` features of the piece of ``split`` the rank at model ``index`` of
+    ``parts`` holds (cut as ``torch.chunk`` cuts; its bias has ``out`` elements: a row
+    split's bias is whole everywhere)."""
+    if split.split in (Split.COLUMN, Split.GATHERED):
+        return split.in_features, _chunk(split.out_features, parts, index)
+    if split.split == Split.ROW:
+        return _chunk(split.in_features, parts, index), split.out_features
+    return split.in_features, split.out_features
+
+
 def local_elements(splits: list[LinearSplit], grid: Grid, model_index: int) -> int:
-    """Elements of the linear layers' weights and biases a rank at ``model_index`` holds
-    (pieces as ``torch.chunk`` cuts them; a row split's bias is whole everywhere)."""
-    n, total = grid.model, 0
-    for s in splits:
-        if s.split in (Split.COLUMN, Split.GATHERED):
-            mine = _chunk(s.out_features, n, model_index)
-            total += mine * s.in_features + mine
-        elif s.split == Split.ROW:
-            total += s.out_features * _chunk(s.in_features, n, model_index) + s.out_features
-        else:
-            total += s.in_features * s.out_features + s.out_features
-    return total
+    """Elements of the linear layers' weights and biases a rank at ``model_index`` holds."""
+    shapes = [local_shape(s, grid.model, model_index) for s in splits]
+    return sum(i * o + o for i, o in shapes)
 
 
 @dataclass(frozen=True)
@@ -148,15 +151,8 @@ def measure_compute(splits: list[LinearSplit], grid: Grid, *, batch: int, dtype:
     """Seconds of one process's matrix products for a step on ``grid`` (forward, and the
     backward's two products per layer), timed here on this process's shapes: the median of
     ``repeats``."""
-    rows, n = max(1, batch // grid.data), grid.model
-    shapes = []
-    for s in splits:
-        if s.split in (Split.COLUMN, Split.GATHERED):
-            shapes.append((s.in_features, _chunk(s.out_features, n, 0)))
-        elif s.split == Split.ROW:
-            shapes.append((_chunk(s.in_features, n, 0), s.out_features))
-        else:
-            shapes.append((s.in_features, s.out_features))
+    rows = max(1, batch // grid.data)
+    shapes = [local_shape(s, grid.model) for s in splits]
     tensors = [(torch.randn(rows, i, dtype=dtype), torch.randn(i, o, dtype=dtype),
                 torch.randn(rows, o, dtype=dtype)) for i, o in shapes]
     times = []

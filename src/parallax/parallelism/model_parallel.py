@@ -89,6 +89,7 @@ class ModelParallel:
         self.splits: list[LinearSplit] = []
         self.sharded: dict[str, DTensor] = {}   # split parameters by their model name
         self.dense: dict[str, nn.Parameter] = {}  # every trainable parameter of the module
+        self._norm_parts: dict[str, ShardedGradNorm] = {}  # built once the splits exist
         self.counter = CollectiveCounter({mesh.model_group.group_name: self.grid.model})
         self.steps = 0
         self.data_sent = 0.0
@@ -117,6 +118,8 @@ class ModelParallel:
             self.sharded[name] = param
             release(old)  # the user's module keeps a storage-less handle (engine.handles)
         self.dense = {n: p for n, p in executed.named_parameters() if p.requires_grad}
+        self._norm_parts = {name: ShardedGradNorm(name, p, self.grid.data)
+                            for name, p in self.sharded.items()}
         return executed
 
     # ---- training ----------------------------------------------------------------------
@@ -176,7 +179,7 @@ class ModelParallel:
         n = len(ranks)
         volume = 2 * (n - 1) * payload // n
         self.data_sent += volume
-        self._record_ring(DATA_TRAFFIC, ranks, volume)
+        self.traffic.record_ring(DATA_TRAFFIC, volume, ranks)
 
     def _record_model(self) -> None:
         """This step's model-group bytes (the counter's) into `traffic`, so `Runner.stats`
@@ -185,23 +188,12 @@ class ModelParallel:
         volume = int(round(total - self._model_recorded))
         self._model_recorded = total
         if volume:
-            self._record_ring(MODEL_TRAFFIC, self.grid.model_group_ranks(self.mesh.data_index),
-                              volume)
-
-    def _record_ring(self, name: str, ranks: list[int], volume: int) -> None:
-        """``volume`` bytes sent to this rank's successor in the ring over ``ranks`` (and as
-        many received from its predecessor)."""
-        world = len(self.traffic.machine_of_rank)
-        n, position = len(ranks), ranks.index(self.rank)
-        sent, received = [0] * world, [0] * world
-        sent[ranks[(position + 1) % n]] = volume
-        received[ranks[(position - 1) % n]] = volume
-        self.traffic.record(name, sent, received, 1)
+            self.traffic.record_ring(MODEL_TRAFFIC, volume,
+                                     self.grid.model_group_ranks(self.mesh.data_index))
 
     def norm_parts(self) -> dict[str, ShardedGradNorm]:
         """The split parameters' parts of the global norm (see `ShardedGradNorm`)."""
-        return {name: ShardedGradNorm(name, p, self.grid.data)
-                for name, p in self.sharded.items()}
+        return self._norm_parts
 
     def is_sharded(self, param: Tensor) -> bool:
         return isinstance(param, DTensor)
