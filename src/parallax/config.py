@@ -45,6 +45,15 @@ class ParallelismName(StrEnum):
     AUTO = "auto"
 
 
+class SyncName(StrEnum):
+    """When updates apply (`Config.sync`); the asynchronous ones are
+    `parallax.engine.async_training`."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+    ASYNC_SPARSE = "async-sparse"
+
+
 #: dense syncs that move the workers' updates through servers instead of AllReducing gradients
 SERVER_SYNCS = (DenseSyncName.PLUMP, DenseSyncName.SLIM)
 
@@ -103,6 +112,7 @@ ARCHITECTURES = tuple(a.value for a in ArchitectureName)
 PARALLELISMS = tuple(p.value for p in ParallelismName)
 DENSE_SYNCS = tuple(d.value for d in DenseSyncName)
 NONFINITE = ("raise", "skip", "ignore")
+SYNCS = tuple(m.value for m in SyncName)
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,21 @@ class Config:
             pulls the whole model (with ``sync_every=1``, equal to one device);
             ``"slim"`` (Slim-DP): only a core and an explorer travel (`Config.slim`).
             With ``Config.qsgd`` set, their pushes are quantised (Quant-DP through servers).
+        sync: when updates apply. ``"sync"`` (default): every step's gradients of all workers
+            are aggregated, then applied once (equal to one device). ``"async"`` (asynchronous
+            parameter servers; needs ``architecture="ps"``): every parameter lives on the
+            servers, each worker pulls, computes and pushes on its own clock and a server
+            applies each push when it arrives, with the user's optimizer (one update per push,
+            the gradient divided by the worker count when averaging). ``"async-sparse"``
+            (Persia's hybrid; needs ``architecture="hybrid"``): dense parameters stay
+            synchronous (AllReduce), the server-held sparse rows are pulled and pushed
+            asynchronously. Under both: gradient clipping (``"async"`` only) and the
+            non-finite check act on each worker's own push; no partition search; the plan's
+            tables stay on the servers. README "Asynchronous training" says what changes.
+        max_staleness: with an asynchronous ``sync``, how many steps a worker may run ahead
+            of the slowest one before its next pull waits (``None``: no bound). ``0`` is
+            synchronous training through the asynchronous servers: each server applies a
+            step once every worker pushed it, as one update (equal to ``sync="sync"``).
         qsgd: the quantiser of ``dense_sync="qsgd"`` (default `QSGD()` there), and of the
             pushes of ``"plump"``/``"slim"`` when set.
         slim: Slim-DP's α, β, q, p and c (`SlimDP`); ``"plump"`` uses its ``sync_every``.
@@ -218,6 +243,8 @@ class Config:
 
     architecture: str = ArchitectureName.HYBRID
     dense_sync: str = DenseSyncName.HIERARCHICAL
+    sync: str = SyncName.SYNC
+    max_staleness: int | None = None
     qsgd: QSGD | None = None
     slim: SlimDP = dataclasses.field(default_factory=SlimDP)
     parallelism: str = ParallelismName.DATA
@@ -254,6 +281,7 @@ class Config:
         object.__setattr__(self, "dense_sync", DenseSyncName(self.dense_sync))
         self._check_dense_sync()
         self._check_parallelism()
+        self._check_sync()
         if self.local_aggregation is not None:
             _require(isinstance(self.local_aggregation, bool), "local_aggregation",
                      self.local_aggregation, "None or a bool")
@@ -352,6 +380,42 @@ class Config:
                      f"None with dense_sync={str(self.dense_sync)!r}: checkpoints of the "
                      f"servers' dense model and the workers' pending updates are not "
                      f"implemented yet (export the model with Runner.export)")
+
+    def _check_sync(self) -> None:
+        _require(isinstance(self.sync, str) and self.sync in SYNCS, "sync", self.sync,
+                 f"one of {SYNCS}")
+        object.__setattr__(self, "sync", SyncName(self.sync))
+        if self.sync == SyncName.SYNC:
+            _require(self.max_staleness is None, "max_staleness", self.max_staleness,
+                     "None with sync='sync' (a staleness bound is for 'async'/'async-sparse')")
+            return
+        mode = repr(str(self.sync))
+        if self.max_staleness is not None:
+            _require(is_int(self.max_staleness) and self.max_staleness >= 0, "max_staleness",
+                     self.max_staleness, "None or an int >= 0")
+        wanted = (ArchitectureName.PS if self.sync == SyncName.ASYNC
+                  else ArchitectureName.HYBRID)
+        _require(self.architecture == wanted, "architecture", str(self.architecture),
+                 f"{str(wanted)!r} with sync={mode} (" + (
+                     "asynchronous parameter servers hold the dense parameters too"
+                     if wanted == ArchitectureName.PS else
+                     "dense parameters AllReduced, sparse rows on asynchronous servers") + ")")
+        _require(not self.local_aggregation, "local_aggregation", self.local_aggregation,
+                 f"None or False with sync={mode} (each worker pulls and pushes on its own "
+                 f"clock: there is no step in which a machine's workers could merge rows)")
+        _require(self.parallelism == ParallelismName.DATA, "parallelism",
+                 str(self.parallelism), f"'data' with sync={mode}")
+        _require(self.dense_sync not in SERVER_SYNCS, "dense_sync", str(self.dense_sync),
+                 f"'hierarchical', 'flat' or 'qsgd' with sync={mode}")
+        _require(self.checkpoint_every_secs is None, "checkpoint_every_secs",
+                 self.checkpoint_every_secs,
+                 f"None with sync={mode} (rank 0's clock would have to reach every worker "
+                 f"each step: use checkpoint_every_steps)")
+        if self.sync == SyncName.ASYNC_SPARSE:
+            _require(self.clip_grad_norm is None, "clip_grad_norm", self.clip_grad_norm,
+                     "None with sync='async-sparse' (the dense gradient is aggregated, the "
+                     "sparse rows are each worker's own: no norm exists that every worker "
+                     "agrees on without a barrier); sync='async' clips each push")
 
     def _check_parallelism(self) -> None:
         _require(isinstance(self.parallelism, str) and self.parallelism in PARALLELISMS,

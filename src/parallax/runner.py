@@ -10,6 +10,7 @@ same optimizer class over its shard.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -27,6 +28,8 @@ from parallax.checkpoint.export import export_running
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.collective import agree
 from parallax.config import SERVER_SYNCS, Config
+from parallax.engine.async_table import AsyncTable
+from parallax.engine.async_training import AsyncTraining
 from parallax.engine.dense_sync import DenseSyncState, codec_of, wrap_dense
 from parallax.engine.dense_sync.server_sync import ServerSync, build_server_sync
 from parallax.engine.early_push import EarlyPush
@@ -107,6 +110,19 @@ class Runner:
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self.layout = build_layout(model, self.sparse_uses, config=config, worker=worker,
                                    group=sparse_group, traffic=self.traffic)
+        # Config.sync "async"/"async-sparse": the server-held tables are pulled and pushed by
+        # point-to-point messages to server threads (parallax.engine.async_training)
+        self.asynchronous: AsyncTraining | None = None
+        if config.sync != "sync":
+            self._check_async_program()
+            self.asynchronous = AsyncTraining(
+                {n: t for n, t in self.layout.all_tables().items() if t.on_servers},
+                worker=worker, max_staleness=config.max_staleness,
+                timeout_s=config.collective_timeout_s, traffic=self.traffic)
+            for name, table in self.asynchronous.tables.items():
+                held = name in self.layout.sparse
+                kind = self.layout.sparse if held else self.layout.pulled_whole
+                kind[name] = table
         self.tables = self.layout.sparse
         check_per_shard(self.optimizers, self.architecture.server_held(model, self.sparse_uses))
         if config.lazy_sparse_updates:
@@ -163,7 +179,7 @@ class Runner:
         for table in self.layout.all_tables().values():
             table.pool = self.pool
         self.shard_optimizer = ShardOptimizer(self.optimizers, {
-            id(params[name]): table for name, table in self.layout.all_tables().items()
+            id(params[name]): _held(table) for name, table in self.layout.all_tables().items()
             if table.shard is not None
         }, self.pool)
         self._whole_pulls = {name: (table, torch.arange(table.num_rows, device=self.device),
@@ -171,12 +187,14 @@ class Runner:
                              for name, table in self.layout.pulled_whole.items()}
         self.last_grad_norm: float | None = None
         # Runner.step's gradient rows leave during its backward (Config.overlap_push)
-        self._early = EarlyPush(worker.rank) if config.overlap_push else None
+        self._early = (EarlyPush(worker.rank)
+                       if config.overlap_push and self.asynchronous is None else None)
         # The servers hold these now, with the state the user's optimizer had for them: the
         # user's copies would be stale full tables in every process (parallax.engine.handles).
         for name, table in self.layout.all_tables().items():
             if table.on_servers:
-                self.shard_optimizer.adopt_user_state(table, params[name], self.optimizers)
+                self.shard_optimizer.adopt_user_state(_held(table), params[name],
+                                                      self.optimizers)
                 release(params[name])
                 forget(params[name])  # a meta_init recipe, replayed by the servers already
         self._tuner = self._build_tuner()
@@ -190,6 +208,12 @@ class Runner:
         self._last_save = time.monotonic()
         if config.checkpoint_dir is not None and config.resume:
             self._resume_from_newest(config.checkpoint_dir)
+        if self.asynchronous is not None:
+            self.asynchronous.start(self.shard_optimizer, self.global_step)
+            # held strongly: another rank's server waits for this one's stop message
+            on_shutdown(functools.partial(AsyncTraining.close, self.asynchronous))
+            if self.progress is not None and config.sync == "async":
+                self.progress.ends_freely = True  # workers finish on their own clocks
 
     def _release_ddp(self) -> None:
         """At `parallax.shutdown`: drop the DDP wrapper (see there why); the runner cannot
@@ -243,8 +267,9 @@ class Runner:
         for name, (table, rows, _) in self._whole_pulls.items():
             wanted[name] = (table, [rows])
         if wanted:
-            prefetch([table for table, _ in wanted.values()],
-                     [ids for _, ids in wanted.values()])
+            tables = [table for table, _ in wanted.values()]
+            fetch = AsyncTable.prefetch_together if self.asynchronous is not None else prefetch
+            fetch(tables, [ids for _, ids in wanted.values()])
         return [table for table, _ in wanted.values()]
 
     def step(self, batch: Sequence[Any]) -> Tensor:
@@ -288,6 +313,12 @@ class Runner:
                 "Config.clip_grad_norm would clip the loss scaler's scaled gradients: clip "
                 "with parallax.clip_grad_norm_ after scaler.unscale_(optimizer) instead")
         self._check_no_gradient_outside_lookups()
+        if self.asynchronous is not None:
+            with self._explained():
+                self._check_phase(_UPDATE)
+                self._applies = self._push_asynchronously(loss)
+                self._synced = True
+            return self._applies
         with self._explained():
             self._check_phase(_UPDATE)
             if self._early is not None:
@@ -329,7 +360,8 @@ class Runner:
                 for optimizer in optimizers:
                     dense_step = getattr(optimizer, "parallax_dense_step", None)
                     (dense_step or optimizer.step)()
-                self.shard_optimizer.step(optimizers)
+                if self.asynchronous is None:  # asynchronous servers apply each push
+                    self.shard_optimizer.step(optimizers)
         self.skip_update(optimizers)
 
     def skip_update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -343,6 +375,12 @@ class Runner:
                        ) -> float:
         """Clip the aggregated gradients of ``parameters`` (default: all) by their global L2
         norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective."""
+        if self.asynchronous is not None:
+            raise UnsupportedProgramError(
+                f"rank {self.worker.rank}: clipping by the global norm of the aggregated "
+                f"gradients under sync={str(self.config.sync)!r}: the servers apply each "
+                f"worker's push on its own; Config(clip_grad_norm=...) clips each push "
+                f"(sync='async')")
         if self.server_sync is not None:
             raise UnsupportedProgramError(
                 f"rank {self.worker.rank}: clipping by the global norm of the aggregated "
@@ -414,6 +452,8 @@ class Runner:
             self._round_began = time.perf_counter()
             if self.progress is not None:
                 self.progress.begin(self.global_step + 1)
+            if self.asynchronous is not None:  # the staleness bound's wait
+                self.asynchronous.before_step(self.global_step + 1)
         self._synced = False
 
     def _end_round(self) -> None:
@@ -431,6 +471,8 @@ class Runner:
         self.traffic.steps += 1
         self._steps += 1
         self.global_step += 1
+        if self.asynchronous is not None:
+            self.asynchronous.after_step()
         elapsed = time.perf_counter() - self._round_began
         if self._tuner is not None and self._tuner.active:
             self._tuner.after_step(elapsed)
@@ -522,6 +564,62 @@ class Runner:
         self.zero_grad()
         return False
 
+    def _push_asynchronously(self, loss: Tensor | None) -> bool:
+        """`sync_gradients` under an asynchronous `Config.sync`: this worker's own checks,
+        then its push (returns once every server applied it). Returns whether the dense
+        update applies. The non-finite check needs no collective: the dense gradient is the
+        same on every worker (AllReduced, or none under "async"), the pushed rows are this
+        worker's own, so a bad push is dropped (or raised) here alone."""
+        run = self.asynchronous
+        tables = [t for t in self.layout.all_tables().values() if isinstance(t, AsyncTable)]
+        dense_ok = True
+        if self.config.nonfinite != "ignore":
+            bad_dense = [n for n, p in self._replicated_named_parameters()
+                         if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            bad_own = [t.name for t in tables if t.own_nonfinite()]
+            if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
+                bad_own.insert(0, "loss")
+            if bad_dense or bad_own:
+                what = ", ".join(bad_own + bad_dense)
+                if self.config.nonfinite == "raise":
+                    raise FloatingPointError(
+                        f"rank {self.worker.rank}, step {self.global_step + 1}: NaN or "
+                        f"infinite {what}; this worker pushed nothing. "
+                        f"Config(nonfinite='skip') drops such pushes.")
+                self.skipped_steps += 1
+                log.warning("parallax: rank %d, step %d: push dropped (NaN or infinite %s)",
+                            self.worker.rank, self.global_step + 1, what)
+                run.skip_push = True
+                dense_ok = not bad_dense
+        if self.config.clip_grad_norm is not None and not run.skip_push:
+            squared = sum((t.own_grad_norm_squared() for t in tables),
+                          torch.zeros((), dtype=torch.float64))
+            norm = float(squared.sqrt())
+            factor = self.config.clip_grad_norm / (norm + 1e-6)  # as clip_grad_norm_
+            if factor < 1:
+                for table in tables:
+                    table.scale_own_grad(torch.tensor(factor, dtype=torch.float64))
+            self.last_grad_norm = norm
+        AsyncTable.push_together(tables)
+        return dense_ok
+
+    def _check_async_program(self) -> None:
+        """Refuse what asynchronous servers cannot do as one device would."""
+        for name, use in self.sparse_uses.items():
+            if use.batch_dependent is not None:
+                raise UnsupportedProgramError(
+                    f"parameter '{name}' is looked up with max_norm or scale_grad_by_freq, "
+                    f"whose result depends on every worker's ids of the same step; under "
+                    f"sync={str(self.config.sync)!r} the workers' steps are not aligned. Use "
+                    f"sync='sync' for this model, or drop the option.")
+
+    def _quiet(self) -> contextlib.AbstractContextManager[None]:
+        """Under asynchronous training, no request in flight while inside (every push
+        applied: a consistent snapshot of the shards; collective); otherwise nothing."""
+        if self.asynchronous is None:
+            return contextlib.nullcontext()
+        return self.asynchronous.quiet(self.group)
+
     def _replicated_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         ids = {id(p) for p in self.replicated_parameters}
         return [(n, p) for n, p in self.model.named_parameters() if id(p) in ids]
@@ -530,6 +628,11 @@ class Runner:
         """Split the server-held sparse tables (all, or those in ``names``) into
         ``num_partitions`` partitions each, keeping their values and optimizer state; training
         continues exactly as before (collective)."""
+        if self.asynchronous is not None:
+            raise UnsupportedProgramError(
+                f"rank {self.worker.rank}: re-partitioning under sync="
+                f"{str(self.config.sync)!r} is not implemented (the servers' threads hold the "
+                f"partitions); set Config.num_partitions before training")
         wanted = None if names is None else set(names)
         for name, table in self.tables.items():
             if not table.on_servers or (wanted is not None and name not in wanted):
@@ -549,6 +652,8 @@ class Runner:
 
     # ---- partition search ----------------------------------------------------------------
     def _build_tuner(self) -> PartitionTuner | None:
+        if self.asynchronous is not None:  # its timed samples need aligned steps
+            return None
         return build_tuner(self.model, self.tables, config=self.config, worker=self.worker,
                            local_aggregation=self.architecture.aggregates_locally(self.config),
                            threads=self.pool.threads, group=self.group, device=self.device,
@@ -579,7 +684,8 @@ class Runner:
                 f"and each worker's pending update would have to be saved); Runner.export "
                 f"writes the trained model")
         keep = self.config.checkpoint_keep if path is None else None
-        directory = checkpoint.save(self, root, keep=keep, extra=extra)
+        with self._quiet():
+            directory = checkpoint.save(self, root, keep=keep, extra=extra)
         self._last_save = time.monotonic()
         return directory
 
@@ -592,7 +698,11 @@ class Runner:
         root = path if path is not None else self.config.checkpoint_dir
         if root is None:
             raise ValueError("Runner.load needs a path, or Config(checkpoint_dir=...)")
-        return checkpoint.load(self, root)
+        with self._quiet():
+            extra = checkpoint.load(self, root)
+        if self.asynchronous is not None:
+            self.asynchronous.gate.start(self.global_step)
+        return extra
 
     def _resume_from_newest(self, root: str) -> None:
         found = checkpoint.find(root) is not None if self.worker.rank == 0 else None
@@ -634,6 +744,10 @@ class Runner:
         for name, table in list(self.tables.items()):
             move, why = self.architecture.moves_to_allreduce(
                 table, self.sparsity[name], config=self.config, worker=self.worker)
+            if move and self.asynchronous is not None:
+                self._decisions[name] = (f"stays on the servers (sync="
+                                         f"{str(self.config.sync)!r}); {why}")
+                move = False
             if not move:
                 continue
             self._replace_table(table, move_to_allreduce(
@@ -691,6 +805,10 @@ class Runner:
     def state_dict(self) -> dict[str, Tensor]:
         """A plain single-device ``state_dict`` of the original model class (collective: on
         every rank, not only on the one that saves it)."""
+        with self._quiet():
+            return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Tensor]:
         with self._explained():
             self._check_phase(_EXPORT)
         with self._serving_global():
@@ -719,7 +837,7 @@ class Runner:
         held = {name: t for name, t in self.layout.all_tables().items() if t.on_servers}
         aliases = self._server_held_aliases()
         names = {name: aliases[id(self._params[name])] for name in held}
-        with self._serving_global():
+        with self._serving_global(), self._quiet():
             return export_running(path,
                                   self.parallelism.plain_model_state(self.model.state_dict()),
                                   held, names,
@@ -738,6 +856,10 @@ class Runner:
         passes the same values): into the model, and the server-held rows onto their servers.
         Optimizer state is untouched, as on one device. Returns what
         ``nn.Module.load_state_dict`` returns."""
+        with self._quiet():
+            return self._load_state_dict(state, strict=strict)
+
+    def _load_state_dict(self, state: dict[str, Tensor], *, strict: bool) -> Any:
         aliases = self._server_held_aliases()
         held = {name for names in aliases.values() for name in names}
         state = self.parallelism.load_plain_model_state(state)  # the split layers' shards
@@ -762,6 +884,10 @@ class Runner:
         server-held parameters is gathered from the servers, each per-row tensor whole on
         every rank (as `state_dict` gathers the tables; for tables larger than memory,
         checkpoint with `save`)."""
+        with self._quiet():
+            return self._optimizer_state_dict(optimizer)
+
+    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         state = self.parallelism.plain_optimizer_state(optimizer, local_state_dict(optimizer))
         state["state"] = dict(state["state"])
         index = _indices(optimizer)
@@ -790,6 +916,11 @@ class Runner:
         """``optimizer.load_state_dict(state)`` of a single-device state dict (every rank
         passes the same): each server takes its rows of a server-held parameter's state,
         the optimizer object the rest."""
+        with self._quiet():
+            self._load_optimizer_state_dict(optimizer, state)
+
+    def _load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                   state: dict) -> None:
         index = _indices(optimizer)
         kept = dict(state["state"])
         for name, table in self.layout.all_tables().items():
@@ -863,6 +994,12 @@ class Runner:
             self.server_sync.seconds = 0.0
         if self._hook_state is not None:
             self._hook_state.seconds = 0.0
+
+
+def _held(table: Table) -> Table:
+    """The table that holds a parameter's shard on the servers (an `AsyncTable`'s wrapped
+    one: the servers' optimizer and state work on it)."""
+    return table.inner if isinstance(table, AsyncTable) else table
 
 
 def _indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:

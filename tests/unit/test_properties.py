@@ -343,6 +343,11 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     "collective_timeout_s": lambda v, _: _finite_positive(v)
     and v < timedelta.max.total_seconds(),
     "find_unused_parameters": lambda v, _: isinstance(v, bool),
+    # asynchronous: "async" puts everything on the servers (ps), "async-sparse" is the hybrid's
+    "sync": lambda v, arch: isinstance(v, str) and (
+        v == "sync" or (v == "async" and arch == "ps") or (v == "async-sparse"
+                                                           and arch == "hybrid")),
+    "max_staleness": lambda v, _: v is None,  # only with an asynchronous sync
 }
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 
@@ -409,6 +414,13 @@ def valid_configs(draw: st.DrawFn) -> Config:
         values["parallelism"] = draw(st.sampled_from(["data", "model", "2d", "auto"]))
         if values["parallelism"] == "2d":
             values["mesh"] = (draw(st.integers(1, 8)), draw(st.integers(1, 8)))
+    can_async = (values.get("parallelism", "data") == "data" and not values["local_aggregation"]
+                 and values["dense_sync"] not in ("plump", "slim"))
+    if can_async and architecture in ("ps", "hybrid") and draw(st.booleans()):
+        values["sync"] = "async" if architecture == "ps" else "async-sparse"
+        values["max_staleness"] = draw(st.none() | st.integers(0, 100))
+        if values["sync"] == "async-sparse":  # no norm every worker agrees on
+            values["clip_grad_norm"] = None
     beta = draw(st.floats(1e-3, 1))
     values["slim"] = SlimDP(alpha=draw(st.floats(beta, 1)), beta=beta,
                             reselect_every=draw(st.integers(1, 10**5)),
@@ -423,7 +435,7 @@ def test_valid_config_round_trips_through_dict_and_json(config):
     assert Config.from_dict(config.to_dict()) == config
     assert Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     expected = (config.local_aggregation if config.local_aggregation is not None
-                else config.architecture in ("hybrid", "optps"))
+                else config.architecture in ("hybrid", "optps")) and config.sync == "sync"
     assert architecture_of(config).aggregates_locally(config) == expected
 
 

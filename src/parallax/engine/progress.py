@@ -68,6 +68,8 @@ class Progress:
         self.steps = 0
         self.ended = False
         self.current = "done"
+        # asynchronous training: a worker may finish while others still train
+        self.ends_freely = False
         _active.append(self)
 
     def _write(self, step: int, phase: str) -> None:
@@ -83,7 +85,7 @@ class Progress:
 
     def begin(self, step: int) -> None:
         """Before step ``step``'s first collective: fail at once if a rank has ended."""
-        if self.store is not None and self.store.check([_ENDED]):
+        if self.store is not None and not self.ends_freely and self.store.check([_ENDED]):
             records = self.records()
             ended = _ended(records)
             if ended:

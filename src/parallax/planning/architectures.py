@@ -88,6 +88,8 @@ class Architecture:
 
     def aggregates_locally(self, config: Config) -> bool:
         """Whether sparse exchanges go through each machine's leader under ``config``."""
+        if config.sync != "sync":  # each worker pulls and pushes on its own clock
+            return False
         if config.local_aggregation is not None:
             return config.local_aggregation
         return self.aggregates_by_default

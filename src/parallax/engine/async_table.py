@@ -1,0 +1,159 @@
+"""Server-held parameters under asynchronous training: the worker's side.
+
+`AsyncTable` implements the `parallax.engine.table.Table` contract for a parameter whose rows
+the asynchronous servers hold (`parallax.engine.async_server`): a lookup pulls the rows from
+their owners by point-to-point messages (no collective: no other worker takes part), and the
+push after the backward sends this worker's gradient rows to every server and waits for
+their acknowledgements. Everything else — the shard, checkpoints, export, optimizer state —
+is the wrapped `ShardedTable`'s, read while the servers are quiet (`AsyncTraining.quiet`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from parallax.engine.exchange import unique_ids
+from parallax.engine.server_table import ShardedTable
+
+__all__ = ["AsyncExchange", "AsyncTable"]
+
+
+class AsyncExchange(Protocol):
+    """What a table needs of the run's messages (`parallax.engine.async_training`)."""
+
+    rank: int
+
+    def pull(self, indices: Sequence[int], tables: Sequence[ShardedTable],
+             uniques: Sequence[Tensor]) -> list[Tensor]: ...
+
+    def push(self, tables: Sequence[AsyncTable]) -> None: ...
+
+
+class AsyncTable:
+    """One server-held parameter pulled and pushed asynchronously (see the module)."""
+
+    sync = "ps"
+    on_servers = True
+    replica = None
+    local_aggregation = False
+
+    def __init__(self, inner: ShardedTable, index: int, run: AsyncExchange):
+        self.inner = inner
+        self.index = index  # position in every message's per-table counts
+        self.run = run
+        self.name = inner.name
+        self.num_rows = inner.num_rows
+        self.row_shape = inner.row_shape
+        self.dtype = inner.dtype
+        self.rows_used: list[int] = []
+        self.machine_rows_used: list[int] = []
+        self.prefetched: tuple[Tensor, Tensor] | None = None  # (sorted ids, leaf rows)
+        self._pending: list[tuple[Tensor, Tensor]] = []  # this step's (ids, leaf rows)
+
+    def __getattr__(self, name: str) -> Any:
+        # the shard, partitioning, full_weight, assign, ...: the wrapped table's
+        return getattr(self.inner, name)
+
+    @property
+    def shard(self) -> nn.Parameter | None:
+        return self.inner.shard
+
+    # ---- forward -----------------------------------------------------------------------
+    def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``(rows of the unique ids, inverse)``: from this step's prefetched rows, else
+        pulled now."""
+        unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.run.rank)
+        if bad_id is not None:
+            raise IndexError(
+                f"rank {self.run.rank}: id {bad_id} of a lookup of '{self.name}' is outside "
+                f"[0, {self.num_rows})")
+        if self.prefetched is not None:
+            held, rows = self.prefetched
+            return rows[torch.searchsorted(held, unique)], inverse
+        return pull_together([self], [unique])[0], inverse
+
+    @staticmethod
+    def prefetch_together(tables: Sequence[AsyncTable], ids: Sequence[Sequence[Tensor]]) -> None:
+        """Pull, in one request per server, the rows of all lookups a forward is about to
+        make (``ids[i]``: the ids of every lookup of ``tables[i]``)."""
+        uniques = []
+        for table, table_ids in zip(tables, ids, strict=True):
+            union = (torch.cat([i.reshape(-1).long() for i in table_ids]) if table_ids
+                     else torch.empty(0, dtype=torch.long))
+            unique, _, bad_id = unique_ids(union, table.num_rows, table.name, table.run.rank)
+            if bad_id is not None:
+                raise IndexError(
+                    f"rank {table.run.rank}: id {bad_id} of a lookup of '{table.name}' is "
+                    f"outside [0, {table.num_rows})")
+            uniques.append(unique)
+        for table, unique, rows in zip(tables, uniques, pull_together(tables, uniques),
+                                       strict=True):
+            table.prefetched = (unique, rows)
+
+    # ---- backward ----------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for _, rows in self._pending:
+            rows.grad = None
+        self.prefetched = None
+
+    @staticmethod
+    def push_together(tables: Sequence[AsyncTable]) -> None:
+        """This step's gradient rows of every table, to every server (one push each)."""
+        if tables:
+            tables[0].run.push(tables)
+
+    def push_gradients(self) -> None:
+        self.run.push([self])
+
+    def gradient_rows(self) -> tuple[Tensor, Tensor]:
+        """This step's ``(ids, gradient rows)`` (ids may repeat across lookups; zeros where
+        a backward gave none), and the step's pulls forgotten."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return torch.empty(0, dtype=torch.long), torch.empty((0, *self.row_shape),
+                                                                 dtype=self.dtype)
+        ids = torch.cat([i for i, _ in pending])
+        self.rows_used.append(int(torch.unique(ids).numel()))
+        grads = torch.cat([rows.grad if rows.grad is not None else torch.zeros_like(rows)
+                           for _, rows in pending])
+        return ids, grads.detach()
+
+    def own_grad_norm_squared(self) -> Tensor:
+        """The squared norm of this worker's own gradient rows (per-push clipping)."""
+        squared = torch.zeros((), dtype=torch.float64)
+        for _, rows in self._pending:
+            if rows.grad is not None:
+                squared += torch.linalg.vector_norm(rows.grad, dtype=torch.float64) ** 2
+        return squared
+
+    def scale_own_grad(self, factor: Tensor) -> None:
+        for _, rows in self._pending:
+            if rows.grad is not None:
+                rows.grad.mul_(factor.to(rows.grad.dtype))
+
+    def own_nonfinite(self) -> bool:
+        return any(rows.grad is not None and not bool(torch.isfinite(rows.grad).all())
+                   for _, rows in self._pending)
+
+    def grad_norm_squared(self) -> Tensor:
+        return self.own_grad_norm_squared()
+
+    def scale_grad(self, factor: Tensor) -> None:
+        self.scale_own_grad(factor)
+
+
+def pull_together(tables: Sequence[AsyncTable], uniques: Sequence[Tensor]) -> list[Tensor]:
+    """Rows of the sorted unique ``uniques[i]`` of ``tables[i]``, one request per server that
+    owns any; leaves that record their gradient for the push when autograd is on."""
+    run = tables[0].run
+    rows = run.pull([t.index for t in tables], [t.inner for t in tables], uniques)
+    if torch.is_grad_enabled():
+        for table, unique, leaf in zip(tables, uniques, rows, strict=True):
+            leaf.requires_grad_(True)
+            table._pending.append((unique, leaf))
+    return rows
+
