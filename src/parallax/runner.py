@@ -139,6 +139,8 @@ class Runner:
         # Under ``parallax plan`` the warm-up is all that runs.
         self._warmup_steps = int(os.environ.get(PLAN_WARMUP_ENV,
                                                 config.sparsity_warmup_steps))
+        if config.sync == "async":  # measuring α is a collective: no barrier in async runs
+            self._warmup_steps = 0
         self._build_plan()
         executed = executed_copy(model, self.sparse_uses, lambda name: self.tables[name])
         # Config.parallelism: "model"/"2d" split the linear layers over model groups here
@@ -308,6 +310,11 @@ class Runner:
                 f"parallax.distribute returned, then backward, then optimizer.step()")
         if self._synced:
             return self._applies
+        if scaled and self.asynchronous is not None:
+            raise UnsupportedProgramError(
+                f"rank {self.worker.rank}: a loss scaler (parallax.GradScaler) under sync="
+                f"{str(self.config.sync)!r}: its overflow check needs every worker's scaled "
+                f"gradient of the same step; asynchronous servers apply each push on its own")
         if scaled and self.config.clip_grad_norm is not None:
             raise UnsupportedProgramError(
                 "Config.clip_grad_norm would clip the loss scaler's scaled gradients: clip "
@@ -411,8 +418,8 @@ class Runner:
         a rank that skipped ``optimizer.step()`` (or ran one forward more) is named on every
         rank instead of meeting a different collective. `step` needs no check (its order is
         fixed)."""
-        if not self.checks_phases or self.worker.world_size == 1:
-            return
+        if not self.checks_phases or self.worker.world_size == 1 or self.asynchronous:
+            return  # (asynchronous workers are not in the same step: nothing to compare)
         mine = torch.tensor([phase, self.global_step + 1], dtype=torch.long, device=self.device)
         everyone = [torch.empty_like(mine) for _ in range(self.worker.world_size)]
         dist.all_gather(everyone, mine, group=self.group)

@@ -87,3 +87,9 @@ def test_a_nonfinite_push_is_dropped_on_its_worker_alone(trained) -> None:
     assert skipped["skipped"] == 1  # rank 1's, once
     for name, value in skipped["state"].items():
         assert torch.isfinite(value).all(), name
+
+
+def test_the_users_own_loop_trains_asynchronously_too(trained) -> None:
+    single = trained["single/adam"]
+    for name, value in trained["own_loop"].items():
+        torch.testing.assert_close(value, single[name], rtol=0, atol=1e-9, msg=name)

@@ -130,6 +130,25 @@ def test_one_failing_worker_ends_all_and_launcher_names_it(tmp_path: Path) -> No
     assert_no_worker_left(tmp_path)
 
 
+def test_one_failing_asynchronous_worker_ends_all_at_once(tmp_path: Path) -> None:
+    """Under sync="async" nothing collective holds the others: the failing worker must not
+    keep serving them until they finish, and they must not wait for a timeout."""
+    proc, seconds = run_faulty("raise-async", tmp_path)
+    assert proc.returncode != 0
+    assert "rank 1" in proc.stderr and "deliberate failure" in proc.stderr
+    assert seconds < FAULT_TIMEOUT_S, "the others must not wait for the timeout"
+    assert_no_worker_left(tmp_path)
+
+
+def test_a_staleness_wait_names_the_worker_that_hangs(tmp_path: Path) -> None:
+    proc, seconds = run_faulty("hang-async", tmp_path)
+    assert proc.returncode != 0
+    assert re.search(r"rank 0 waited 20 s .* before step \d+: with max_staleness=1 .* "
+                     r"but rank 1 finished 3", proc.stderr), proc.stderr[-3000:]
+    assert seconds < 120, "the failure must come from the timeout, not the sleep's end"
+    assert_no_worker_left(tmp_path)
+
+
 FAULT_TIMEOUT_S = 20  # faulty_worker.py's collective timeout in modes uneven, hang, hang-loss
 
 

@@ -10,7 +10,8 @@ Runs, in one launch, and saves on rank 0:
   3x as long: each rank's wall time, the staleness gate's lags and waits;
 - ``snapshot``: a checkpoint saved mid-run under "async" with pushes in flight until the
   save, the state_dict at that point, and a new runner's state_dict after loading it;
-- ``skip``: Config(nonfinite="skip") with rank 1's loss NaN at one step.
+- ``skip``: Config(nonfinite="skip") with rank 1's loss NaN at one step;
+- ``own_loop``: the user's loop (parallax.distribute), "async-sparse", max_staleness=0.
 
 Usage: parallax run --machines 2 --nproc-per-machine 2 async_worker.py OUT.pt [CKPT_DIR]"""
 
@@ -193,6 +194,24 @@ def snapshot(results: dict, directory: str) -> None:
         results["snapshot"] = dict(at_save=at_save, loaded=loaded, step=again.global_step)
 
 
+def own_loop(results: dict) -> None:
+    """The user's own loop (parallax.distribute) under "async-sparse" with max_staleness=0."""
+    torch.manual_seed(0)
+    model = Model().double()
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    config = parallax.Config(sync="async-sparse", max_staleness=0, partition_cache=None)
+    model, optimizer = parallax.distribute(model, optimizer, config=config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(STEPS):
+        tokens, targets = worker_batch(step, rank, world)
+        optimizer.zero_grad()
+        loss_fn(model(tokens), targets).backward()
+        optimizer.step()
+    state = model.state_dict()
+    if rank == 0:
+        results["own_loop"] = state
+
+
 def skip(results: dict) -> None:
     torch.manual_seed(0)
     model = Model().double()
@@ -225,6 +244,7 @@ def main() -> None:
     if len(sys.argv) > 2:
         snapshot(results, sys.argv[2])
     skip(results)
+    own_loop(results)
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])
     parallax.shutdown()

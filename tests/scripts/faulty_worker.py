@@ -10,6 +10,8 @@ Usage: faulty_worker.py MODE OUT_DIR, MODE one of
   uneven   rank 1 has one batch more than the others (collective timeout 20 s)
   hang     rank 1 sleeps 120 s in its loop before step 4 (collective timeout 20 s)
   hang-loss  rank 1 sleeps 120 s in its loss function in step 4 (collective timeout 20 s)
+  raise-async  as raise, under Config(sync="async") (no collective holds the others)
+  hang-async   as hang, under Config(sync="async", max_staleness=1): rank 0's staleness wait
 Every worker writes OUT_DIR/pid-RANK so the test can check no process is left behind.
 """
 
@@ -55,12 +57,15 @@ def main() -> None:
         config = parallax.Config(collective_timeout_s=60, nonfinite="skip")
     if mode in ("uneven", "hang", "hang-loss"):
         config = parallax.Config(collective_timeout_s=20)
+    if mode.endswith("-async"):
+        config = parallax.Config(collective_timeout_s=20, sync="async", architecture="ps",
+                                 max_staleness=1 if mode == "hang-async" else None)
     runner = parallax.get_runner(model, optimizer, loss, config=config)
     batches = global_batches(Case("mixed", "adam"))
     if mode == "uneven" and worker.rank != 1:
         batches = batches[:3]
     for step, batch in enumerate(batches):
-        if mode == "hang" and worker.rank == 1 and step == 3:
+        if mode in ("hang", "hang-async") and worker.rank == 1 and step == 3:
             time.sleep(120)
         x, y = worker_slice(batch, worker.rank, worker.world_size)
         poisoned[0] = mode.startswith("nan") and worker.rank == 1 and step == 2
@@ -68,7 +73,7 @@ def main() -> None:
         if mode == "bad_id" and worker.rank == 1 and step == 2:
             x = x.clone()
             x[0, 0] = 123_456
-        if mode == "raise" and worker.rank == 1 and step == 2:
+        if mode in ("raise", "raise-async") and worker.rank == 1 and step == 2:
             raise RuntimeError("deliberate failure in the user's training loop")
         runner.step((x, y))
     if mode == "nan-skip":

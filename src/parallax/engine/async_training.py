@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 
@@ -47,6 +48,18 @@ __all__ = ["AsyncTraining", "StalenessGate"]
 log = logging.getLogger("parallax")
 _serial = itertools.count()  # runners of this process: the same sequence on every rank
 _DONE = 2**62  # a finished worker's clock: it holds nobody back
+_failing = False  # an uncaught exception is ending this process
+
+
+def _note_failure(kind, value, traceback) -> None:  # type: ignore[no-untyped-def]
+    """sys.excepthook: a failing worker must not keep serving the others until they finish
+    (its launcher would not see the failure, nor restart the job, until then)."""
+    global _failing
+    _failing = True
+    _previous_hook(kind, value, traceback)
+
+
+_previous_hook = sys.excepthook
 
 
 class StalenessGate:
@@ -126,6 +139,9 @@ class AsyncTraining:
         self.skip_push = False  # Config.nonfinite="skip" found this worker's gradient bad
         self._quiet_depth = 0
         self.closed = False
+        if sys.excepthook is not _note_failure:
+            global _previous_hook
+            _previous_hook, sys.excepthook = sys.excepthook, _note_failure
 
     def start(self, shard_optimizer: object, step: int) -> None:
         """Serve: the servers' optimizer is built and the initial values are in place."""
@@ -285,8 +301,10 @@ class AsyncTraining:
                 if server != self.rank:
                     self.channel.send(self.channel.header(STOP, self.step, [0] * len(self.inner)),
                                       server, _HEADER).wait(self.channel.timeout)
-            if self.thread is not None:
+            if self.thread is not None and not _failing:
                 self.thread.join(self.timeout_s)
+            elif self.thread is not None:
+                return  # failing: the others learn it from the closed connections
         except Exception as error:  # a peer already gone: its own error says why
             log.warning("parallax: rank %d: asynchronous servers did not stop cleanly: %s",
                         self.rank, error)
