@@ -47,7 +47,6 @@ __all__ = ["AsyncTraining", "StalenessGate"]
 
 log = logging.getLogger("parallax")
 _serial = itertools.count()  # runners of this process: the same sequence on every rank
-_DONE = 2**62  # a finished worker's clock: it holds nobody back
 _failing = False  # an uncaught exception is ending this process
 
 
@@ -86,8 +85,13 @@ class StalenessGate:
         self.store.add(f"clock{self.rank}", 1)
 
     def close(self) -> None:
+        """This worker trains no more: it holds nobody back."""
         with contextlib.suppress(Exception):  # at exit the launcher's store may be gone
-            self.store.set(f"clock{self.rank}", str(_DONE))
+            self.store.set(f"finished{self.rank}", "1")
+
+    def clocks(self) -> dict[int, int]:
+        """Every worker's finished steps."""
+        return {r: self.store.add(f"clock{r}", 0) for r in range(self.world_size)}
 
     def wait(self, step: int) -> None:
         """Before ``step``: wait until every worker finished step ``step - 1 - bound``."""
@@ -100,6 +104,10 @@ class StalenessGate:
             clocks = {r: self.store.add(f"clock{r}", 0) for r in range(self.world_size)
                       if r != self.rank}
             slowest = min(clocks, key=clocks.__getitem__)
+            if clocks[slowest] < need and self.store.check([f"finished{slowest}"]):
+                clocks = {r: c for r, c in clocks.items()  # a finished worker waits nobody
+                          if not self.store.check([f"finished{r}"])} or {slowest: need}
+                slowest = min(clocks, key=clocks.__getitem__)
             if clocks[slowest] >= need:
                 self.lags.append(step - 1 - min(clocks[slowest], step - 1))
                 self.waited_s += time.monotonic() - began
@@ -159,6 +167,12 @@ class AsyncTraining:
 
     def after_step(self) -> None:
         self.gate.finished()
+
+    def global_steps(self) -> int:
+        """Steps finished by all workers together (asynchronous training's global step: a
+        loop that should end after a total amount of work, whichever workers did it, reads
+        this)."""
+        return sum(self.gate.clocks().values())
 
     def check(self) -> None:
         """Raise what this process's server thread failed with, if it did."""
