@@ -122,7 +122,8 @@ def summarise(records: list[list[dict[str, Any]]], steps: int) -> dict[str, dict
             choosing.append(statistics.fmean(r.get("choosing_s", 0.0) for r in ranks))
         median_run = runs[sorted(range(len(runs)), key=lambda i: totals[i])[len(runs) // 2]]
         stats = median_run["ranks"][0]["stats"]
-        dense_bytes = sum(v for counts in stats.values() for v in counts.values())
+        dense_bytes = sum(v for name, counts in stats.items() if name != "step phases"
+                          for v in counts.values())
         out[label] = {
             "train_s": statistics.median(totals), "train_s_all": totals,
             "comm_s": statistics.median(comms),

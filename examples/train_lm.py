@@ -46,6 +46,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=300, help="stop an epoch early "
                         "after this many steps (0: whole epoch)")
     parser.add_argument("--max-valid-batches", type=int, default=20, help="per worker")
+    parser.add_argument("--sync", default="sync", choices=["sync", "async", "async-sparse"],
+                        help="Config.sync: 'async' puts every parameter on asynchronous "
+                        "servers (architecture ps), 'async-sparse' only the embeddings")
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="Config.max_staleness under --sync async/async-sparse")
     return parser.parse_args()
 
 
@@ -58,8 +63,13 @@ def main() -> None:
 
     train_loader = parallax.shard(DataLoader(train, batch_size=args.batch_size, shuffle=True))
     valid_loader = parallax.shard(DataLoader(valid, batch_size=args.batch_size))
+    config = parallax.Config(
+        # async-sparse has no global norm to clip by (dense aggregated, sparse per worker)
+        clip_grad_norm=None if args.sync == "async-sparse" else args.clip, sync=args.sync,
+        architecture="ps" if args.sync == "async" else "hybrid",
+        max_staleness=args.max_staleness)
     runner = parallax.get_runner(model, optimizer, lm_loss, resources=args.resources,
-                                 config=parallax.Config(clip_grad_norm=args.clip))
+                                 config=config)
 
     lead = runner.worker.rank == 0
     world = runner.worker.world_size
@@ -73,11 +83,16 @@ def main() -> None:
         bar = tqdm(total=steps, desc=f"epoch {epoch}", disable=not lead, unit="step",
                    file=sys.stdout)
         start, words = time.perf_counter(), 0
+        began = runner.asynchronous.global_steps() if runner.asynchronous else 0
         for step, batch in enumerate(train_loader):
             if step == steps:
                 break
             loss = runner.step(batch)
-            words += batch[0].numel() * world  # every worker's batch has the same size
+            # every worker's batch has the same size; asynchronous workers are not in the same
+            # step: count what all of them finished
+            done = (runner.asynchronous.global_steps() - began if runner.asynchronous
+                    else (step + 1) * world)
+            words = done * batch[0].numel()
             bar.set_postfix(loss=f"{float(loss):.3f}",
                             words_per_s=f"{words / (time.perf_counter() - start):,.0f}")
             bar.update()

@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(torch elastic restarts; the script must resume itself, e.g. from a checkpoint; "
         "default 0)",
     )
+    run.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every step's phases "
+        "to FILE: one process per rank, one track per phase (ranks of other hosts write "
+        "FILE.rank<R>.json where FILE's folder is on their host: merge them with a shared "
+        "file system)",
+    )
     _add_cluster_arguments(run)
     plan = commands.add_parser(
         "plan",
@@ -208,9 +216,28 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if max_restarts < 0:
         return _fail(f"--max-restarts must be at least 0, got {max_restarts}")
 
+    env = {}
+    timeline = getattr(args, "timeline", None)  # only ``run`` has the flag
+    if timeline:
+        from parallax.engine.phases import TIMELINE_ENV
+
+        timeline = os.path.abspath(timeline)
+        env[TIMELINE_ENV] = timeline
+    status = _launch(parser, args, spec, env, max_restarts)
+    if timeline:
+        from parallax.engine.phases import merge_timelines
+
+        merged = merge_timelines(timeline)
+        said = f"written to {merged}" if merged else "empty: no step ran"
+        print(f"parallax: timeline {said}", file=sys.stderr)
+    return status
+
+
+def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace, spec: ResourceSpec,
+            env: dict[str, str], max_restarts: int) -> int:
+    """Start the workers the way the arguments say; the job's exit status."""
     from parallax.launch.elastic import launch  # imports torch: keep usage errors fast
 
-    env = {}
     if args.command == "plan":
         if args.warmup_steps < 1:
             return _fail("--warmup-steps must be at least 1")

@@ -36,6 +36,7 @@ from parallax.engine.early_push import EarlyPush
 from parallax.engine.exchange import Traffic
 from parallax.engine.grad_norm import clip_by_global_norm, find_nonfinite
 from parallax.engine.handles import release
+from parallax.engine.phases import STATS_KEY, TIMELINE_ENV, PhaseClock
 from parallax.engine.pool import default_threads, shared_pool
 from parallax.engine.progress import Progress, is_collective_failure
 from parallax.engine.server_table import ShardedTable, prefetch
@@ -92,6 +93,9 @@ class Runner:
         # Where every rank is, in the job's store: a failed collective names who is missing.
         self.progress = (Progress(worker.rank, worker.world_size, config.collective_timeout_s)
                          if worker.world_size > 1 else None)
+        # where each step's time goes (runner.stats()["step phases"]; parallax run --timeline)
+        self.phases = PhaseClock(worker.rank, os.environ.get(TIMELINE_ENV) or None)
+        on_shutdown(self.phases.write)
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
         check_exact(model, self.sparse_uses, config)
         self.architecture = architecture_of(config)
@@ -246,12 +250,13 @@ class Runner:
             self._check_phase(_FORWARD)
             ahead = self._pull_ahead(args, kwargs)
             try:
-                if not self._whole_pulls:
-                    return self.module(*args, **kwargs)
-                # ps/optps: dense parameters too come from the servers, whole, every step.
-                pulled = {name: table.lookup(rows)[0].view(shape)
-                          for name, (table, rows, shape) in self._whole_pulls.items()}
-                return torch.func.functional_call(self.module, pulled, args, kwargs)
+                with self.phases.phase("forward"):
+                    if not self._whole_pulls:
+                        return self.module(*args, **kwargs)
+                    # ps/optps: dense parameters too come from the servers, whole, every step
+                    pulled = {name: table.lookup(rows)[0].view(shape)
+                              for name, (table, rows, shape) in self._whole_pulls.items()}
+                    return torch.func.functional_call(self.module, pulled, args, kwargs)
             finally:
                 for table in ahead:
                     table.prefetched = None
@@ -262,10 +267,11 @@ class Runner:
         computes from the inputs). Returns the tables served from the pulled rows."""
         wanted: dict[str, tuple[ShardedTable, list[Tensor]]] = {}
         if self._id_program is not None:
-            for path, ids in self._id_program(*args, **kwargs):
-                table = self._executed.get_submodule(path).table
-                if table.on_servers:  # replicated tables look up locally
-                    wanted.setdefault(table.name, (table, []))[1].append(ids)
+            with self.phases.phase("id look-ahead"):
+                for path, ids in self._id_program(*args, **kwargs):
+                    table = self._executed.get_submodule(path).table
+                    if table.on_servers:  # replicated tables look up locally
+                        wanted.setdefault(table.name, (table, []))[1].append(ids)
         for name, (table, rows, _) in self._whole_pulls.items():
             wanted[name] = (table, [rows])
         if wanted:
@@ -286,13 +292,16 @@ class Runner:
         with self._explained():
             self.zero_grad()
             with self.parallelism.counting():
-                loss = self.loss_fn(self.forward(inputs), _to_device(targets, self.device))
+                output = self.forward(inputs)
+                with self.phases.phase("forward"):  # the loss function's share
+                    loss = self.loss_fn(output, _to_device(targets, self.device))
                 if self.progress is not None:
                     self.progress.phase(self.global_step + 1, "backward")
                 if self._early is not None:
                     self._early.arm([t for t in self.layout.all_tables().values()
                                      if t.on_servers])
-                loss.backward()
+                with self.phases.phase("backward"):
+                    loss.backward()
             self.apply_update(self.optimizers, loss=loss)
         return loss.detach()
 
@@ -328,14 +337,17 @@ class Runner:
             return self._applies
         with self._explained():
             self._check_phase(_UPDATE)
-            if self._early is not None:
-                self._early.flush()  # what Runner.step's backward did not push yet
-            push_all(self.layout.all_tables().values())
-            self.parallelism.reduce_gradients()  # "model"/"2d": over the data groups
-            self._applies = True if scaled else self._finite_or_skip(loss)
-            self._synced = True
-            if self._applies and self.config.clip_grad_norm is not None:
-                self.last_grad_norm = self.clip_grad_norm(self.config.clip_grad_norm)
+            with self.phases.phase("push"):
+                if self._early is not None:
+                    self._early.flush()  # what Runner.step's backward did not push yet
+                push_all(self.layout.all_tables().values())
+            with self.phases.phase("dense sync"):
+                self.parallelism.reduce_gradients()  # "model"/"2d": over the data groups
+            with self.phases.phase("clip and check"):
+                self._applies = True if scaled else self._finite_or_skip(loss)
+                self._synced = True
+                if self._applies and self.config.clip_grad_norm is not None:
+                    self.last_grad_norm = self.clip_grad_norm(self.config.clip_grad_norm)
         return self._applies
 
     def unscale_tables(self, optimizers: Sequence[torch.optim.Optimizer],
@@ -364,11 +376,13 @@ class Runner:
         rows on their servers (after `sync_gradients`). Collective."""
         if self.sync_gradients(loss):
             with self._explained():
-                for optimizer in optimizers:
-                    dense_step = getattr(optimizer, "parallax_dense_step", None)
-                    (dense_step or optimizer.step)()
+                with self.phases.phase("dense update"):
+                    for optimizer in optimizers:
+                        dense_step = getattr(optimizer, "parallax_dense_step", None)
+                        (dense_step or optimizer.step)()
                 if self.asynchronous is None:  # asynchronous servers apply each push
-                    self.shard_optimizer.step(optimizers)
+                    with self.phases.phase("server update"):
+                        self.shard_optimizer.step(optimizers)
         self.skip_update(optimizers)
 
     def skip_update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -457,6 +471,7 @@ class Runner:
         if not self._in_round:
             self._in_round = True
             self._round_began = time.perf_counter()
+            self.phases.begin(self.global_step + 1)
             if self.progress is not None:
                 self.progress.begin(self.global_step + 1)
             if self.asynchronous is not None:  # the staleness bound's wait
@@ -469,7 +484,7 @@ class Runner:
         checkpoints."""
         if (self.server_sync is not None
                 and (self.global_step + 1) % self.config.slim.sync_every == 0):
-            with self._explained():
+            with self._explained(), self.phases.phase("dense sync"):
                 self.server_sync.communicate()
         if self.progress is not None:
             self.progress.done(self.global_step + 1)
@@ -491,7 +506,9 @@ class Runner:
         elif self._warmup_steps == 0 and self._steps == 1:
             self._start_search()
         if self._checkpoint_due():
-            self.save()
+            with self.phases.phase("checkpoint"):
+                self.save()
+        self.phases.end()
 
     @contextlib.contextmanager
     def _explained(self) -> Iterator[None]:
@@ -577,8 +594,16 @@ class Runner:
         update applies. The non-finite check needs no collective: the dense gradient is the
         same on every worker (AllReduced, or none under "async"), the pushed rows are this
         worker's own, so a bad push is dropped (or raised) here alone."""
-        run = self.asynchronous
         tables = [t for t in self.layout.all_tables().values() if isinstance(t, AsyncTable)]
+        with self.phases.phase("clip and check"):
+            dense_ok = self._check_and_clip_push(loss, tables)
+        with self.phases.phase("push"):
+            AsyncTable.push_together(tables)
+        return dense_ok
+
+    def _check_and_clip_push(self, loss: Tensor | None, tables: list[AsyncTable]) -> bool:
+        """`Config.nonfinite` and `Config.clip_grad_norm` on this worker's own push."""
+        run = self.asynchronous
         dense_ok = True
         if self.config.nonfinite != "ignore":
             bad_dense = [n for n, p in self._replicated_named_parameters()
@@ -607,7 +632,6 @@ class Runner:
                 for table in tables:
                     table.scale_own_grad(torch.tensor(factor, dtype=torch.float64))
             self.last_grad_norm = norm
-        AsyncTable.push_together(tables)
         return dense_ok
 
     def _check_async_program(self) -> None:
@@ -964,9 +988,12 @@ class Runner:
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Bytes this worker sent and received per training step through the parameter-server
-        and AllGatherv exchanges, per parameter, split into intra- and inter-machine traffic
-        (averaged over the steps since the start or the last ``reset_stats``)."""
-        return self.traffic.per_step()
+        and AllGatherv exchanges, per parameter, split into intra- and inter-machine traffic;
+        and under ``"step phases"`` the seconds per step of each phase of the step on this
+        rank (`parallax.engine.phases.PHASES`, self times: they add up to ``"step"`` with
+        ``"other"``, what no phase covers). Averaged over the steps since the start or the
+        last ``reset_stats``."""
+        return {**self.traffic.per_step(), STATS_KEY: self.phases.per_step()}
 
     def inter_machine_bytes(self) -> dict[str, float]:
         """Per parameter, the measured bytes (sent + received) crossing machines per machine
@@ -996,6 +1023,7 @@ class Runner:
     def reset_stats(self) -> None:
         """Restart the byte counts of `stats` and `dense_sync_seconds`."""
         self.traffic.reset()
+        self.phases.reset()
         self.parallelism.reset()
         if self.server_sync is not None:
             self.server_sync.seconds = 0.0

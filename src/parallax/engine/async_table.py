@@ -73,7 +73,13 @@ class AsyncTable:
                 f"[0, {self.num_rows})")
         if self.prefetched is not None:
             held, rows = self.prefetched
-            return rows[torch.searchsorted(held, unique)], inverse
+            position = torch.searchsorted(held, unique)
+            if unique.numel() and (held.numel() == 0 or not torch.equal(
+                    held[position.clamp_max(held.numel() - 1)], unique)):
+                raise RuntimeError(
+                    f"parallax internal error: rank {self.run.rank} looked up ids of "
+                    f"'{self.name}' that were not pulled ahead for this step; please report it")
+            return rows[position], inverse
         return pull_together([self], [unique])[0], inverse
 
     @staticmethod

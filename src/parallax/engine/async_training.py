@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributed import distributed_c10d
 
 from parallax.cluster import WorkerInfo
+from parallax.engine import phases
 from parallax.engine.async_server import (
     _GRADS,
     _HEADER,
@@ -185,6 +186,11 @@ class AsyncTraining:
              uniques: Sequence[Tensor]) -> list[Tensor]:
         """Rows of ``uniques[k]`` (sorted unique ids) of ``tables[k]`` (message index
         ``indices[k]``): one request to each server that owns any of them."""
+        with phases.phase("pull"):
+            return self._pull(indices, tables, uniques)
+
+    def _pull(self, indices: Sequence[int], tables: Sequence[ShardedTable],
+              uniques: Sequence[Tensor]) -> list[Tensor]:
         self.check()
         out = [torch.empty((u.numel(), *t.row_shape), dtype=t.dtype)
                for t, u in zip(tables, uniques, strict=True)]

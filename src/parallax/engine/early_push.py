@@ -31,6 +31,7 @@ from functools import partial
 import torch.distributed as dist
 from torch import Tensor
 
+from parallax.engine import phases
 from parallax.engine.server_table import (
     ShardedTable,
     _Pull,
@@ -120,7 +121,8 @@ class EarlyPush:
             record, names = self._items[self._next]
             if only_ready and not all((id(record), n) in self._ready for n in names):
                 return
-            start_push(record, names)
+            with phases.phase("push"):
+                start_push(record, names)
             if only_ready:
                 self.launched_early += 1
             self._next += 1

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine import lookup_options
+from parallax.engine import lookup_options, phases
 from parallax.engine.exchange import Hop, SparseIdError, Traffic, unique_ids
 from parallax.engine.pool import SERIAL, PartitionPool
 
@@ -462,6 +462,12 @@ class ShardedTable:
 def pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """Rows of ``ids[i]`` from ``tables[i]`` (distinct tables of one runner), all in one
     exchange; ``(rows, inverse)`` per table as `ShardedTable.lookup` returns them."""
+    with phases.phase("pull"):
+        return _pull(tables, ids)
+
+
+def _pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
+          ) -> list[tuple[Tensor, Tensor]]:
     first = tables[0]
     requests = [unique_ids(i, t.num_rows, t.name, t.worker.rank) for t, i in zip(tables, ids,
                                                                                    strict=True)]
@@ -585,11 +591,12 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
         _deliver(record, record.direct.forward_many(
             {name: grads[name][lookup.order] for name, lookup in record.lookups.items()}),
             by_name)
-    for table in tables:
-        table._pending.clear()
-        table._finish_aggregation()
-        if table.scales_by_freq:
-            table._divide_by_counts()
+    with phases.phase("server aggregation"):
+        for table in tables:
+            table._pending.clear()
+            table._finish_aggregation()
+            if table.scales_by_freq:
+                table._divide_by_counts()
 
 
 def pending_pulls(tables: Sequence[ShardedTable]) -> list[_Pull]:

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallax.engine import hierarchy
+from parallax.engine import hierarchy, phases
 from parallax.engine.dense_sync.state import DenseSyncState
 
 
@@ -19,12 +19,13 @@ def hierarchical_allreduce(state: DenseSyncState, bucket: dist.GradBucket,
     """DDP comm hook: AllReduce the bucket machine by machine and count its bytes per
     parameter. The three collectives run before the hook returns: the backward waits for them
     (on CPU there is little compute to overlap with)."""
-    began = time.perf_counter()
-    for name, piece in state.pieces(bucket):
-        hierarchy.account(piece, traffic=state.traffic, name=name)
-    buffer = bucket.buffer()
-    hierarchy.all_reduce(buffer)
-    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    done.set_result(state.finish(buffer))
-    state.seconds += time.perf_counter() - began
+    with phases.phase("dense sync"):
+        began = time.perf_counter()
+        for name, piece in state.pieces(bucket):
+            hierarchy.account(piece, traffic=state.traffic, name=name)
+        buffer = bucket.buffer()
+        hierarchy.all_reduce(buffer)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(state.finish(buffer))
+        state.seconds += time.perf_counter() - began
     return done

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from parallax.engine import phases
 from parallax.engine.dense_sync.state import DenseSyncState
 
 #: the name its bytes are counted under in `Runner.stats` (the codes mix the bucket's parameters)
@@ -24,18 +25,19 @@ TRAFFIC_NAME = "dense (qsgd)"
 def qsgd_allgather(state: DenseSyncState, bucket: dist.GradBucket,
                    ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: quantise, all_gather the codes, decode and sum (then average)."""
-    began = time.perf_counter()
-    codec, buffer = state.codec, bucket.buffer()
-    assert codec is not None and state.generator is not None  # wrap_dense sets both
-    payload = codec.encode(buffer, state.generator)
-    state.traffic.record_ring_allgather(TRAFFIC_NAME, payload.numel())
-    gathered = [torch.empty_like(payload) for _ in range(state.world)]
-    dist.all_gather(gathered, payload)
-    total = torch.zeros_like(buffer)
-    for codes in gathered:
-        total += codec.decode(codes, buffer.numel(), buffer.dtype)
-    buffer.copy_(total)
-    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    done.set_result(state.finish(buffer))
-    state.seconds += time.perf_counter() - began
+    with phases.phase("dense sync"):
+        began = time.perf_counter()
+        codec, buffer = state.codec, bucket.buffer()
+        assert codec is not None and state.generator is not None  # wrap_dense sets both
+        payload = codec.encode(buffer, state.generator)
+        state.traffic.record_ring_allgather(TRAFFIC_NAME, payload.numel())
+        gathered = [torch.empty_like(payload) for _ in range(state.world)]
+        dist.all_gather(gathered, payload)
+        total = torch.zeros_like(buffer)
+        for codes in gathered:
+            total += codec.decode(codes, buffer.numel(), buffer.dtype)
+        buffer.copy_(total)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(state.finish(buffer))
+        state.seconds += time.perf_counter() - began
     return done

@@ -1,0 +1,164 @@
+"""Where a step's time goes: each step split into the phases the engine runs, per rank.
+
+`PhaseClock` times named phases with the process's monotonic clock and keeps each phase's
+*self* time (a phase nested in another, e.g. the dense gradients' AllReduce inside the
+backward, counts for itself and not for its parent), so the phases of a step add up to the
+step. Always on: a phase costs two clock reads and a few dict updates (the cost on the LM is
+measured in BENCHMARKS.md, "Phase timing"). Own clocks rather than ``torch.profiler``'s
+``record_function`` ranges: those record nothing unless a profiler is running, and a running
+profiler records every operator too (measured in the same section).
+
+With a timeline file (``parallax run --timeline FILE``, i.e. ``PARALLAX_TIMELINE``) each phase
+is also kept as an event; at shutdown every rank writes its events as Chrome trace events
+(``FILE.rank<R>.json``) and the launcher merges them into FILE: one process per rank, one
+thread (track) per phase, timestamps on the wall clock so that ranks of one host line up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["PHASES", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active", "merge_timelines",
+           "phase"]
+
+#: the phases of a step, in the order the engine runs them
+PHASES = ("id look-ahead", "pull", "forward", "backward", "dense sync", "push",
+          "server aggregation", "clip and check", "server update", "dense update",
+          "checkpoint")
+TIMELINE_ENV = "PARALLAX_TIMELINE"
+STATS_KEY = "step phases"  # where `Runner.stats` holds `PhaseClock.per_step`
+_STEP = "step"
+
+
+class PhaseClock:
+    """One runner's phase times (and, with a timeline, its events)."""
+
+    def __init__(self, rank: int, timeline: str | None = None):
+        self.rank = rank
+        self.timeline = timeline
+        self.seconds: dict[str, float] = defaultdict(float)  # self time since reset
+        self.steps = 0
+        self.events: list[tuple[str, int, int, int]] = []  # (phase, start ns, ns, step)
+        self._stack: list[list] = []  # [name, start ns, children's ns]
+        self._step = 0
+        self._began: int | None = None  # the running step's start
+        self.thread = threading.get_ident()  # phases of other threads are not the step's
+        # wall-clock time of a monotonic reading: events go out on the wall clock
+        self._wall_minus_mono = time.time_ns() - time.perf_counter_ns()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time ``name`` (its self time: nested phases are subtracted); nothing outside a
+        step (an evaluation's pulls are no step's)."""
+        if self._began is None:
+            yield
+            return
+        frame = [name, time.perf_counter_ns(), 0]
+        self._stack.append(frame)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            elapsed = time.perf_counter_ns() - frame[1]
+            self.seconds[name] += (elapsed - frame[2]) / 1e9
+            if self._stack:
+                self._stack[-1][2] += elapsed
+            if self.timeline is not None:
+                self.events.append((name, frame[1], elapsed, self._step))
+
+    def begin(self, number: int) -> None:
+        """Step ``number`` starts: its time is the sum of its phases plus what no phase
+        covers, until `end`."""
+        global _active
+        self._step = number
+        self._began = time.perf_counter_ns()
+        self.thread = threading.get_ident()
+        _active = self
+
+    def end(self) -> None:
+        global _active
+        if self._began is None:
+            return
+        elapsed = time.perf_counter_ns() - self._began
+        self.seconds[_STEP] += elapsed / 1e9
+        self.steps += 1
+        if self.timeline is not None:
+            self.events.append((_STEP, self._began, elapsed, self._step))
+        self._began = None
+        if _active is self:
+            _active = None
+
+    def per_step(self) -> dict[str, float]:
+        """Seconds per step of each phase (self time), of what no phase covers (``other``)
+        and of the whole step, averaged over the steps since the start or `reset`."""
+        steps = max(self.steps, 1)
+        out = {name: self.seconds.get(name, 0.0) / steps for name in PHASES}
+        total = self.seconds.get(_STEP, 0.0) / steps
+        out["other"] = max(0.0, total - sum(out.values()))
+        out[_STEP] = total
+        return out
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.steps = 0
+
+    def write(self) -> Path | None:
+        """This rank's events as Chrome trace events, next to the timeline file."""
+        if self.timeline is None or not self.events:
+            return None
+        path = Path(f"{self.timeline}.rank{self.rank}.json")
+        tracks = {name: i for i, name in enumerate((_STEP, *PHASES))}
+        events = [{"name": "process_name", "ph": "M", "pid": self.rank,
+                   "args": {"name": f"rank {self.rank}"}},
+                  {"name": "process_sort_index", "ph": "M", "pid": self.rank,
+                   "args": {"sort_index": self.rank}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
+                    "args": {"name": name}} for name, tid in tracks.items()]
+        events += [{"name": name, "cat": "parallax", "ph": "X", "pid": self.rank,
+                    "tid": tracks.get(name, len(tracks)),
+                    "ts": (start + self._wall_minus_mono) / 1e3, "dur": ns / 1e3,
+                    "args": {"step": step}} for name, start, ns, step in self.events]
+        path.write_text(json.dumps(events))
+        self.events.clear()
+        return path
+
+
+_active: PhaseClock | None = None
+
+
+def active() -> PhaseClock | None:
+    """The clock of the step running in this process, if any."""
+    return _active
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time ``name`` on the running step's clock (nothing outside a step): for engine code
+    that runs inside a step without holding the runner (pulls in a lookup, comm hooks)."""
+    clock = _active
+    if clock is None or clock.thread != threading.get_ident():
+        yield
+        return
+    with clock.phase(name):
+        yield
+
+
+def merge_timelines(path: str | os.PathLike) -> Path | None:
+    """Join the ranks' ``PATH.rank<R>.json`` into one Chrome trace at ``path`` (the ranks'
+    files are removed); None when no rank wrote one."""
+    path = Path(path)
+    parts = sorted(path.parent.glob(f"{path.name}.rank*.json"))
+    if not parts:
+        return None
+    events = [event for part in parts for event in json.loads(part.read_text())]
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    for part in parts:
+        part.unlink()
+    return path

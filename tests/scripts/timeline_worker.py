@@ -1,0 +1,48 @@
+"""Worker of the phase-timing tests: a model with an embedding (pulled from the servers, ids
+read ahead of the forward) and a dense head (AllReduced by the hierarchical hook), clipping on
+and a checkpoint every 2 steps, so that a step runs every phase. Writes, per rank,
+``runner.stats()["step phases"]`` to OUT_DIR/phases-RANK.json.
+
+Usage: parallax run --timeline FILE --machines 2 --nproc-per-machine 2 timeline_worker.py OUT_DIR"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import parallax
+
+STEPS = 4
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(1000, 16)
+        self.head = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids).mean(dim=1)).squeeze(1)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    model = Model()
+    config = parallax.Config(clip_grad_norm=1.0, checkpoint_dir=str(out / "checkpoints"),
+                             checkpoint_every_steps=2, partition_cache=None)
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss, config=config)
+    generator = torch.Generator().manual_seed(runner.worker.rank)
+    for _ in range(STEPS):
+        runner.step((torch.randint(1000, (32, 8), generator=generator),
+                     torch.rand(32, generator=generator)))
+    (out / f"phases-{runner.worker.rank}.json").write_text(
+        json.dumps(runner.stats()["step phases"]))
+    parallax.shutdown()
+
+
+if __name__ == "__main__":
+    main()
