@@ -87,15 +87,18 @@ def main() -> None:
         for step, batch in enumerate(train_loader):
             if step == steps:
                 break
-            loss = runner.step(batch)
+            runner.step(batch)
             # every worker's batch has the same size; asynchronous workers are not in the same
             # step: count what all of them finished
             done = (runner.asynchronous.global_steps() - began if runner.asynchronous
                     else (step + 1) * world)
-            words = done * batch[0].numel()
-            bar.set_postfix(loss=f"{float(loss):.3f}",
-                            words_per_s=f"{words / (time.perf_counter() - start):,.0f}")
+            words = done * batch[0].numel()  # the epoch's, for its summary line
             bar.update()
+            if step % 10 == 9 or step + 1 == steps:  # the last ten steps' numbers
+                recent = runner.headline()
+                bar.set_postfix(loss=f"{recent['loss']:.3f}",
+                                words_per_s=f"{recent['targets_per_s']:,.0f}",
+                                MB_per_step=f"{recent['bytes_per_step'] / 1e6:.2f}")
         bar.close()
         elapsed = time.perf_counter() - start
         valid_batches = (b for i, b in enumerate(valid_loader) if i < args.max_valid_batches)

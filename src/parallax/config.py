@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -234,6 +235,10 @@ class Config:
             update consistently and training goes on) or ``"ignore"`` (no check, no cost).
         collective_timeout_s: every collective and wait gives up after this many seconds with
             an error instead of hanging.
+        log_dir: where rank 0 writes TensorBoard event files (loss, targets per second, bytes
+            per step measured and predicted, α and partitions per table, phase times;
+            `parallax.metrics`); needs the ``tensorboard`` package. ``None``: no files.
+        log_every_steps: steps between two writes to ``log_dir`` (each write covers them).
         find_unused_parameters: passed to DDP for models whose dense parameters are not all
             used in every step. Under ``parallelism`` ``"model"``/``"2d"`` the data groups
             agree each step on which parameters got a gradient (one small all-reduce); a
@@ -271,6 +276,8 @@ class Config:
     nonfinite: str = "raise"
     collective_timeout_s: float = 300.0
     find_unused_parameters: bool = False
+    log_dir: str | None = None
+    log_every_steps: int = 10
 
     def __post_init__(self) -> None:
         _require(isinstance(self.architecture, str) and self.architecture in ARCHITECTURES,
@@ -338,6 +345,18 @@ class Config:
         _require(is_int(self.checkpoint_keep) and self.checkpoint_keep >= 1,
                  "checkpoint_keep", self.checkpoint_keep, "an int >= 1")
         _require(isinstance(self.resume, bool), "resume", self.resume, "a bool")
+        if isinstance(self.log_dir, os.PathLike):
+            object.__setattr__(self, "log_dir", os.fspath(self.log_dir))
+        if self.log_dir is not None:
+            _require(isinstance(self.log_dir, str) and self.log_dir != "", "log_dir",
+                     self.log_dir, "None or a directory path")
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ConfigError(
+                    "Config.log_dir writes TensorBoard event files, which needs the "
+                    "tensorboard package: pip install tensorboard (or pip install "
+                    "'parallax-torch[metrics]')")
+        every = self.log_every_steps
+        _require(is_int(every) and every >= 1, "log_every_steps", every, "an int >= 1")
         _require(self.nonfinite in NONFINITE, "nonfinite", self.nonfinite,
                  f"one of {NONFINITE}")
         timeout = self.collective_timeout_s

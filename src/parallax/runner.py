@@ -36,7 +36,7 @@ from parallax.engine.early_push import EarlyPush
 from parallax.engine.exchange import Traffic
 from parallax.engine.grad_norm import clip_by_global_norm, find_nonfinite
 from parallax.engine.handles import release
-from parallax.engine.phases import STATS_KEY, TIMELINE_ENV, PhaseClock
+from parallax.engine.phases import PHASES, STATS_KEY, TIMELINE_ENV, PhaseClock
 from parallax.engine.pool import default_threads, shared_pool
 from parallax.engine.progress import Progress, is_collective_failure
 from parallax.engine.server_table import ShardedTable, prefetch
@@ -51,6 +51,7 @@ from parallax.engine.shard_optimizer import (
 )
 from parallax.engine.table import Table, push_all
 from parallax.errors import PlanComplete, UnsupportedProgramError
+from parallax.metrics import MetricsLog, Window
 from parallax.model.detect import SparseUse, find_sparse_parameters
 from parallax.model.exactness import check_exact
 from parallax.model.lookahead import build_id_program
@@ -96,6 +97,15 @@ class Runner:
         # where each step's time goes (runner.stats()["step phases"]; parallax run --timeline)
         self.phases = PhaseClock(worker.rank, os.environ.get(TIMELINE_ENV) or None)
         on_shutdown(self.phases.write)
+        # Config.log_dir: TensorBoard from rank 0; `headline` for a progress bar
+        self.metrics = MetricsLog(config.log_dir, rank=worker.rank, every=config.log_every_steps)
+        on_shutdown(self.metrics.close)
+        self._headline = Window()
+        self._step_loss: float | None = None  # Runner.step's, for the metrics
+        self._step_targets: float | None = None
+        self._last_targets: float | None = None  # the latest step's, all workers
+        # asynchronous: the workers' steps summed at each window's start
+        self._global_steps_at = {"metrics": 0, "headline": 0}
         self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
         check_exact(model, self.sparse_uses, config)
         self.architecture = architecture_of(config)
@@ -216,6 +226,8 @@ class Runner:
             self._resume_from_newest(config.checkpoint_dir)
         if self.asynchronous is not None:
             self.asynchronous.start(self.shard_optimizer, self.global_step)
+            self._global_steps_at = dict.fromkeys(self._global_steps_at,
+                                                  self.asynchronous.global_steps())
             # held strongly: another rank's server waits for this one's stop message
             on_shutdown(functools.partial(AsyncTraining.close, self.asynchronous))
             if self.progress is not None and config.sync == "async":
@@ -302,6 +314,8 @@ class Runner:
                                      if t.on_servers])
                 with self.phases.phase("backward"):
                     loss.backward()
+            self._step_loss = float(loss.detach())
+            self._step_targets = float(_numel(targets) * self.worker.world_size)
             self.apply_update(self.optimizers, loss=loss)
         return loss.detach()
 
@@ -509,6 +523,50 @@ class Runner:
             with self.phases.phase("checkpoint"):
                 self.save()
         self.phases.end()
+        self._record_metrics()
+
+    def _record_metrics(self) -> None:
+        """The step into the headline's and the metrics' windows; rank 0 writes every
+        `Config.log_every_steps` steps."""
+        loss, targets = self._step_loss, self._step_targets
+        self._step_loss = self._step_targets = None
+        self._headline.add(loss, targets)
+        self.metrics.window.add(loss, targets)
+        self._last_targets = targets if targets is not None else self._last_targets
+        if self.metrics.due(self.global_step):
+            numbers = self._take(self.metrics.window, "metrics")
+            self.metrics.write(self.global_step, numbers, self.plan,
+                               str(self.config.architecture))
+
+    def _take(self, window: Window, name: str) -> dict[str, Any]:
+        """``window``'s numbers. Asynchronous workers are not in step: their target elements
+        are what all of them finished since the window began (rank 0's batch size each)."""
+        targets = None
+        if self.asynchronous is not None and self._last_targets is not None:
+            done = self.asynchronous.global_steps()
+            targets = ((done - self._global_steps_at[name]) * self._last_targets
+                       / self.worker.world_size)
+            self._global_steps_at[name] = done
+        seconds = {name: self.phases.seconds.get(name, 0.0) for name in (*PHASES, "step")}
+        numbers = window.take(self._bytes_so_far(), seconds, targets=targets)
+        step = numbers["phases"].pop("step")
+        numbers["phases"]["other"] = max(0.0, step - sum(numbers["phases"].values()))
+        numbers["phases"]["step"] = step
+        return numbers
+
+    def _bytes_so_far(self) -> dict[str, float]:
+        """Bytes this rank sent and received per parameter since the start or reset_stats."""
+        return {name: float(sum(counts.values())) for name, counts in self.traffic.bytes.items()}
+
+    def headline(self) -> dict[str, float | None]:
+        """The numbers for a progress bar, over the steps since the last call: ``loss``
+        (this rank's, `Runner.step` only), ``targets_per_s`` (every worker's target elements
+        per second: words of an LM, samples of a classifier), ``bytes_per_step`` (what this
+        rank sent and received) and ``step_s``. Not collective."""
+        numbers = self._take(self._headline, "headline")
+        return {"loss": numbers["loss"], "targets_per_s": numbers["targets_per_s"],
+                "bytes_per_step": sum(numbers["bytes"].values()),
+                "step_s": numbers["phases"].get("step", 0.0)}
 
     @contextlib.contextmanager
     def _explained(self) -> Iterator[None]:
@@ -1041,6 +1099,17 @@ def _indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """Parameter id -> its index in ``optimizer``'s state dicts (param groups in order)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {id(p): i for i, p in enumerate(params)}
+
+
+def _numel(value: Any) -> int:
+    """Target elements of a batch's targets (tensors anywhere inside)."""
+    if isinstance(value, Tensor):
+        return value.numel()
+    if isinstance(value, dict):
+        return sum(_numel(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(_numel(v) for v in value)
+    return 0
 
 
 def _shapes(value: Any) -> Any:

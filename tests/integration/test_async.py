@@ -93,3 +93,20 @@ def test_the_users_own_loop_trains_asynchronously_too(trained) -> None:
     single = trained["single/adam"]
     for name, value in trained["own_loop"].items():
         torch.testing.assert_close(value, single[name], rtol=0, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("sync", ["async", "async-sparse"])
+def test_the_main_job_trains_asynchronously(tmp_path, sync) -> None:
+    """examples/train_lm.py --sync: the progress counts every worker's words, evaluation,
+    the plan and the export work on asynchronous servers."""
+    corpus = tmp_path / "corpus.txt"
+    words = [f"w{i % 97}" for i in range(4000)]
+    corpus.write_text("\n".join(" ".join(words[i:i + 12]) for i in range(0, 4000, 12)))
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "2",
+           "--nproc-per-machine", "1", str(ROOT / "examples" / "train_lm.py"),
+           "--corpus", str(corpus), "--sync", sync, "--max-steps", "6",
+           "--max-valid-batches", "2", "--vocab", "200", "--seq-len", "10"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "words/s on 2 workers; validation perplexity" in proc.stdout
+    assert "exported a plain state_dict" in proc.stdout

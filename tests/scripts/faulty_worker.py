@@ -58,7 +58,8 @@ def main() -> None:
     if mode in ("uneven", "hang", "hang-loss"):
         config = parallax.Config(collective_timeout_s=20)
     if mode.endswith("-async"):
-        config = parallax.Config(collective_timeout_s=20, sync="async", architecture="ps",
+        config = parallax.Config(collective_timeout_s=8 if mode == "hang-async" else 20,
+                                 sync="async", architecture="ps",
                                  max_staleness=1 if mode == "hang-async" else None)
     runner = parallax.get_runner(model, optimizer, loss, config=config)
     batches = global_batches(Case("mixed", "adam"))

@@ -26,7 +26,7 @@ LAYERS = [
     ["parallax.planning"],
     ["parallax.parallelism"],
     ["parallax.checkpoint"],
-    ["parallax.session"],
+    ["parallax.session", "parallax.metrics"],
     ["parallax.runner"],
     ["parallax.api"],
     ["parallax.distributed"],

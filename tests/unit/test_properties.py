@@ -348,6 +348,9 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
         v == "sync" or (v == "async" and arch == "ps") or (v == "async-sparse"
                                                            and arch == "hybrid")),
     "max_staleness": lambda v, _: v is None,  # only with an asynchronous sync
+    "log_dir": lambda v, _: v is None or (
+        isinstance(v, (str, os.PathLike)) and os.fspath(v) != ""),
+    "log_every_steps": lambda v, _: _is_int(v) and v >= 1,
 }
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 
