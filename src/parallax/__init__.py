@@ -18,6 +18,7 @@ from parallax.api import get_runner
 from parallax.config import QSGD, Config, SlimDP
 from parallax.distributed import GradScaler, clip_grad_norm_, distribute
 from parallax.errors import (
+    AsyncServerError,
     CheckpointError,
     ConfigError,
     NetemError,
@@ -36,9 +37,9 @@ from parallax.partitions.groups import partition, partitioner
 from parallax.runner import Runner
 from parallax.session import shutdown
 
-__all__ = ["CheckpointError", "Config", "ConfigError", "GradScaler", "NetemError", "OptimizerError",
-           "ParallaxError", "PlanComplete", "QSGD", "ResourceError", "Runner", "SparseIdError",
-           "SlimDP", "StalledRankError", "UnevenInputsError", "UnsupportedProgramError",
-           "clip_grad_norm_", "distribute", "get_runner", "meta_init", "partition", "partitioner",
-           "shard", "shutdown"]
+__all__ = ["AsyncServerError", "CheckpointError", "Config", "ConfigError", "GradScaler",
+           "NetemError", "OptimizerError", "ParallaxError", "PlanComplete", "QSGD",
+           "ResourceError", "Runner", "SparseIdError", "SlimDP", "StalledRankError",
+           "UnevenInputsError", "UnsupportedProgramError", "clip_grad_norm_", "distribute",
+           "get_runner", "meta_init", "partition", "partitioner", "shard", "shutdown"]
 __version__ = "0.1.0"

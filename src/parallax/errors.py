@@ -7,8 +7,8 @@ from `parallax`. Catch `ParallaxError` to handle any of them.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigError", "NetemError", "OptimizerError", "ParallaxError",
-           "PlanComplete", "ResourceError", "SparseIdError", "StalledRankError",
+__all__ = ["AsyncServerError", "CheckpointError", "ConfigError", "NetemError", "OptimizerError",
+           "ParallaxError", "PlanComplete", "ResourceError", "SparseIdError", "StalledRankError",
            "UnevenInputsError", "UnsupportedProgramError"]
 
 
@@ -50,6 +50,11 @@ class UnevenInputsError(ParallaxError, RuntimeError):
 
 class StalledRankError(ParallaxError, RuntimeError):
     """A collective failed because a rank did not arrive; the message names it."""
+
+
+class AsyncServerError(ParallaxError, RuntimeError):
+    """Asynchronous training (`Config.sync`): a server thread failed, or a wait for a server
+    or for the slowest worker ran out of time; names the ranks involved."""
 
 
 class PlanComplete(SystemExit):

@@ -8,8 +8,8 @@ Usage: faulty_worker.py MODE OUT_DIR, MODE one of
   nan      rank 1's loss is NaN in step 3 (nan-skip: with Config(nonfinite="skip"))
   export   no fault: train, export, and check the export reproduces the runner's outputs
   uneven   rank 1 has one batch more than the others (collective timeout 20 s)
-  hang     rank 1 sleeps 120 s in its loop before step 4 (collective timeout 20 s)
-  hang-loss  rank 1 sleeps 120 s in its loss function in step 4 (collective timeout 20 s)
+  hang     rank 1 sleeps 120 s in its loop before step 4 (collective timeout 10 s)
+  hang-loss  rank 1 sleeps 120 s in its loss function in step 4 (collective timeout 10 s)
   raise-async  as raise, under Config(sync="async") (no collective holds the others)
   hang-async   as hang, under Config(sync="async", max_staleness=1): rank 0's staleness wait
 Every worker writes OUT_DIR/pid-RANK so the test can check no process is left behind.
@@ -55,8 +55,10 @@ def main() -> None:
 
     if mode == "nan-skip":
         config = parallax.Config(collective_timeout_s=60, nonfinite="skip")
-    if mode in ("uneven", "hang", "hang-loss"):
+    if mode == "uneven":
         config = parallax.Config(collective_timeout_s=20)
+    if mode in ("hang", "hang-loss"):
+        config = parallax.Config(collective_timeout_s=10)
     if mode.endswith("-async"):
         config = parallax.Config(collective_timeout_s=8 if mode == "hang-async" else 20,
                                  sync="async", architecture="ps",

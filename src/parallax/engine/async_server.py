@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallax.engine.server_table import ShardedTable
-from parallax.errors import ParallaxError
+from parallax.errors import AsyncServerError
 
 __all__ = ["PULL", "PUSH", "SKIP", "AsyncChannel", "AsyncServerError", "ServerState",
            "ServerThread"]
@@ -48,10 +48,6 @@ _KINDS = {PULL: "pull", PUSH: "push", SKIP: "skipped push", STOP: "stop"}
 # failure (gloo reports closed connections at once), not on a clock; the workers' own waits
 # keep Config.collective_timeout_s
 _IDLE = timedelta(days=30)
-
-
-class AsyncServerError(ParallaxError, RuntimeError):
-    """A server thread or a wait on a server failed (names the ranks involved)."""
 
 
 class AsyncChannel:
