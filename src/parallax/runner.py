@@ -682,14 +682,12 @@ class Runner:
                 run.skip_push = True
                 dense_ok = not bad_dense
         if self.config.clip_grad_norm is not None and not run.skip_push:
-            squared = sum((t.own_grad_norm_squared() for t in tables),
-                          torch.zeros((), dtype=torch.float64))
-            norm = float(squared.sqrt())
-            factor = self.config.clip_grad_norm / (norm + 1e-6)  # as clip_grad_norm_
-            if factor < 1:
-                for table in tables:
-                    table.scale_own_grad(torch.tensor(factor, dtype=torch.float64))
-            self.last_grad_norm = norm
+            # this worker's own push (its tables' norms are its own: no collective)
+            own = sum((t.grad_norm_squared() for t in tables),
+                      torch.zeros((), dtype=torch.float64))
+            self.last_grad_norm = clip_by_global_norm(
+                self.config.clip_grad_norm, [], tables, tables_squared=own, group=self.group,
+                device=self.device)
         return dense_ok
 
     def _check_async_program(self) -> None:

@@ -110,3 +110,20 @@ def test_the_main_job_trains_asynchronously(tmp_path, sync) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "words/s on 2 workers; validation perplexity" in proc.stdout
     assert "exported a plain state_dict" in proc.stdout
+
+
+def test_workers_end_on_their_own_clocks_and_no_push_is_lost(tmp_path) -> None:
+    """Ranks (servers among them) finish after different numbers of steps and exit while
+    others train: the bound ignores finished workers, finished servers keep serving, every
+    push is applied (one update per push on every server)."""
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    import async_uneven_worker
+
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "2",
+           "--nproc-per-machine", "2", str(ROOT / "tests" / "scripts" /
+                                           "async_uneven_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pushes = sum(async_uneven_worker.STEPS.values())
+    for server in (0, 2):
+        assert int((tmp_path / f"updates-{server}").read_text()) == pushes

@@ -35,6 +35,8 @@ def test_the_site_builds_with_warnings_as_errors(site) -> None:
         assert (site / page).is_file(), page
     # the benchmark figures are served from benchmarks/figures, not copied into docs/
     assert (site / "figures" / "async.png").is_file()
+    # and the Table 3 figure is drawn from the planner's formulas at build time
+    assert (site / "figures" / "table3.png").stat().st_size > 10_000
 
 
 def test_every_public_name_is_in_the_api_reference(site) -> None:

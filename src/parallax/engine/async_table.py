@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from parallax.engine.exchange import unique_ids
-from parallax.engine.server_table import ShardedTable
+from parallax.engine.server_table import ShardedTable, rows_pulled_ahead
+from parallax.errors import SparseIdError
 
 __all__ = ["AsyncExchange", "AsyncTable"]
 
@@ -66,36 +67,29 @@ class AsyncTable:
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """``(rows of the unique ids, inverse)``: from this step's prefetched rows, else
         pulled now."""
-        unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.run.rank)
-        if bad_id is not None:
-            raise IndexError(
-                f"rank {self.run.rank}: id {bad_id} of a lookup of '{self.name}' is outside "
-                f"[0, {self.num_rows})")
+        unique, inverse = self._unique(ids)
         if self.prefetched is not None:
             held, rows = self.prefetched
-            position = torch.searchsorted(held, unique)
-            if unique.numel() and (held.numel() == 0 or not torch.equal(
-                    held[position.clamp_max(held.numel() - 1)], unique)):
-                raise RuntimeError(
-                    f"parallax internal error: rank {self.run.rank} looked up ids of "
-                    f"'{self.name}' that were not pulled ahead for this step; please report it")
-            return rows[position], inverse
+            return rows_pulled_ahead(held, rows, unique, self.name, self.run.rank), inverse
         return pull_together([self], [unique])[0], inverse
+
+    def _unique(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Sorted unique ids and the inverse; an id outside the table fails this worker
+        (the others do not take part in its pulls) with `SparseIdError`."""
+        unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.run.rank)
+        if bad_id is not None:
+            raise SparseIdError(
+                f"parallax: sparse parameter '{self.name}' got id {bad_id} on rank "
+                f"{self.run.rank}, outside its rows [0, {self.num_rows})")
+        return unique, inverse
 
     @staticmethod
     def prefetch_together(tables: Sequence[AsyncTable], ids: Sequence[Sequence[Tensor]]) -> None:
         """Pull, in one request per server, the rows of all lookups a forward is about to
         make (``ids[i]``: the ids of every lookup of ``tables[i]``)."""
-        uniques = []
-        for table, table_ids in zip(tables, ids, strict=True):
-            union = (torch.cat([i.reshape(-1).long() for i in table_ids]) if table_ids
-                     else torch.empty(0, dtype=torch.long))
-            unique, _, bad_id = unique_ids(union, table.num_rows, table.name, table.run.rank)
-            if bad_id is not None:
-                raise IndexError(
-                    f"rank {table.run.rank}: id {bad_id} of a lookup of '{table.name}' is "
-                    f"outside [0, {table.num_rows})")
-            uniques.append(unique)
+        uniques = [table._unique(torch.cat([i.reshape(-1).long() for i in table_ids])
+                                 if table_ids else torch.empty(0, dtype=torch.long))[0]
+                   for table, table_ids in zip(tables, ids, strict=True)]
         for table, unique, rows in zip(tables, uniques, pull_together(tables, uniques),
                                        strict=True):
             table.prefetched = (unique, rows)
@@ -128,28 +122,25 @@ class AsyncTable:
                            for _, rows in pending])
         return ids, grads.detach()
 
-    def own_grad_norm_squared(self) -> Tensor:
-        """The squared norm of this worker's own gradient rows (per-push clipping)."""
+    def grad_norm_squared(self) -> Tensor:
+        """The squared norm of this worker's own gradient rows, the push it is about to
+        make (asynchronous servers aggregate nothing: clipping is per push)."""
         squared = torch.zeros((), dtype=torch.float64)
         for _, rows in self._pending:
             if rows.grad is not None:
                 squared += torch.linalg.vector_norm(rows.grad, dtype=torch.float64) ** 2
         return squared
 
-    def scale_own_grad(self, factor: Tensor) -> None:
+    def scale_grad(self, factor: Tensor) -> None:
+        """Multiply this worker's own gradient rows (before the push) by ``factor``."""
         for _, rows in self._pending:
             if rows.grad is not None:
                 rows.grad.mul_(factor.to(rows.grad.dtype))
 
     def own_nonfinite(self) -> bool:
+        """Whether this worker's own gradient rows hold a NaN or an infinity."""
         return any(rows.grad is not None and not bool(torch.isfinite(rows.grad).all())
                    for _, rows in self._pending)
-
-    def grad_norm_squared(self) -> Tensor:
-        return self.own_grad_norm_squared()
-
-    def scale_grad(self, factor: Tensor) -> None:
-        self.scale_own_grad(factor)
 
 
 def pull_together(tables: Sequence[AsyncTable], uniques: Sequence[Tensor]) -> list[Tensor]:

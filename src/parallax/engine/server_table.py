@@ -27,7 +27,8 @@ from parallax.engine.exchange import Hop, SparseIdError, Traffic, unique_ids
 from parallax.engine.pool import SERIAL, PartitionPool
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
-           "pending_pulls", "prefetch", "pull", "push_gradients", "start_push"]
+           "pending_pulls", "prefetch", "pull", "push_gradients", "rows_pulled_ahead",
+           "start_push"]
 
 
 class RowPartitioning:
@@ -257,15 +258,9 @@ class ShardedTable:
         if self.prefetched is None:
             return pull([self], [ids])[0]
         unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
-        held = self.prefetched.ids
-        position = torch.searchsorted(held, unique)
-        if bad_id is not None or (unique.numel() and (
-                held.numel() == 0 or not torch.equal(held[position.clamp_max(held.numel() - 1)],
-                                                     unique))):
-            raise RuntimeError(
-                f"parallax internal error: rank {self.worker.rank} looked up ids of "
-                f"'{self.name}' that were not pulled ahead for this step; please report it")
-        return self.prefetched.rows[position], inverse
+        held = self.prefetched
+        return rows_pulled_ahead(held.ids, held.rows, unique, self.name, self.worker.rank,
+                                 bad_id=bad_id), inverse
 
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
         """Current values of rows ``ids`` (collective; for export and migration), from the
@@ -459,6 +454,20 @@ class ShardedTable:
 
 
 # ---- several tables at once ------------------------------------------------------------------
+def rows_pulled_ahead(held: Tensor, rows: Tensor, unique: Tensor, name: str, rank: int, *,
+                      bad_id: int | None = None) -> Tensor:
+    """The rows of the sorted ``unique`` ids among a step's prefetched ``held`` ids and their
+    ``rows`` (every lookup's ids were pulled ahead, and the pull refused out-of-range ones:
+    anything else is a bug of ours)."""
+    position = torch.searchsorted(held, unique)
+    if bad_id is not None or unique.numel() and (held.numel() == 0 or not torch.equal(
+            held[position.clamp_max(held.numel() - 1)], unique)):
+        raise RuntimeError(
+            f"parallax internal error: rank {rank} looked up ids of '{name}' that were not "
+            f"pulled ahead for this step; please report it")
+    return rows[position]
+
+
 def pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """Rows of ``ids[i]`` from ``tables[i]`` (distinct tables of one runner), all in one
     exchange; ``(rows, inverse)`` per table as `ShardedTable.lookup` returns them."""
