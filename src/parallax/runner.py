@@ -308,7 +308,8 @@ class Runner:
                 with self.phases.phase("forward"):  # the loss function's share
                     loss = self.loss_fn(output, _to_device(targets, self.device))
                 if self.progress is not None:
-                    self.progress.phase(self.global_step + 1, "backward")
+                    with self.phases.phase("progress record"):
+                        self.progress.phase(self.global_step + 1, "backward")
                 if self._early is not None:
                     self._early.arm([t for t in self.layout.all_tables().values()
                                      if t.on_servers])
@@ -487,7 +488,8 @@ class Runner:
             self._round_began = time.perf_counter()
             self.phases.begin(self.global_step + 1)
             if self.progress is not None:
-                self.progress.begin(self.global_step + 1)
+                with self.phases.phase("progress record"):
+                    self.progress.begin(self.global_step + 1)
             if self.asynchronous is not None:  # the staleness bound's wait
                 self.asynchronous.before_step(self.global_step + 1)
         self._synced = False
@@ -501,7 +503,8 @@ class Runner:
             with self._explained(), self.phases.phase("dense sync"):
                 self.server_sync.communicate()
         if self.progress is not None:
-            self.progress.done(self.global_step + 1)
+            with self.phases.phase("progress record"):
+                self.progress.done(self.global_step + 1)
         self._in_round = self._synced = False
         self._stepped.clear()
         self.traffic.steps += 1

@@ -28,10 +28,11 @@ from pathlib import Path
 __all__ = ["PHASES", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active", "merge_timelines",
            "phase"]
 
-#: the phases of a step, in the order the engine runs them
+#: the phases of a step, in the order the engine runs them (the progress record: at the
+#: step's start, before its backward and at its end)
 PHASES = ("id look-ahead", "pull", "forward", "backward", "dense sync", "push",
           "server aggregation", "clip and check", "server update", "dense update",
-          "checkpoint")
+          "checkpoint", "progress record")
 TIMELINE_ENV = "PARALLAX_TIMELINE"
 STATS_KEY = "step phases"  # where `Runner.stats` holds `PhaseClock.per_step`
 _STEP = "step"
