@@ -22,20 +22,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import parallelize_module
 
+from parallax.checks import is_dtensor
 from parallax.engine.exchange import Traffic
 from parallax.engine.handles import release
 from parallax.errors import UnsupportedProgramError
 from parallax.parallelism.comm_count import CollectiveCounter
 from parallax.parallelism.grid import Mesh
 from parallax.parallelism.splits import LinearSplit, Split, plan_splits, styles
+
+if TYPE_CHECKING:  # imported where a grid is built: 0.7 s of every process's start-up else
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["ModelParallel", "ShardedGradNorm"]
 
@@ -103,10 +105,12 @@ class ModelParallel:
         self.splits = plan_splits(executed, self.grid.model)
         before = dict(executed.named_parameters())
         users = dict(model.named_parameters())
+        from torch.distributed.tensor.parallel import parallelize_module
+
         parallelize_module(executed, self.mesh.model_mesh, styles(self.splits))
         after = dict(executed.named_parameters())
         for name, param in after.items():
-            if not isinstance(param, DTensor):
+            if not is_dtensor(param):
                 continue
             old = before[name]
             if users.get(name) is not old:
@@ -196,7 +200,7 @@ class ModelParallel:
         return self._norm_parts
 
     def is_sharded(self, param: Tensor) -> bool:
-        return isinstance(param, DTensor)
+        return is_dtensor(param)
 
     def bytes_per_step(self) -> dict[str, float]:
         """Bytes this rank sent per training step through each communicator (``"model"``:
@@ -237,8 +241,8 @@ class ModelParallel:
         out = {**state, "state": dict(state["state"])}
         for index in sorted(out["state"]):
             entry = out["state"][index]
-            if any(isinstance(v, DTensor) for v in entry.values()):
-                out["state"][index] = {k: v.full_tensor() if isinstance(v, DTensor) else v
+            if any(is_dtensor(v) for v in entry.values()):
+                out["state"][index] = {k: v.full_tensor() if is_dtensor(v) else v
                                        for k, v in entry.items()}
         return out
 
@@ -247,14 +251,16 @@ class ModelParallel:
         parameter's per-element state becomes its shard."""
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if isinstance(param, DTensor) and param in optimizer.state:
+                if is_dtensor(param) and param in optimizer.state:
                     optimizer.state[param] = {
                         k: self._distribute(v, param)
-                        if isinstance(v, Tensor) and not isinstance(v, DTensor)
+                        if isinstance(v, Tensor) and not is_dtensor(v)
                         and v.shape == param.shape else v
                         for k, v in optimizer.state[param].items()}
 
     def _distribute(self, whole: Tensor, like: DTensor) -> DTensor:
+        from torch.distributed.tensor import distribute_tensor
+
         # src_data_rank=None: every rank slices its own copy, no collective
         return distribute_tensor(whole.to(like.dtype), like.device_mesh, like.placements,
                                  src_data_rank=None)
@@ -270,12 +276,14 @@ class ModelParallel:
 
 
 def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _repoint(optimizers: Sequence[torch.optim.Optimizer], old: nn.Parameter,
              new: DTensor) -> None:
     """Every optimizer holding ``old`` steps ``new`` instead, with ``old``'s state sliced."""
+    from torch.distributed.tensor import distribute_tensor
+
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for i, param in enumerate(group["params"]):

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+if TYPE_CHECKING:  # imported by `styles`: 0.7 s of every process's start-up otherwise
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["ELEMENTWISE", "LinearSplit", "Split", "plan_splits", "styles"]
 
@@ -86,6 +88,9 @@ def styles(splits: list[LinearSplit]) -> dict[str, ParallelStyle]:
     split hands its row partner a DTensor (``use_local_output=False``): a plain local tensor
     would be re-wrapped by ``from_local``, which infers the global width as the local one
     times the group size, wrong for widths the group does not divide."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     made: dict[Split, ParallelStyle] = {
         Split.COLUMN: ColwiseParallel(use_local_output=False),
         Split.ROW: RowwiseParallel(),

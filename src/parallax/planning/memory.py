@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
+from parallax.checks import is_dtensor
 from parallax.engine.shard_optimizer import (
     _constructor_arguments,
     _hyper_parameters,
@@ -98,7 +98,7 @@ def predict_memory(module: nn.Module, tables: dict[str, Table], user_params: dic
     ``pulled_whole`` each step, and ``module``'s buffers."""
     per_optimizer: dict[int, int] = {}
     # a parameter split by model parallelism (a DTensor) holds its local shard here
-    held = [(p.to_local() if isinstance(p, DTensor) else p, p) for p in module.parameters()
+    held = [(p.to_local() if is_dtensor(p) else p, p) for p in module.parameters()
             if p.device.type != "meta"]
     estimate = _held(held, optimizers, per_optimizer, gradient_copies=2 if uses_ddp else 1)
     for name, table in tables.items():
