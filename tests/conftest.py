@@ -27,6 +27,15 @@ def _isolated_environment() -> Iterator[None]:
     os.environ.update(saved)
 
 
+@pytest.fixture
+def single_process() -> Iterator[None]:
+    """A test that builds a one-worker runner in this process: shut parallax down after it."""
+    yield
+    import parallax
+
+    parallax.shutdown()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Register custom markers so ``-m "not network"`` works without warnings."""
     config.addinivalue_line("markers", "network: test downloads data (apt-get); deselect offline")

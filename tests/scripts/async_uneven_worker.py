@@ -10,28 +10,21 @@ Usage: parallax run --machines 2 --nproc-per-machine 2 async_uneven_worker.py OU
 import sys
 from pathlib import Path
 
-import torch
-from torch import nn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import parallax
+import torch  # noqa: E402
+from models import EmbeddingRegressor  # noqa: E402
+from torch import nn  # noqa: E402
+
+import parallax  # noqa: E402
 
 STEPS = {0: 4, 1: 2, 2: 12, 3: 20}  # per rank
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(100, 4)
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embedding(ids).mean(dim=1)).squeeze(1)
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     torch.manual_seed(0)
-    model = Model()
+    model = EmbeddingRegressor(rows=100)
     config = parallax.Config(sync="async", architecture="ps", max_staleness=2,
                              partition_cache=None, collective_timeout_s=60)
     runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),

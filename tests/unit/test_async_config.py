@@ -7,31 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import EmbeddingRegressor
 from torch import nn
 
 import parallax
 from parallax.errors import ConfigError, UnsupportedProgramError
 
 
-class Model(nn.Module):
-    def __init__(self, **embedding: object) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(10, 4, **embedding)
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embedding(ids).mean(dim=1)).squeeze(1)
-
-
-@pytest.fixture
-def single_process():
-    yield
-    parallax.shutdown()
-
-
 def _runner(config: parallax.Config, **embedding: object) -> parallax.Runner:
     torch.manual_seed(0)
-    model = Model(**embedding).double()
+    model = EmbeddingRegressor(**embedding).double()
     return parallax.get_runner(model, torch.optim.Adam(model.parameters(), lr=0.1),
                                nn.functional.mse_loss, config=config)
 
@@ -98,8 +83,8 @@ def test_global_norm_clipping_and_repartitioning_are_refused(single_process) -> 
 def test_clipping_scales_each_push_by_its_own_norm(single_process) -> None:
     """One worker: its push is the whole gradient, so per-push clipping is clip_grad_norm_."""
     torch.manual_seed(0)
-    model = Model().double()
-    reference = Model().double()
+    model = EmbeddingRegressor().double()
+    reference = EmbeddingRegressor().double()
     reference.load_state_dict(model.state_dict())
     config = parallax.Config(sync="async", architecture="ps", clip_grad_norm=0.05,
                              partition_cache=None)

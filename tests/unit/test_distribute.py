@@ -50,11 +50,6 @@ def _assert_same(got: dict, want: dict) -> None:
             torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=str(key))
 
 
-@pytest.fixture
-def single_process():
-    yield
-    parallax.shutdown()
-
 
 def _pair(optimizer_class=torch.optim.Adagrad, **kwargs):
     torch.manual_seed(0)

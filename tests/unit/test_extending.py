@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
+from models import EmbeddingRegressor
 from torch import nn
 
 import parallax
@@ -21,19 +21,10 @@ from parallax.planning import architectures
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(10, 4)
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embedding(ids).mean(dim=1)).squeeze(1)
-
 
 def _train(config: parallax.Config, steps: int = 3) -> parallax.Runner:
     torch.manual_seed(0)
-    model = Model()
+    model = EmbeddingRegressor()
     runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  nn.functional.mse_loss, config=config)
     generator = torch.Generator().manual_seed(1)
@@ -41,11 +32,6 @@ def _train(config: parallax.Config, steps: int = 3) -> parallax.Runner:
         runner.step((torch.randint(10, (4, 3), generator=generator), torch.rand(4)))
     return runner
 
-
-@pytest.fixture
-def single_process():
-    yield
-    parallax.shutdown()
 
 
 def _syncs(runner: parallax.Runner) -> dict[str, str]:
@@ -89,7 +75,7 @@ def test_the_readme_dense_sync_example_runs_in_the_registry(single_process,
     monkeypatch.setitem(dense_sync.HOOKS, DenseSyncName.FLAT, counted)
     config = parallax.Config(dense_sync="flat", sparsity_warmup_steps=0, partition_cache=None)
     torch.manual_seed(0)
-    before = Model()
+    before = EmbeddingRegressor()
     runner = _train(config)
     assert calls and calls[0] == sum(p.numel() for p in runner.module.parameters()
                                      if p.requires_grad)

@@ -8,27 +8,12 @@ import importlib.util
 
 import pytest
 import torch
+from models import EmbeddingRegressor
 from torch import nn
 
 import parallax
 from parallax.engine.phases import PHASES
 from parallax.errors import ConfigError
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(50, 4)
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embedding(ids).mean(dim=1)).squeeze(1)
-
-
-@pytest.fixture
-def single_process():
-    yield
-    parallax.shutdown()
 
 
 def _scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
@@ -42,7 +27,7 @@ def _scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 def test_rank0_writes_the_scalars_every_few_steps(single_process, tmp_path) -> None:
     torch.manual_seed(0)
-    model = Model()
+    model = EmbeddingRegressor(rows=50)
     config = parallax.Config(log_dir=str(tmp_path / "tb"), log_every_steps=4,
                              sparsity_warmup_steps=2, partition_cache=None)
     runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -68,7 +53,7 @@ def test_rank0_writes_the_scalars_every_few_steps(single_process, tmp_path) -> N
 
 def test_headline_gives_a_progress_bar_the_recent_numbers(single_process) -> None:
     torch.manual_seed(0)
-    model = Model()
+    model = EmbeddingRegressor(rows=50)
     runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  nn.functional.mse_loss,
                                  config=parallax.Config(partition_cache=None))

@@ -5,30 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import EmbeddingRegressor
 from torch import nn
 
 import parallax
 
 
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(10, 4)
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embedding(ids).mean(dim=1)).squeeze(1)
-
-
-@pytest.fixture
-def single_process():
-    yield
-    parallax.shutdown()
-
-
 def _runner(config: parallax.Config, make_optimizer=None) -> tuple[parallax.Runner, nn.Module]:
     torch.manual_seed(0)
-    model = Model()
+    model = EmbeddingRegressor()
     optimizer = (make_optimizer or (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5)))(
         model.parameters())
     return parallax.get_runner(model, optimizer, nn.functional.mse_loss, config=config), model
@@ -58,7 +43,7 @@ def test_clipping_and_checkpoints_are_refused_by_name(single_process, tmp_path) 
 
 def test_mixed_dense_dtypes_are_refused(single_process) -> None:
     torch.manual_seed(0)
-    model = Model()
+    model = EmbeddingRegressor()
     model.head.bias.data = model.head.bias.data.double()
     with pytest.raises(parallax.UnsupportedProgramError, match=r"dtypes \['torch.float32', "
                                                                r"'torch.float64'\]"):
@@ -80,7 +65,7 @@ def test_one_worker_trains_as_on_one_device(single_process, sync) -> None:
     local = runner.server_sync.local_values()
     parallax.shutdown()
     torch.manual_seed(0)
-    model = Model()
+    model = EmbeddingRegressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
     for step in range(6):
         optimizer.zero_grad()
@@ -112,7 +97,7 @@ def test_evaluate_and_export_see_the_servers_model_between_full_rounds(single_pr
     probe = _batch(99)
     evaluated = runner.evaluate([probe])
     torch.manual_seed(0)
-    model = Model()
+    model = EmbeddingRegressor()
     model.load_state_dict(exported)
     with torch.no_grad():
         expected = float(nn.functional.mse_loss(model(probe[0]), probe[1]))
