@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -456,19 +457,59 @@ def all_cases() -> list[Case]:
 PLAN_VARIANTS = ("migrate", "lazy", "repartition", "search", "loop", "meta")
 
 
-def sampled_cases(every: int = 3) -> list[Case]:
-    """A ``1/every`` sample of the matrix for the smaller cluster shapes (1x1, 1x2; the
-    full matrix runs on 2x1 and 2x2): every ``every``-th case, plus what the plan and search
-    tests read on every shape (each architecture x model's last plain case, every search and
-    migrate case)."""
-    cases = all_cases()
+def _read_by_every_shape(cases: list[Case]) -> set[str]:
+    """The cases the plan and search tests read on every cluster shape: each architecture x
+    model's last plain case, every search and migrate case."""
     plain = {}
     for case in cases:
         if not any(variant in case.key for variant in PLAN_VARIANTS):
             plain[(case.architecture, case.model)] = case.key
-    wanted = set(plain.values())
-    return [case for i, case in enumerate(cases)
-            if i % every == 0 or case.key in wanted or case.search or case.migrate_after]
+    return set(plain.values()) | {c.key for c in cases if c.search or c.migrate_after}
+
+
+def sampled_cases(every: int = 3) -> list[Case]:
+    """A ``1/every`` sample of the matrix for the one-machine shapes (1x1, 1x2): every
+    ``every``-th case, plus what the plan and search tests read on every shape."""
+    cases = all_cases()
+    wanted = _read_by_every_shape(cases)
+    return [case for i, case in enumerate(cases) if i % every == 0 or case.key in wanted]
+
+
+#: what each half of the matrix (`half_of_matrix`) holds every value of: each field alone,
+#: and each architecture with each value of the other fields
+COVERED_FIELDS = ("architecture", "model", "optimizer", "sparse_grad", "clip", "dtype",
+                  "average_sparse", "average_dense", "num_partitions", "scheduler",
+                  "dense_sync", "loop", "local_aggregation", "migrate_after", "lazy",
+                  "repartition", "search", "meta")
+
+
+def coverage_keys(case: Case) -> set[tuple]:
+    """The (field, value) and (architecture, field, value) facts a half must cover."""
+    keys = set()
+    for name in COVERED_FIELDS:
+        value = getattr(case, name)
+        keys.add((name, value))
+        keys.add((case.architecture, name, value))
+    return keys
+
+
+def half_of_matrix(half: int) -> list[Case]:
+    """Half ``half`` (0 or 1) of the matrix for the cross-machine shapes (2x1 runs half 0,
+    2x2 the smaller half 1; PARALLAX_FULL_MATRIX=1 runs all of it on both): the cases whose
+    key hashes (CRC-32, stable across runs) to ``half``, plus what the plan and search tests
+    read on every shape, plus, for every field value and every architecture's field value
+    that the hash left out, the first case that has it. So the halves together run every
+    case across machines, and each half alone still meets every value of every option."""
+    cases = all_cases()
+    chosen = _read_by_every_shape(cases) | {
+        c.key for c in cases if zlib.crc32(c.key.encode()) % 2 == half}
+    covered = set().union(*(coverage_keys(c) for c in cases if c.key in chosen))
+    for case in cases:
+        missing = coverage_keys(case) - covered
+        if missing:
+            chosen.add(case.key)
+            covered |= missing
+    return [case for case in cases if case.key in chosen]
 
 
 # ---- data, model and program -----------------------------------------------------------------

@@ -4,9 +4,11 @@ For each cluster shape, one group of workers trains the whole matrix of tests/eq
 (models x optimizers x clipping x float32/float64 x averaging semantics x partition counts) and
 exports plain state_dicts; here every case is compared with the single-process reference.
 
-The full matrix runs on 2x1 and 2x2 (every path of the engine crosses machines there); the
-one-machine shapes 1x1 and 1x2 run a third of it (`sampled_cases`: every third case, and all
-the plan and search tests read), to keep the suite within its time budget.
+Every case runs across machines: the matrix is split in two halves (`half_of_matrix`: by a hash
+of the case's key, plus what the plan and search tests read, plus whatever case a half needs to
+meet every value of every option, alone and with every architecture), half 1 on 2x2 and half 0
+on 2x1; the one-machine shapes 1x1 and 1x2 run a third of it (`sampled_cases`). That keeps the
+suite within its time budget; ``PARALLAX_FULL_MATRIX=1`` runs the whole matrix on every shape.
 
 Difference measure, per parameter: max |parallax - reference| / max |reference|, the largest
 over all parameters. Bounds: 1e-5 in float32 (summation order differs between one device and
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +31,8 @@ from equivalence_cases import (
     Case,
     all_cases,
     build,
+    coverage_keys,
+    half_of_matrix,
     sampled_cases,
     single_device_reference,
 )
@@ -35,11 +40,22 @@ from equivalence_cases import (
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "scripts" / "equivalence_worker.py"
 TOPOLOGIES = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1), "2x2": (2, 2)}  # machines x workers
-SAMPLED = {"1x1": 3, "1x2": 3}  # topology -> the sample of the matrix it runs (1/N)
+# topology -> the part of the matrix it runs (the worker's FILTER) and why the rest is skipped
+SAMPLED = {} if os.environ.get("PARALLAX_FULL_MATRIX") == "1" else {
+    "1x1": ("sample:3", "1x1 runs a 1/3 sample of the matrix"),
+    "1x2": ("sample:3", "1x2 runs a 1/3 sample of the matrix"),
+    "2x1": ("half:0", "the case runs across machines on 2x2 (half 1 of the matrix)"),
+    "2x2": ("half:1", "the case runs across machines on 2x1 (half 0 of the matrix)"),
+}
 TOLERANCE = {"float32": 1e-5, "float64": 1e-9}
 CASES = all_cases()
-SAMPLED_KEYS = {every: {case.key for case in sampled_cases(every)}
-                for every in set(SAMPLED.values())}
+
+
+@functools.cache
+def _part_keys(part: str) -> frozenset[str]:
+    kind, _, number = part.partition(":")
+    cases = sampled_cases(int(number)) if kind == "sample" else half_of_matrix(int(number))
+    return frozenset(case.key for case in cases)
 
 
 @functools.cache
@@ -49,7 +65,7 @@ def _distributed_results(topology: str, out_dir: str) -> dict:
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(machines),
            "--nproc-per-machine", str(per_machine), str(WORKER), str(out)]
     if topology in SAMPLED:
-        cmd.append(f"sample:{SAMPLED[topology]}")
+        cmd.append(SAMPLED[topology][0])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return torch.load(out, weights_only=False)
@@ -77,14 +93,24 @@ def test_distributed_equals_single_device(distributed, case: Case) -> None:
     topology, results = distributed
     machines, per_machine = TOPOLOGIES[topology]
     world = machines * per_machine
-    if topology in SAMPLED and case.key not in SAMPLED_KEYS[SAMPLED[topology]]:
-        pytest.skip(f"{topology} runs a 1/{SAMPLED[topology]} sample of the matrix")
+    if topology in SAMPLED and case.key not in _part_keys(SAMPLED[topology][0]):
+        pytest.skip(SAMPLED[topology][1])
     got = {k: v for k, v in results[case.key].items() if not k.startswith("__")}
     want = _reference(case, world)
     assert set(got) == set(want)
     difference = relative_difference(got, want)
     assert difference <= TOLERANCE[case.dtype], (
         f"{case.key} on {topology}: relative difference {difference:.3g}")
+
+
+def test_the_halves_run_every_case_across_machines_and_each_meets_every_option() -> None:
+    halves = [half_of_matrix(0), half_of_matrix(1)]
+    keys = [{case.key for case in half} for half in halves]
+    assert keys[0] | keys[1] == {case.key for case in CASES}
+    everything = set().union(*(coverage_keys(case) for case in CASES))
+    for half in halves:
+        assert set().union(*(coverage_keys(case) for case in half)) == everything
+        assert len(half) < 0.7 * len(CASES)  # what the split is for
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "float32"][::7],

@@ -6,7 +6,7 @@ Usage: parallax run ... equivalence_worker.py OUT.pt [FILTER], under torchrun th
 or plain ``python equivalence_worker.py OUT.pt KEY_SUBSTRING --resources FILE``: then the first
 get_runner launches the workers itself, as a user's train.py would. FILTER: comma-separated
 items, each a substring of the case keys to run, or ``=KEY`` for one case exactly; or
-``sample:N``: `equivalence_cases.sampled_cases(N)`."""
+``sample:N``: `equivalence_cases.sampled_cases(N)`; ``half:H``: `half_of_matrix(H)`."""
 
 import os
 import sys
@@ -21,6 +21,7 @@ from equivalence_cases import (  # noqa: E402
     all_cases,
     build,
     global_batches,
+    half_of_matrix,
     loss_fn,
     micro_batches,
     sampled_cases,
@@ -43,6 +44,8 @@ def main() -> None:
     cases = all_cases()
     if only[0].startswith("sample:"):
         cases, only = sampled_cases(int(only[0].removeprefix("sample:"))), [""]
+    elif only[0].startswith("half:"):
+        cases, only = half_of_matrix(int(only[0].removeprefix("half:"))), [""]
     results = {}
     for case in cases:
         if not any(case.key == item[1:] if item.startswith("=") else item in case.key
