@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -264,14 +265,34 @@ class Runner:
             try:
                 with self.phases.phase("forward"):
                     if not self._whole_pulls:
-                        return self.module(*args, **kwargs)
-                    # ps/optps: dense parameters too come from the servers, whole, every step
-                    pulled = {name: table.lookup(rows)[0].view(shape)
-                              for name, (table, rows, shape) in self._whole_pulls.items()}
-                    return torch.func.functional_call(self.module, pulled, args, kwargs)
+                        output = self.module(*args, **kwargs)
+                    else:
+                        # ps/optps: dense parameters too come from the servers, whole, each step
+                        pulled = {name: table.lookup(rows)[0].view(shape)
+                                  for name, (table, rows, shape) in self._whole_pulls.items()}
+                        output = torch.func.functional_call(self.module, pulled, args, kwargs)
+                if self.checks_phases and torch.is_grad_enabled():
+                    self._time_users_backward(output)
+                return output
             finally:
                 for table in ahead:
                     table.prefetched = None
+
+    def _time_users_backward(self, output: Any) -> None:
+        """The own loop's ``loss.backward()`` (`parallax.distribute`) is the user's call: time
+        it as the step's backward phase from the first gradient that reaches the model's
+        outputs to the end of the backward (autograd's queued callback, as DDP's own)."""
+        clock = self.phases
+        tensors = [t for t in torch.utils._pytree.tree_leaves(output)
+                   if isinstance(t, Tensor) and t.requires_grad]
+
+        def started(_grad: Tensor) -> None:
+            if clock.thread == threading.get_ident() and clock.open("backward"):
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: clock.close("backward"))
+
+        for tensor in tensors:
+            tensor.register_hook(started)
 
     def _pull_ahead(self, args: tuple, kwargs: dict) -> list[ShardedTable]:
         """Pull, in one exchange, the rows of every server-held table this forward will read

@@ -4,6 +4,7 @@ forward returns, state dicts, train/eval, lr schedulers) and the misuse it names
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -48,7 +49,6 @@ def _assert_same(got: dict, want: dict) -> None:
             _assert_same(got[key], value)
         else:
             torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=str(key))
-
 
 
 def _pair(optimizer_class=torch.optim.Adagrad, **kwargs):
@@ -281,3 +281,51 @@ def test_optimizer_state_dict_is_the_single_device_one_and_loads_back(single_pro
     assert model.module.embedding.weight not in optimizer.state  # the servers hold it
     _train(range(2, 5), (model, optimizer), (single, single_optimizer))
     _assert_same(model.state_dict(), single.state_dict())
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes ``SLOW_S``: where the own loop's backward time goes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLOW_S)
+        return grad
+
+
+SLOW_S = 0.05
+
+
+def test_the_users_own_backward_is_timed_as_the_backward_phase(single_process):
+    """In the own loop ``loss.backward()`` is the user's call; its time is the step's
+    backward phase (from the first gradient reaching the outputs to the backward's end),
+    not ``other``."""
+    model, optimizer = parallax.distribute(
+        *_slow_pair(), config=parallax.Config(partition_cache=None))
+    for step in range(3):
+        ids, y = _batch(step)
+        optimizer.zero_grad()
+        logits = model(ids)
+        nn.functional.cross_entropy(logits, y).backward()
+        optimizer.step()
+    phases = model.runner.stats()["step phases"]
+    assert phases["backward"] >= SLOW_S, phases
+    assert phases["other"] < SLOW_S / 2, phases
+
+
+def _slow_pair() -> tuple[nn.Module, torch.optim.Optimizer]:
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(30, 4)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(_SlowBackward.apply(self.embedding(ids).mean(dim=1)))
+
+    torch.manual_seed(0)
+    model = Slow()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)

@@ -21,7 +21,6 @@ from parallax.planning import architectures
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-
 def _train(config: parallax.Config, steps: int = 3) -> parallax.Runner:
     torch.manual_seed(0)
     model = EmbeddingRegressor()
@@ -31,7 +30,6 @@ def _train(config: parallax.Config, steps: int = 3) -> parallax.Runner:
     for _ in range(steps):
         runner.step((torch.randint(10, (4, 3), generator=generator), torch.rand(4)))
     return runner
-
 
 
 def _syncs(runner: parallax.Runner) -> dict[str, str]:

@@ -47,7 +47,6 @@ def _runner(model: nn.Module) -> parallax.Runner:
                                nn.functional.mse_loss)
 
 
-
 def test_ids_of_inputs_and_their_reshapes_get_a_program(single_process) -> None:
     runner = _runner(ThreeTables())
     program = runner._id_program

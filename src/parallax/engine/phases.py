@@ -58,27 +58,40 @@ class PhaseClock:
     def phase(self, name: str) -> Iterator[None]:
         """Time ``name`` (its self time: nested phases are subtracted); nothing outside a
         step (an evaluation's pulls are no step's)."""
-        if self._began is None:
-            yield
-            return
-        frame = [name, time.perf_counter_ns(), 0]
-        self._stack.append(frame)
+        opened = self.open(name)
         try:
             yield
         finally:
-            self._stack.pop()
-            elapsed = time.perf_counter_ns() - frame[1]
-            self.seconds[name] += (elapsed - frame[2]) / 1e9
-            if self._stack:
-                self._stack[-1][2] += elapsed
-            if self.timeline is not None:
-                self.events.append((name, frame[1], elapsed, self._step))
+            if opened:
+                self.close(name)
+
+    def open(self, name: str) -> bool:
+        """Start ``name`` where its end is elsewhere (a backward hook, and the callback at the
+        backward's end); `close` ends it. False (nothing started) outside a step or while
+        ``name`` is already running."""
+        if self._began is None or any(frame[0] == name for frame in self._stack):
+            return False
+        self._stack.append([name, time.perf_counter_ns(), 0])
+        return True
+
+    def close(self, name: str) -> None:
+        """End ``name``, the innermost running phase (nothing if it is not)."""
+        if not self._stack or self._stack[-1][0] != name:
+            return
+        _, start, children = self._stack.pop()
+        elapsed = time.perf_counter_ns() - start
+        self.seconds[name] += (elapsed - children) / 1e9
+        if self._stack:
+            self._stack[-1][2] += elapsed
+        if self.timeline is not None:
+            self.events.append((name, start, elapsed, self._step))
 
     def begin(self, number: int) -> None:
         """Step ``number`` starts: its time is the sum of its phases plus what no phase
         covers, until `end`."""
         global _active
         self._step = number
+        self._stack.clear()  # a phase a failed step left open is no phase of this one
         self._began = time.perf_counter_ns()
         self.thread = threading.get_ident()
         _active = self
