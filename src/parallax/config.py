@@ -82,8 +82,9 @@ class SlimDP:
     """Slim-DP's significance-aware partial synchronisation (`Config.dense_sync` ``"slim"``).
 
     Each server keeps a *core*: the ``beta`` share of its dense values most significant by
-    ``|w| + significance·|Δw|``, re-selected every ``reselect_every`` communications. Each
-    worker adds a random *explorer* of ``alpha - beta`` of the other values, re-drawn every
+    ``|w| + significance·|Δw|`` (``significance`` weighs the update), re-selected every
+    ``reselect_every`` communications. Each worker adds a random *explorer* of ``alpha - beta``
+    of the other values (``alpha``: the share that travels in all), re-drawn every
     communication; it pushes the core's and the explorer's accumulated updates and pulls their
     values. Every ``reselect_every``-th communication (the last before a re-selection) pushes
     and pulls everything. Workers communicate every ``sync_every`` local steps. The paper's
@@ -235,15 +236,15 @@ class Config:
             update consistently and training goes on) or ``"ignore"`` (no check, no cost).
         collective_timeout_s: every collective and wait gives up after this many seconds with
             an error instead of hanging.
-        log_dir: where rank 0 writes TensorBoard event files (loss, targets per second, bytes
-            per step measured and predicted, α and partitions per table, phase times;
-            `parallax.metrics`); needs the ``tensorboard`` package. ``None``: no files.
-        log_every_steps: steps between two writes to ``log_dir`` (each write covers them).
         find_unused_parameters: passed to DDP for models whose dense parameters are not all
             used in every step. Under ``parallelism`` ``"model"``/``"2d"`` the data groups
             agree each step on which parameters got a gradient (one small all-reduce); a
             replica whose rows did not use one reduces zeros for it. Without it, a missing
             gradient is refused, naming the parameter.
+        log_dir: where rank 0 writes TensorBoard event files (loss, targets per second, bytes
+            per step measured and predicted, α and partitions per table, phase times;
+            `parallax.metrics`); needs the ``tensorboard`` package. ``None``: no files.
+        log_every_steps: steps between two writes to ``log_dir`` (each write covers them).
     """
 
     architecture: str = ArchitectureName.HYBRID
