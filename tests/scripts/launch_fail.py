@@ -48,3 +48,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from worker_exit import exit_now
+
+    exit_now()
