@@ -26,6 +26,7 @@ from corpora.fashion_mnist import load_fashion_mnist  # noqa: E402
 
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
+from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 
 class SmallVGG(nn.Module):
@@ -130,3 +131,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # parallax.launch.fast_exit: no second of teardown per worker

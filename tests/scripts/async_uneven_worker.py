@@ -17,6 +17,7 @@ from models import EmbeddingRegressor  # noqa: E402
 from torch import nn  # noqa: E402
 
 import parallax  # noqa: E402
+from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 STEPS = {0: 4, 1: 2, 2: 12, 3: 20}  # per rank
 
@@ -42,6 +43,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

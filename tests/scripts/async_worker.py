@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import parallax
+from parallax.launch.fast_exit import exit_now
 
 ROWS, DIM, BATCH, TOKENS, STEPS = 40, 3, 4, 3, 5
 STRAGGLER_STEPS, BASE = 16, 0.05
@@ -252,6 +253,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
+from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 GLOBAL_BATCH, STEPS, VOCAB = 12, 10, 40
 
@@ -83,6 +84,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

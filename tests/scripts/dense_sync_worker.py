@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import parallax
+from parallax.launch.fast_exit import exit_now
 
 ROWS, DIM, WIDTH, BATCH, TOKENS, STEPS = 400, 8, 24, 6, 5, 6
 MLP_IN, MLP_WIDTH, MLP_STEPS = 6, 10, 8
@@ -129,6 +130,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 import parallax
+from parallax.launch.fast_exit import exit_now
 
 ROWS, DIM, WIDTH, BATCH, TOKENS, CANDIDATES, STEPS, WARMUP = 5000, 16, 384, 96, 6, 24, 6, 2
 RUNS = {"hybrid-direct": dict(architecture="hybrid", local_aggregation=False),
@@ -101,6 +102,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

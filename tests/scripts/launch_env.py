@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from parallax.cluster import current_worker
 from parallax.launch.elastic import install_error_recorder
+from parallax.launch.fast_exit import exit_now
 
 
 def main() -> None:
@@ -42,6 +43,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from parallax.cluster import current_worker
 from parallax.launch.elastic import install_error_recorder
+from parallax.launch.fast_exit import exit_now
 
 STUCK_SECONDS = 120
 
@@ -48,6 +49,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

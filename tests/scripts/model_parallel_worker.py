@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import parallax
+from parallax.launch.fast_exit import exit_now
 
 GLOBAL, STEPS, ROWS = 8, 4, 300
 OPTIMIZERS = {
@@ -196,6 +197,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

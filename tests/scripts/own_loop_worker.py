@@ -20,6 +20,7 @@ from equivalence_cases import Case, Mixed, global_batches, loss_fn, worker_slice
 
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
+from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 
 def main() -> None:
@@ -55,6 +56,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

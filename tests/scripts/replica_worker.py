@@ -13,6 +13,7 @@ from equivalence_cases import Case, MaxNormed, global_batches, loss_fn, worker_s
 
 import parallax  # noqa: E402
 from parallax.engine.replicated import ReplicatedTable  # noqa: E402
+from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 
 def main() -> None:
@@ -43,6 +44,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

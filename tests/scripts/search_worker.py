@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import parallax
+from parallax.launch.fast_exit import exit_now
 
 STEPS = 16
 
@@ -36,6 +37,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

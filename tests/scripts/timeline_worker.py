@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import parallax
+from parallax.launch.fast_exit import exit_now
 
 STEPS = 4
 # steps of ~200 ms or more: a few milliseconds of scheduling noise between two phases (4
@@ -50,6 +51,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

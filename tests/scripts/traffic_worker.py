@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 import parallax
+from parallax.launch.fast_exit import exit_now
 
 ROWS, DIM, USED, SHIFT, STEPS, BATCH = 1000, 16, 40, 20, 6, 4
 RUNS = {"allreduce": {}, "ps": {}, "optps": {}, "hybrid": {},
@@ -87,6 +88,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()

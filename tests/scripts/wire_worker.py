@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traffic_worker import Model  # noqa: E402
 
 import parallax  # noqa: E402
+from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 STEPS = 8
 ROWS, DIM, USED = 20_000, 256, 400  # payloads large enough that packet headers are noise
@@ -63,6 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from worker_exit import exit_now
-
     exit_now()
