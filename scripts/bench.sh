@@ -64,12 +64,13 @@ torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
   [mp-airfoil-100mbit]="$py benchmarks/model_parallel.py --data airfoil --widths 128 512 1024 \
 --processes 1 2 4 --rate 100mbit --steps 40"
   [phases]="$py benchmarks/phase_overhead.py"
+  [launch]="$py benchmarks/launch_overhead.py"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling extrapolate sparsity bandwidth alpha
        partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep lm-dense-sync
-       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases)
+       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases launch)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling sparsity bandwidth slim-dp
                slim-sweep lm-dense-sync lm-dense-sync-100mbit async)

@@ -321,3 +321,16 @@ def test_model_parallel_smoke(tmp_path: Path) -> None:
     table = (tmp_path / "model_parallel-synthetic-1gbit.md").read_text()
     assert "| 16 | 2 | 1x2 | model |" in table
     assert (tmp_path / "model_parallel-synthetic-1gbit.png").stat().st_size > 0
+
+
+def test_launch_overhead_smoke(tmp_path: Path) -> None:
+    """launch_overhead.py: the parts of a launch are measured, positive, and add up to it."""
+    out = tmp_path / "launch.json"
+    run_script("launch_overhead.py", "--repeats", "1", "--label", "smoke", "--out", str(out))
+    (record,) = json.loads(out.read_text())
+    parts = record["parts"]
+    assert record["label"] == "smoke" and len(record["provenance"]["commit"]) == 40
+    named = [name for name in parts if name != "total"]
+    assert all(parts[name]["median_s"] > 0 for name in parts), parts
+    assert sum(parts[name]["median_s"] for name in named) == pytest.approx(
+        parts["total"]["median_s"], rel=1e-9)  # one repeat: the medians are its parts
