@@ -22,7 +22,8 @@ def is_number(value: object) -> bool:
 
 def is_dtensor(value: object) -> bool:
     """Whether ``value`` is a DTensor (a parameter split by model parallelism), without
-    importing ``torch.distributed.tensor`` (0.7 s of start-up in every process, sympy with it):
-    no DTensor exists before that module is imported."""
+    importing ``torch.distributed.tensor`` (sympy with it: 0.7 s of the ``parallax`` command's
+    start-up; a worker's first optimizer imports it anyway, through torch._dynamo): no DTensor
+    exists before that module is imported."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)

@@ -36,7 +36,7 @@ from parallax.parallelism.comm_count import CollectiveCounter
 from parallax.parallelism.grid import Mesh
 from parallax.parallelism.splits import LinearSplit, Split, plan_splits, styles
 
-if TYPE_CHECKING:  # imported where a grid is built: 0.7 s of every process's start-up else
+if TYPE_CHECKING:  # imported where a grid is built: 0.7 s of the parallax command's start-up
     from torch.distributed.tensor import DTensor
 
 __all__ = ["ModelParallel", "ShardedGradNorm"]

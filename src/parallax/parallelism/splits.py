@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-if TYPE_CHECKING:  # imported by `styles`: 0.7 s of every process's start-up otherwise
+if TYPE_CHECKING:  # imported by `styles`: 0.7 s of the parallax command's start-up else
     from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["ELEMENTWISE", "LinearSplit", "Split", "plan_splits", "styles"]
