@@ -8,7 +8,6 @@ get_runner launches the workers itself, as a user's train.py would. FILTER: comm
 items, each a substring of the case keys to run, or ``=KEY`` for one case exactly; or
 ``sample:N``: `equivalence_cases.sampled_cases(N)`; ``half:H``: `half_of_matrix(H)`."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from equivalence_cases import (  # noqa: E402
 )
 
 import parallax  # noqa: E402
+from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 
 def main() -> None:
@@ -99,9 +99,7 @@ def main() -> None:
     # which gloo aborted a worker (SIGABRT, "terminate called without an active exception")
     # in about 1 of 10 runs of this many-runner script under torchrun and self-launch. The
     # abort is not ours to fix here (same rate with the progress records switched off).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
 
 
 def _train_own_loop(case: Case, model: torch.nn.Module, optimizers: list,
