@@ -18,7 +18,7 @@ from parallax.planning.architectures import server_held
 from parallax.runner import LossFn, Runner
 from parallax.session import join, single_process_worker
 
-__all__ = ["get_runner"]
+__all__ = ["build_runner", "get_runner"]
 
 
 def get_runner(model: torch.nn.Module,
@@ -33,7 +33,19 @@ def get_runner(model: torch.nn.Module,
       running this same script, waits for them, and exits with their status (as the papers'
       Parallax does); nothing after this call runs in the launching process.
     * In a plain ``python train.py`` without ``resources``: a one-worker run in this process.
+
+    Seeds torch's global generator with `Config.seed` in every worker (`parallax.distribute`
+    leaves the program's generator as it was instead).
     """
+    return build_runner(model, optimizer, loss_fn, resources=resources, config=config,
+                        seed=True)
+
+
+def build_runner(model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+                 loss_fn: LossFn, *, resources: str | os.PathLike | None,
+                 config: Config | None, seed: bool) -> Runner:
+    """`get_runner`; ``seed``: whether to seed torch's global generator with `Config.seed`."""
     config = config if config is not None else Config()
     if not isinstance(config, Config):
         raise TypeError(f"config must be a parallax.Config, got {type(config).__name__}")
@@ -46,7 +58,8 @@ def get_runner(model: torch.nn.Module,
     if worker is None:
         worker = single_process_worker()
     install_error_recorder()
-    torch.manual_seed(config.seed)
+    if seed:
+        torch.manual_seed(config.seed)
     group = join(worker, config)
     return Runner(model, optimizers, loss_fn, worker=worker, config=config, sparse_group=group)
 

@@ -206,7 +206,8 @@ class Config:
         clip_grad_norm: if set, clip by the global L2 norm of the *aggregated* dense and sparse
             gradients (as ``torch.nn.utils.clip_grad_norm_`` would on one device), before any
             update.
-        seed: seed of the data sharding order and of ``torch.manual_seed`` in every worker.
+        seed: seed of the data sharding order and of ``torch.manual_seed`` in every worker
+            under `get_runner` (`distribute` leaves the program's generator as it was).
         num_partitions: row partitions per sparse parameter; partition ``p`` holds the rows with
             ``id % num_partitions == p`` and lives on server ``p % num_servers``. ``None`` means
             one partition per server.

@@ -28,8 +28,9 @@ import torch
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
 
-from parallax.api import get_runner
+from parallax.api import build_runner
 from parallax.config import Config
+from parallax.engine import handles
 from parallax.engine.shard_optimizer import as_optimizer_list
 from parallax.errors import UnsupportedProgramError
 from parallax.runner import Runner
@@ -65,15 +66,41 @@ def distribute(model: nn.Module,
             f"split layers' parameters are new (DTensor) objects that the program's own loop "
             f"does not hold; train with parallax.get_runner(...).step(batch) instead")
     _check_every_parameter_optimized(model, optimizers)
-    wrapped = [_distributed_optimizer(opt) for opt in optimizers]
-    runner = get_runner(model, wrapped, _no_loss, resources=resources, config=config)
+    for opt in optimizers:
+        if isinstance(opt, DistributedOptimizer):
+            raise UnsupportedProgramError(
+                f"{type(opt).__name__} is already distributed; pass the original optimizer")
+    # The program's random stream goes on as if distribute had not run (dropout masks and
+    # every later draw as in the single-device program): nothing seeded, nothing consumed.
+    with torch.random.fork_rng(devices=[]):
+        runner = build_runner(model, optimizers, _no_loss, resources=resources,
+                              config=config, seed=False)
+    for opt in optimizers:
+        _make_distributed(opt, runner)
     runner.checks_phases = True
-    for opt in wrapped:
-        opt.parallax_runner = runner
+    reference = _RunnerRef(runner)
     for param in model.parameters():
-        setattr(param, _RUNNER_ATTRIBUTE, weakref.ref(runner))
+        setattr(param, _RUNNER_ATTRIBUTE, reference)
     distributed = DistributedModel(runner)
-    return distributed, (wrapped if isinstance(optimizer, (list, tuple)) else wrapped[0])
+    return distributed, (list(optimizers) if isinstance(optimizer, (list, tuple))
+                         else optimizers[0])
+
+
+class _RunnerRef:
+    """A parameter's weak link to its runner that pickles and copies as a dead link (a
+    pickled or copied parameter belongs to no run)."""
+
+    def __init__(self, runner: Runner | None) -> None:
+        self._ref = weakref.ref(runner) if runner is not None else None
+
+    def __call__(self) -> Runner | None:
+        return self._ref() if self._ref is not None else None
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return (_RunnerRef, (None,))
+
+    def __deepcopy__(self, memo: dict) -> _RunnerRef:
+        return _RunnerRef(None)
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Parameter, max_norm: float,
@@ -82,17 +109,20 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Parameter, max_norm:
     *aggregated* gradients, the servers' rows included, as on one device; returns the norm.
     Collective (it pushes the step's gradients if ``optimizer.step()`` has not yet).
 
-    ``torch.nn.utils.clip_grad_norm_`` itself sees only the replicated parameters' gradients:
-    call this one on a distributed model.
+    ``torch.nn.utils.clip_grad_norm_`` itself would skip the server-held parameters (it is
+    refused on them); on parameters of no distributed model this is torch's own, so the same
+    program runs on one device.
     """
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    runners = {id(r): r for p in params
+               if (ref := getattr(p, _RUNNER_ATTRIBUTE, None)) is not None
+               and (r := ref()) is not None}
+    if not runners:  # a plain model (the single-device run of the same program): torch's
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     if float(norm_type) != 2.0:
         raise UnsupportedProgramError(
             f"parallax.clip_grad_norm_ clips by the L2 norm (norm_type=2.0), got norm_type="
             f"{norm_type!r}")
-    runners = {id(r): r for p in params
-               if (ref := getattr(p, _RUNNER_ATTRIBUTE, None)) is not None
-               and (r := ref()) is not None}
     if len(runners) != 1:
         raise UnsupportedProgramError(
             "parallax.clip_grad_norm_ takes parameters of one model returned by "
@@ -138,6 +168,35 @@ class DistributedModel(nn.Module):
         super().train(mode)
         self.runner.module.train(mode)  # the copy that runs
         return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient, the servers' rows included (as
+        ``nn.Module.zero_grad`` on one device)."""
+        self.runner.zero_grad(set_to_none=set_to_none)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DistributedModel:
+        """``to``/``double``/``cuda``/... after `distribute`: a no-op when nothing would
+        change; refused otherwise (the servers' rows would stay as they are)."""
+        for name, tensor in [*self.runner.module.named_parameters(),
+                             *self.runner.module.named_buffers()]:
+            probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+            if probe.dtype != tensor.dtype or probe.device != tensor.device:
+                raise UnsupportedProgramError(
+                    f"rank {self.runner.worker.rank}: moving or casting the model after "
+                    f"parallax.distribute ({name!r}: {tensor.dtype} on {tensor.device} -> "
+                    f"{probe.dtype} on {probe.device}) would leave the servers' rows as they "
+                    f"are; call .to(...)/.double()/... on the model before "
+                    f"parallax.distribute")
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UnsupportedProgramError(
+            "pickling a distributed model (torch.save(model), copy.deepcopy) is not supported: "
+            "its server-held rows are not in this process. Save model.state_dict() (collective: "
+            "on every rank) and rebuild the module from it")
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self.__reduce_ex__(0)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -206,11 +265,13 @@ class DistributedOptimizer:
         return loss
 
     def parallax_dense_step(self) -> None:
-        """The user's optimizer class's own update of the parameters held here."""
-        self.parallax_base.step(self)  # type: ignore[arg-type]
+        """The user's optimizer class's own update of the parameters held here (its
+        server-held parameters read as gradient-less meta tensors inside)."""
+        with handles.internal():
+            self.parallax_base.step(self)  # type: ignore[arg-type]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.parallax_runner.zero_grad([self])  # type: ignore[list-item]
+        self.parallax_runner.zero_grad([self], set_to_none=set_to_none)  # type: ignore[list-item]
 
     def state_dict(self) -> dict:  # type: ignore[override]
         """The single-device ``state_dict`` (collective: call it on every rank): the
@@ -274,17 +335,34 @@ class GradScaler(torch.amp.GradScaler):
         return result
 
 
-def _distributed_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """An instance of ``Distributed<its class>`` over the same param groups and state."""
-    if isinstance(optimizer, DistributedOptimizer):
-        raise UnsupportedProgramError(
-            f"{type(optimizer).__name__} is already distributed; pass the original optimizer")
+def _make_distributed(optimizer: torch.optim.Optimizer, runner: Runner) -> None:
+    """Turn ``optimizer`` itself into an instance of ``Distributed<its class>``: the object
+    the program (and its lr schedulers) already hold steps the distributed update, so a
+    program that keeps using it after `distribute`, as DDP programs do, trains the same."""
     base = type(optimizer)
-    cls = type(f"Distributed{base.__name__}", (DistributedOptimizer, base),
-               {"parallax_base": base, "__doc__": DistributedOptimizer.__doc__})
-    wrapped = cls.__new__(cls)
-    # The same param groups, state and hooks; not an lr scheduler's patch of ``step`` on the
-    # original (it would bypass the distributed step).
-    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items()
-                             if k not in ("step", "zero_grad", "_opt_called")})
-    return wrapped
+    patched = optimizer.__dict__.get("step")
+    if patched is not None and not getattr(patched, "_wrapped_by_lr_sched", False):
+        raise UnsupportedProgramError(
+            f"{base.__name__}.step was replaced on the optimizer object before "
+            f"parallax.distribute; the replacement would bypass the distributed update. "
+            f"Patch step after parallax.distribute, or subclass the optimizer instead")
+    optimizer.__class__ = type(f"Distributed{base.__name__}", (DistributedOptimizer, base),
+                               {"parallax_base": base, "__doc__": DistributedOptimizer.__doc__,
+                                "__module__": base.__module__})
+    optimizer.parallax_runner = runner  # type: ignore[attr-defined]
+    if patched is not None:  # an lr scheduler's step counter: it must count our step
+        optimizer.step = _counted_step(optimizer)  # type: ignore[method-assign]
+
+
+def _counted_step(optimizer: torch.optim.Optimizer) -> Any:
+    """What ``LRScheduler`` puts on ``optimizer.step`` (it notes that the optimizer stepped),
+    around the distributed step."""
+    owner = weakref.ref(optimizer)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        opt = owner()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return type(opt).step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return step

@@ -14,16 +14,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
+    SequentialSampler,
 )
 
 from parallax.checks import is_int
 from parallax.cluster import WorkerInfo, current_worker
+from parallax.errors import UnsupportedProgramError
 
 __all__ = ["ShardedLoader", "shard", "sharded_loaders"]
 
@@ -72,7 +75,11 @@ class ShardedLoader:
     Worker r of W takes samples r, r+W, r+2W, ... (``DistributedSampler``), so its k-th batch
     of b samples and the other workers' k-th batches together are exactly samples
     ``[k*W*b, (k+1)*W*b)``: the single-device program's k-th batch with batch size ``W*b``.
-    Each new iteration is a new epoch (new shuffle order when the original loader shuffled).
+    The order is the original loader's: in order (``SequentialSampler``), a new seeded
+    shuffle each iteration (``RandomSampler``; the global generator advances by the one draw
+    torch's sampler takes), or, for a DDP program's ``DistributedSampler``, its shuffle, seed
+    and padding, in the epoch the program set with ``sampler.set_epoch`` (the same order
+    every iteration if it never does, as under DDP). Other samplers are refused.
 
     `position` and `resume` let a checkpoint continue the data stream where it stopped, also
     on a different number of workers: positions count samples of the epoch's *global* order,
@@ -99,9 +106,15 @@ class ShardedLoader:
         original = self.original
         self.grid = (replicas, index, group_size)
         self.replicas = replicas
-        self.sampler = DistributedSampler(original.dataset, num_replicas=replicas, rank=index,
-                                          shuffle=isinstance(original.sampler, RandomSampler),
-                                          seed=self.seed, drop_last=original.drop_last)
+        order = original.sampler
+        # A DDP program's own DistributedSampler: its shuffle, seed and padding, and its
+        # epoch (set_epoch) at each iteration, as the program would have used them.
+        own = isinstance(order, DistributedSampler)
+        self.sampler = DistributedSampler(
+            original.dataset, num_replicas=replicas, rank=index,
+            shuffle=order.shuffle if own else isinstance(order, RandomSampler),
+            seed=order.seed if own else self.seed,
+            drop_last=order.drop_last if own else original.drop_last)
         assert original.batch_size is not None  # shard checked it
         skipper = _SkipSampler(self.sampler)
         self.loader = DataLoader(
@@ -125,6 +138,13 @@ class ShardedLoader:
         if self._resume_at is not None:
             epoch, skipped = self._resume_at["epoch"], self._resume_at["samples"]
             self._resume_at = None
+        elif isinstance(self.original.sampler, DistributedSampler):
+            epoch = self.original.sampler.epoch  # the program's set_epoch, as under DDP
+        if _draws_a_seed(self.original.sampler):
+            # RandomSampler draws its seed from torch's global generator at each iteration:
+            # the same draw here keeps the program's random stream (dropout, ...) in step
+            # with the single-device program's, though the order is a seeded permutation.
+            torch.empty((), dtype=torch.int64).random_()
         if self._skipper is not None:
             # Only the resumed epoch is shortened: every other iteration resets the skip.
             self._skipper.skip = skipped // self.replicas
@@ -223,7 +243,33 @@ def shard(loader: DataLoader, *, seed: int = 0) -> DataLoader | ShardedLoader:
     if loader.batch_size is None:
         raise TypeError("parallax.shard needs a DataLoader built with batch_size "
                         "(a custom batch_sampler cannot be split)")
+    _check_splittable(loader.sampler)
     return ShardedLoader(loader, seed, worker)
+
+
+def _check_splittable(sampler: Sampler) -> None:
+    """Refuse a sampler whose order `shard` would not keep (it would silently read another
+    order: every sample once per epoch, in order or in a seeded shuffle)."""
+    if isinstance(sampler, (SequentialSampler, DistributedSampler)):
+        return
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler.num_samples != len(sampler.data_source):
+            raise UnsupportedProgramError(
+                f"parallax.shard over a RandomSampler with replacement={sampler.replacement}, "
+                f"num_samples={sampler.num_samples} (dataset of {len(sampler.data_source)}): "
+                f"the workers' parts are a split of one permutation of every sample per "
+                f"epoch; use RandomSampler without replacement and num_samples, or "
+                f"shuffle=True")
+        return
+    raise UnsupportedProgramError(
+        f"parallax.shard cannot split the order of a {type(sampler).__name__}: it keeps "
+        f"SequentialSampler (shuffle=False), RandomSampler (shuffle=True) and "
+        f"DistributedSampler orders; build the DataLoader with one of those, or give each "
+        f"worker its own part of the data without parallax.shard")
+
+
+def _draws_a_seed(sampler: Sampler) -> bool:
+    return isinstance(sampler, RandomSampler) and sampler.generator is None
 
 
 _data_parallel: tuple[int, int, int] | None = None

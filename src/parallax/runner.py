@@ -29,6 +29,7 @@ from parallax.checkpoint.export import export_running
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.collective import agree
 from parallax.config import SERVER_SYNCS, Config
+from parallax.engine import handles
 from parallax.engine.async_table import AsyncTable
 from parallax.engine.async_training import AsyncTraining
 from parallax.engine.dense_sync import DenseSyncState, codec_of, wrap_dense
@@ -51,7 +52,7 @@ from parallax.engine.shard_optimizer import (
     rebuild_constructor_state,
 )
 from parallax.engine.table import Table, push_all
-from parallax.errors import PlanComplete, UnsupportedProgramError
+from parallax.errors import PlanComplete, UnevenInputsError, UnsupportedProgramError
 from parallax.metrics import MetricsLog, Window
 from parallax.model.detect import SparseUse, find_sparse_parameters
 from parallax.model.exactness import check_exact
@@ -69,6 +70,10 @@ from parallax.session import check_same_everywhere, on_shutdown, shutdown
 
 LossFn = Callable[[Any, Any], Tensor]
 _FORWARD, _UPDATE, _EXPORT = 1, 2, 3  # what a rank is calling, in _check_phase
+_COLLECTIVE_EXPORT = (
+    "model.state_dict() is collective (it gathers the servers' rows): call it on every rank "
+    "and save on one, e.g. state = model.state_dict(); then if rank == 0: torch.save(state, "
+    "path). The DDP habit of calling it on rank 0 alone cannot work here.")
 log = logging.getLogger("parallax")
 
 
@@ -212,7 +217,7 @@ class Runner:
             if table.on_servers:
                 self.shard_optimizer.adopt_user_state(_held(table), params[name],
                                                       self.optimizers)
-                release(params[name])
+                release(params[name], name=name, device=self.device, rank=worker.rank)
                 forget(params[name])  # a meta_init recipe, replayed by the servers already
         self._tuner = self._build_tuner()
         self._batch_signature: Any = None
@@ -412,7 +417,7 @@ class Runner:
         rows on their servers (after `sync_gradients`). Collective."""
         if self.sync_gradients(loss):
             with self._explained():
-                with self.phases.phase("dense update"):
+                with self.phases.phase("dense update"), handles.internal():
                     for optimizer in optimizers:
                         dense_step = getattr(optimizer, "parallax_dense_step", None)
                         (dense_step or optimizer.step)()
@@ -484,7 +489,8 @@ class Runner:
             f"{said[where[0][0]]} in step {where[0][1]}, "
             + ", ".join(f"rank {r} {said[where[r][0]]} in step {where[r][1]}" for r in odd)
             + ". Every rank must call the model and optimizer.step() in the same order (no "
-            "rank may skip a step or run an extra forward).")
+            "rank may skip a step or run an extra forward)."
+            + (f" {_COLLECTIVE_EXPORT}" if _EXPORT in {w[0] for w in where} else ""))
 
     def _check_no_gradient_outside_lookups(self) -> None:
         """A server-held parameter gets its gradient through its lookups only; one that the
@@ -626,21 +632,20 @@ class Runner:
         dist.all_reduce(total, group=self.group)
         return float(total[0] / total[1].clamp_min(1))
 
-    def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
+    def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer] | None = None, *,
+                  set_to_none: bool = True) -> None:
         """Clear the gradients of every parameter, or of those ``optimizers`` update (their
-        replicated parameters here, their tables' rows on the servers). Gradients of forwards
-        not yet backpropagated are kept, as on one device."""
-        if optimizers is None:
-            for param in [*self.replicated_parameters, *self._split_parameters]:
-                param.grad = None
-            tables = list(self.layout.all_tables().values())
-        else:
-            mine = {id(p) for optimizer in optimizers for group in optimizer.param_groups
-                    for p in group["params"]}
-            for param in [*self.replicated_parameters, *self._split_parameters]:
-                if id(param) in mine:
-                    param.grad = None
-            tables = self._tables_of(optimizers)
+        replicated parameters here, their tables' rows on the servers), as
+        ``Optimizer.zero_grad(set_to_none)`` does on one device. Gradients of forwards not
+        yet backpropagated are kept, as on one device."""
+        mine = None if optimizers is None else {
+            id(p) for optimizer in optimizers for group in optimizer.param_groups
+            for p in group["params"]}
+        for param in [*self.replicated_parameters, *self._split_parameters]:
+            if mine is None or id(param) in mine:
+                _clear_grad(param, set_to_none)
+        tables = (list(self.layout.all_tables().values()) if optimizers is None
+                  else self._tables_of(optimizers))
         for table in tables:
             table.zero_grad()
 
@@ -920,8 +925,13 @@ class Runner:
             return self._state_dict()
 
     def _state_dict(self) -> dict[str, Tensor]:
-        with self._explained():
-            self._check_phase(_EXPORT)
+        try:
+            with self._explained():
+                self._check_phase(_EXPORT)
+        except UnevenInputsError as error:  # the other ranks ended: this rank exports alone
+            raise UnevenInputsError(
+                f"rank {self.worker.rank} called model.state_dict() after another rank ended "
+                f"({error}). {_COLLECTIVE_EXPORT}") from error
         with self._serving_global():
             state = self.parallelism.plain_model_state(self.model.state_dict())
             if self.server_sync is not None:  # the parameters get this worker's values back
@@ -1115,6 +1125,16 @@ def _held(table: Table) -> Table:
     """The table that holds a parameter's shard on the servers (an `AsyncTable`'s wrapped
     one: the servers' optimizer and state work on it)."""
     return table.inner if isinstance(table, AsyncTable) else table
+
+
+def _clear_grad(param: Tensor, set_to_none: bool) -> None:
+    """``Optimizer.zero_grad``'s clearing of one parameter's gradient."""
+    if param.grad is None or set_to_none:
+        param.grad = None
+    elif param.grad.grad_fn is not None:
+        param.grad.detach_().zero_()
+    else:
+        param.grad.requires_grad_(False).zero_()
 
 
 def _indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:

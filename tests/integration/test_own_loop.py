@@ -78,6 +78,8 @@ def test_a_rank_that_leaves_the_common_sequence_is_named(tmp_path: Path, mode: s
     want = "UnsupportedProgramError: rank {r}: the ranks' training loops diverged: " + said
     for rank in range(2):
         assert any(want.format(r=rank) in line for line in summary), proc.stderr[-3000:]
+    if mode == "save-on-0":  # the message says why: the state dict is collective
+        assert proc.stderr.count("model.state_dict() is collective") >= 2, proc.stderr[-3000:]
     assert seconds < 60, "no rank waits for the collective timeout"
     for rank in range(2):
         pid = int((tmp_path / f"pid-{rank}").read_text())

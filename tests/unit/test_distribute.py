@@ -159,24 +159,19 @@ def test_a_parameter_in_no_optimizer_is_refused():
 
 
 def test_a_server_held_table_read_outside_the_model_is_refused(single_process):
-    """The user's copy of a server-held table is a handle without storage (meta device):
-    what is read from it has no values and fails with the first real tensor it meets; a loss
-    term computed from it is refused at the step, naming the parameter."""
-    model, optimizer, _, _ = _pair()
-    weight = model.embedding.weight
-    assert weight.is_meta and weight.shape == (30, 4)
-    ids, y = _batch(0)
-    rows = weight[ids]  # a lookup of one's own, with real ids: no values
-    assert rows.is_meta
-    with pytest.raises(RuntimeError, match="meta"):
-        model.head(rows.mean(dim=1))
-    loss = nn.functional.cross_entropy(model(ids)["logits"], y)
-    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
-        (loss + weight.pow(2).sum()).backward()
-    weight.pow(2).sum().backward()  # on the handle alone: a gradient without values
-    with pytest.raises(UnsupportedProgramError, match=r"\['embedding.weight'\] live on the "
-                       "parameter servers, but the program computed a gradient"):
-        optimizer.step()
+    """The user's copy of a server-held table has no storage: its shape and dtype answer, a
+    value read from the program's code is refused at once, naming the parameter, the rank
+    and the line."""
+    model, _, _, _ = _pair()
+    weight = model.module.embedding.weight
+    assert weight.shape == (30, 4) and weight.dtype == torch.float64
+    ids, _ = _batch(0)
+    with pytest.raises(UnsupportedProgramError, match=r"rank 0: parameter 'embedding.weight' "
+                       r"lives on the parameter servers .* '__getitem__' on it at "
+                       r".*test_distribute.py:\d+"):
+        weight[ids]  # a lookup of one's own
+    with pytest.raises(UnsupportedProgramError, match="'pow' on it"):
+        weight.pow(2).sum()
 
 
 def test_norms_other_than_l2_are_refused(single_process):
@@ -329,3 +324,42 @@ def _slow_pair() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Slow()
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An optimizer class of the program's own, whose step reads every parameter's grad
+    (the server-held ones too): parallax runs it, so the handles answer as plain tensors."""
+
+    def step(self, closure=None):
+        self.seen = [p.grad is None for group in self.param_groups for p in group["params"]]
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("door", ["distribute", "get_runner"])
+def test_an_optimizer_class_of_the_programs_own_trains_as_one_device(door, single_process):
+    torch.manual_seed(0)
+    model, reference = Tagged().double(), Tagged().double()
+    reference.load_state_dict(model.state_dict())
+    model.eval()
+    reference.eval()
+    optimizer = _CountingSGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    config = parallax.Config(partition_cache=None)
+
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out["logits"], y)
+    if door == "distribute":
+        model, optimizer = parallax.distribute(model, optimizer, config=config)
+        pairs = [(model, optimizer)]
+    else:
+        runner = parallax.get_runner(model, optimizer, loss_fn, config=config)
+        runner.module.eval()
+        pairs = []
+    for step in range(3):
+        ids, y = _batch(step)
+        _train(range(step, step + 1), (reference, reference_optimizer), *pairs)
+        if door == "get_runner":
+            runner.step((ids, y))
+    state = model.state_dict() if door == "distribute" else runner.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-12, msg=name)

@@ -259,7 +259,7 @@ class _Restore:
                                                  [piece])
         for name in self.from_model:
             if tables[name].on_servers:
-                release(params[name])
+                release(params[name], name=name, device=runner.device, rank=runner.worker.rank)
         for name, (full, state) in self.full.items():
             param = params[name]
             with torch.no_grad():

@@ -120,7 +120,8 @@ class ModelParallel:
                     f"linear layer's parameters to be its own")
             _repoint(optimizers, old, param)
             self.sharded[name] = param
-            release(old)  # the user's module keeps a storage-less handle (engine.handles)
+            # the user's module keeps a storage-less handle (engine.handles)
+            release(old, name=name, rank=self.rank)
         self.dense = {n: p for n, p in executed.named_parameters() if p.requires_grad}
         self._norm_parts = {name: ShardedGradNorm(name, p, self.grid.data)
                             for name, p in self.sharded.items()}

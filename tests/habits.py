@@ -1,0 +1,284 @@
+"""The habits of a plain PyTorch or DDP training loop, tried through `parallax.distribute`.
+
+Each `Habit` is a piece of an ordinary program (its ``program`` runs unchanged on one device
+and on the model and optimizer `parallax.distribute` returned) and what parallax does with it:
+``works`` (the same parameters as the single-device program, float64, <= 1e-9), ``differs``
+(works, but not as one device: ``note`` says how) or ``refused`` (an `UnsupportedProgramError`
+naming the parameter, rank and fix at the first use). tests/integration/test_habits.py tries
+every one; docs/habits.md is `render_table()` of this list (a test keeps them equal), and so
+is the README's own-loop table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import parallax
+
+STEPS = 5
+PER_WORKER = 4  # samples per worker and step; the single-device program takes W times that
+
+
+class Net(nn.Module):
+    """An embedding (server-held), a dropout and a dense head; ``init_hidden`` builds a
+    tensor from ``next(self.parameters())`` as RNN programs do."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(40, 6)
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        start = self.init_hidden(ids.shape[0])
+        return self.head(self.drop(self.embedding(ids).mean(dim=1)) + start)
+
+    def init_hidden(self, rows: int) -> torch.Tensor:
+        weight = next(self.parameters())
+        return weight.new_zeros(rows, 6).to(weight.device)
+
+
+def dataset(size: int = 48) -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(11)
+    return torch.utils.data.TensorDataset(torch.randint(40, (size, 5), generator=generator),
+                                          torch.randn(size, 3, generator=generator,
+                                                      dtype=torch.float64))
+
+
+def batches(world: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This worker's slices of the global batches (one device: world=1, the whole batch)."""
+    ids, y = dataset().tensors
+    size = PER_WORKER * 2  # the global batch of a 2-worker run
+    out = []
+    for step in range(STEPS):
+        chunk = slice(step * size, (step + 1) * size)
+        out.append((ids[chunk][rank::world], y[chunk][rank::world]))
+    return out
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+@dataclass
+class Run:
+    """What a habit's program gets: the model and optimizer to train (the distributed ones,
+    or the originals on one device), the original optimizer, this worker's batches."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    original_optimizer: torch.optim.Optimizer
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    world: int
+    rank: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Habit:
+    key: str
+    habit: str  # what the program does, as the user writes it
+    outcome: str  # "works" | "differs" | "refused"
+    note: str  # how it works, how it differs, or why it is refused and what to do
+    program: Callable[[Run], Any] | None = None  # trains; None: tried by its own test
+    dropout: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)
+    launched: bool = False  # tried on 2 workers (a launch), not only on one in-process
+
+
+def _loop(run: Run, clear: Callable[[], None], step: Callable[[], Any] | None = None,
+          loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse) -> None:
+    for ids, y in run.batches:
+        clear()
+        loss(run.model(ids), y).backward()
+        (step or run.optimizer.step)()
+
+
+def _canonical(run: Run) -> None:
+    _loop(run, run.optimizer.zero_grad)
+
+
+def _model_zero_grad(run: Run) -> None:
+    _loop(run, run.model.zero_grad)
+
+
+def _keep_zeros(run: Run) -> None:
+    _loop(run, lambda: run.optimizer.zero_grad(set_to_none=False))
+
+
+def _original_optimizer(run: Run) -> None:
+    _loop(run, run.original_optimizer.zero_grad, run.original_optimizer.step)
+
+
+def _scheduler_before(run: Run) -> None:
+    scheduler = run.extra["scheduler"]
+    for ids, y in run.batches:
+        run.original_optimizer.zero_grad()
+        mse(run.model(ids), y).backward()
+        run.original_optimizer.step()
+        scheduler.step()
+
+
+def _parallax_clip(run: Run) -> None:
+    def clip_and_step() -> None:
+        parallax.clip_grad_norm_(run.model.parameters(), 0.05)
+        run.optimizer.step()
+    _loop(run, run.optimizer.zero_grad, clip_and_step)
+
+
+def _torch_clip_dense(run: Run) -> None:
+    def clip_and_step() -> None:
+        torch.nn.utils.clip_grad_norm_(run.model.head.parameters(), 0.05)
+        run.optimizer.step()
+    _loop(run, run.optimizer.zero_grad, clip_and_step)
+
+
+def _sum_loss(run: Run) -> None:
+    _loop(run, run.optimizer.zero_grad,
+          loss=lambda out, y: nn.functional.mse_loss(out, y, reduction="sum"))
+
+
+def _accumulate(run: Run) -> None:
+    """Two micro-batches per step, the first under DDP's ``no_sync`` (one device: plain)."""
+    for ids, y in run.batches:
+        run.optimizer.zero_grad()
+        half = ids.shape[0] // 2
+        sync = getattr(run.model, "no_sync", None)
+        with sync() if sync is not None else _nothing():
+            (mse(run.model(ids[:half]), y[:half]) * half / ids.shape[0]).backward()
+        (mse(run.model(ids[half:]), y[half:]) * (ids.shape[0] - half) / ids.shape[0]).backward()
+        run.optimizer.step()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+def _device_of_parameters(run: Run) -> None:
+    device = next(run.model.parameters()).device  # where inputs go, as DDP programs ask
+    for ids, y in run.batches:
+        run.optimizer.zero_grad()
+        mse(run.model(ids.to(device)), y.to(device)).backward()
+        run.optimizer.step()
+
+
+HABITS: list[Habit] = [
+    Habit("canonical", "`optimizer.zero_grad(); loss.backward(); optimizer.step()`", "works",
+          "the reference loop", _canonical, launched=True),
+    Habit("model_zero_grad", "`model.zero_grad()` instead of `optimizer.zero_grad()`", "works",
+          "clears the servers' gradient rows too", _model_zero_grad, launched=True),
+    Habit("set_to_none_false", "`optimizer.zero_grad(set_to_none=False)`", "works",
+          "gradients kept as zeros, as torch does", _keep_zeros),
+    Habit("original_optimizer", "keep stepping the optimizer object passed to `distribute`",
+          "works", "`distribute` turns that object into the distributed optimizer (the one "
+          "it returns)", _original_optimizer, launched=True),
+    Habit("scheduler_before", "an lr scheduler built on the optimizer before `distribute`",
+          "works", "the scheduler's step counting follows the distributed step",
+          _scheduler_before),
+    Habit("dropout_rng", "dropout, and anything drawn from torch's generator after "
+          "`distribute`", "works",
+          "`distribute` leaves the program's random stream as it was (one worker: the same "
+          "masks; several workers: each draws its own masks for its rows, as under DDP)",
+          _canonical, dropout=0.5),
+    Habit("init_hidden", "`next(model.parameters())` for a hidden state "
+          "(`weight.new_zeros(...)`) or for the device", "works",
+          "a server-held parameter answers shape, dtype and `new_zeros`/`zeros_like`; "
+          "`.device` is the worker's device", _device_of_parameters),
+    Habit("no_sync", "DDP's `with model.no_sync():` for gradient accumulation", "works",
+          "dense gradients AllReduced once, rows pushed once per step", _accumulate,
+          launched=True),
+    Habit("parallax_clip", "`parallax.clip_grad_norm_(model.parameters(), c)`", "works",
+          "the single-device global norm, servers' rows included", _parallax_clip,
+          launched=True),
+    Habit("torch_clip_dense", "`torch.nn.utils.clip_grad_norm_` over dense parameters only",
+          "works", "their gradients are the AllReduced ones", _torch_clip_dense,
+          launched=True),
+    Habit("sum_loss_averaged", "a loss with `reduction='sum'`", "differs",
+          "gradients are averaged over the W workers, as under DDP: the update is 1/W of "
+          "one device's; `Config(average_dense=False, average_sparse=False)` sums them and "
+          "trains exactly as one device", None),
+    Habit("sum_loss_summed", "a loss with `reduction='sum'` and "
+          "`Config(average_dense=False, average_sparse=False)`", "works",
+          "gradients summed over workers", _sum_loss,
+          config={"average_dense": False, "average_sparse": False}, launched=True),
+    Habit("distributed_sampler", "a DDP loader with `DistributedSampler` and "
+          "`sampler.set_epoch(e)`, through `parallax.shard`", "works",
+          "its shuffle, seed, padding and the epoch set by `set_epoch` are kept", None),
+    Habit("random_sampler", "`DataLoader(shuffle=True)` through `parallax.shard`", "differs",
+          "each epoch is a new seeded permutation (`shard(seed=...)` and the epoch), not "
+          "torch's draw from the global generator; the generator still advances by the one "
+          "draw the sampler takes, so later random numbers match the program's", None),
+    Habit("other_sampler", "a `WeightedRandomSampler` or custom sampler through "
+          "`parallax.shard`", "refused", "its order cannot be split by index", None),
+    Habit("state_dict_everywhere", "`state = model.state_dict()` on every rank, "
+          "`torch.save` on rank 0", "works", "the plain single-device state dict", None),
+    Habit("state_dict_rank0", "`if rank == 0: torch.save(model.state_dict(), f)` (DDP)",
+          "refused", "`state_dict()` is collective (it gathers the servers' rows); every rank "
+          "is stopped at once, the message says so", None),
+    Habit("inner_state_dict", "`model.module.state_dict()`", "refused",
+          "the inner module holds no values of server-held parameters; use "
+          "`model.state_dict()` (collective)", None),
+    Habit("torch_clip_all", "`torch.nn.utils.clip_grad_norm_(model.parameters(), c)`",
+          "refused", "torch would skip the servers' rows and clip by a smaller norm; use "
+          "`parallax.clip_grad_norm_`", None),
+    Habit("inner_zero_grad", "`model.module.zero_grad()`", "refused",
+          "would leave the servers' rows; use `model.zero_grad()`", None),
+    Habit("manual_update", "`p.data.add_(p.grad, alpha=-lr)` by hand", "refused",
+          "would not reach the servers' rows; use a `torch.optim` optimizer", None),
+    Habit("new_optimizer", "an optimizer built after `distribute` over `model.parameters()`",
+          "refused", "would not update the servers' rows; build it before and pass it", None),
+    Habit("pickle", "`torch.save(model, f)`, `pickle`, `copy.deepcopy(model)`, "
+          "`AveragedModel(model)`", "refused",
+          "the server-held rows are not in this process; save `model.state_dict()`", None),
+    Habit("move_after", "`model.to(...)`/`.double()` after `distribute`", "refused",
+          "(a no-op when nothing changes) would leave the servers' rows; move before", None),
+    Habit("torch_scaler", "`torch.amp.GradScaler`", "refused",
+          "would unscale and check only the replicated gradients; use `parallax.GradScaler`",
+          None),
+]
+BY_KEY = {habit.key: habit for habit in HABITS}
+
+
+def render_table(habits: Iterable[Habit] = HABITS) -> str:
+    """The Markdown table of docs/habits.md and the README."""
+    said = {"works": "works", "differs": "works differently", "refused": "refused"}
+    lines = ["| habit | under `parallax.distribute` | how, or why |", "|---|---|---|"]
+    lines += [f"| {h.habit} | {said[h.outcome]} | {h.note} |" for h in habits]
+    return "\n".join(lines) + "\n"
+
+
+def build(habit: Habit) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+    """The model, optimizer and scheduler of ``habit``'s program (seeded: every worker and the
+    single-device program build the same)."""
+    torch.manual_seed(0)
+    model = Net(habit.dropout).double()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    extra: dict[str, Any] = {}
+    if habit.key == "scheduler_before":
+        extra["scheduler"] = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return model, optimizer, extra
+
+
+def single_device(habit: Habit) -> dict[str, torch.Tensor]:
+    """The program on one device with the global batch."""
+    model, optimizer, extra = build(habit)
+    habit.program(Run(model, optimizer, optimizer, batches(1, 0), 1, 0, extra))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def distributed(habit: Habit, world: int, rank: int) -> dict[str, torch.Tensor]:
+    """The program through `parallax.distribute` on this worker (collective)."""
+    model, optimizer, extra = build(habit)
+    config = parallax.Config(partition_cache=None, collective_timeout_s=60, **habit.config)
+    dmodel, doptimizer = parallax.distribute(model, optimizer, config=config)
+    habit.program(Run(dmodel, doptimizer, optimizer, batches(world, rank), world, rank, extra))
+    return dmodel.state_dict()

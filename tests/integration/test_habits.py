@@ -1,0 +1,246 @@
+"""Every habit of tests/habits.py tried through `parallax.distribute`: what works trains the
+single-device program's parameters (float64, <= 1e-9), what is refused fails at its first use
+with an `UnsupportedProgramError` naming the parameter, the rank and the line; docs/habits.md
+and the README's table are `habits.render_table()`.
+
+One worker in this process for most; one 2-worker launch (tests/scripts/habits_worker.py)
+for the habits whose difference needs several workers (averaging, samplers, the random
+stream, rank-0-only saving)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from habits import (
+    BY_KEY,
+    HABITS,
+    batches,
+    build,
+    dataset,
+    distributed,
+    render_table,
+    single_device,
+)
+
+import parallax
+from parallax.errors import UnsupportedProgramError
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "scripts" / "habits_worker.py"
+TRIED: set[str] = set()
+
+
+def tries(*keys: str):
+    """Mark a test as the one that tries these habits (each habit must have one)."""
+    for key in keys:
+        assert key in BY_KEY, key
+        TRIED.add(key)
+    return lambda test: test
+
+
+def assert_equal(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        difference = float((got[name] - value).abs().max())
+        assert difference <= 1e-9 * max(1.0, float(value.abs().max())), (
+            f"{what}: {name} differs by {difference:.3g}")
+
+
+@tries(*[h.key for h in HABITS if h.program is not None and not h.config])
+@pytest.mark.parametrize("key", [h.key for h in HABITS if h.program is not None
+                                 and not h.config])
+def test_a_working_habit_trains_as_one_device(key: str, single_process) -> None:
+    habit = BY_KEY[key]
+    assert_equal(distributed(habit, 1, 0), single_device(habit), key)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("habits")
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "1",
+           "--nproc-per-machine", "2", str(WORKER), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@tries("sum_loss_summed")
+@pytest.mark.parametrize("key", [h.key for h in HABITS if h.launched])
+def test_a_working_habit_trains_as_one_device_on_two_workers(key: str, launched: Path) -> None:
+    assert_equal(torch.load(launched / f"{key}.pt"), single_device(BY_KEY[key]), key)
+
+
+@tries("sum_loss_averaged")
+def test_a_sum_loss_averaged_over_workers_is_one_over_w_of_the_update(launched: Path) -> None:
+    """What the table calls 'works differently': averaged over the 2 workers, a sum loss's
+    gradient is half one device's, so plain SGD at lr 0.1 equals one device at lr 0.05 (the
+    summed configuration is exact, tried above)."""
+    model, _, _ = build(BY_KEY["canonical"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for ids, y in batches(1, 0):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(ids), y, reduction="sum").backward()
+        optimizer.step()
+    assert_equal(torch.load(launched / "sum_averaged.pt"), model.state_dict(), "sum averaged")
+
+
+@tries("distributed_sampler")
+def test_a_ddp_distributed_sampler_keeps_its_shuffle_and_set_epoch(launched: Path) -> None:
+    """Two epochs of a DDP loader (DistributedSampler(shuffle=True, seed=3), set_epoch(e))
+    through parallax.shard equal one device with the same sampler at world size 1."""
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    data = dataset()
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True,
+                                                  seed=3)
+    loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for ids, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(ids), y).backward()
+            optimizer.step()
+    assert_equal(torch.load(launched / "sampler.pt"), model.state_dict(), "sampler")
+
+
+@tries("dropout_rng", "random_sampler")
+def test_the_programs_random_stream_goes_on_as_on_one_device(launched: Path) -> None:
+    """Right after distribute every worker draws what the program draws at that point; after
+    a shuffled epoch through shard too (its sampler's one draw is taken), and the epoch
+    covered every sample once across the workers."""
+    torch.manual_seed(7)
+    first = torch.rand(4)
+    for _ in torch.utils.data.DataLoader(dataset(), batch_size=4, shuffle=True):
+        pass
+    after_epoch = torch.rand(4)
+    seen = []
+    for rank in range(2):
+        got = torch.load(launched / f"rng-{rank}.pt")
+        assert torch.equal(got["after_distribute"], first), rank
+        assert torch.equal(got["after_epoch"], after_epoch), rank
+        seen.append(got["seen"])
+    ids = dataset().tensors[0][:, 0]
+    assert sorted(torch.cat(seen).tolist()) == sorted(ids.tolist())
+
+
+def _distributed_net(single_process):
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    dmodel, doptimizer = parallax.distribute(model, optimizer,
+                                             config=parallax.Config(partition_cache=None))
+    ids, y = dataset().tensors
+    torch.nn.functional.mse_loss(dmodel(ids[:8]), y[:8]).backward()
+    return dmodel, doptimizer
+
+
+def _refused(action, *words: str) -> str:
+    with pytest.raises(UnsupportedProgramError) as error:
+        action()
+    message = str(error.value)
+    for word in words:
+        assert word in message, message
+    return message
+
+
+NAMED = ("rank 0", "'embedding.weight'", "test_habits.py:")
+
+
+@tries("torch_clip_all")
+def test_torchs_clip_grad_norm_over_every_parameter_is_refused(single_process) -> None:
+    model, _ = _distributed_net(single_process)
+    _refused(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), *NAMED,
+             "parallax.clip_grad_norm_")
+
+
+@tries("inner_zero_grad")
+def test_the_inner_modules_zero_grad_is_refused(single_process) -> None:
+    model, _ = _distributed_net(single_process)
+    _refused(lambda: model.module.zero_grad(), *NAMED, "zero_grad() on the model")
+
+
+@tries("manual_update")
+def test_a_manual_update_is_refused(single_process) -> None:
+    model, _ = _distributed_net(single_process)
+
+    def update() -> None:
+        for p in model.module.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+    _refused(update, *NAMED, "torch.optim optimizer")
+
+
+@tries("new_optimizer")
+def test_an_optimizer_built_after_distribute_is_refused(single_process) -> None:
+    model, _ = _distributed_net(single_process)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _refused(optimizer.step, "rank 0", "'embedding.weight'", "parallax.distribute did not "
+             "return")
+
+
+@tries("inner_state_dict")
+def test_the_inner_modules_state_dict_is_refused(single_process) -> None:
+    model, _ = _distributed_net(single_process)
+    _refused(lambda: model.module.state_dict(), *NAMED, "collective")
+    _refused(lambda: model.module.embedding.state_dict(), *NAMED)
+
+
+@tries("pickle")
+def test_pickling_or_copying_the_model_is_refused(single_process) -> None:
+    model, _ = _distributed_net(single_process)
+    _refused(lambda: torch.save(model, io.BytesIO()), "model.state_dict()")
+    _refused(lambda: pickle.dumps(model), "model.state_dict()")
+    _refused(lambda: copy.deepcopy(model), "model.state_dict()")
+    _refused(lambda: torch.save(model.module, io.BytesIO()), *NAMED, "pickling")
+    _refused(lambda: torch.optim.swa_utils.AveragedModel(model.module), *NAMED, "copying")
+
+
+@tries("move_after")
+def test_moving_or_casting_after_distribute_is_refused(single_process) -> None:
+    model, _ = _distributed_net(single_process)
+    assert model.double() is model and model.to("cpu") is model  # nothing changes: no-op
+    _refused(lambda: model.float(), "rank 0", "head.weight", "before "
+             "parallax.distribute")
+    _refused(lambda: model.module.float(), *NAMED, "before parallax.distribute")
+
+
+@tries("torch_scaler")
+def test_torchs_grad_scaler_is_refused(single_process) -> None:
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    model, optimizer = parallax.distribute(model, optimizer,
+                                           config=parallax.Config(partition_cache=None))
+    scaler = torch.amp.GradScaler("cpu")
+    ids, y = dataset().tensors
+    scaler.scale(torch.nn.functional.mse_loss(model(ids[:8]), y[:8])).backward()
+    _refused(lambda: scaler.step(optimizer), "parallax.GradScaler")
+
+
+@tries("other_sampler")
+def test_a_sampler_shard_cannot_split_is_refused(monkeypatch) -> None:
+    from parallax.cluster import WorkerInfo
+    data = dataset()
+    weighted = torch.utils.data.WeightedRandomSampler(torch.ones(len(data)), len(data))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=weighted)
+    monkeypatch.setattr("parallax.loader.current_worker", lambda: WorkerInfo.__new__(WorkerInfo))
+    _refused(lambda: parallax.shard(loader), "WeightedRandomSampler", "DistributedSampler")
+
+
+@tries("state_dict_everywhere", "state_dict_rank0")
+def test_state_dicts_are_tried_by_the_own_loop_tests() -> None:
+    """tests/integration/test_own_loop.py: the state dict saved on every rank equals one
+    device's (outputs), rank 0 alone is refused naming the collective (save-on-0)."""
+    text = (ROOT / "tests" / "integration" / "test_own_loop.py").read_text()
+    assert "test_outputs_beyond_the_loss_equal_one_device_for_each_slice" in text
+    assert '"save-on-0"' in text and "collective" in text
+
+
+def test_every_habit_is_tried_and_the_docs_show_the_table() -> None:
+    """Runs last in this module: every habit of the table has its test, and docs/habits.md
+    and the README carry the table as rendered from tests/habits.py."""
+    assert TRIED == set(BY_KEY), sorted(set(BY_KEY) - TRIED)
+    table = render_table()
+    for page in (ROOT / "docs" / "habits.md", ROOT / "README.md"):
+        assert table in page.read_text(), f"{page} does not carry habits.render_table()"

@@ -1,0 +1,88 @@
+"""The launched habits of tests/habits.py on one worker of a 2-worker run, for
+tests/integration/test_habits.py.
+
+Usage: habits_worker.py OUT_DIR. Rank 0 writes OUT_DIR/KEY.pt (the trained single-device state
+dict) for every launched habit, OUT_DIR/sampler.pt for the DistributedSampler program, and
+every rank OUT_DIR/rng-RANK.pt (torch.rand(4) drawn right after distribute and after an
+iteration of a shuffled shard).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from habits import BY_KEY, HABITS, batches, build, dataset, distributed, mse  # noqa: E402
+
+import parallax  # noqa: E402
+from parallax.cluster import current_worker  # noqa: E402
+from parallax.launch.fast_exit import exit_now  # noqa: E402
+
+
+def sampler_program(out: Path, world: int, rank: int) -> None:
+    """A DDP program's loader: DistributedSampler with shuffle and set_epoch, 2 epochs."""
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    data = dataset()
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank,
+                                                  shuffle=True, seed=3)
+    loader = parallax.shard(torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler))
+    model, optimizer = parallax.distribute(
+        model, optimizer, config=parallax.Config(partition_cache=None, collective_timeout_s=60))
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for ids, y in loader:
+            optimizer.zero_grad()
+            mse(model(ids), y).backward()
+            optimizer.step()
+    state = model.state_dict()
+    if rank == 0:
+        torch.save(state, out / "sampler.pt")
+
+
+def sum_averaged_program(out: Path, world: int, rank: int) -> None:
+    """A sum loss, plain SGD at lr 0.1, gradients averaged over the workers (the default)."""
+    model, _, _ = build(BY_KEY["canonical"])
+    model, optimizer = parallax.distribute(
+        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        config=parallax.Config(partition_cache=None, collective_timeout_s=60))
+    for ids, y in batches(world, rank):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(ids), y, reduction="sum").backward()
+        optimizer.step()
+    state = model.state_dict()
+    if rank == 0:
+        torch.save(state, out / "sum_averaged.pt")
+
+
+def rng_program(out: Path, rank: int) -> None:
+    """What the program draws after distribute, and after one shuffled epoch."""
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    torch.manual_seed(7)
+    parallax.distribute(model, optimizer,
+                        config=parallax.Config(partition_cache=None, collective_timeout_s=60))
+    first = torch.rand(4)
+    loader = parallax.shard(torch.utils.data.DataLoader(dataset(), batch_size=4, shuffle=True))
+    seen = torch.cat([ids[:, 0] for ids, _ in loader])
+    torch.save({"after_distribute": first, "after_epoch": torch.rand(4), "seen": seen},
+               out / f"rng-{rank}.pt")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    worker = current_worker()
+    world, rank = worker.world_size, worker.rank
+    for habit in HABITS:
+        if habit.launched:
+            state = distributed(habit, world, rank)
+            if rank == 0:
+                torch.save(state, out / f"{habit.key}.pt")
+    sampler_program(out, world, rank)
+    sum_averaged_program(out, world, rank)
+    rng_program(out, rank)
+    parallax.shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()
