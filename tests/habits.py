@@ -11,6 +11,7 @@ is the README's own-loop table.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,18 +150,10 @@ def _accumulate(run: Run) -> None:
         run.optimizer.zero_grad()
         half = ids.shape[0] // 2
         sync = getattr(run.model, "no_sync", None)
-        with sync() if sync is not None else _nothing():
+        with sync() if sync is not None else contextlib.nullcontext():
             (mse(run.model(ids[:half]), y[:half]) * half / ids.shape[0]).backward()
         (mse(run.model(ids[half:]), y[half:]) * (ids.shape[0] - half) / ids.shape[0]).backward()
         run.optimizer.step()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: Any) -> None:
-        return None
 
 
 def _device_of_parameters(run: Run) -> None:

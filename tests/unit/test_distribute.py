@@ -363,3 +363,14 @@ def test_an_optimizer_class_of_the_programs_own_trains_as_one_device(door, singl
     state = model.state_dict() if door == "distribute" else runner.state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_freezing_a_server_held_parameter_after_distribute_is_refused(single_process):
+    """requires_grad_ on a server-held parameter after distribute would not stop the
+    servers' update: refused, naming the parameter; its metadata still answers."""
+    model, _, _, _ = _pair()
+    weight = model.module.embedding.weight
+    assert weight.requires_grad and weight.device == torch.device("cpu")
+    with pytest.raises(UnsupportedProgramError, match="'embedding.weight'.*set requires_grad "
+                       "before parallax.distribute"):
+        weight.requires_grad_(False)
