@@ -31,7 +31,7 @@ from torch.amp.grad_scaler import OptState
 from parallax.api import build_runner
 from parallax.config import Config
 from parallax.engine import handles
-from parallax.engine.shard_optimizer import as_optimizer_list
+from parallax.engine.shard_optimizer import as_optimizer_list, parameter_ids
 from parallax.errors import UnsupportedProgramError
 from parallax.runner import Runner
 
@@ -140,7 +140,7 @@ def _no_loss(output: Any, target: Any) -> Tensor:
 
 def _check_every_parameter_optimized(model: nn.Module,
                                      optimizers: list[torch.optim.Optimizer]) -> None:
-    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    held = parameter_ids(optimizers)
     missing = [name for name, p in model.named_parameters()
                if p.requires_grad and id(p) not in held]
     if missing:

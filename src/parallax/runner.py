@@ -49,6 +49,7 @@ from parallax.engine.shard_optimizer import (
     is_per_row,
     local_load_state_dict,
     local_state_dict,
+    parameter_ids,
     rebuild_constructor_state,
 )
 from parallax.engine.table import Table, push_all
@@ -406,8 +407,7 @@ class Runner:
 
     def _tables_of(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[Table]:
         """The tables whose parameters ``optimizers`` hold."""
-        mine = {id(p) for optimizer in optimizers for group in optimizer.param_groups
-                for p in group["params"]}
+        mine = parameter_ids(optimizers)
         params = self._params
         return [t for name, t in self.layout.all_tables().items() if id(params[name]) in mine]
 
@@ -638,9 +638,7 @@ class Runner:
         replicated parameters here, their tables' rows on the servers), as
         ``Optimizer.zero_grad(set_to_none)`` does on one device. Gradients of forwards not
         yet backpropagated are kept, as on one device."""
-        mine = None if optimizers is None else {
-            id(p) for optimizer in optimizers for group in optimizer.param_groups
-            for p in group["params"]}
+        mine = None if optimizers is None else parameter_ids(optimizers)
         for param in [*self.replicated_parameters, *self._split_parameters]:
             if mine is None or id(param) in mine:
                 _clear_grad(param, set_to_none)

@@ -66,6 +66,12 @@ def as_optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Op
     return optimizers
 
 
+def parameter_ids(optimizers: Sequence[torch.optim.Optimizer]) -> set[int]:
+    """The ids of every parameter ``optimizers`` update."""
+    return {id(p) for optimizer in optimizers for group in optimizer.param_groups
+            for p in group["params"]}
+
+
 def optimizer_of(optimizers: Sequence[torch.optim.Optimizer],
                  param: nn.Parameter) -> torch.optim.Optimizer | None:
     """The optimizer whose param groups hold ``param`` (None: it is not optimized)."""
