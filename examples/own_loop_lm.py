@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
@@ -35,12 +36,13 @@ def main() -> None:
     args = parser.parse_args()
     train, _, vocab = load_text_corpus(args.corpus or fetch_kjv(), args.vocab, 35)
 
+    torch.manual_seed(0)  # the same initial model in every run (and parallax verify's)
     model = LanguageModel(len(vocab), emb_dim=64, hidden=128)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.2)
     model, optimizer = parallax.distribute(model, optimizer)  # parallax
     loader = parallax.shard(DataLoader(train, batch_size=16, shuffle=True))  # parallax
 
-    lead = model.runner.worker.rank == 0
+    lead = dist.get_rank() == 0  # distribute joined the process group, as DDP programs do
     for step, (tokens, targets) in enumerate(loader, 1):
         optimizer.zero_grad()
         logits = model(tokens)

@@ -58,6 +58,7 @@ def main() -> None:
     args = parse_args()
     corpus = args.corpus or fetch_kjv()
     train, valid, vocab = load_text_corpus(corpus, args.vocab, args.seq_len)
+    torch.manual_seed(0)  # the same initial model in every run (and parallax verify's)
     model = LanguageModel(len(vocab), emb_dim=args.emb_dim, hidden=args.hidden)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=args.lr)
 

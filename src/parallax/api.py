@@ -17,6 +17,8 @@ from parallax.model.exactness import check_exact
 from parallax.planning.architectures import server_held
 from parallax.runner import LossFn, Runner
 from parallax.session import join, single_process_worker
+from parallax.verify import record as verify
+from parallax.verify.run import RunRecorder
 
 __all__ = ["build_runner", "get_runner"]
 
@@ -61,7 +63,12 @@ def build_runner(model: torch.nn.Module,
     if seed:
         torch.manual_seed(config.seed)
     group = join(worker, config)
-    return Runner(model, optimizers, loss_fn, worker=worker, config=config, sparse_group=group)
+    runner = Runner(model, optimizers, loss_fn, worker=worker, config=config,
+                    sparse_group=group)
+    verification = verify.active()
+    if verification is not None:  # under parallax verify: the state at every step
+        runner.verify_recorder = RunRecorder(verification, runner)
+    return runner
 
 
 def _check_before_launch(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],

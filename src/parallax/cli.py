@@ -4,7 +4,8 @@
 the warm-up steps that measure sparsity (and, for tables in a `parallax.partitioner`, the
 partition-count search), then prints the per-parameter plan (and writes it as JSON) and stops.
 ``parallax export`` turns a sharded checkpoint into one plain state_dict file; ``parallax
-manifest`` prints a Kubernetes PyTorchJob.
+manifest`` prints a Kubernetes PyTorchJob; ``parallax verify`` compares a program's
+distributed training with its one-process run, step by step.
 
 Examples::
 
@@ -16,6 +17,7 @@ Examples::
     parallax run --machines 1 --nproc-per-machine 4 --max-restarts 3 train.py
     parallax plan --machines 2 --nproc-per-machine 2 --json plan.json train.py
     parallax export checkpoints/ model.pt    # the newest complete step under checkpoints/
+    parallax verify --steps 20 train.py --lr 0.1   # distributed == one process, per parameter
 """
 
 from __future__ import annotations
@@ -92,6 +94,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="step directory or root")
     export.add_argument("out", metavar="OUT", help="the .pt file to write")
+    verify = commands.add_parser(
+        "verify",
+        help="prove that distributed training of SCRIPT equals its one-process run",
+        description="Run SCRIPT for --steps steps twice: in one process with the global batch "
+        "(a parallax.distribute program in plain PyTorch) and distributed on a local cluster, "
+        "with torch's default dtype float64 unless --dtype program; print, per parameter and "
+        "buffer, the largest difference and the first step above the tolerance. Exit status "
+        "0 when equal, 1 when different, 2 when a run failed. The program must take its data "
+        "through parallax.shard and train through parallax.distribute or parallax.get_runner.")
+    verify.add_argument("--machines", type=int, default=2, metavar="M",
+                        help="emulated machines of the distributed run (default 2)")
+    verify.add_argument("--nproc-per-machine", type=int, default=1, metavar="K",
+                        help="workers per machine (default 1)")
+    verify.add_argument("--steps", type=int, default=20, metavar="N",
+                        help="training steps to compare (default 20)")
+    verify.add_argument("--tolerance", type=float, metavar="T",
+                        help="largest absolute difference taken as equal (default 1e-9 in "
+                        "float64, 1e-5 with --dtype program)")
+    verify.add_argument("--dtype", choices=["float64", "program"], default="float64",
+                        help="float64: torch.set_default_dtype(torch.float64) before the "
+                        "program runs (default); program: the program's own dtypes")
+    verify.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                        help="seconds each run may take (default 600)")
+    verify.add_argument("--keep", metavar="DIR", help="keep the recorded states and logs here")
+    verify.add_argument("--json", metavar="FILE", default="",
+                        help="also write the comparison here")
+    verify.add_argument("script", help="the training script")
+    verify.add_argument("script_args", nargs=argparse.REMAINDER,
+                        help="arguments for the script")
     manifest = commands.add_parser(
         "manifest",
         help="print a Kubernetes PyTorchJob that runs a script on several pods",
@@ -164,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _export(args)
     if args.command == "manifest":
         return _manifest(args)
+    if args.command == "verify":
+        return _verify(args)
     return _run(parser, args)
 
 
@@ -186,6 +219,27 @@ def _manifest(args: argparse.Namespace) -> int:
         return _fail(str(err))
     print(json.dumps(job, indent=2))
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """``parallax verify``: the two runs and their comparison (`parallax.verify`)."""
+    from parallax.verify.command import VerifyOptions, verify
+
+    if not os.path.isfile(args.script):
+        return _fail(f"no such script: {args.script}")
+    for flag, value in (("--machines", args.machines), ("--nproc-per-machine",
+                        args.nproc_per_machine), ("--steps", args.steps)):
+        if value < 1:
+            return _fail(f"{flag} must be at least 1, got {value}")
+    if args.tolerance is not None and not args.tolerance >= 0:
+        return _fail(f"--tolerance must be a number >= 0, got {args.tolerance}")
+    if not args.timeout > 0:
+        return _fail(f"--timeout must be positive, got {args.timeout}")
+    return verify(VerifyOptions(
+        args.script, list(args.script_args), machines=args.machines,
+        nproc_per_machine=args.nproc_per_machine, steps=args.steps, tolerance=args.tolerance,
+        float64=args.dtype == "float64", timeout_s=args.timeout, keep=args.keep,
+        json_path=args.json or None))
 
 
 def _export(args: argparse.Namespace) -> int:

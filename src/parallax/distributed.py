@@ -22,6 +22,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from parallax.engine import handles
 from parallax.engine.shard_optimizer import as_optimizer_list, parameter_ids
 from parallax.errors import UnsupportedProgramError
 from parallax.runner import Runner
+from parallax.verify import record as verify
+from parallax.verify.reference import reference_pair
 
 __all__ = ["DistributedModel", "DistributedOptimizer", "GradScaler", "clip_grad_norm_",
            "distribute"]
@@ -70,6 +73,11 @@ def distribute(model: nn.Module,
         if isinstance(opt, DistributedOptimizer):
             raise UnsupportedProgramError(
                 f"{type(opt).__name__} is already distributed; pass the original optimizer")
+    verification = verify.active()
+    if verification is not None and verification.role == "reference":  # parallax verify
+        timeout = timedelta(seconds=(config or Config()).collective_timeout_s)
+        return (reference_pair(verification, model, optimizers, timeout),  # type: ignore[return-value]
+                optimizer)
     # The program's random stream goes on as if distribute had not run (dropout masks and
     # every later draw as in the single-device program): nothing seeded, nothing consumed.
     with torch.random.fork_rng(devices=[]):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["AsyncServerError", "CheckpointError", "ConfigError", "NetemError", "OptimizerError",
            "ParallaxError", "PlanComplete", "ResourceError", "SparseIdError", "StalledRankError",
-           "UnevenInputsError", "UnsupportedProgramError"]
+           "UnevenInputsError", "UnsupportedProgramError", "VerifyComplete"]
 
 
 class ParallaxError(Exception):
@@ -71,3 +71,15 @@ class PlanComplete(SystemExit):
 
     def __str__(self) -> str:
         return f"parallax plan complete: {self.where}"
+
+
+class VerifyComplete(SystemExit):
+    """``parallax verify``: the run recorded the steps it was asked for and ends here (a
+    `SystemExit` with status 0, as `PlanComplete`)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(0)
+        self.steps = steps
+
+    def __str__(self) -> str:
+        return f"parallax verify: {self.steps} steps recorded"

@@ -27,6 +27,7 @@ from torch.utils.data import (
 from parallax.checks import is_int
 from parallax.cluster import WorkerInfo, current_worker
 from parallax.errors import UnsupportedProgramError
+from parallax.verify import record as verify
 
 __all__ = ["ShardedLoader", "shard", "sharded_loaders"]
 
@@ -97,6 +98,13 @@ class ShardedLoader:
         self.epoch = 0
         self._state: _EpochState | None = None
         self._resume_at: dict[str, int] | None = None
+        # parallax verify's one-process reference run reads the distributed run's global
+        # batch (its W times the loader's), in the same order.
+        verification = verify.active()
+        self._reference_factor = (verification.workers if verification is not None
+                                  and verification.role == "reference" else 1)
+        if self._reference_factor > 1:
+            _note_padding(original, self._reference_factor)
         self.regrid(*(_data_parallel or (worker.world_size, worker.rank, 1)))
         _registry.append(weakref.ref(self))
 
@@ -118,7 +126,8 @@ class ShardedLoader:
         assert original.batch_size is not None  # shard checked it
         skipper = _SkipSampler(self.sampler)
         self.loader = DataLoader(
-            original.dataset, batch_size=original.batch_size * group_size,
+            original.dataset,
+            batch_size=original.batch_size * group_size * self._reference_factor,
             sampler=skipper, num_workers=original.num_workers,
             collate_fn=original.collate_fn, pin_memory=original.pin_memory,
             drop_last=original.drop_last, timeout=original.timeout,
@@ -216,6 +225,21 @@ class ShardedLoader:
             raise ValueError(f"cannot resume at samples={samples}: the dataset has only "
                              f"{size} samples per epoch")
         self._resume_at = {"epoch": epoch, "samples": samples}
+
+
+def _note_padding(original: DataLoader, workers: int) -> None:
+    """For parallax verify's report: an epoch that ``DistributedSampler`` pads on
+    ``workers`` workers ends with another last batch than the one-process run's."""
+    order = original.sampler
+    drop_last = order.drop_last if isinstance(order, DistributedSampler) else original.drop_last
+    size = len(original.dataset)  # type: ignore[arg-type]
+    if size % workers and not drop_last:
+        verify.add_hint(
+            f"a sharded loader's dataset has {size} samples, not a multiple of the {workers} "
+            f"workers: DistributedSampler pads each epoch's last batch with "
+            f"{-size % workers} repeated sample(s), as under DDP, so that step differs from "
+            f"one device's; DataLoader(drop_last=True) or a multiple of {workers} samples "
+            f"trains exactly")
 
 
 def _checked_position(position: dict[str, int]) -> tuple[int, int]:

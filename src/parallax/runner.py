@@ -68,6 +68,7 @@ from parallax.planning.memory import MemoryEstimate, predict_memory
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
 from parallax.session import check_same_everywhere, on_shutdown, shutdown
+from parallax.verify.record import AfterStep
 
 LossFn = Callable[[Any, Any], Tensor]
 _FORWARD, _UPDATE, _EXPORT = 1, 2, 3  # what a rank is calling, in _check_phase
@@ -228,6 +229,7 @@ class Runner:
         self._round_began = 0.0
         self._explaining = 0
         self.checks_phases = False  # set by parallax.distribute (see _check_phase)
+        self.verify_recorder: AfterStep | None = None  # set under parallax verify
         self._last_save = time.monotonic()
         if config.checkpoint_dir is not None and config.resume:
             self._resume_from_newest(config.checkpoint_dir)
@@ -554,6 +556,8 @@ class Runner:
                 self.save()
         self.phases.end()
         self._record_metrics()
+        if self.verify_recorder is not None:
+            self.verify_recorder.after_step()
 
     def _record_metrics(self) -> None:
         """The step into the headline's and the metrics' windows; rank 0 writes every

@@ -18,7 +18,8 @@ SRC = ROOT / "src"
 LAYERS = [
     # nothing of ours, or only each other
     ["parallax.errors", "parallax.checks", "parallax.collective", "parallax.cluster",
-     "parallax.config", "parallax.checkpoint.files", "parallax.loader"],
+     "parallax.config", "parallax.checkpoint.files", "parallax.loader",
+     "parallax.verify.record"],
     ["parallax.engine"],
     ["parallax.launch"],
     ["parallax.model"],
@@ -28,9 +29,9 @@ LAYERS = [
     ["parallax.checkpoint"],
     ["parallax.session", "parallax.metrics"],
     ["parallax.runner"],
-    ["parallax.api"],
+    ["parallax.api", "parallax.verify.run", "parallax.verify.reference"],
     ["parallax.distributed"],
-    ["parallax.cli", "parallax"],
+    ["parallax.cli", "parallax", "parallax.verify"],
 ]
 
 

@@ -1,0 +1,224 @@
+"""``parallax verify``: run the program as the reference and distributed, compare, report.
+
+Each run is a child process (its output goes to a log file, shown when it fails), stopped
+after ``timeout_s`` with its whole process group. The exit status: 0 when every parameter and
+buffer stayed within the tolerance at every step, 1 when something differs, 2 when a run
+failed or the arguments are wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parallax.verify.compare import Comparison, compare_runs, recorded_steps
+from parallax.verify.record import VERIFY_ENV, Verification
+
+__all__ = ["VerifyOptions", "report", "verify"]
+
+DIFFERENT = 1
+FAILED = 2
+# A launch's identity: the reference must not believe it is one of an outer job's workers.
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PARALLAX_RESOURCES")
+_CHILD = Path(__file__).with_name("child.py")
+
+
+@dataclass
+class VerifyOptions:
+    """What ``parallax verify`` runs and how it judges."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    machines: int = 2
+    nproc_per_machine: int = 1
+    steps: int = 20
+    tolerance: float | None = None  # None: 1e-9 in float64, 1e-5 in the program's dtype
+    float64: bool = True  # run the program with torch's default dtype float64
+    timeout_s: float = 600.0  # per run
+    keep: str | None = None  # keep the recorded states here
+    json_path: str | None = None  # also write the comparison here
+
+    @property
+    def workers(self) -> int:
+        return self.machines * self.nproc_per_machine
+
+    @property
+    def limit(self) -> float:
+        if self.tolerance is not None:
+            return self.tolerance
+        return 1e-9 if self.float64 else 1e-5
+
+
+@dataclass
+class _RunResult:
+    code: int | None  # None: timed out
+    seconds: float
+    log: Path
+
+
+def verify(options: VerifyOptions) -> int:
+    """Run, compare, print the report; the exit status."""
+    with tempfile.TemporaryDirectory(prefix="parallax-verify-") as scratch:
+        root = Path(options.keep) if options.keep else Path(scratch)
+        root.mkdir(parents=True, exist_ok=True)
+        runs = {}
+        for role in ("reference", "distributed"):
+            _say(f"{role} run: {_describe(options, role)} ...")
+            result = _run(options, role, root)
+            if result.code != 0:
+                return _failed(role, result, options)
+            if recorded_steps(root / role) < 0:
+                print(f"parallax verify: {options.script} ended without calling "
+                      f"parallax.distribute or parallax.get_runner: nothing to compare",
+                      file=sys.stderr)
+                return FAILED
+            _say(f"{role} run: {recorded_steps(root / role)} steps in {result.seconds:.1f} s")
+            runs[role] = result
+        comparison = compare_runs(root / "reference", root / "distributed", options.limit)
+        print(report(comparison, options), flush=True)
+        if options.json_path:
+            Path(options.json_path).write_text(comparison.to_json())
+        if options.keep:
+            _say(f"recorded states kept in {root}")
+        return 0 if comparison.equal else DIFFERENT
+
+
+def _describe(options: VerifyOptions, role: str) -> str:
+    dtype = "float64" if options.float64 else "the program's dtype"
+    if role == "reference":
+        return (f"one process, the global batch ({options.workers} x the loader's), {dtype}, "
+                f"{options.steps} steps")
+    return (f"{options.machines} machine(s) x {options.nproc_per_machine} worker(s), {dtype}, "
+            f"{options.steps} steps")
+
+
+def _run(options: VerifyOptions, role: str, root: Path) -> _RunResult:
+    directory = root / role
+    directory.mkdir(parents=True, exist_ok=True)
+    verification = Verification(str(directory), role, options.steps, options.workers,
+                                options.float64)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    env[VERIFY_ENV] = verification.to_env()
+    script = [str(_CHILD), options.script, *options.script_args]
+    if role == "reference":
+        from parallax.launch.elastic import free_port
+
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        command = [sys.executable, "-u", *script]
+    else:
+        command = [sys.executable, "-m", "parallax.cli", "run", "--machines",
+                   str(options.machines), "--nproc-per-machine", str(options.nproc_per_machine),
+                   *script]
+    log = root / f"{role}.log"
+    began = time.monotonic()
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code = _wait(process, directory, options, role)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    return _RunResult(code, time.monotonic() - began, log)
+
+
+def _wait(process: subprocess.Popen, directory: Path, options: VerifyOptions,
+          role: str) -> int | None:
+    """The run's exit status (None: past the timeout), with its progress on a terminal."""
+    deadline = time.monotonic() + options.timeout_s
+    live = sys.stderr.isatty()
+    while True:
+        try:
+            code = process.wait(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                return None
+            if live:
+                done = max(recorded_steps(directory), 0)
+                print(f"\rparallax verify: {role} step {done}/{options.steps}", end="",
+                      file=sys.stderr, flush=True)
+    if live:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    return code
+
+
+def _failed(role: str, result: _RunResult, options: VerifyOptions) -> int:
+    why = (f"did not end within {options.timeout_s:g} s (--timeout)" if result.code is None
+           else f"failed (exit status {result.code})")
+    tail = result.log.read_text(errors="replace").splitlines()[-30:]
+    print(f"parallax verify: the {role} run of {options.script} {why}; its last lines:",
+          file=sys.stderr)
+    for line in tail:
+        print(f"  | {line}", file=sys.stderr)
+    if options.float64 and role == "reference":
+        print("parallax verify: if the program cannot run in float64 (float32 data, a "
+              "dtype it sets), verify it in its own dtype with --dtype program",
+              file=sys.stderr)
+    return FAILED
+
+
+def report(comparison: Comparison, options: VerifyOptions) -> str:
+    """The per-tensor table and the verdict."""
+    command = " ".join([options.script, *options.script_args])
+    lines = [f"parallax verify: {command}",
+             f"  {options.machines} machine(s) x {options.nproc_per_machine} worker(s) against "
+             f"one process with the global batch, "
+             f"{'float64' if options.float64 else 'the program dtype'}, "
+             f"{comparison.steps} step(s) compared (step 0: before training)",
+             f"  reference: {comparison.reference_kind or 'unknown'}"]
+    width = max([len("tensor"), *(len(t.name) for t in comparison.tensors)])
+    lines.append(f"  {'tensor':<{width}}  max |difference|  at step  first step above "
+                 f"{comparison.tolerance:g}")
+    for t in comparison.tensors:
+        first = "-" if t.first_step_above is None else str(t.first_step_above)
+        lines.append(f"  {t.name:<{width}}  {t.max_difference:>16.3e}  {t.at_step:>7}  {first}")
+    for name in comparison.only_in_reference:
+        lines.append(f"  {name}: only in the reference run's state")
+    for name in comparison.only_in_distributed:
+        lines.append(f"  {name}: only in the distributed run's state")
+    for text in comparison.shape_mismatches:
+        lines.append(f"  shapes differ: {text}")
+    lines.append(_verdict(comparison))
+    if not comparison.equal:
+        if any(t.first_step_above == 0 for t in comparison.above):
+            lines.append("hint: the runs start from different values: seed torch's generator "
+                         "(torch.manual_seed) before building the model, so that every run "
+                         "of the program starts from the same one")
+        lines += [f"hint: {hint}" for hint in comparison.hints]
+    return "\n".join(lines)
+
+
+def _verdict(comparison: Comparison) -> str:
+    if comparison.steps == 0:
+        return "NOTHING COMPARED: the program ended before its first optimizer step"
+    if comparison.reference_steps != comparison.distributed_steps:
+        return (f"DIFFERENT: the reference run took {comparison.reference_steps} step(s), the "
+                f"distributed run {comparison.distributed_steps} (the program ended earlier in "
+                f"one of them)")
+    above = comparison.above
+    if above:
+        first = above[0]
+        when = ("before training (the initial values)" if first.first_step_above == 0
+                else f"at step {first.first_step_above}")
+        return (f"DIFFERENT: {len(above)} of {len(comparison.tensors)} tensors went above "
+                f"{comparison.tolerance:g}; the first {when}: {first.name} (largest "
+                f"{first.max_difference:.3e} at step {first.at_step})")
+    if not comparison.equal:
+        return "DIFFERENT: the two runs' states do not hold the same tensors"
+    return (f"EQUAL: every parameter and buffer within {comparison.tolerance:g} of the "
+            f"one-process run at each of {comparison.steps} step(s)")
+
+
+def _say(text: str) -> None:
+    print(f"parallax verify: {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,115 @@
+"""Inside a run started by ``parallax verify``: record the model's state after every step.
+
+``parallax verify`` runs the user's program twice with `VERIFY_ENV` set: once as the
+*reference* (one process, the global batch) and once *distributed*. Each run writes the
+model's plain single-device state (every parameter and buffer) before the first step
+(``step_00000.pt``) and after each of the first ``steps`` steps, then ends with
+`VerifyComplete`; the command compares the two folders (`parallax.verify.compare`).
+A step is a round in which every optimizer stepped once, as `Runner` counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["RUN_FILE", "VERIFY_ENV", "AfterStep", "StateRecorder", "Verification",
+           "active", "add_hint", "describe_run", "step_file"]
+
+VERIFY_ENV = "PARALLAX_VERIFY"
+RUN_FILE = "run.json"  # what the run was ("kind") and what may make it differ ("hints")
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What ``parallax verify`` asked of this run (`VERIFY_ENV`, JSON)."""
+
+    directory: str  # where this run writes its states
+    role: str  # "reference" (one process, the global batch) or "distributed"
+    steps: int  # steps to record; the run ends after the last
+    workers: int  # the distributed run's workers: the reference's batch is this many times
+    float64: bool = False  # the program runs with torch's default dtype float64
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def active() -> Verification | None:
+    """This run's `Verification`, or None outside ``parallax verify``."""
+    text = os.environ.get(VERIFY_ENV)
+    return Verification(**json.loads(text)) if text else None
+
+
+def step_file(directory: str | os.PathLike, step: int) -> Path:
+    """Where the state after ``step`` (0: before the first) is written."""
+    return Path(directory) / f"step_{step:05d}.pt"
+
+
+class StateRecorder:
+    """Writes states ``0..steps`` into the verification's folder (when ``writes``: the
+    distributed run's rank 0) and says when the last is written."""
+
+    def __init__(self, verification: Verification, *, writes: bool) -> None:
+        self.verification = verification
+        self.writes = writes
+        self.step = 0
+        if writes:
+            Path(verification.directory).mkdir(parents=True, exist_ok=True)
+
+    def record(self, state: Mapping[str, Tensor]) -> None:
+        if self.writes:
+            plain = {name: value.detach().to("cpu", copy=True) for name, value in state.items()}
+            path = step_file(self.verification.directory, self.step)
+            torch.save(plain, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)  # a reader never sees half a file
+        self.step += 1
+
+    @property
+    def done(self) -> bool:
+        """Whether the state after the last asked-for step is written."""
+        return self.step > self.verification.steps
+
+
+class AfterStep(Protocol):
+    """What a `Runner` calls at the end of every step under ``parallax verify``
+    (`parallax.verify.run.RunRecorder`)."""
+
+    def after_step(self) -> None: ...
+
+
+def describe_run(verification: Verification, model: nn.Module, kind: str) -> None:
+    """Write `RUN_FILE`: the run's kind and what in ``model`` trains differently on several
+    workers (for the report's hints)."""
+    hints = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0 and module.training:
+            hints.append(f"{name or 'the model'} is {type(module).__name__}(p={module.p}): each "
+                         f"worker draws its own masks for its rows, as under DDP, so training "
+                         f"differs from one device's; verify with p=0 (or in eval mode)")
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            hints.append(f"{name or 'the model'} is {type(module).__name__}: its statistics are "
+                         f"per worker's batch, as under DDP, not the global batch's")
+    path = Path(verification.directory) / RUN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    known = json.loads(path.read_text())["hints"] if path.exists() else []
+    path.write_text(json.dumps({"kind": kind, "hints": known + hints}))
+
+
+def add_hint(text: str) -> None:
+    """Note ``text`` for the report, from the reference run (no-op elsewhere)."""
+    verification = active()
+    if verification is None or verification.role != "reference":
+        return
+    path = Path(verification.directory) / RUN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run = json.loads(path.read_text()) if path.exists() else {"kind": "", "hints": []}
+    if text not in run["hints"]:
+        run["hints"].append(text)
+        path.write_text(json.dumps(run))
