@@ -203,6 +203,17 @@ HABITS: list[Habit] = [
           "`Config(average_dense=False, average_sparse=False)`", "works",
           "gradients summed over workers", _sum_loss,
           config={"average_dense": False, "average_sparse": False}, launched=True),
+    Habit("ddp_program", "a DDP program (`init_process_group`, `DDP(model)`, a "
+          "`DistributedSampler` loader with `set_epoch`) with `parallax.distribute(ddp_model, "
+          "optimizer)` as its only change", "works",
+          "parallax joins the program's process group and trains the module inside the DDP "
+          "wrapper (DDP's `find_unused_parameters` kept); the wrapper is retired; the "
+          "`DistributedSampler` already gives each worker its share", None),
+    Habit("uneven_epoch", "an epoch whose samples the W workers do not divide "
+          "(`drop_last=False`)", "differs",
+          "`DistributedSampler` pads the epoch's last batch with up to W-1 repeated samples, as "
+          "under DDP; `drop_last=True` or a multiple of W samples trains exactly; "
+          "`parallax verify` names the step (`examples/uneven_epoch.py`)", None),
     Habit("distributed_sampler", "a DDP loader with `DistributedSampler` and "
           "`sampler.set_epoch(e)`, through `parallax.shard`", "works",
           "its shuffle, seed, padding and the epoch set by `set_epoch` are kept", None),
@@ -229,9 +240,13 @@ HABITS: list[Habit] = [
           "would not reach the servers' rows; use a `torch.optim` optimizer", None),
     Habit("new_optimizer", "an optimizer built after `distribute` over `model.parameters()`",
           "refused", "would not update the servers' rows; build it before and pass it", None),
-    Habit("pickle", "`torch.save(model, f)`, `pickle`, `copy.deepcopy(model)`, "
-          "`AveragedModel(model)`", "refused",
+    Habit("pickle", "`torch.save(model, f)` (or of a submodule), `pickle`, "
+          "`copy.deepcopy(model)`, `AveragedModel(model)`", "refused",
           "the server-held rows are not in this process; save `model.state_dict()`", None),
+    Habit("init_after", "`model.apply(init_fn)`, `nn.init.*_` or `reset_parameters()` on a "
+          "server-held parameter after `distribute`", "refused",
+          "would not reach the servers' rows; initialise before `distribute`, or "
+          "`model.load_state_dict(...)` after", None),
     Habit("move_after", "`model.to(...)`/`.double()` after `distribute`", "refused",
           "(a no-op when nothing changes) would leave the servers' rows; move before", None),
     Habit("torch_scaler", "`torch.amp.GradScaler`", "refused",

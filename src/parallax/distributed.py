@@ -19,6 +19,7 @@ schedulers and ``isinstance`` checks work); use it instead of the original.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
+from torch.nn.parallel import DistributedDataParallel
 
 from parallax.api import build_runner
 from parallax.config import Config
@@ -54,15 +56,20 @@ def distribute(model: nn.Module,
     on every worker). ``optimizer`` is one optimizer or a list; the same shape comes back.
 
     Launching is as for `parallax.get_runner` (``parallax run``, ``torchrun``, ``resources``
-    or a one-worker run in this process). Every trainable parameter must be in one of the
-    optimizers (on one device a parameter in none is never updated; here it would be a silent
-    divergence of the servers' rows, so it is refused).
+    or a one-worker run in this process); a process group the program initialised itself is
+    joined. A DDP program passes its ``DistributedDataParallel`` model: parallax takes the
+    module inside (DDP's ``find_unused_parameters`` kept) and the wrapper is retired. Every
+    trainable parameter must be in one of the optimizers (on one device a parameter in none
+    is never updated; here it would be a silent divergence of the servers' rows, so it is
+    refused).
 
     Example::
 
         model, optimizer = parallax.distribute(model, torch.optim.Adagrad(model.parameters()))
     """
     optimizers = as_optimizer_list(optimizer)
+    if isinstance(model, DistributedDataParallel):  # a DDP program: parallax replaces DDP
+        model, config = _retire_ddp(model, config)
     if config is not None and config.parallelism != "data":
         raise UnsupportedProgramError(
             f"parallax.distribute with Config.parallelism={str(config.parallelism)!r}: the "
@@ -92,6 +99,26 @@ def distribute(model: nn.Module,
     distributed = DistributedModel(runner)
     return distributed, (list(optimizers) if isinstance(optimizer, (list, tuple))
                          else optimizers[0])
+
+
+def _retire_ddp(ddp: DistributedDataParallel,
+                config: Config | None) -> tuple[nn.Module, Config | None]:
+    """The module inside a DDP program's wrapper, and the `Config` that keeps its
+    ``find_unused_parameters``. The wrapper lets go of the parameters (its reducer holds
+    them, and its gradient hooks would AllReduce a second time) and refuses to run again:
+    parallax synchronises the dense gradients itself (with DDP, inside)."""
+    if ddp.find_unused_parameters:
+        config = dataclasses.replace(config or Config(), find_unused_parameters=True)
+    ddp.reducer = None  # its destructor removes its gradient hooks
+    ddp.logger = None  # it holds the reducer too
+    ddp.forward = _retired_forward  # type: ignore[method-assign]
+    return ddp.module, config
+
+
+def _retired_forward(*args: Any, **kwargs: Any) -> Any:
+    raise UnsupportedProgramError(
+        "this DistributedDataParallel wrapper was passed to parallax.distribute, which "
+        "replaced it: call the model parallax.distribute returned")
 
 
 class _RunnerRef:

@@ -95,18 +95,7 @@ def test_a_sum_loss_averaged_over_workers_is_one_over_w_of_the_update(launched: 
 def test_a_ddp_distributed_sampler_keeps_its_shuffle_and_set_epoch(launched: Path) -> None:
     """Two epochs of a DDP loader (DistributedSampler(shuffle=True, seed=3), set_epoch(e))
     through parallax.shard equal one device with the same sampler at world size 1."""
-    model, optimizer, _ = build(BY_KEY["canonical"])
-    data = dataset()
-    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True,
-                                                  seed=3)
-    loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        for ids, y in loader:
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(ids), y).backward()
-            optimizer.step()
-    assert_equal(torch.load(launched / "sampler.pt"), model.state_dict(), "sampler")
+    assert_equal(torch.load(launched / "sampler.pt"), _one_device_sampler_run(), "sampler")
 
 
 @tries("dropout_rng", "random_sampler")
@@ -195,7 +184,59 @@ def test_pickling_or_copying_the_model_is_refused(single_process) -> None:
     _refused(lambda: pickle.dumps(model), "model.state_dict()")
     _refused(lambda: copy.deepcopy(model), "model.state_dict()")
     _refused(lambda: torch.save(model.module, io.BytesIO()), *NAMED, "pickling")
+    _refused(lambda: torch.save(model.module.embedding, io.BytesIO()), *NAMED, "pickling")
     _refused(lambda: torch.optim.swa_utils.AveragedModel(model.module), *NAMED, "copying")
+
+
+@tries("init_after")
+def test_initialising_a_server_held_parameter_after_distribute_is_refused(
+        single_process) -> None:
+    model, _ = _distributed_net(single_process)
+
+    def init(module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight)
+    _refused(lambda: model.apply(init), *NAMED, "initialise the model before")
+    _refused(lambda: model.module.embedding.reset_parameters(), *NAMED,
+             "initialise the model before")
+    _refused(lambda: model.module.embedding.weight.uniform_(), *NAMED,
+             "initialise the model before")
+    model.apply(lambda m: torch.nn.init.zeros_(m.bias) if isinstance(m, torch.nn.Linear)
+                else None)  # dense layers are the real tensors: initialised in place
+    assert float(model.module.head.bias.abs().max()) == 0.0
+
+
+@tries("ddp_program")
+def test_a_ddp_program_trains_as_one_device_with_the_wrap_alone(launched: Path) -> None:
+    """tests/scripts/habits_worker.py's DDP program (it initialises the process group and
+    wraps in DDP itself; its DistributedSampler loader is not sharded by parallax) equals one
+    device reading the same sampler's global order."""
+    assert_equal(torch.load(launched / "ddp.pt"), _one_device_sampler_run(), "ddp program")
+    assert (launched / "ddp-retired.txt").read_text().startswith("this DistributedDataParallel")
+
+
+def _one_device_sampler_run() -> dict:
+    """Two epochs of DistributedSampler(shuffle=True, seed=3) at world size 1, batch 8."""
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    data = dataset()
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True,
+                                                  seed=3)
+    loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for ids, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(ids), y).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+@tries("uneven_epoch")
+def test_an_uneven_epoch_is_tried_by_the_verify_tests() -> None:
+    """tests/integration/test_verify.py runs parallax verify on examples/uneven_epoch.py:
+    the padded last step is named (exit 1); drop_last trains exactly (the habit's fix)."""
+    text = (ROOT / "tests" / "integration" / "test_verify.py").read_text()
+    assert "uneven_epoch.py" in text and "at step 7" in text and "--drop-last" in text
 
 
 @tries("move_after")

@@ -2,7 +2,9 @@
 tests/integration/test_habits.py.
 
 Usage: habits_worker.py OUT_DIR. Rank 0 writes OUT_DIR/KEY.pt (the trained single-device state
-dict) for every launched habit, OUT_DIR/sampler.pt for the DistributedSampler program, and
+dict) for every launched habit with a program, OUT_DIR/ddp.pt (and ddp-retired.txt, what the
+retired DDP wrapper says) for the DDP program, OUT_DIR/sampler.pt for the DistributedSampler
+program, and
 every rank OUT_DIR/rng-RANK.pt (torch.rand(4) drawn right after distribute and after an
 iteration of a shuffled shard).
 """
@@ -12,12 +14,41 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from datetime import timedelta  # noqa: E402
+
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from habits import BY_KEY, HABITS, batches, build, dataset, distributed, mse  # noqa: E402
 
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
 from parallax.launch.fast_exit import exit_now  # noqa: E402
+
+
+def ddp_program(out: Path, world: int, rank: int) -> None:
+    """A DDP program ported with the wrap alone: it initialises the default group itself,
+    wraps the model in DDP, reads through its own DistributedSampler (not parallax.shard)."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    data = dataset()
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=3)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+    model, optimizer = parallax.distribute(ddp, optimizer)  # the only change
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for ids, y in loader:
+            optimizer.zero_grad()
+            mse(model(ids), y).backward()
+            optimizer.step()
+    state = model.state_dict()
+    try:
+        ddp(dataset().tensors[0][:2])
+    except parallax.UnsupportedProgramError as error:
+        retired = str(error)
+    if rank == 0:
+        torch.save(state, out / "ddp.pt")
+        (out / "ddp-retired.txt").write_text(retired)
 
 
 def sampler_program(out: Path, world: int, rank: int) -> None:
@@ -72,6 +103,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     worker = current_worker()
     world, rank = worker.world_size, worker.rank
+    ddp_program(out, world, rank)  # first: the program initialises the process group
     for habit in HABITS:
         if habit.launched:
             state = distributed(habit, world, rank)

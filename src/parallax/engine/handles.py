@@ -84,7 +84,8 @@ class ServerHeldParameter(nn.Parameter):
         if caller is None:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        handle = next(a for a in args if isinstance(a, ServerHeldParameter))
+        handle = next(a for a in (*args, *kwargs.values())  # nn.init passes it by keyword
+                      if isinstance(a, ServerHeldParameter))
         device = handle.__dict__.get("_parallax_device", torch.device("meta"))
         if name == "device.__get__":
             return device
@@ -142,6 +143,13 @@ _HABITS: list[tuple[frozenset[str], str, str]] = [
      "a state_dict() of the inner module would hold storage-less meta tensors",
      "call state_dict() on the model parallax.distribute returned, on every rank (it is "
      "collective: it gathers the servers' rows), and save it on one rank"),
+    (frozenset({"normal_", "uniform_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
+                "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_", "zeros_",
+                "ones_", "constant_", "eye_", "dirac_", "reset_parameters"}),
+     "initialising it after parallax.distribute (model.apply(init), nn.init, "
+     "reset_parameters) would not reach the servers' rows",
+     "initialise the model before parallax.distribute, or load the values after it with "
+     "model.load_state_dict(...) (it reaches the servers)"),
     (frozenset({"_apply"}),
      "moving or casting the module after parallax.distribute would leave the servers' rows "
      "as they are",
@@ -182,7 +190,7 @@ _OPERATIONS = {
 def _refusal(handle: ServerHeldParameter, operation: str, caller: Any) -> str:
     name = handle.__dict__.get("_parallax_name", "?")
     rank = handle.__dict__.get("_parallax_rank", "?")
-    on_the_way = _callers_between(caller)
+    on_the_way = _callers_between(caller) | {operation}
     what, fix = next(((w, f) for names, w, f in _HABITS if names & on_the_way), (None, None))
     if what is None:
         what, fix = _OPERATIONS.get(operation, (

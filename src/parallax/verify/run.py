@@ -50,6 +50,7 @@ def note_unsharded(recorder: StateRecorder) -> None:
     """After the reference's first step: a program whose data never went through
     `parallax.shard` gets a hint (its reference cannot read the global batch)."""
     if recorder.step == 2 and not sharded_loaders():
-        add_hint("the program's data does not go through parallax.shard: the reference run "
-                 "cannot read the distributed run's global batch, and every worker may read "
-                 "the same samples; wrap the DataLoader in parallax.shard")
+        add_hint("the program's data does not go through parallax.shard, so the one-process "
+                 "reference run read the loader's own batch, not the distributed run's global "
+                 "batch: wrap the DataLoader in parallax.shard (it keeps a DistributedSampler's "
+                 "order) to verify")

@@ -1,0 +1,153 @@
+"""parallax verify's pieces in one process: the comparison of recorded states, the report,
+the reference run's plain-PyTorch recorder and its global-batch loader, the command's
+argument checks."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from parallax.cli import main
+from parallax.cluster import WorkerInfo
+from parallax.errors import VerifyComplete
+from parallax.loader import ShardedLoader
+from parallax.session import single_process_worker
+from parallax.verify.command import VerifyOptions, report
+from parallax.verify.compare import compare_runs, recorded_steps
+from parallax.verify.record import VERIFY_ENV, Verification, step_file
+from parallax.verify.reference import reference_pair
+
+
+def write_run(directory: Path, states: list[dict[str, torch.Tensor]]) -> Path:
+    directory.mkdir(parents=True)
+    for step, state in enumerate(states):
+        torch.save(state, step_file(directory, step))
+    return directory
+
+
+def states(steps: int, bump: dict[int, float] | None = None) -> list[dict]:
+    """A weight and a bias per step; ``bump``: add this much to the weight from that step."""
+    out = []
+    for step in range(steps + 1):
+        shift = sum(v for s, v in (bump or {}).items() if step >= s)
+        out.append({"w": torch.full((3, 2), float(step), dtype=torch.float64) + shift,
+                    "b": torch.arange(2, dtype=torch.float64) * step})
+    return out
+
+
+def test_equal_runs_compare_equal(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a", states(4))
+    b = write_run(tmp_path / "b", states(4))
+    result = compare_runs(a, b, 1e-9)
+    assert result.equal and result.steps == 4 and recorded_steps(a) == 4
+    assert "EQUAL" in report(result, VerifyOptions("train.py"))
+
+
+def test_a_divergence_is_found_at_its_first_step(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a", states(5))
+    b = write_run(tmp_path / "b", states(5, bump={3: 1e-6, 5: 1e-3}))
+    result = compare_runs(a, b, 1e-9)
+    assert not result.equal
+    w, bias = result.tensors
+    assert (w.name, w.first_step_above, w.at_step) == ("w", 3, 5)
+    assert w.max_difference == pytest.approx(1e-3 + 1e-6)
+    assert bias.first_step_above is None and bias.max_difference == 0.0
+    text = report(result, VerifyOptions("train.py"))
+    assert "DIFFERENT: 1 of 2 tensors went above 1e-09; the first at step 3: w" in text
+    assert compare_runs(a, b, 1e-2).equal  # within a looser tolerance
+
+
+def test_initial_values_that_differ_get_the_seeding_hint(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a", states(2))
+    b = write_run(tmp_path / "b", states(2, bump={0: 0.5}))
+    text = report(compare_runs(a, b, 1e-9), VerifyOptions("train.py"))
+    assert "before training (the initial values)" in text and "torch.manual_seed" in text
+
+
+def test_structural_and_length_differences_are_not_equal(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a", states(3))
+    shorter = write_run(tmp_path / "short", states(2))
+    result = compare_runs(a, shorter, 1e-9)
+    assert not result.equal and result.steps == 2
+    assert "the distributed run 2" in report(result, VerifyOptions("train.py"))
+    other = [{**s, "extra": torch.zeros(1), "b": torch.zeros(3)} for s in states(3)]
+    result = compare_runs(a, write_run(tmp_path / "other", other), 1e-9)
+    assert not result.equal
+    assert result.only_in_distributed == ["extra"]
+    assert result.shape_mismatches == ["b: (2,) vs (3,)"]
+
+
+def test_nans_in_both_runs_match_and_a_nan_in_one_is_infinite(tmp_path: Path) -> None:
+    nan = [{"w": torch.tensor([float("nan"), float("inf"), 1.0])}] * 2
+    one = [{"w": torch.tensor([float("nan"), float("inf"), 1.0])},
+           {"w": torch.tensor([0.0, float("inf"), 1.0])}]
+    assert compare_runs(write_run(tmp_path / "a", nan), write_run(tmp_path / "b", nan),
+                        0.0).equal
+    result = compare_runs(write_run(tmp_path / "c", nan), write_run(tmp_path / "d", one), 0.0)
+    assert result.tensors[0].max_difference == float("inf")
+    assert result.tensors[0].first_step_above == 1
+
+
+def test_a_program_that_never_stepped_compares_nothing(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a", states(0))
+    result = compare_runs(a, write_run(tmp_path / "b", states(0)), 1e-9)
+    assert not result.equal
+    assert "NOTHING COMPARED" in report(result, VerifyOptions("train.py"))
+
+
+def test_the_reference_records_plain_pytorch_steps_and_stops(tmp_path: Path,
+                                                             single_process) -> None:
+    """Two optimizers: a step is both having stepped; the run ends after the last step."""
+    verification = Verification(str(tmp_path), "reference", 2, 2)
+    single_process_worker()  # RANK=0, WORLD_SIZE=1, as parallax verify sets for it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 2), nn.Linear(2, 1))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    wrapped = reference_pair(verification, model, [first, second], timeout=timedelta(seconds=30))
+    assert wrapped.module is model and wrapped.state_dict().keys() == model.state_dict().keys()
+    ids = torch.tensor([[0, 1]])
+    wrapped(ids).sum().backward()
+    first.step()
+    assert recorded_steps(tmp_path) == 0  # only one of the two optimizers stepped
+    second.step()
+    assert recorded_steps(tmp_path) == 1
+    assert torch.equal(torch.load(step_file(tmp_path, 1))["1.weight"], model[1].weight)
+    wrapped(ids).sum().backward()
+    first.step()
+    with pytest.raises(VerifyComplete):
+        second.step()
+    assert recorded_steps(tmp_path) == 2
+
+
+def test_the_reference_reads_the_distributed_runs_global_batches(monkeypatch) -> None:
+    """The one-process reference's k-th batch holds the samples of the k-th batches of all
+    W workers of the distributed run."""
+    data = torch.utils.data.TensorDataset(torch.arange(40))
+    loader = torch.utils.data.DataLoader(data, batch_size=3, shuffle=True)
+
+    def worker(world: int, rank: int) -> WorkerInfo:
+        return WorkerInfo(rank=rank, world_size=world, local_rank=rank, machine=0,
+                          num_machines=1, machine_of_rank=(0,) * world)
+
+    parts = [[b[0].tolist() for b in ShardedLoader(loader, 0, worker(2, r))] for r in (0, 1)]
+    monkeypatch.setenv(VERIFY_ENV, Verification("/nowhere", "reference", 5, 2).to_env())
+    reference = [b[0].tolist() for b in ShardedLoader(loader, 0, worker(1, 0))]
+    assert len(reference) == len(parts[0]) == 7
+    for k, batch in enumerate(reference):
+        assert sorted(batch) == sorted(parts[0][k] + parts[1][k])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--steps", "0", "examples/uneven_epoch.py"], "--steps must be at least 1"),
+    (["--machines", "0", "examples/uneven_epoch.py"], "--machines must be at least 1"),
+    (["--tolerance", "-1", "examples/uneven_epoch.py"], "--tolerance must be"),
+    (["no/such/train.py"], "no such script: no/such/train.py"),
+])
+def test_the_command_refuses_bad_arguments(args, says, capsys) -> None:
+    assert main(["verify", *args]) == 2
+    assert says in capsys.readouterr().err
