@@ -44,6 +44,15 @@ class Net(nn.Module):
         return weight.new_zeros(rows, 6).to(weight.device)
 
 
+class SometimesNet(Net):
+    """`Net` whose forward may leave the embedding out (a table some steps do not use)."""
+
+    def forward(self, ids: torch.Tensor, use_table: bool = True) -> torch.Tensor:
+        if use_table:
+            return super().forward(ids)
+        return self.head(self.init_hidden(ids.shape[0]) + ids.shape[1])
+
+
 def dataset(size: int = 48) -> torch.utils.data.TensorDataset:
     generator = torch.Generator().manual_seed(11)
     return torch.utils.data.TensorDataset(torch.randint(40, (size, 5), generator=generator),
@@ -90,6 +99,7 @@ class Habit:
     dropout: float = 0.0
     config: dict[str, Any] = field(default_factory=dict)
     launched: bool = False  # tried on 2 workers (a launch), not only on one in-process
+    net: type[Net] = Net
 
 
 def _loop(run: Run, clear: Callable[[], None], step: Callable[[], Any] | None = None,
@@ -156,6 +166,15 @@ def _accumulate(run: Run) -> None:
         run.optimizer.step()
 
 
+def _table_some_steps(run: Run) -> None:
+    """Every other step leaves the embedding out: zero_grad() set its .grad to None, so
+    Adam skips it there (no moment decay, no step count), as on one device."""
+    for step, (ids, y) in enumerate(run.batches):
+        run.optimizer.zero_grad()
+        mse(run.model(ids, use_table=step % 2 == 0), y).backward()
+        run.optimizer.step()
+
+
 def _device_of_parameters(run: Run) -> None:
     device = next(run.model.parameters()).device  # where inputs go, as DDP programs ask
     for ids, y in run.batches:
@@ -182,6 +201,11 @@ HABITS: list[Habit] = [
           "`distribute` leaves the program's random stream as it was (one worker: the same "
           "masks; several workers: each draws its own masks for its rows, as under DDP)",
           _canonical, dropout=0.5),
+    Habit("table_some_steps", "a table not looked up in some steps, with `zero_grad()` "
+          "(gradients set to None) and Adam", "works",
+          "the servers skip the table in those steps, as torch skips a parameter whose "
+          "`.grad` is None (no moment decay, no step count)", _table_some_steps,
+          launched=True, net=SometimesNet),
     Habit("init_hidden", "`next(model.parameters())` for a hidden state "
           "(`weight.new_zeros(...)`) or for the device", "works",
           "a server-held parameter answers shape, dtype and `new_zeros`/`zeros_like`; "
@@ -268,7 +292,7 @@ def build(habit: Habit) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     """The model, optimizer and scheduler of ``habit``'s program (seeded: every worker and the
     single-device program build the same)."""
     torch.manual_seed(0)
-    model = Net(habit.dropout).double()
+    model = habit.net(habit.dropout).double()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     extra: dict[str, Any] = {}
     if habit.key == "scheduler_before":

@@ -388,6 +388,8 @@ class Runner:
             with self.phases.phase("dense sync"):
                 self.parallelism.reduce_gradients()  # "model"/"2d": over the data groups
             with self.phases.phase("clip and check"):
+                if scaled:  # the scaler checks finiteness; which tables have gradients
+                    self._agree_on_gradients(None)
                 self._applies = True if scaled else self._finite_or_skip(loss)
                 self._synced = True
                 if self._applies and self.config.clip_grad_norm is not None:
@@ -649,19 +651,41 @@ class Runner:
         tables = (list(self.layout.all_tables().values()) if optimizers is None
                   else self._tables_of(optimizers))
         for table in tables:
-            table.zero_grad()
+            table.zero_grad(set_to_none=set_to_none)
+
+    def _gradient_flags(self) -> tuple[list[ShardedTable], Tensor]:
+        """The server-held tables, and whether a backward reached each on this worker
+        (`ShardedTable.has_gradient`)."""
+        tables = [t for t in self.layout.all_tables().values() if isinstance(t, ShardedTable)]
+        return tables, torch.tensor([float(t.has_gradient) for t in tables],
+                                    dtype=torch.float64, device=self.device)
+
+    def _agree_on_gradients(self, summed: Tensor | None) -> None:
+        """Tell each server-held table whether any worker's backward reached it
+        (``summed``: the flags summed over the ranks; None: sum them now, collective)."""
+        tables, flags = self._gradient_flags()
+        if not tables:
+            return
+        if summed is None:
+            dist.all_reduce(flags, group=self.group)
+            summed = flags
+        for table, count in zip(tables, summed.tolist(), strict=True):
+            table.gradient_anywhere = count > 0
 
     def _finite_or_skip(self, loss: Tensor | None) -> bool:
         """Whether to apply this step's update under `Config.nonfinite`; all workers decide
         alike before anything is updated (`parallax.engine.grad_norm.find_nonfinite`)."""
         self._tables_squared = None
         if self.config.nonfinite == "ignore":
+            self._agree_on_gradients(None)
             return True
         found = find_nonfinite(loss, {**self.layout.all_tables(),
                                       **self.parallelism.norm_parts()},
                                [(n, p.grad) for n, p in self._replicated_named_parameters()],
                                rank=self.worker.rank, world=self.worker.world_size,
-                               group=self.group, device=self.device)
+                               group=self.group, device=self.device,
+                               flags=self._gradient_flags()[1])
+        self._agree_on_gradients(found.flags)
         self._tables_squared = found.tables_squared
         if not found:
             return True

@@ -95,7 +95,7 @@ class AsyncTable:
             table.prefetched = (unique, rows)
 
     # ---- backward ----------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for _, rows in self._pending:
             rows.grad = None
         self.prefetched = None

@@ -24,10 +24,12 @@ class NonFinite:
     """What `find_nonfinite` found: ranks whose loss and parameters whose aggregated gradient
     are NaN/Inf (both empty when the step is finite), and the tables' summed squared norm."""
 
-    def __init__(self, ranks: list[int], parameters: list[str], tables_squared: Tensor):
+    def __init__(self, ranks: list[int], parameters: list[str], tables_squared: Tensor,
+                 flags: Tensor | None = None):
         self.ranks = ranks
         self.parameters = parameters
         self.tables_squared = tables_squared
+        self.flags = flags  # the ``flags`` passed in, summed over the ranks
 
     def __bool__(self) -> bool:
         return bool(self.ranks or self.parameters)
@@ -40,11 +42,16 @@ class NonFinite:
 
 def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
                    dense: Sequence[tuple[str, Tensor | None]], *, rank: int, world: int,
-                   group: dist.ProcessGroup, device: torch.device) -> NonFinite:
+                   group: dist.ProcessGroup, device: torch.device,
+                   flags: Tensor | None = None) -> NonFinite:
     """Every worker's loss (when given) and every aggregated gradient checked in one small
-    collective, which also yields the tables' part of the squared norm (reused by clipping)."""
+    collective, which also yields the tables' part of the squared norm (reused by clipping)
+    and sums ``flags`` (per-rank counts riding along, to save a collective)."""
     named = list(tables.items())
-    values = torch.zeros(world + len(named), dtype=torch.float64, device=device)
+    extra = 0 if flags is None else flags.numel()
+    values = torch.zeros(world + len(named) + extra, dtype=torch.float64, device=device)
+    if flags is not None:
+        values[world + len(named):] = flags
     if loss is not None:
         values[rank] = float(not bool(torch.isfinite(loss.detach()).all()))
     for i, (_, table) in enumerate(named):  # server-held: each server its own rows
@@ -53,7 +60,9 @@ def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
     bad = [name for i, (name, _) in enumerate(named)
            if not torch.isfinite(values[world + i])]
     bad += [name for name, grad in dense if grad is not None and not _all_finite(grad)]
-    return NonFinite([r for r in range(world) if values[r] > 0], bad, values[world:].sum())
+    return NonFinite([r for r in range(world) if values[r] > 0], bad,
+                     values[world:world + len(named)].sum(),
+                     None if flags is None else values[world + len(named):])
 
 
 def clip_by_global_norm(max_norm: float, dense_grads: Sequence[Tensor], tables: Sequence[Table],

@@ -91,7 +91,7 @@ class ReplicatedTable:
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
         return self.param.detach()[ids]
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradient and the looked-up rows' gradients; lookups not yet pushed stay
         (as `ShardedTable.zero_grad`)."""
         for _, rows, _ in self._pending:

@@ -161,6 +161,13 @@ class ShardedTable:
         self.rows_used: list[int] = []          # per training step, this worker's rows
         self.machine_rows_used: list[int] = []  # per step at a leader: its machine's rows
         self._pending: list[_Pull] = []  # this step's pulls that hold rows of this table
+        # Whether the single-device parameter would have a .grad now: a backward reached
+        # this table's rows on this worker since the last clear to None (`has_gradient`), on
+        # any worker (`gradient_anywhere`, agreed by the runner before the update). Without
+        # one the servers' optimizer skips the table, as torch skips a .grad of None (Adam
+        # would otherwise move every row with a zero gradient).
+        self.has_gradient = False
+        self.gradient_anywhere = True
         self.prefetched: _Prefetched | None = None
         # (shard rows, gradient rows) received this step, summed by `_finish_aggregation`
         self._received: list[tuple[Tensor, Tensor]] = []
@@ -275,10 +282,14 @@ class ShardedTable:
         return lookup_options.scales_by_freq(self.batch_dependent)
 
     # ---- backward: push ------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the aggregated gradient and the gradients the pulled rows hold, as
         ``zero_grad`` clears leaves on one device. Pulls not yet pushed stay: a backward may
-        still come (a forward, then ``zero_grad``, then the backward is a valid program)."""
+        still come (a forward, then ``zero_grad``, then the backward is a valid program).
+        ``set_to_none``: the single-device gradient is None until the next backward (else
+        zeros, and the optimizer still steps the table)."""
+        if set_to_none:
+            self.has_gradient = False
         for record in self._pending:
             record.lookups[self.name].rows.grad = None
         self.prefetched = None
@@ -321,6 +332,8 @@ class ShardedTable:
         if not self._pending:
             return
         lookups = [pull.lookups[self.name] for pull in self._pending]
+        self.has_gradient = self.has_gradient or any(
+            lookup.rows.grad is not None for lookup in lookups)
         ids = torch.cat([lookup.ids for lookup in lookups])
         self.rows_used.append(int(torch.unique(ids).numel()))
         if self.local_aggregation and self.worker.rank == self._leader:

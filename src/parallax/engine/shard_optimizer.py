@@ -49,6 +49,7 @@ class ServerTable(Protocol):
     worker: WorkerInfo
     group: dist.ProcessGroup
     sparse_grad: bool
+    gradient_anywhere: bool  # False: no .grad on one device this step; its update is skipped
     # called with shard rows (None: all) before they are read or written (`catch_up`)
     before_read: Callable[[Tensor | None], None] | None
 
@@ -197,7 +198,12 @@ class ShardOptimizer:
         for server_opt, user_opt, indices in slots:
             for server_group, index in zip(server_opt.param_groups, indices, strict=True):
                 server_group.update(_hyper_parameters(user_opt.param_groups[index]))
-        dense_grads = self._touched_rows_only(wanted)
+        # A table no backward reached has no .grad on one device: torch's step skips it.
+        dense_grads = [(part, part.grad) for table in self._tables.values()
+                       if not table.gradient_anywhere for part in table.parts]
+        for part, _ in dense_grads:
+            part.grad = None
+        dense_grads += self._touched_rows_only(wanted)
         deferred_steps = self._deferred_steps(wanted, dense_grads)
         try:
             self.pool.run([server_opt.step for server_opt, _, _ in slots] + deferred_steps)

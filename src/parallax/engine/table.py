@@ -48,7 +48,7 @@ class Table(Protocol):
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """``(rows of the unique ids, inverse)`` with ``rows[inverse]`` the rows of ``ids``."""
 
-    def zero_grad(self) -> None: ...
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
     def push_gradients(self) -> None:
         """Send this step's gradient rows to where they are aggregated."""
