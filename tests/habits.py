@@ -252,6 +252,10 @@ HABITS: list[Habit] = [
     Habit("state_dict_rank0", "`if rank == 0: torch.save(model.state_dict(), f)` (DDP)",
           "refused", "`state_dict()` is collective (it gathers the servers' rows); every rank "
           "is stopped at once, the message says so", None),
+    Habit("load_differs", "`model.load_state_dict(torch.load(f))` on every rank while rank 0 "
+          "may still be writing `f`", "refused",
+          "ranks loading different values would leave the replicas apart; the message names "
+          "the rank and tensor and says to `dist.barrier()` after the save", None),
     Habit("inner_state_dict", "`model.module.state_dict()`", "refused",
           "the inner module holds no values of server-held parameters; use "
           "`model.state_dict()` (collective)", None),

@@ -30,6 +30,7 @@ from parallax.errors import (
     StalledRankError,
     UnevenInputsError,
     UnsupportedProgramError,
+    VerifyComplete,
 )
 from parallax.loader import shard
 from parallax.model.meta_init import meta_init
@@ -40,6 +41,6 @@ from parallax.session import shutdown
 __all__ = ["AsyncServerError", "CheckpointError", "Config", "ConfigError", "GradScaler",
            "NetemError", "OptimizerError", "ParallaxError", "PlanComplete", "QSGD",
            "ResourceError", "Runner", "SparseIdError", "SlimDP", "StalledRankError",
-           "UnevenInputsError", "UnsupportedProgramError", "clip_grad_norm_", "distribute",
-           "get_runner", "meta_init", "partition", "partitioner", "shard", "shutdown"]
+           "UnevenInputsError", "UnsupportedProgramError", "VerifyComplete", "clip_grad_norm_",
+           "distribute", "get_runner", "meta_init", "partition", "partitioner", "shard", "shutdown"]
 __version__ = "0.1.0"

@@ -8,11 +8,13 @@ Where a decision must be the same everywhere, rank 0 takes it and every rank fol
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TypeVar, cast
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["agree"]
+__all__ = ["agree", "first_difference"]
 
 T = TypeVar("T")
 
@@ -28,3 +30,31 @@ def agree(value_on_rank0: T | None, *, rank: int, group: dist.ProcessGroup | Non
     box = [value_on_rank0 if rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return cast(T, box[0])
+
+
+def first_difference(state: Mapping[str, torch.Tensor], *, rank: int, world: int,
+                     group: dist.ProcessGroup | None) -> tuple[int, str] | None:
+    """The first (rank, key) whose tensor in ``state`` differs from rank 0's, or None when
+    every rank passed the same keys and values (collective). Compared by fingerprints (the
+    sum, the sum of squares and a position-weighted sum, in float64): the tensors do not
+    travel."""
+    mine = {key: _fingerprint(value) for key, value in state.items()}
+    everyone: list[dict[str, tuple[float, ...]] | None] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    assert reference is not None
+    for other, theirs in enumerate(everyone[1:], start=1):
+        assert theirs is not None
+        for key in sorted(set(reference) | set(theirs)):
+            if reference.get(key) != theirs.get(key):
+                return other, key
+    return None
+
+
+def _fingerprint(value: torch.Tensor) -> tuple[float, ...]:
+    if not isinstance(value, torch.Tensor):
+        return (float("nan"),) if value is None else (hash(repr(value)),)
+    flat = value.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) % 97 + 1
+    return (*value.shape, float(flat.sum()), float((flat * flat).sum()),
+            float((flat * weights).sum()))

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from parallax.checkpoint import sharded as checkpoint
 from parallax.checkpoint.export import export_running
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
-from parallax.collective import agree
+from parallax.collective import agree, first_difference
 from parallax.config import SERVER_SYNCS, Config
 from parallax.engine import handles
 from parallax.engine.async_table import AsyncTable
@@ -1007,6 +1007,15 @@ class Runner:
             return self._load_state_dict(state, strict=strict)
 
     def _load_state_dict(self, state: dict[str, Tensor], *, strict: bool) -> Any:
+        differs = first_difference(state, rank=self.worker.rank, world=self.worker.world_size,
+                                   group=self.group)
+        if differs is not None:  # the replicas would silently part ways
+            other, key = differs
+            raise UnsupportedProgramError(
+                f"load_state_dict: rank {other} passed a different {key!r} than rank 0 (or "
+                f"only one of them has it); every rank must load the same values. A file "
+                f"read while rank 0 was still writing it? Call torch.distributed.barrier() "
+                f"after saving on rank 0, before other ranks read the file")
         aliases = self._server_held_aliases()
         held = {name for names in aliases.values() for name in names}
         state = self.parallelism.load_plain_model_state(state)  # the split layers' shards

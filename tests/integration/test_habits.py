@@ -231,6 +231,14 @@ def _one_device_sampler_run() -> dict:
     return model.state_dict()
 
 
+@tries("load_differs")
+def test_ranks_loading_different_values_are_refused_on_every_rank(launched: Path) -> None:
+    for rank in range(2):
+        said = (launched / f"load-{rank}.txt").read_text()
+        assert "rank 1 passed a different 'head.bias' than rank 0" in said, said
+        assert "barrier" in said
+
+
 @tries("uneven_epoch")
 def test_an_uneven_epoch_is_tried_by_the_verify_tests() -> None:
     """tests/integration/test_verify.py runs parallax verify on examples/uneven_epoch.py:

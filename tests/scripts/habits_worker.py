@@ -51,6 +51,21 @@ def ddp_program(out: Path, world: int, rank: int) -> None:
         (out / "ddp-retired.txt").write_text(retired)
 
 
+def load_differs_program(out: Path, world: int, rank: int) -> None:
+    """Every rank loads a state dict, rank 1's different (a file read mid-write)."""
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    model, optimizer = parallax.distribute(
+        model, optimizer, config=parallax.Config(partition_cache=None, collective_timeout_s=60))
+    state = model.state_dict()
+    state["head.bias"] = state["head.bias"] + rank
+    try:
+        model.load_state_dict(state)
+        said = "loaded"
+    except parallax.UnsupportedProgramError as error:
+        said = str(error)
+    (out / f"load-{rank}.txt").write_text(said)
+
+
 def sampler_program(out: Path, world: int, rank: int) -> None:
     """A DDP program's loader: DistributedSampler with shuffle and set_epoch, 2 epochs."""
     model, optimizer, _ = build(BY_KEY["canonical"])
@@ -110,6 +125,7 @@ def main() -> None:
             if rank == 0:
                 torch.save(state, out / f"{habit.key}.pt")
     sampler_program(out, world, rank)
+    load_differs_program(out, world, rank)
     sum_averaged_program(out, world, rank)
     rng_program(out, rank)
     parallax.shutdown()
