@@ -121,7 +121,7 @@ class ModelParallel:
             _repoint(optimizers, old, param)
             self.sharded[name] = param
             # the user's module keeps a storage-less handle (engine.handles)
-            release(old, name=name, rank=self.rank)
+            release(old, name=name, rank=self.rank, device=param.device)
         self.dense = {n: p for n, p in executed.named_parameters() if p.requires_grad}
         self._norm_parts = {name: ShardedGradNorm(name, p, self.grid.data)
                             for name, p in self.sharded.items()}
