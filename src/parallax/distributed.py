@@ -217,7 +217,8 @@ class DistributedModel(nn.Module):
             probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
             if probe.dtype != tensor.dtype or probe.device != tensor.device:
                 raise UnsupportedProgramError(
-                    f"rank {self.runner.worker.rank}: moving or casting the model after "
+                    f"rank {self.runner.worker.rank}, {handles.program_line()}: moving or "
+                    f"casting the model after "
                     f"parallax.distribute ({name!r}: {tensor.dtype} on {tensor.device} -> "
                     f"{probe.dtype} on {probe.device}) would leave the servers' rows as they "
                     f"are; call .to(...)/.double()/... on the model before "
@@ -226,9 +227,10 @@ class DistributedModel(nn.Module):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise UnsupportedProgramError(
-            "pickling a distributed model (torch.save(model), copy.deepcopy) is not supported: "
-            "its server-held rows are not in this process. Save model.state_dict() (collective: "
-            "on every rank) and rebuild the module from it")
+            f"{handles.program_line()}: pickling a distributed model (torch.save(model), "
+            f"copy.deepcopy) is not supported: its server-held rows are not in this process. "
+            f"Save model.state_dict() (collective: on every rank) and rebuild the module from "
+            f"it")
 
     def __deepcopy__(self, memo: dict) -> Any:
         return self.__reduce_ex__(0)

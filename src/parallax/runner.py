@@ -1012,7 +1012,8 @@ class Runner:
         if differs is not None:  # the replicas would silently part ways
             other, key = differs
             raise UnsupportedProgramError(
-                f"load_state_dict: rank {other} passed a different {key!r} than rank 0 (or "
+                f"{handles.program_line()}: load_state_dict: rank {other} passed a different "
+                f"{key!r} than rank 0 (or "
                 f"only one of them has it); every rank must load the same values. A file "
                 f"read while rank 0 was still writing it? Call torch.distributed.barrier() "
                 f"after saving on rank 0, before other ranks read the file")

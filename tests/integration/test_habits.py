@@ -180,7 +180,7 @@ def test_the_inner_modules_state_dict_is_refused(single_process) -> None:
 @tries("pickle")
 def test_pickling_or_copying_the_model_is_refused(single_process) -> None:
     model, _ = _distributed_net(single_process)
-    _refused(lambda: torch.save(model, io.BytesIO()), "model.state_dict()")
+    _refused(lambda: torch.save(model, io.BytesIO()), "model.state_dict()", "test_habits.py:")
     _refused(lambda: pickle.dumps(model), "model.state_dict()")
     _refused(lambda: copy.deepcopy(model), "model.state_dict()")
     _refused(lambda: torch.save(model.module, io.BytesIO()), *NAMED, "pickling")
@@ -236,6 +236,7 @@ def test_ranks_loading_different_values_are_refused_on_every_rank(launched: Path
     for rank in range(2):
         said = (launched / f"load-{rank}.txt").read_text()
         assert "rank 1 passed a different 'head.bias' than rank 0" in said, said
+        assert "habits_worker.py:" in said
         assert "barrier" in said
 
 
@@ -252,7 +253,7 @@ def test_moving_or_casting_after_distribute_is_refused(single_process) -> None:
     model, _ = _distributed_net(single_process)
     assert model.double() is model and model.to("cpu") is model  # nothing changes: no-op
     _refused(lambda: model.float(), "rank 0", "head.weight", "before "
-             "parallax.distribute")
+             "parallax.distribute", "test_habits.py:")
     _refused(lambda: model.module.float(), *NAMED, "before parallax.distribute")
 
 

@@ -118,6 +118,19 @@ def _users_frame() -> Any:
     return None
 
 
+def program_line() -> str:
+    """``file:line`` of the program's own code that led here (the first frame outside
+    torch, the standard library and parallax), for messages; "" when there is none."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR)
+                or path.startswith(_PARALLAX_DIR) or frame.f_code.co_filename.startswith("<")):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
 def _callers_between(caller: Any) -> set[str]:
     """Names of the functions between the refused operation and the user's frame (torch's
     and the standard library's): what habit the program is in."""
