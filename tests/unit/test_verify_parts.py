@@ -13,7 +13,7 @@ from torch import nn
 
 from parallax.cli import main
 from parallax.cluster import WorkerInfo
-from parallax.errors import VerifyComplete
+from parallax.errors import UnsupportedProgramError, VerifyComplete
 from parallax.loader import ShardedLoader
 from parallax.session import single_process_worker
 from parallax.verify.command import VerifyOptions, report
@@ -122,6 +122,8 @@ def test_the_reference_records_plain_pytorch_steps_and_stops(tmp_path: Path,
     with pytest.raises(VerifyComplete):
         second.step()
     assert recorded_steps(tmp_path) == 2
+    with pytest.raises(UnsupportedProgramError, match="one model per program"):
+        reference_pair(verification, model, [first], timeout=timedelta(seconds=30))
 
 
 def test_the_reference_reads_the_distributed_runs_global_batches(monkeypatch) -> None:

@@ -9,6 +9,7 @@ failed or the arguments are wrong.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,7 +103,8 @@ def _describe(options: VerifyOptions, role: str) -> str:
 
 def _run(options: VerifyOptions, role: str, root: Path) -> _RunResult:
     directory = root / role
-    directory.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)  # a kept earlier run's states
+    directory.mkdir(parents=True)
     verification = Verification(str(directory), role, options.steps, options.workers,
                                 options.float64)
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
@@ -134,20 +136,26 @@ def _run(options: VerifyOptions, role: str, root: Path) -> _RunResult:
 
 def _wait(process: subprocess.Popen, directory: Path, options: VerifyOptions,
           role: str) -> int | None:
-    """The run's exit status (None: past the timeout), with its progress on a terminal."""
+    """The run's exit status (None: past the timeout), with its progress: on a terminal
+    as it goes, elsewhere a line every 30 s."""
     deadline = time.monotonic() + options.timeout_s
     live = sys.stderr.isatty()
+    said = time.monotonic()
     while True:
         try:
             code = process.wait(timeout=1.0)
             break
         except subprocess.TimeoutExpired:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 return None
+            done = max(recorded_steps(directory), 0)
             if live:
-                done = max(recorded_steps(directory), 0)
                 print(f"\rparallax verify: {role} step {done}/{options.steps}", end="",
                       file=sys.stderr, flush=True)
+            elif now - said >= 30:
+                _say(f"{role} run: step {done}/{options.steps}")
+                said = now
     if live:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     return code

@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from parallax.errors import UnsupportedProgramError
+
 __all__ = ["RUN_FILE", "VERIFY_ENV", "AfterStep", "StateRecorder", "Verification",
            "active", "add_hint", "describe_run", "step_file"]
 
@@ -47,6 +49,9 @@ def active() -> Verification | None:
     return Verification(**json.loads(text)) if text else None
 
 
+_recording: set[str] = set()  # the folders this process records into
+
+
 def step_file(directory: str | os.PathLike, step: int) -> Path:
     """Where the state after ``step`` (0: before the first) is written."""
     return Path(directory) / f"step_{step:05d}.pt"
@@ -57,6 +62,11 @@ class StateRecorder:
     distributed run's rank 0) and says when the last is written."""
 
     def __init__(self, verification: Verification, *, writes: bool) -> None:
+        if verification.directory in _recording:
+            raise UnsupportedProgramError(
+                "parallax verify compares one model per program: this program called "
+                "parallax.distribute or parallax.get_runner a second time")
+        _recording.add(verification.directory)
         self.verification = verification
         self.writes = writes
         self.step = 0
