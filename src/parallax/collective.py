@@ -51,10 +51,17 @@ def first_difference(state: Mapping[str, torch.Tensor], *, rank: int, world: int
     return None
 
 
+_CHUNK = 1 << 20  # elements converted to float64 at a time: a table is never copied whole
+
+
 def _fingerprint(value: torch.Tensor) -> tuple[float, ...]:
     if not isinstance(value, torch.Tensor):
         return (float("nan"),) if value is None else (hash(repr(value)),)
-    flat = value.detach().reshape(-1).to(torch.float64)
-    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) % 97 + 1
-    return (*value.shape, float(flat.sum()), float((flat * flat).sum()),
-            float((flat * weights).sum()))
+    flat = value.detach().reshape(-1)
+    sums = torch.zeros(3, dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start:start + _CHUNK].to(torch.float64)
+        weights = torch.arange(start, start + part.numel(), device=part.device,
+                               dtype=torch.float64) % 97 + 1
+        sums += torch.stack([part.sum(), (part * part).sum(), (part * weights).sum()])
+    return (*value.shape, *sums.tolist())

@@ -653,22 +653,25 @@ class Runner:
         for table in tables:
             table.zero_grad(set_to_none=set_to_none)
 
-    def _gradient_flags(self) -> tuple[list[ShardedTable], Tensor]:
-        """The server-held tables, and whether a backward reached each on this worker
-        (`ShardedTable.has_gradient`)."""
-        tables = [t for t in self.layout.all_tables().values() if isinstance(t, ShardedTable)]
-        return tables, torch.tensor([float(t.has_gradient) for t in tables],
-                                    dtype=torch.float64, device=self.device)
+    def _server_held(self) -> list[ShardedTable]:
+        return [t for t in self.layout.all_tables().values() if isinstance(t, ShardedTable)]
+
+    def _gradient_flags(self) -> Tensor:
+        """Whether a backward reached each `_server_held` table on this worker
+        (`ShardedTable.has_gradient`), as 1.0 or 0.0."""
+        return torch.tensor([float(t.has_gradient) for t in self._server_held()],
+                            dtype=torch.float64, device=self.device)
 
     def _agree_on_gradients(self, summed: Tensor | None) -> None:
         """Tell each server-held table whether any worker's backward reached it
-        (``summed``: the flags summed over the ranks; None: sum them now, collective)."""
-        tables, flags = self._gradient_flags()
+        (``summed``: `_gradient_flags` summed over the ranks; None: sum them now,
+        collective)."""
+        tables = self._server_held()
         if not tables:
             return
         if summed is None:
-            dist.all_reduce(flags, group=self.group)
-            summed = flags
+            summed = self._gradient_flags()
+            dist.all_reduce(summed, group=self.group)
         for table, count in zip(tables, summed.tolist(), strict=True):
             table.gradient_anywhere = count > 0
 
@@ -684,7 +687,7 @@ class Runner:
                                [(n, p.grad) for n, p in self._replicated_named_parameters()],
                                rank=self.worker.rank, world=self.worker.world_size,
                                group=self.group, device=self.device,
-                               flags=self._gradient_flags()[1])
+                               flags=self._gradient_flags())
         self._agree_on_gradients(found.flags)
         self._tables_squared = found.tables_squared
         if not found:
