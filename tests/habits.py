@@ -175,6 +175,16 @@ def _table_some_steps(run: Run) -> None:
         run.optimizer.step()
 
 
+def _hooks_after(run: Run) -> None:
+    """After distribute: a forward hook on the model itself and on a layer, and a layer's
+    attribute changed (dropout switched off)."""
+    inner = getattr(run.model, "module", run.model)  # one device: the model itself
+    inner.register_forward_hook(lambda module, args, output: output * 0.5)
+    inner.head.register_forward_pre_hook(lambda module, args: (args[0] + 1.0,))
+    inner.drop.p = 0.0
+    _canonical(run)
+
+
 def _device_of_parameters(run: Run) -> None:
     device = next(run.model.parameters()).device  # where inputs go, as DDP programs ask
     for ids, y in run.batches:
@@ -206,6 +216,10 @@ HABITS: list[Habit] = [
           "the servers skip the table in those steps, as torch skips a parameter whose "
           "`.grad` is None (no moment decay, no step count)", _table_some_steps,
           launched=True, net=SometimesNet),
+    Habit("hooks_after", "forward hooks registered, or a layer's attribute changed (e.g. "
+          "dropout's `p`), on `model.module` after `distribute`", "works",
+          "the program's own modules run (the embedding layers' parents are copies kept in "
+          "step with yours at every forward)", _hooks_after, dropout=0.5, launched=True),
     Habit("init_hidden", "`next(model.parameters())` for a hidden state "
           "(`weight.new_zeros(...)`) or for the device", "works",
           "a server-held parameter answers shape, dtype and `new_zeros`/`zeros_like`; "
@@ -266,6 +280,10 @@ HABITS: list[Habit] = [
           "would leave the servers' rows; use `model.zero_grad()`", None),
     Habit("manual_update", "`p.data.add_(p.grad, alpha=-lr)` by hand", "refused",
           "would not reach the servers' rows; use a `torch.optim` optimizer", None),
+    Habit("param_outside_model", "an optimizer that also updates a parameter outside the "
+          "model (a learnable loss scale)", "refused",
+          "nothing would average its gradient over the workers; register it on the model",
+          None),
     Habit("new_optimizer", "an optimizer built after `distribute` over `model.parameters()`",
           "refused", "would not update the servers' rows; build it before and pass it", None),
     Habit("pickle", "`torch.save(model, f)` (or of a submodule), `pickle`, "

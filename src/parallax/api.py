@@ -10,7 +10,12 @@ import torch
 
 from parallax.cluster import current_worker, parse_resources
 from parallax.config import Config
-from parallax.engine.shard_optimizer import as_optimizer_list, check_lazy, check_per_shard
+from parallax.engine.shard_optimizer import (
+    as_optimizer_list,
+    check_in_model,
+    check_lazy,
+    check_per_shard,
+)
 from parallax.launch.elastic import install_error_recorder, launch
 from parallax.model.detect import find_sparse_parameters
 from parallax.model.exactness import check_exact
@@ -52,6 +57,7 @@ def build_runner(model: torch.nn.Module,
     if not isinstance(config, Config):
         raise TypeError(f"config must be a parallax.Config, got {type(config).__name__}")
     optimizers = as_optimizer_list(optimizer)
+    check_in_model(model, optimizers)
     worker = current_worker()
     if worker is None and resources is not None:
         _check_before_launch(model, optimizers, config)

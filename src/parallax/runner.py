@@ -59,7 +59,7 @@ from parallax.model.detect import SparseUse, find_sparse_parameters
 from parallax.model.exactness import check_exact
 from parallax.model.lookahead import build_id_program
 from parallax.model.meta_init import forget, materialise_kept
-from parallax.model.stand_ins import executed_copy
+from parallax.model.stand_ins import executed_copy, mirror
 from parallax.parallelism import Parallelism, build_parallelism
 from parallax.partitions.repartition import repartition
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
@@ -164,7 +164,10 @@ class Runner:
         if config.sync == "async":  # measuring α is a collective: no barrier in async runs
             self._warmup_steps = 0
         self._build_plan()
-        executed = executed_copy(model, self.sparse_uses, lambda name: self.tables[name])
+        executed = executed_copy(model, self.sparse_uses, lambda name: self.tables[name],
+                                 share_modules=config.parallelism == "data")
+        # what the program sets on its module tree after distribute reaches what runs
+        self._mirror = mirror(model, executed)
         # Config.parallelism: "model"/"2d" split the linear layers over model groups here
         # (in place; the user's optimizers are re-pointed at the split parameters).
         self.parallelism: Parallelism = build_parallelism(
@@ -267,6 +270,7 @@ class Runner:
         args, kwargs = _to_device(args, self.device), _to_device(kwargs, self.device)
         if torch.is_grad_enabled():
             self._begin_round()
+        self._mirror()
         with self._explained():
             self._check_phase(_FORWARD)
             ahead = self._pull_ahead(args, kwargs)

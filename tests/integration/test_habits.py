@@ -188,6 +188,15 @@ def test_pickling_or_copying_the_model_is_refused(single_process) -> None:
     _refused(lambda: torch.optim.swa_utils.AveragedModel(model.module), *NAMED, "copying")
 
 
+@tries("param_outside_model")
+def test_a_parameter_outside_the_model_is_refused(single_process) -> None:
+    model, _, _ = build(BY_KEY["canonical"])
+    scale = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+    optimizer = torch.optim.Adam([*model.parameters(), scale], lr=0.1)
+    _refused(lambda: parallax.distribute(model, optimizer), "parameter 3 (shape ())",
+             "not a parameter of the model", "Register it on the model")
+
+
 @tries("init_after")
 def test_initialising_a_server_held_parameter_after_distribute_is_refused(
         single_process) -> None:

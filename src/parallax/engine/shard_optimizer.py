@@ -23,7 +23,7 @@ from parallax.collective import agree
 from parallax.engine import deferred_sgd
 from parallax.engine.deferred_sgd import DeferredRows, sgd_rows, zero_gradient_map
 from parallax.engine.pool import SERIAL, PartitionPool
-from parallax.errors import OptimizerError
+from parallax.errors import OptimizerError, UnsupportedProgramError
 
 # torch's own sparse optimizers (Adagrad, SGD) build sparse tensors without opting in or out of
 # invariant checks; the warning says nothing about the user's program.
@@ -80,6 +80,24 @@ def optimizer_of(optimizers: Sequence[torch.optim.Optimizer],
         if any(p is param for g in opt.param_groups for p in g["params"]):
             return opt
     return None
+
+
+def check_in_model(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Refuse a parameter an optimizer updates that is not the model's: nothing would
+    average its gradient over the workers (each would train its own copy, unlike one
+    device)."""
+    mine = {id(p) for p in model.parameters()}
+    for number, optimizer in enumerate(optimizers):
+        for index, group in enumerate(optimizer.param_groups):
+            for position, param in enumerate(group["params"]):
+                if id(param) not in mine:
+                    raise UnsupportedProgramError(
+                        f"optimizer {number} ({type(optimizer).__name__}), param group "
+                        f"{index}, parameter {position} (shape {tuple(param.shape)}) is not a "
+                        f"parameter of the model: nothing would average its gradient over "
+                        f"the workers, so each would train its own copy. Register it on the "
+                        f"model (e.g. self.scale = nn.Parameter(...) in its __init__) before "
+                        f"parallax.distribute / parallax.get_runner")
 
 
 def check_per_shard(optimizers: Sequence[torch.optim.Optimizer],

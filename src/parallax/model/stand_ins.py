@@ -20,10 +20,19 @@ from parallax.model.detect import SparseUse, rewrite_gathers
 
 
 def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
-                  table_of: Callable[[str], Table]) -> nn.Module:
+                  table_of: Callable[[str], Table], *, share_modules: bool = True) -> nn.Module:
     """A copy of ``model``'s module tree sharing every parameter and buffer, whose sparse
-    reads go to ``table_of(parameter name)`` (the user's module tree is left as it is)."""
+    reads go to ``table_of(parameter name)`` (the user's module tree is left as it is).
+
+    With ``share_modules`` only the embedding layers' ancestors are copied (their children
+    differ); every other module *is* the user's, so hooks, attributes and flags the program
+    sets on it later act on what runs (`mirror` keeps the copied ancestors in step). Without
+    it (model parallelism rewrites the executed layers in place) the whole tree is copied."""
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    if share_modules:
+        copied = {prefix for use in sparse_uses.values() if use.module_path is not None
+                  for prefix in _ancestors(use.module_path)}
+        memo.update({id(m): m for path, m in model.named_modules() if path not in copied})
     try:
         executed = copy.deepcopy(model, memo)
     except Exception as error:
@@ -46,6 +55,34 @@ def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
         parent_path, _, child = use.module_path.rpartition(".")
         executed.get_submodule(parent_path).register_module(child, stand_in)
     return executed
+
+
+def _ancestors(path: str) -> list[str]:
+    """The paths of the modules above ``path`` ("" is the root)."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+def mirror(model: nn.Module, executed: nn.Module) -> Callable[[], None]:
+    """A call that brings each copied module of ``executed`` (`executed_copy`) in step with
+    the user's: every attribute but its children (hooks, flags, plain values, buffers set
+    after `parallax.distribute`). A root that fx rewrote (hand-written gathers) has no such
+    twin."""
+    pairs = []
+    for path, mine in model.named_modules():
+        try:
+            theirs = executed.get_submodule(path)
+        except AttributeError:
+            continue
+        if theirs is not mine and type(theirs) is type(mine):
+            pairs.append((mine.__dict__, theirs.__dict__))
+
+    def bring_in_step() -> None:
+        for source, target in pairs:
+            for key, value in source.items():
+                if key != "_modules" and target.get(key) is not value:
+                    target[key] = value
+    return bring_in_step
 
 
 def _padding_row(table: Table, ids: Tensor, inverse: Tensor,
