@@ -164,10 +164,11 @@ class Runner:
         if config.sync == "async":  # measuring α is a collective: no barrier in async runs
             self._warmup_steps = 0
         self._build_plan()
+        shared = config.parallelism == "data"  # model parallelism rewrites the layers
         executed = executed_copy(model, self.sparse_uses, lambda name: self.tables[name],
-                                 share_modules=config.parallelism == "data")
+                                 share_modules=shared)
         # what the program sets on its module tree after distribute reaches what runs
-        self._mirror = mirror(model, executed)
+        self._mirror = mirror(model, executed, shared_modules=shared)
         # Config.parallelism: "model"/"2d" split the linear layers over model groups here
         # (in place; the user's optimizers are re-pointed at the split parameters).
         self.parallelism: Parallelism = build_parallelism(

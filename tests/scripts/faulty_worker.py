@@ -44,6 +44,7 @@ def main() -> None:
     if mode == "mismatch" and worker.rank == 1:
         config = parallax.Config(collective_timeout_s=60, clip_grad_norm=1.0)
         model.out = torch.nn.Linear(10, 5)  # a different head: another model signature
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)  # over that model
         parallax.partition(model.embedding, name="tables")  # and a partition group
     poisoned = [False]
     stalled = [False]

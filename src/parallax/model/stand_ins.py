@@ -63,12 +63,20 @@ def _ancestors(path: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts))]
 
 
-def mirror(model: nn.Module, executed: nn.Module) -> Callable[[], None]:
-    """A call that brings each copied module of ``executed`` (`executed_copy`) in step with
-    the user's: every attribute but its children (hooks, flags, plain values, buffers set
-    after `parallax.distribute`). A root that fx rewrote (hand-written gathers) has no such
-    twin."""
-    pairs = []
+_OWN = frozenset({"_modules", "_parameters", "_buffers"})  # the copy's own (same tensors)
+
+
+def mirror(model: nn.Module, executed: nn.Module, *,
+           shared_modules: bool = True) -> Callable[[], None]:
+    """A call that brings each copied module of ``executed`` (`executed_copy` with
+    ``shared_modules``) in step with the user's: every attribute but its children and
+    tensors (hooks, flags, plain values set after `parallax.distribute`). A root that fx
+    rewrote (hand-written gathers) has no such twin. Without ``shared_modules`` (model
+    parallelism: the executed layers carry their own parameters and hooks) nothing is
+    brought over."""
+    pairs: list[tuple[dict, dict]] = []
+    if not shared_modules:
+        return lambda: None
     for path, mine in model.named_modules():
         try:
             theirs = executed.get_submodule(path)
@@ -80,7 +88,7 @@ def mirror(model: nn.Module, executed: nn.Module) -> Callable[[], None]:
     def bring_in_step() -> None:
         for source, target in pairs:
             for key, value in source.items():
-                if key != "_modules" and target.get(key) is not value:
+                if key not in _OWN and target.get(key) is not value:
                     target[key] = value
     return bring_in_step
 
