@@ -18,10 +18,14 @@ from parallax.api import get_runner
 from parallax.config import QSGD, Config, SlimDP
 from parallax.distributed import GradScaler, clip_grad_norm_, distribute
 from parallax.errors import (
+    ArgumentError,
+    ArgumentTypeError,
     AsyncServerError,
     CheckpointError,
     ConfigError,
+    InternalError,
     NetemError,
+    NonFiniteError,
     OptimizerError,
     ParallaxError,
     PlanComplete,
@@ -30,6 +34,7 @@ from parallax.errors import (
     StalledRankError,
     UnevenInputsError,
     UnsupportedProgramError,
+    UsageError,
     VerifyComplete,
 )
 from parallax.loader import shard
@@ -38,9 +43,10 @@ from parallax.partitions.groups import partition, partitioner
 from parallax.runner import Runner
 from parallax.session import shutdown
 
-__all__ = ["AsyncServerError", "CheckpointError", "Config", "ConfigError", "GradScaler",
-           "NetemError", "OptimizerError", "ParallaxError", "PlanComplete", "QSGD",
-           "ResourceError", "Runner", "SparseIdError", "SlimDP", "StalledRankError",
-           "UnevenInputsError", "UnsupportedProgramError", "VerifyComplete", "clip_grad_norm_",
+__all__ = ["ArgumentError", "ArgumentTypeError", "AsyncServerError", "CheckpointError", "Config",
+           "ConfigError", "GradScaler", "InternalError", "NetemError", "NonFiniteError",
+           "OptimizerError", "ParallaxError", "PlanComplete", "QSGD", "ResourceError", "Runner",
+           "SlimDP", "SparseIdError", "StalledRankError", "UnevenInputsError",
+           "UnsupportedProgramError", "UsageError", "VerifyComplete", "clip_grad_norm_",
            "distribute", "get_runner", "meta_init", "partition", "partitioner", "shard", "shutdown"]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ from parallax.engine.shard_optimizer import (
     check_lazy,
     check_per_shard,
 )
+from parallax.errors import ArgumentTypeError
 from parallax.launch.elastic import install_error_recorder, launch
 from parallax.model.detect import find_sparse_parameters
 from parallax.model.exactness import check_exact
@@ -55,7 +56,7 @@ def build_runner(model: torch.nn.Module,
     """`get_runner`; ``seed``: whether to seed torch's global generator with `Config.seed`."""
     config = config if config is not None else Config()
     if not isinstance(config, Config):
-        raise TypeError(f"config must be a parallax.Config, got {type(config).__name__}")
+        raise ArgumentTypeError(f"config must be a parallax.Config, got {type(config).__name__}")
     optimizers = as_optimizer_list(optimizer)
     check_in_model(model, optimizers)
     worker = current_worker()

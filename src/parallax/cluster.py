@@ -18,7 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from parallax.errors import ResourceError
+from parallax.errors import ArgumentError, ResourceError
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,7 @@ class ResourceSpec:
 
     def __post_init__(self) -> None:
         if not self.machines:
-            raise ValueError("a resource spec needs at least one machine")
+            raise ResourceError("a resource spec needs at least one machine")
 
     @property
     def world_size(self) -> int:
@@ -93,7 +93,7 @@ class ResourceSpec:
     def first_rank(self, machine: int) -> int:
         """Global rank of the first worker (the server's host) of ``machine``."""
         if not 0 <= machine < len(self.machines):
-            raise IndexError(f"machine {machine} out of range 0..{len(self.machines) - 1}")
+            raise ResourceError(f"machine {machine} out of range 0..{len(self.machines) - 1}")
         return sum(m.num_workers for m in self.machines[:machine])
 
     def device_of_rank(self, rank: int) -> int | None:
@@ -197,7 +197,7 @@ def _parse_devices(text: str) -> tuple[int, ...]:
 def local_spec(machines: int, nproc_per_machine: int) -> ResourceSpec:
     """Emulate ``machines`` machines on this host, each with devices 0..nproc_per_machine-1."""
     if machines < 1 or nproc_per_machine < 1:
-        raise ValueError("machines and nproc_per_machine must both be at least 1")
+        raise ArgumentError("machines and nproc_per_machine must both be at least 1")
     machine = Machine("localhost", tuple(range(nproc_per_machine)))
     return ResourceSpec((machine,) * machines)
 
@@ -251,7 +251,7 @@ def current_worker() -> WorkerInfo | None:
 def _worker_from_spec(spec: ResourceSpec, rank: int, world_size: int) -> WorkerInfo:
     """Identity from our launcher's spec, which knows each machine's worker count."""
     if spec.world_size != world_size:
-        raise RuntimeError(
+        raise ResourceError(
             f"{RESOURCES_ENV} describes {spec.world_size} workers but WORLD_SIZE={world_size}"
         )
     machine = spec.machine_of_rank[rank]

@@ -35,7 +35,7 @@ from parallax.api import build_runner
 from parallax.config import Config
 from parallax.engine import handles
 from parallax.engine.shard_optimizer import as_optimizer_list, parameter_ids
-from parallax.errors import UnsupportedProgramError
+from parallax.errors import UnsupportedProgramError, UsageError
 from parallax.runner import Runner
 from parallax.verify import record as verify
 from parallax.verify.reference import reference_pair
@@ -356,11 +356,11 @@ class GradScaler(torch.amp.GradScaler):
         if not self.is_enabled() or not isinstance(optimizer, DistributedOptimizer):
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
-            raise RuntimeError("Closure use is not currently supported if GradScaler is "
+            raise UsageError("Closure use is not currently supported if GradScaler is "
                                "enabled.")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            raise UsageError("step() has already been called since the last update().")
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         result = None

@@ -7,13 +7,36 @@ from `parallax`. Catch `ParallaxError` to handle any of them.
 
 from __future__ import annotations
 
-__all__ = ["AsyncServerError", "CheckpointError", "ConfigError", "NetemError", "OptimizerError",
+__all__ = ["ArgumentError", "ArgumentTypeError", "AsyncServerError", "CheckpointError",
+           "ConfigError", "InternalError", "NetemError", "NonFiniteError", "OptimizerError",
            "ParallaxError", "PlanComplete", "ResourceError", "SparseIdError", "StalledRankError",
-           "UnevenInputsError", "UnsupportedProgramError", "VerifyComplete"]
+           "UnevenInputsError", "UnsupportedProgramError", "UsageError", "VerifyComplete"]
 
 
 class ParallaxError(Exception):
     """Base of every error parallax raises on purpose."""
+
+
+class ArgumentError(ParallaxError, ValueError):
+    """A parallax function got an argument value it cannot take (names the argument)."""
+
+
+class ArgumentTypeError(ParallaxError, TypeError):
+    """A parallax function got an argument of a type it cannot take (names the argument)."""
+
+
+class UsageError(ParallaxError, RuntimeError):
+    """A call at a moment it cannot be made (after `parallax.shutdown`, twice in a step, a
+    state dict that does not fit)."""
+
+
+class InternalError(ParallaxError, RuntimeError):
+    """One of parallax's own invariants failed: a bug of ours; the message asks to report it."""
+
+
+class NonFiniteError(ParallaxError, FloatingPointError):
+    """A step's loss or aggregated gradient is NaN or infinite under
+    ``Config(nonfinite="raise")`` (names the ranks or parameters; nothing was updated)."""
 
 
 class ConfigError(ParallaxError, ValueError):

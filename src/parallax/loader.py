@@ -26,7 +26,7 @@ from torch.utils.data import (
 
 from parallax.checks import is_int
 from parallax.cluster import WorkerInfo, current_worker
-from parallax.errors import UnsupportedProgramError
+from parallax.errors import ArgumentError, ArgumentTypeError, UnsupportedProgramError
 from parallax.verify import record as verify
 
 __all__ = ["ShardedLoader", "shard", "sharded_loaders"]
@@ -212,17 +212,17 @@ class ShardedLoader:
         epoch, samples = _checked_position(position)
         world = self.replicas
         if samples % world:
-            raise ValueError(
+            raise ArgumentError(
                 f"cannot resume at samples={samples} on {world} workers: every worker must skip "
                 f"the same number of samples, so {samples} must be a multiple of {world}; "
                 f"choose a new global batch (workers x batch size) that divides the "
                 f"{samples} samples consumed")
         if samples and self._skipper is None:
-            raise ValueError(f"cannot resume at samples={samples}: this ShardedLoader's "
+            raise ArgumentError(f"cannot resume at samples={samples}: this ShardedLoader's "
                              "DataLoader was not built by parallax.shard, so it cannot skip")
         size = len(self.sampler.dataset)
         if samples > size:
-            raise ValueError(f"cannot resume at samples={samples}: the dataset has only "
+            raise ArgumentError(f"cannot resume at samples={samples}: the dataset has only "
                              f"{size} samples per epoch")
         self._resume_at = {"epoch": epoch, "samples": samples}
 
@@ -245,13 +245,13 @@ def _note_padding(original: DataLoader, workers: int) -> None:
 def _checked_position(position: dict[str, int]) -> tuple[int, int]:
     """Epoch and samples of a position, rejecting what `ShardedLoader.position` never makes."""
     if not isinstance(position, dict) or set(position) != {"epoch", "samples"}:
-        raise ValueError("a loader position is a dict with keys 'epoch' and 'samples', "
+        raise ArgumentError("a loader position is a dict with keys 'epoch' and 'samples', "
                          f"got {position!r}")
     values = []
     for key in ("epoch", "samples"):
         value = position[key]
         if not is_int(value, at_least=0):
-            raise ValueError(f"position[{key!r}] must be a non-negative int, got {value!r}")
+            raise ArgumentError(f"position[{key!r}] must be a non-negative int, got {value!r}")
         values.append(value)
     return values[0], values[1]
 
@@ -262,10 +262,10 @@ def shard(loader: DataLoader, *, seed: int = 0) -> DataLoader | ShardedLoader:
     if worker is None:
         return loader
     if isinstance(loader.dataset, IterableDataset):
-        raise TypeError("parallax.shard needs a map-style dataset (with __len__ and "
+        raise ArgumentTypeError("parallax.shard needs a map-style dataset (with __len__ and "
                         "__getitem__); got an IterableDataset, which cannot be split by index")
     if loader.batch_size is None:
-        raise TypeError("parallax.shard needs a DataLoader built with batch_size "
+        raise ArgumentTypeError("parallax.shard needs a DataLoader built with batch_size "
                         "(a custom batch_sampler cannot be split)")
     _check_splittable(loader.sampler)
     return ShardedLoader(loader, seed, worker)

@@ -53,7 +53,15 @@ from parallax.engine.shard_optimizer import (
     rebuild_constructor_state,
 )
 from parallax.engine.table import Table, push_all
-from parallax.errors import PlanComplete, UnevenInputsError, UnsupportedProgramError
+from parallax.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    NonFiniteError,
+    PlanComplete,
+    UnevenInputsError,
+    UnsupportedProgramError,
+    UsageError,
+)
 from parallax.metrics import MetricsLog, Window
 from parallax.model.detect import SparseUse, find_sparse_parameters
 from parallax.model.exactness import check_exact
@@ -330,7 +338,7 @@ class Runner:
         """One synchronous training step on this worker's ``(inputs, targets)``; returns this
         worker's loss (detached)."""
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise TypeError(f"rank {self.worker.rank}: Runner.step expects a batch "
+            raise ArgumentTypeError(f"rank {self.worker.rank}: Runner.step expects a batch "
                             f"(inputs, targets), got {type(batch).__name__}")
         inputs, targets = batch
         if self._batch_signature is None:
@@ -698,7 +706,7 @@ class Runner:
         if not found:
             return True
         if self.config.nonfinite == "raise":
-            raise FloatingPointError(
+            raise NonFiniteError(
                 f"rank {self.worker.rank}, step {self.global_step + 1}: NaN or infinite "
                 f"{found.describe()}; no parameter was updated. Config(nonfinite='skip') skips "
                 f"such steps.")
@@ -735,7 +743,7 @@ class Runner:
             if bad_dense or bad_own:
                 what = ", ".join(bad_own + bad_dense)
                 if self.config.nonfinite == "raise":
-                    raise FloatingPointError(
+                    raise NonFiniteError(
                         f"rank {self.worker.rank}, step {self.global_step + 1}: NaN or "
                         f"infinite {what}; this worker pushed nothing. "
                         f"Config(nonfinite='skip') drops such pushes.")
@@ -826,7 +834,7 @@ class Runner:
         directory."""
         root = path if path is not None else self.config.checkpoint_dir
         if root is None:
-            raise ValueError("Runner.save needs a path, or Config(checkpoint_dir=...)")
+            raise ArgumentError("Runner.save needs a path, or Config(checkpoint_dir=...)")
         if self.server_sync is not None:
             raise UnsupportedProgramError(
                 f"rank {self.worker.rank}: checkpoints under dense_sync="
@@ -847,7 +855,7 @@ class Runner:
         Collective."""
         root = path if path is not None else self.config.checkpoint_dir
         if root is None:
-            raise ValueError("Runner.load needs a path, or Config(checkpoint_dir=...)")
+            raise ArgumentError("Runner.load needs a path, or Config(checkpoint_dir=...)")
         with self._quiet():
             extra = checkpoint.load(self, root)
         if self.asynchronous is not None:
@@ -1034,7 +1042,7 @@ class Runner:
                    if k not in held and k not in self.parallelism.sharded]
         missing += sorted(k for k in held if k not in state)
         if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(
+            raise UsageError(
                 f"Error(s) in loading state_dict for {type(self.model).__name__}: missing "
                 f"keys {missing}, unexpected keys {result.unexpected_keys}")
         params = self._params

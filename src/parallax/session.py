@@ -23,6 +23,7 @@ from parallax.cluster import EnvironmentPatch, WorkerInfo, current_worker
 from parallax.config import Config
 from parallax.engine import hierarchy, progress
 from parallax.engine.pool import close_shared_pools
+from parallax.errors import UnsupportedProgramError
 from parallax.launch.elastic import free_port
 from parallax.parallelism.grid import forget_meshes
 from parallax.partitions.groups import group_of
@@ -132,6 +133,6 @@ def check_same_everywhere(model: nn.Module, config: Config, worker: WorkerInfo,
             problems.append(f"rank {rank}'s parallax.partitioner groups differ "
                             f"({theirs['partition_groups']} vs {reference['partition_groups']})")
     if problems:
-        raise ValueError(f"rank {worker.rank}: workers disagree with rank 0: "
+        raise UnsupportedProgramError(f"rank {worker.rank}: workers disagree with rank 0: "
                          + "; ".join(problems) + ". Every worker must build the same model "
                          "and Config.")

@@ -135,7 +135,8 @@ def test_frequency_scaled_table_looked_up_twice_in_a_step_is_refused() -> None:
 
     for architecture in ("hybrid", "allreduce"):
         runner = runner_for(Twice(), architecture=architecture)
-        with pytest.raises(RuntimeError, match=r"rank 0: parameter 'embedding.weight' has "
+        with pytest.raises(parallax.UnsupportedProgramError,
+                           match=r"rank 0: parameter 'embedding.weight' has "
                                                r"scale_grad_by_freq=True and was looked up a "
                                                r"second time in one step"):
             runner.step((torch.tensor([[1, 2, 2]]), torch.tensor([0])))

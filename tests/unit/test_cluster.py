@@ -49,7 +49,7 @@ def test_same_host_twice_is_two_machines_ranks_machine_by_machine():
     assert spec.machine_of_rank == (0, 0, 0, 1, 2, 2)
     assert [spec.first_rank(m) for m in range(3)] == [0, 3, 4]
     assert [spec.device_of_rank(r) for r in range(6)] == [0, 1, 2, None, 0, 1]
-    with pytest.raises(IndexError):
+    with pytest.raises(ResourceError, match="machine 3 out of range 0..2"):
         spec.first_rank(3)
 
 
@@ -151,7 +151,7 @@ def test_current_worker_from_our_spec(monkeypatch):
     assert current_worker().is_server
 
     monkeypatch.setenv("WORLD_SIZE", "5")
-    with pytest.raises(RuntimeError, match="WORLD_SIZE=5"):
+    with pytest.raises(ResourceError, match="WORLD_SIZE=5"):
         current_worker()
 
 

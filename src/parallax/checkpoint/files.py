@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 import torch
 
 from parallax.checks import is_int
-from parallax.errors import CheckpointError
+from parallax.errors import ArgumentError, CheckpointError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -100,7 +100,7 @@ class Manifest:
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     """Directory of step ``step``'s checkpoint; zero-padded so names sort like steps."""
     if not is_int(step, at_least=0):
-        raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+        raise ArgumentError(f"checkpoint step must be an int >= 0, got {step!r}")
     return Path(root) / f"step-{step:09d}"
 
 
@@ -317,7 +317,7 @@ def prune(root: str | os.PathLike[str], keep: int) -> None:
     The newest complete checkpoint is never deleted.
     """
     if not is_int(keep, at_least=1):
-        raise ValueError(f"prune: keep must be an int >= 1, got {keep!r}")
+        raise ArgumentError(f"prune: keep must be an int >= 1, got {keep!r}")
     root = Path(root)
     if not root.is_dir():
         return

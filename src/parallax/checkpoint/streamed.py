@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from parallax.checkpoint.files import TMP_PREFIX, FileRecord, _fsync_dir, _record_of
+from parallax.errors import InternalError
 
 __all__ = ["StreamedFile"]
 
@@ -118,7 +119,7 @@ class StreamedFile:
                 short = {n: (self.written[n], shape[0]) for n, (shape, _) in self.tables.items()
                          if self.written[n] != shape[0]}
                 if short:
-                    raise RuntimeError(f"parallax internal error: rows written / rows per "
+                    raise InternalError(f"parallax internal error: rows written / rows per "
                                        f"table {short} while streaming {self.out}")
                 os.fsync(self._fd)
         finally:

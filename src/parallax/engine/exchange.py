@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallax.errors import SparseIdError
+from parallax.errors import ArgumentTypeError, SparseIdError
 
 COUNT_MESSAGE_BYTES = 3 * 8  # count, error flag, bad id: int64 each
 
@@ -34,8 +34,8 @@ def unique_ids(ids: Tensor, num_rows: int, name: str, rank: int,
     id among them, and an id outside ``[0, num_rows)`` (or None) for `Hop.open` to report to
     every rank. Ids must be integers: float ids would be truncated silently."""
     if ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"parameter '{name}' on rank {rank}: ids must be an integer tensor, "
-                        f"got {ids.dtype}")
+        raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an integer "
+                                f"tensor, got {ids.dtype}")
     unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
     bad_id = None
     if unique.numel() and unique[0] < 0:

@@ -81,7 +81,7 @@ def check_one_lookup(name: str, rank: int, lookups: int) -> None:
     """Refuse a table's second lookup with gradients in one step when it scales by frequency."""
     if lookups <= 1:
         return
-    raise RuntimeError(
+    raise UnsupportedProgramError(
         f"rank {rank}: parameter '{name}' has scale_grad_by_freq=True and was looked up a "
         "second time in one step; on one device each lookup scales by its own counts, which "
         "parallax reproduces only for one lookup per step (a table with scale_grad_by_freq "

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from parallax.errors import ArgumentError
+
 __all__ = ["PartitionPool", "close_shared_pools", "default_threads", "shared_pool"]
 
 
@@ -29,7 +31,7 @@ class PartitionPool:
 
     def __init__(self, threads: int = 1):
         if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
+            raise ArgumentError(f"threads must be at least 1, got {threads}")
         self.threads = threads
         self._executor = (ThreadPoolExecutor(threads, thread_name_prefix="parallax-partition")
                           if threads > 1 else None)

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from parallax.errors import StalledRankError, UnevenInputsError
+from parallax.errors import StalledRankError, UnevenInputsError, UsageError
 
 __all__ = ["CULPRIT", "Progress", "StalledRankError", "UnevenInputsError", "finish_all",
            "is_collective_failure"]
@@ -75,7 +75,7 @@ class Progress:
     def _write(self, step: int, phase: str) -> None:
         self.current = phase
         if self.store is None:
-            raise RuntimeError(f"rank {self.rank}: parallax was shut down (parallax.shutdown) "
+            raise UsageError(f"rank {self.rank}: parallax was shut down (parallax.shutdown) "
                                "and cannot step any more")
         self.store.set(f"rank{self.rank}", f"{step}|{phase}|{time.time()!r}")
 

@@ -25,6 +25,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine import lookup_options, phases
 from parallax.engine.exchange import Hop, SparseIdError, Traffic, unique_ids
 from parallax.engine.pool import SERIAL, PartitionPool
+from parallax.errors import ArgumentError, InternalError
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
            "pending_pulls", "prefetch", "pull", "push_gradients", "rows_pulled_ahead",
@@ -127,7 +128,7 @@ class ShardedTable:
                  batch_dependent: lookup_options.BatchDependent | None = None,
                  initial_rows: Callable[[Tensor], Tensor] | None = None):
         if weight.dim() < 1:
-            raise ValueError(f"parameter '{name}' must have rows (dim >= 1), got a scalar")
+            raise ArgumentError(f"parameter '{name}' must have rows (dim >= 1), got a scalar")
         lookup_options.check_batch_dependent(name, batch_dependent, sparse_grad)
         self.name = name
         # max_norm: owners renormalise the rows of every pull (all workers' ids) before
@@ -475,7 +476,7 @@ def rows_pulled_ahead(held: Tensor, rows: Tensor, unique: Tensor, name: str, ran
     position = torch.searchsorted(held, unique)
     if bad_id is not None or unique.numel() and (held.numel() == 0 or not torch.equal(
             held[position.clamp_max(held.numel() - 1)], unique)):
-        raise RuntimeError(
+        raise InternalError(
             f"parallax internal error: rank {rank} looked up ids of '{name}' that were not "
             f"pulled ahead for this step; please report it")
     return rows[position]
@@ -598,7 +599,7 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
     for record in pending_pulls(tables):
         if record.in_flight:
             if sorted(record.launched) != sorted(record.lookups):
-                raise RuntimeError(
+                raise InternalError(
                     f"parallax internal error: rank {record.direct.traffic.rank} pushed "
                     f"{record.launched} of a pull of {sorted(record.lookups)}; please report it")
             for finish in record.in_flight:
@@ -643,7 +644,7 @@ def start_push(record: _Pull, names: Sequence[str]) -> None:
     it and hands the rows to the servers. Every rank must start the same groups of the
     same pulls in the same order (collective)."""
     if not can_push_early(record):
-        raise RuntimeError("parallax internal error: an early push through the leader hop")
+        raise InternalError("parallax internal error: an early push through the leader hop")
     names = list(names)
     grads = _gradients_to_push(record, names)
     hop = record.direct if len(names) == len(record.lookups) else record.direct.subset(names)

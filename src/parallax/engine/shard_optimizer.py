@@ -23,7 +23,12 @@ from parallax.collective import agree
 from parallax.engine import deferred_sgd
 from parallax.engine.deferred_sgd import DeferredRows, sgd_rows, zero_gradient_map
 from parallax.engine.pool import SERIAL, PartitionPool
-from parallax.errors import OptimizerError, UnsupportedProgramError
+from parallax.errors import (
+    ArgumentTypeError,
+    InternalError,
+    OptimizerError,
+    UnsupportedProgramError,
+)
 
 # torch's own sparse optimizers (Adagrad, SGD) build sparse tensors without opting in or out of
 # invariant checks; the warning says nothing about the user's program.
@@ -62,7 +67,7 @@ def as_optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Op
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     for i, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"optimizer[{i}] must be a torch.optim.Optimizer, "
+            raise ArgumentTypeError(f"optimizer[{i}] must be a torch.optim.Optimizer, "
                             f"got {type(opt).__name__}")
     return optimizers
 
@@ -293,7 +298,8 @@ class ShardOptimizer:
         for server_opt, _, _ in self._slots:
             if any(p is part for group in server_opt.param_groups for p in group["params"]):
                 return server_opt
-        raise KeyError(part)
+        raise InternalError(f"parallax internal error: a part of shape {tuple(part.shape)} is "
+                            f"in no server optimizer; please report it")
 
     def _touched_rows_only(self, wanted: set[int] | None) -> list[tuple[nn.Parameter, Tensor]]:
         """Swap each eligible partition's dense gradient for a sparse one of its touched

@@ -46,6 +46,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from parallax.checks import is_int
 from parallax.cluster import RESOURCES_ENV, EnvironmentPatch, ResourceSpec
 from parallax.engine.progress import CULPRIT
+from parallax.errors import ArgumentError
 from parallax.launch.executors import omp_threads
 
 __all__ = ["AgentSetup", "install_error_recorder", "launch", "agent_setup"]
@@ -98,7 +99,7 @@ def agent_setup(
     if machine_index is None:
         if not spec.is_local():
             hosts = ", ".join(sorted({m.host for m in spec.machines}))
-            raise ValueError(
+            raise ArgumentError(
                 f"the resources name remote hosts ({hosts}): run the launcher on every machine "
                 "and give each its machine index (--machine-index)"
             )
@@ -117,10 +118,10 @@ def _machine_setup(
 ) -> AgentSetup:
     """Plan for one machine of a multi-agent job; torch needs equal workers per machine."""
     if not 0 <= index < len(spec.machines):
-        raise ValueError(f"machine index {index} out of range 0..{len(spec.machines) - 1}")
+        raise ArgumentError(f"machine index {index} out of range 0..{len(spec.machines) - 1}")
     counts = sorted({m.num_workers for m in spec.machines})
     if len(counts) > 1:
-        raise ValueError(
+        raise ArgumentError(
             "every machine must run the same number of workers for a multi-machine launch; "
             f"the resources give {', '.join(map(str, counts))}"
         )
@@ -253,9 +254,9 @@ def launch(
     its timeout (600 s).
     """
     if not cmd:
-        raise ValueError("nothing to launch: cmd is empty")
+        raise ArgumentError("nothing to launch: cmd is empty")
     if not is_int(max_restarts, at_least=0):
-        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+        raise ArgumentError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
     agent = agent_setup(
         spec, machine_index=machine_index, master_addr=master_addr, master_port=master_port
     )

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from parallax.cluster import ResourceSpec
+from parallax.errors import ArgumentError
 from parallax.launch.netem import netns_exec
 
 
@@ -162,7 +163,7 @@ def launch_machines(spec_file: str, spec: ResourceSpec, cmd: Sequence[str],
     naming the host, its resource-file line and the cause; 0 when all succeed.
     """
     if len(executors) != len(spec.machines):
-        raise ValueError(f"{len(executors)} executors for {len(spec.machines)} machines")
+        raise ArgumentError(f"{len(executors)} executors for {len(spec.machines)} machines")
     extra = dict(env or {})
     machines: list[_Machine] = []
     # Ctrl-C / SIGTERM set a flag the wait loop reads, rather than raising wherever the main

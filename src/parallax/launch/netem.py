@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallax.errors import NetemError
+from parallax.errors import ArgumentError, NetemError
 
 OFFLINE_ENV = "PARALLAX_OFFLINE"
 """Set to ``"1"`` for the workers of an emulated cluster, whose namespaces reach only each
@@ -51,7 +51,7 @@ class EmulatedNetwork:
 
     def __post_init__(self) -> None:
         if self.machines < 1:
-            raise ValueError(f"machines must be >= 1, got {self.machines}")
+            raise ArgumentError(f"machines must be >= 1, got {self.machines}")
         self.net = int(self.run_id, 16) % 250 + 1  # third octet of this run's subnet
 
     # ---- names -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parallax.cluster import Machine, ResourceSpec
-from parallax.errors import ResourceError
+from parallax.errors import ArgumentError, ResourceError
 
 __all__ = ["SlurmJob", "expand_hostlist", "pytorchjob_manifest", "slurm_job"]
 
@@ -122,9 +122,9 @@ def pytorchjob_manifest(name: str, image: str, *, nodes: int, nproc_per_node: in
     (the script and its arguments) under ``torchrun --nproc-per-node nproc_per_node`` on
     ``nodes`` pods of ``image``: one Master, ``nodes - 1`` Workers."""
     if nodes < 1 or nproc_per_node < 1:
-        raise ValueError("nodes and nproc_per_node must be at least 1")
+        raise ArgumentError("nodes and nproc_per_node must be at least 1")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name):
-        raise ValueError(f"job name {name!r} is not a Kubernetes name (lower case, digits, -)")
+        raise ArgumentError(f"job name {name!r} is not a Kubernetes name (lower case, digits, -)")
     container: dict[str, Any] = {
         "name": "pytorch",  # the container name the operator looks for
         "image": image,

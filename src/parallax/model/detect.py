@@ -38,6 +38,7 @@ from torch import nn
 
 from parallax.checks import is_int
 from parallax.engine.lookup_options import BatchDependent
+from parallax.errors import InternalError, UnsupportedProgramError
 
 __all__ = ["BatchDependent", "SparseUse", "batch_dependent_reads", "find_sparse_parameters",
            "rewrite_gathers"]
@@ -221,7 +222,8 @@ def rewrite_gathers(
         try:
             gather_params[name] = model.get_parameter(name)
         except AttributeError as exc:
-            raise ValueError(f"{name!r} is not a parameter of {type(model).__name__}") from exc
+            raise UnsupportedProgramError(
+                f"{name!r} is not a parameter of {type(model).__name__}") from exc
     if not gather_params:
         return model
 
@@ -233,7 +235,7 @@ def rewrite_gathers(
             continue
         for p in model.get_submodule(str(node.target)).parameters():
             if id(p) in by_id:
-                raise ValueError(
+                raise UnsupportedProgramError(
                     f"parameter {by_id[id(p)]!r} is read inside module {node.target!r}, not "
                     "only by row gathers; re-run find_sparse_parameters on this model"
                 )
@@ -250,11 +252,12 @@ def rewrite_gathers(
         sub_name = f"_parallax_gather_{name.replace('.', '_')}"
         if sub_name not in added:
             if hasattr(gm, sub_name):
-                raise ValueError(f"cannot add submodule {sub_name!r} for {name!r}: name taken")
+                raise UnsupportedProgramError(
+                    f"cannot add submodule {sub_name!r} for {name!r}: name taken")
             gm.add_submodule(sub_name, make_gather(name))
             added[sub_name] = name
         elif added[sub_name] != name:
-            raise ValueError(
+            raise UnsupportedProgramError(
                 f"parameters {added[sub_name]!r} and {name!r} both map to {sub_name!r}"
             )
         for user in list(attr.users):
@@ -269,7 +272,7 @@ def rewrite_gathers(
                 continue
             gather = _match_gather(user, attr, param.dim())
             if gather is None:
-                raise ValueError(
+                raise UnsupportedProgramError(
                     f"parameter {name!r} is used by {user.format_node()}, which is not a row "
                     "gather; re-run find_sparse_parameters on this model"
                 )
@@ -355,7 +358,7 @@ def _traced_rule(
             return None
         options = {g.batch_dependent for g in gathers if g is not None}
         if len(options) > 1:
-            raise ValueError(
+            raise UnsupportedProgramError(
                 f"parameter '{name}' is looked up with different batch-dependent options "
                 f"({'; '.join(sorted(o.describe() if o else 'none' for o in options))}); "
                 "parallax applies one set per table over the global batch: use the same "
@@ -691,7 +694,7 @@ def _drop_attribute(gm: fx.GraphModule, model: nn.Module, target: str) -> None:
     if prefix and owner is _resolve(model, ".".join(prefix)):
         # Would mutate the user's module; cannot happen for a true gather parameter because a
         # parent called as a leaf module would have made the parameter dense.
-        raise RuntimeError(f"cannot detach {target!r}: its owner module is shared with the model")
+        raise InternalError(f"cannot detach {target!r}: its owner module is shared with the model")
     if hasattr(owner, field):
         delattr(owner, field)
     for parent, atom in reversed(chain):

@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallax.engine.handles import restore
-from parallax.errors import UnsupportedProgramError
+from parallax.errors import ArgumentError, UnsupportedProgramError
 
 __all__ = ["Recipe", "meta_init", "recipe_of"]
 
@@ -238,7 +238,7 @@ class meta_init:  # noqa: N801 - a context manager, named like torch.no_grad
 
     def __init__(self, threshold_bytes: int = 1 << 20):
         if threshold_bytes < 0:
-            raise ValueError(f"threshold_bytes must be >= 0, got {threshold_bytes}")
+            raise ArgumentError(f"threshold_bytes must be >= 0, got {threshold_bytes}")
         self.threshold_bytes = threshold_bytes
         self._modes: list[Any] = []
 

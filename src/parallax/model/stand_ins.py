@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.engine.table import Table
+from parallax.errors import ArgumentTypeError
 from parallax.model.detect import SparseUse, rewrite_gathers
 
 
@@ -36,7 +37,7 @@ def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
     try:
         executed = copy.deepcopy(model, memo)
     except Exception as error:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"parallax runs a copy of the module tree of {type(model).__name__} (sharing "
             f"its parameters and buffers), but copying it failed: {error}. Keep "
             f"uncopyable objects (files, locks, sockets) out of the model's attributes."

@@ -33,13 +33,15 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
     try:
         entries = json.loads(path.read_text())
-        if not isinstance(entries, dict):
-            raise ValueError("not a JSON object")
-        return entries
     except (OSError, ValueError) as error:
+        entries, why = None, str(error)
+    else:
+        why = "not a JSON object"
+    if not isinstance(entries, dict):
         log.warning("parallax: ignoring the unreadable partition cache %s (%s); it will be "
-                    "rewritten", path, error)
+                    "rewritten", path, why)
         return {}
+    return entries
 
 
 def load_entry(path: str | os.PathLike, key: str) -> dict[str, Any] | None:

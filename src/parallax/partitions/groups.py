@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from parallax.checks import is_int
+from parallax.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["PartitionGroup", "group_of", "partition", "partitioner"]
 
@@ -40,9 +41,9 @@ class PartitionGroup:
 
 def _group(name: str | None, max_partitions: int | None) -> PartitionGroup:
     if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"partitioner name must be a non-empty str, got {name!r}")
+        raise ArgumentError(f"partitioner name must be a non-empty str, got {name!r}")
     if max_partitions is not None and not is_int(max_partitions, at_least=1):
-        raise ValueError(f"max_partitions must be None or an int >= 1, got {max_partitions!r}")
+        raise ArgumentError(f"max_partitions must be None or an int >= 1, got {max_partitions!r}")
     # Every worker runs the same script, so the n-th unnamed partitioner is the same everywhere.
     return PartitionGroup(name if name is not None else f"partitioner-{next(_unnamed)}",
                           max_partitions)
@@ -78,7 +79,7 @@ def partition(target: nn.Module | nn.Parameter | Iterable[nn.Module | nn.Paramet
         elif isinstance(item, nn.Parameter):
             params = [item]
         else:
-            raise TypeError(f"parallax.partition takes modules and parameters, got "
+            raise ArgumentTypeError(f"parallax.partition takes modules and parameters, got "
                             f"{type(item).__name__}")
         for param in params:
             setattr(param, _TAG, group)

@@ -14,6 +14,7 @@ from torch import nn
 from parallax.collective import agree
 from parallax.engine.server_table import RowPartitioning, ShardedTable
 from parallax.engine.shard_optimizer import ShardOptimizer, is_per_row
+from parallax.errors import ArgumentError
 
 __all__ = ["repartition"]
 
@@ -22,7 +23,7 @@ def repartition(table: ShardedTable, num_partitions: int,
                 shard_optimizer: ShardOptimizer) -> None:
     """Re-partition ``table`` into ``num_partitions`` (collective over all ranks)."""
     if not 1 <= num_partitions <= max(table.num_rows, 1):
-        raise ValueError(f"parameter '{table.name}': num_partitions must be in "
+        raise ArgumentError(f"parameter '{table.name}': num_partitions must be in "
                          f"[1, {table.num_rows}] (its rows), got {num_partitions}")
     worker = table.worker
     new = RowPartitioning(table.num_rows, num_partitions, worker.server_ranks,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from parallax.errors import ArgumentError
+
 __all__ = ["Sample", "SearchResult", "fit_cost_model", "sampling", "search_partitions",
            "second_half_mean", "time_steps"]
 
@@ -71,7 +73,7 @@ def sampling(start: int, *, max_partitions: int, min_partitions: int = 1, balanc
     pace, which the smooth model cannot see (measured: P=3 on 2 servers ran 1.5x slower than
     P=2 and P=4)."""
     if not min_partitions <= start <= max_partitions:
-        raise ValueError(f"start={start} must lie in [min_partitions={min_partitions}, "
+        raise ArgumentError(f"start={start} must lie in [min_partitions={min_partitions}, "
                          f"max_partitions={max_partitions}]")
     taken: list[Sample] = []
     seconds: dict[int, float] = {}
@@ -128,7 +130,7 @@ def time_steps(step: Callable[[], object], iterations: int,
     """Mean seconds per call of ``step`` over the second half of ``iterations`` calls (the
     first half warms caches and connections after a re-partition)."""
     if iterations < 2:
-        raise ValueError(f"iterations must be at least 2 (half are discarded), got {iterations}")
+        raise ArgumentError(f"iterations must be at least 2 (half are discarded), got {iterations}")
     durations = []
     for _ in range(iterations):
         begin = clock()
