@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import importlib.util
 import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from parallax.checks import is_int, is_number
 from parallax.errors import ConfigError
+
+T = TypeVar("T")
 
 
 class ArchitectureName(StrEnum):
@@ -59,6 +63,27 @@ class SyncName(StrEnum):
 SERVER_SYNCS = (DenseSyncName.PLUMP, DenseSyncName.SLIM)
 
 
+def _fields_by_name(cls: type[T]) -> type[T]:
+    """A misspelt keyword (``Config(clip_grad_nrom=1.0)``) is a `ConfigError` naming it and
+    the nearest field, not the dataclass's bare ``TypeError``."""
+    init = cls.__init__  # type: ignore[misc]
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key not in names:
+                near = difflib.get_close_matches(key, names, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise ConfigError(f"{cls.__name__} has no field {key!r}{hint}; its fields: "
+                                  f"{', '.join(names)}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked  # type: ignore[misc]
+    return cls
+
+
+@_fields_by_name
 @dataclass(frozen=True)
 class QSGD:
     """Random quantisation of dense gradients or updates (QSGD, Alistarh et al.): each bucket of
@@ -77,6 +102,7 @@ class QSGD:
                  self.bucket_size, "an int >= 1")
 
 
+@_fields_by_name
 @dataclass(frozen=True)
 class SlimDP:
     """Slim-DP's significance-aware partial synchronisation (`Config.dense_sync` ``"slim"``).
@@ -117,6 +143,7 @@ NONFINITE = ("raise", "skip", "ignore")
 SYNCS = tuple(m.value for m in SyncName)
 
 
+@_fields_by_name
 @dataclass(frozen=True)
 class Config:
     """How parallax trains. Defaults reproduce the single-device program with the global batch.

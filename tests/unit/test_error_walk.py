@@ -43,3 +43,18 @@ def test_the_walk_sees_the_package_raises() -> None:
     assert {"UnsupportedProgramError", "ArgumentError", "InternalError"} <= set(names)
     assert all(issubclass(getattr(parallax, n), parallax.ParallaxError)
                for n in ("ArgumentError", "ArgumentTypeError", "UsageError", "InternalError"))
+
+
+def test_a_misspelt_config_field_is_a_config_error_naming_the_nearest() -> None:
+    for build, says in ((lambda: parallax.Config(clip_grad_nrom=1.0),
+                         "Config has no field 'clip_grad_nrom' (did you mean 'clip_grad_norm'?)"),
+                        (lambda: parallax.SlimDP(alfa=0.3),
+                         "SlimDP has no field 'alfa' (did you mean 'alpha'?)"),
+                        (lambda: parallax.QSGD(bitz=4), "QSGD has no field 'bitz'")):
+        try:
+            build()
+        except parallax.ConfigError as error:
+            assert says in str(error)
+        else:
+            raise AssertionError(says)
+    assert parallax.Config(clip_grad_norm=2.0).clip_grad_norm == 2.0  # real fields still work
