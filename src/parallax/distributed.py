@@ -36,6 +36,7 @@ from parallax.config import Config
 from parallax.engine import handles
 from parallax.engine.shard_optimizer import as_optimizer_list, parameter_ids
 from parallax.errors import UnsupportedProgramError, UsageError
+from parallax.model.wrapper import ModuleWrapper
 from parallax.runner import Runner
 from parallax.verify import record as verify
 from parallax.verify.reference import reference_pair
@@ -185,7 +186,7 @@ def _check_every_parameter_optimized(model: nn.Module,
             f"requires_grad_(False) on them")
 
 
-class DistributedModel(nn.Module):
+class DistributedModel(ModuleWrapper):
     """The user's module, trained data-parallel: ``forward`` returns what it returns;
     ``state_dict``/``load_state_dict`` are the single-device ones; ``train``/``eval`` and
     attribute access reach the user's module. Parameters are the user's (``module.`` names,
@@ -261,15 +262,6 @@ class DistributedModel(nn.Module):
             raise UnsupportedProgramError("DistributedModel.load_state_dict(assign=True) is "
                                           "not supported: the servers keep their own rows")
         return self.runner.load_state_dict(state_dict, strict=strict)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self._modules.get("module")
-            if module is None:
-                raise
-            return getattr(module, name)  # the user's own methods, e.g. init_hidden
 
 
 class DistributedOptimizer:

@@ -25,6 +25,16 @@ from parallax.cluster import current_worker  # noqa: E402
 from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 
+def two_epochs(model, optimizer, sampler, loader) -> None:
+    """A DDP program's training loop: set_epoch, then every batch."""
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for ids, y in loader:
+            optimizer.zero_grad()
+            mse(model(ids), y).backward()
+            optimizer.step()
+
+
 def ddp_program(out: Path, world: int, rank: int) -> None:
     """A DDP program ported with the wrap alone: it initialises the default group itself,
     wraps the model in DDP, reads through its own DistributedSampler (not parallax.shard)."""
@@ -35,12 +45,7 @@ def ddp_program(out: Path, world: int, rank: int) -> None:
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=3)
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
     model, optimizer = parallax.distribute(ddp, optimizer)  # the only change
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        for ids, y in loader:
-            optimizer.zero_grad()
-            mse(model(ids), y).backward()
-            optimizer.step()
+    two_epochs(model, optimizer, sampler, loader)
     state = model.state_dict()
     try:
         ddp(dataset().tensors[0][:2])
@@ -75,12 +80,7 @@ def sampler_program(out: Path, world: int, rank: int) -> None:
     loader = parallax.shard(torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler))
     model, optimizer = parallax.distribute(
         model, optimizer, config=parallax.Config(partition_cache=None, collective_timeout_s=60))
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        for ids, y in loader:
-            optimizer.zero_grad()
-            mse(model(ids), y).backward()
-            optimizer.step()
+    two_epochs(model, optimizer, sampler, loader)
     state = model.state_dict()
     if rank == 0:
         torch.save(state, out / "sampler.pt")

@@ -22,13 +22,14 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from parallax.errors import VerifyComplete
+from parallax.model.wrapper import ModuleWrapper
 from parallax.verify.record import StateRecorder, Verification, describe_run
 from parallax.verify.run import note_unsharded
 
 __all__ = ["ReferenceModel", "reference_pair"]
 
 
-class ReferenceModel(nn.Module):
+class ReferenceModel(ModuleWrapper):
     """The user's module, trained as it is (``parallax verify``'s reference run)."""
 
     def __init__(self, module: nn.Module) -> None:
@@ -56,15 +57,6 @@ class ReferenceModel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True,
                         assign: bool = False) -> Any:
         return self.plain.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self._modules.get("module")
-            if module is None:
-                raise
-            return getattr(module, name)
 
 
 def reference_pair(verification: Verification, model: nn.Module,
