@@ -106,20 +106,22 @@ def describe_run(verification: Verification, model: nn.Module, kind: str) -> Non
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
             hints.append(f"{name or 'the model'} is {type(module).__name__}: its statistics are "
                          f"per worker's batch, as under DDP, not the global batch's")
-    path = Path(verification.directory) / RUN_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    known = json.loads(path.read_text())["hints"] if path.exists() else []
-    path.write_text(json.dumps({"kind": kind, "hints": known + hints}))
+    _update_run(verification.directory, kind=kind, hints=hints)
 
 
 def add_hint(text: str) -> None:
     """Note ``text`` for the report, from the reference run (no-op elsewhere)."""
     verification = active()
-    if verification is None or verification.role != "reference":
-        return
-    path = Path(verification.directory) / RUN_FILE
+    if verification is not None and verification.role == "reference":
+        _update_run(verification.directory, hints=[text])
+
+
+def _update_run(directory: str, *, kind: str | None = None, hints: list[str]) -> None:
+    """Set `RUN_FILE`'s kind (when given) and add the hints it does not hold yet."""
+    path = Path(directory) / RUN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     run = json.loads(path.read_text()) if path.exists() else {"kind": "", "hints": []}
-    if text not in run["hints"]:
-        run["hints"].append(text)
-        path.write_text(json.dumps(run))
+    if kind is not None:
+        run["kind"] = kind
+    run["hints"] += [hint for hint in hints if hint not in run["hints"]]
+    path.write_text(json.dumps(run))

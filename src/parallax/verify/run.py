@@ -31,10 +31,9 @@ class RunRecorder:
                 f"program with the default sync='sync'")
         self.runner = runner
         self.recorder = StateRecorder(verification, writes=runner.worker.rank == 0)
-        if runner.worker.rank == 0:
+        if verification.role == "reference":
             describe_run(verification, runner.model,
-                         "the program's one-worker run (parallax.get_runner in one process)"
-                         if verification.role == "reference" else "parallax")
+                         "the program's one-worker run (parallax.get_runner in one process)")
         self.recorder.record(runner.state_dict())
 
     def after_step(self) -> None:
