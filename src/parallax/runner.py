@@ -638,16 +638,13 @@ class Runner:
         a `parallax.shard`-ed validation loader), weighted by batch size. Collective: every
         worker must pass the same number of batches."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        was_training = self.module.training
-        self.module.eval()
-        with torch.no_grad(), self._serving_global():
+        with torch.no_grad(), self._serving_global(), _evaluating(self.model, self.module):
             for inputs, targets in batches:
                 targets = _to_device(targets, self.device)
                 loss = self.loss_fn(self.forward(inputs), targets)
                 count = len(targets)
                 total += torch.tensor([float(loss) * count, count], dtype=torch.float64,
                                       device=self.device)
-        self.module.train(was_training)
         dist.all_reduce(total, group=self.group)
         return float(total[0] / total[1].clamp_min(1))
 
@@ -1171,6 +1168,20 @@ class Runner:
             self.server_sync.seconds = 0.0
         if self._hook_state is not None:
             self._hook_state.seconds = 0.0
+
+
+@contextlib.contextmanager
+def _evaluating(*trees: nn.Module) -> Iterator[None]:
+    """Every module of ``trees`` in eval mode inside (the user's tree too: `mirror` brings
+    its flags to the copies that run); each module's own mode back after."""
+    modes = [(module, module.training) for tree in trees for module in tree.modules()]
+    for tree in trees:
+        tree.eval()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
 
 
 def _held(table: Table) -> Table:

@@ -374,3 +374,30 @@ def test_freezing_a_server_held_parameter_after_distribute_is_refused(single_pro
     with pytest.raises(UnsupportedProgramError, match="'embedding.weight'.*set requires_grad "
                        "before parallax.distribute"):
         weight.requires_grad_(False)
+
+
+class _ModeAware(nn.Module):
+    """Its root's forward reads ``self.training`` (a copied ancestor of the embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 3)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(ids).mean(dim=1)
+        return self.head(x * 100.0 if self.training else x)
+
+
+def test_evaluate_runs_every_module_in_eval_and_gives_each_its_mode_back(single_process) -> None:
+    torch.manual_seed(0)
+    plain = _ModeAware().double().eval()
+    model = copy.deepcopy(plain).train()
+    ids, y = torch.randint(0, 10, (6, 2)), torch.randn(6, 1, dtype=torch.float64)
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss,
+                                 config=parallax.Config(partition_cache=None))
+    model.head.eval()  # a layer the program keeps in eval mode
+    loss = runner.evaluate([(ids, y)])
+    assert loss == pytest.approx(float(nn.functional.mse_loss(plain(ids), y)), abs=1e-12)
+    assert model.training and not model.head.training and model.embedding.training
