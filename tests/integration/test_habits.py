@@ -252,9 +252,12 @@ def test_ranks_loading_different_values_are_refused_on_every_rank(launched: Path
 @tries("uneven_epoch")
 def test_an_uneven_epoch_is_tried_by_the_verify_tests() -> None:
     """tests/integration/test_verify.py runs parallax verify on examples/uneven_epoch.py:
-    the padded last step is named (exit 1); drop_last trains exactly (the habit's fix)."""
+    the padded last step is named (exit 1); with drop_last both runs read the same global
+    batches (the habit's fix, tests/unit/test_verify_parts.py)."""
     text = (ROOT / "tests" / "integration" / "test_verify.py").read_text()
-    assert "uneven_epoch.py" in text and "at step 7" in text and "--drop-last" in text
+    assert "uneven_epoch.py" in text and "at step 7" in text
+    parts = (ROOT / "tests" / "unit" / "test_verify_parts.py").read_text()
+    assert "(101, True, 6)" in parts
 
 
 @tries("move_after")

@@ -126,11 +126,15 @@ def test_the_reference_records_plain_pytorch_steps_and_stops(tmp_path: Path,
         reference_pair(verification, model, [first], timeout=timedelta(seconds=30))
 
 
-def test_the_reference_reads_the_distributed_runs_global_batches(monkeypatch) -> None:
+@pytest.mark.parametrize("size, drop_last, batches", [(40, False, 7), (101, True, 6)])
+def test_the_reference_reads_the_distributed_runs_global_batches(size, drop_last, batches,
+                                                                 monkeypatch) -> None:
     """The one-process reference's k-th batch holds the samples of the k-th batches of all
-    W workers of the distributed run."""
-    data = torch.utils.data.TensorDataset(torch.arange(40))
-    loader = torch.utils.data.DataLoader(data, batch_size=3, shuffle=True)
+    W workers of the distributed run (with drop_last, also for a size W does not divide:
+    the fix examples/uneven_epoch.py --drop-last verifies)."""
+    data = torch.utils.data.TensorDataset(torch.arange(size))
+    loader = torch.utils.data.DataLoader(data, batch_size=3 if size == 40 else 8,
+                                         shuffle=True, drop_last=drop_last)
 
     def worker(world: int, rank: int) -> WorkerInfo:
         return WorkerInfo(rank=rank, world_size=world, local_rank=rank, machine=0,
@@ -139,7 +143,7 @@ def test_the_reference_reads_the_distributed_runs_global_batches(monkeypatch) ->
     parts = [[b[0].tolist() for b in ShardedLoader(loader, 0, worker(2, r))] for r in (0, 1)]
     monkeypatch.setenv(VERIFY_ENV, Verification("/nowhere", "reference", 5, 2).to_env())
     reference = [b[0].tolist() for b in ShardedLoader(loader, 0, worker(1, 0))]
-    assert len(reference) == len(parts[0]) == 7
+    assert len(reference) == len(parts[0]) == len(parts[1]) == batches
     for k, batch in enumerate(reference):
         assert sorted(batch) == sorted(parts[0][k] + parts[1][k])
 
