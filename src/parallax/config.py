@@ -259,8 +259,9 @@ class Config:
         resume: at start, load the newest complete checkpoint in checkpoint_dir if there is one
             (how a job restarted by ``parallax run --max-restarts`` goes on).
         nonfinite: what a step does when the loss on any worker or any aggregated gradient is
-            NaN or infinite: ``"raise"`` (every worker raises ``FloatingPointError`` naming
-            the ranks and parameters, before any update), ``"skip"`` (every worker skips the
+            NaN or infinite: ``"raise"`` (every worker raises `NonFiniteError`, a
+            ``FloatingPointError``, naming the ranks and parameters, before any update),
+            ``"skip"`` (every worker skips the
             update consistently and training goes on) or ``"ignore"`` (no check, no cost).
         collective_timeout_s: every collective and wait gives up after this many seconds with
             an error instead of hanging.

@@ -48,7 +48,7 @@ def assert_no_worker_left(tmp_path: Path) -> None:
 
 # ---- before any process starts ---------------------------------------------------------------
 def test_unknown_config_field_is_named() -> None:
-    with pytest.raises(TypeError, match="clip_norm"):
+    with pytest.raises(ConfigError, match="Config has no field 'clip_norm'"):
         parallax.Config(clip_norm=1.0)
     with pytest.raises(ConfigError, match=r"unknown Config field\(s\) \['clip_norm'\]"):
         parallax.Config.from_dict({"clip_norm": 1.0})
