@@ -52,7 +52,7 @@ def run_mode(mode: str, workload: Workload, args: dict) -> dict[str, Any]:
     done = 0
     while True:
         if mode == "async":
-            if runner.asynchronous.global_steps() >= target:
+            if runner.workers_steps() >= target:
                 break
         elif done >= steps:
             break

@@ -101,7 +101,7 @@ def train(mode: dict[str, Any], args: dict[str, Any], data: tuple[Tensor, Tensor
     wire = link_bytes() - wire_before - evaluation_bytes
     # every rank's times: steps are collective, so ranks differ by where their clocks start
     everyone: list[Any] = [None] * worker.world_size
-    sync = runner.server_sync
+    sync = runner.dense.server
     dist.all_gather_object(everyone, {"step_s": step_s, "sync_s": sync_s, "wire": wire,
                                       "stats": runner.stats(),
                                       "choosing_s": sync.choosing_seconds if sync else 0.0})

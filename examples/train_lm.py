@@ -84,15 +84,14 @@ def main() -> None:
         bar = tqdm(total=steps, desc=f"epoch {epoch}", disable=not lead, unit="step",
                    file=sys.stdout)
         start, words = time.perf_counter(), 0
-        began = runner.asynchronous.global_steps() if runner.asynchronous else 0
+        began = runner.workers_steps()
         for step, batch in enumerate(train_loader):
             if step == steps:
                 break
             runner.step(batch)
             # every worker's batch has the same size; asynchronous workers are not in the same
             # step: count what all of them finished
-            done = (runner.asynchronous.global_steps() - began if runner.asynchronous
-                    else (step + 1) * world)
+            done = runner.workers_steps() - began
             words = done * batch[0].numel()  # the epoch's, for its summary line
             bar.update()
             if step % 10 == 9 or step + 1 == steps:  # the last ten steps' numbers

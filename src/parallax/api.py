@@ -74,7 +74,7 @@ def build_runner(model: torch.nn.Module,
                     sparse_group=group)
     verification = verify.active()
     if verification is not None:  # under parallax verify: the state at every step
-        runner.verify_recorder = RunRecorder(verification, runner)
+        runner.step_hooks.append(RunRecorder(verification, runner))
     return runner
 
 

@@ -93,7 +93,7 @@ def distribute(model: nn.Module,
                               config=config, seed=False)
     for opt in optimizers:
         _make_distributed(opt, runner)
-    runner.checks_phases = True
+    runner.order.enabled = True  # the own loop: every rank must call in the same order
     reference = _RunnerRef(runner)
     for param in model.parameters():
         setattr(param, _RUNNER_ATTRIBUTE, reference)

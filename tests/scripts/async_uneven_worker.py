@@ -35,7 +35,7 @@ def main() -> None:
     for _ in range(STEPS[rank]):
         runner.step((torch.randint(100, (8, 3), generator=generator),
                      torch.rand(8, generator=generator)))
-    state = runner.asynchronous.state
+    state = runner.sync_mode.training.state
     parallax.shutdown()  # a server serves here until every worker is done
     if state is not None:
         (out / f"updates-{rank}").write_text(str(state.updates))

@@ -116,8 +116,8 @@ def lost_updates(results: dict) -> None:
         runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=1.0),
                                      integer_loss, config=config)
         worker = runner.worker
-        if runner.asynchronous.state is not None:  # servers keep the sum of applied rows
-            runner.asynchronous.state.count_applied = True
+        if runner.sync_mode.training.state is not None:  # servers keep the sum of applied rows
+            runner.sync_mode.training.state.count_applied = True
         dist.barrier(group=runner.group)  # before any push
         rng = random.Random(worker.rank)
         gen = torch.Generator().manual_seed(7 + worker.rank)
@@ -133,7 +133,7 @@ def lost_updates(results: dict) -> None:
             time.sleep(rng.random() * 0.004)
             runner.step((tokens, weights))
         final = runner.state_dict()
-        state = runner.asynchronous.state
+        state = runner.sync_mode.training.state
         applied = torch.zeros(ROWS, DIM, dtype=torch.float64)
         if state is not None:
             applied += state.applied_rows.get("embedding.weight", torch.zeros(ROWS, DIM,
@@ -161,7 +161,7 @@ def straggler(results: dict, bound: int | None) -> None:
         time.sleep(BASE * (3 if slow else 1))  # the work of a step, 3x on the straggler
         runner.step(worker_batch(step, worker.rank, worker.world_size))
     elapsed = time.perf_counter() - began
-    gate = runner.asynchronous.gate
+    gate = runner.sync_mode.training.gate
     mine = torch.tensor([elapsed, max(gate.lags, default=0), gate.waited_s],
                         dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(worker.world_size)]

@@ -105,7 +105,7 @@ def main() -> None:
                                  config=config)
     worker = runner.worker
     runner.reset_stats()
-    sync = runner.server_sync
+    sync = runner.dense.server
     traffic = []
     for step in range(MLP_STEPS):
         runner.step(mlp_batch(step, worker.rank))

@@ -85,7 +85,7 @@ def main() -> None:
             for step in range(STEPS):
                 runner.step(worker_batch(step, worker.rank, worker.world_size))
             state = runner.state_dict()
-            early = runner._early
+            early = runner.sync_mode.early
             if worker.rank == 0:
                 results[f"{run}/{'on' if overlap else 'off'}"] = {
                     "state": {k: v.detach().clone() for k, v in state.items()},

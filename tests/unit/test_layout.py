@@ -28,6 +28,7 @@ LAYERS = [
     ["parallax.parallelism"],
     ["parallax.checkpoint"],
     ["parallax.session", "parallax.metrics"],
+    ["parallax.step"],
     ["parallax.runner"],
     ["parallax.api", "parallax.verify.run", "parallax.verify.reference"],
     ["parallax.distributed"],

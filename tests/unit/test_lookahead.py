@@ -49,7 +49,7 @@ def _runner(model: nn.Module) -> parallax.Runner:
 
 def test_ids_of_inputs_and_their_reshapes_get_a_program(single_process) -> None:
     runner = _runner(ThreeTables())
-    program = runner._id_program
+    program = runner.forward_pass.id_program
     assert program is not None
     (users, items, genres), _ = _batch(torch.Generator().manual_seed(0))
     got = program(users, items, genres)
@@ -60,7 +60,7 @@ def test_ids_of_inputs_and_their_reshapes_get_a_program(single_process) -> None:
 
 
 def test_ids_computed_with_a_parameter_get_no_program(single_process) -> None:
-    assert _runner(ThreeTables(ids_from_inputs=False))._id_program is None
+    assert _runner(ThreeTables(ids_from_inputs=False)).forward_pass.id_program is None
 
 
 class RandomIds(nn.Module):
@@ -76,11 +76,11 @@ class RandomIds(nn.Module):
 
 
 def test_random_ids_in_forward_get_no_program(single_process) -> None:
-    assert _runner(RandomIds())._id_program is None
+    assert _runner(RandomIds()).forward_pass.id_program is None
 
 
 def test_mixed_model_reads_both_tables_ahead(single_process) -> None:
-    assert _runner(Mixed())._id_program is not None
+    assert _runner(Mixed()).forward_pass.id_program is not None
 
 
 def _all_to_alls_per_step(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> int:
@@ -112,7 +112,7 @@ def test_look_ahead_trains_like_the_single_device_program(monkeypatch) -> None:
     model.load_state_dict(reference.state_dict())
     runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.1),
                                  nn.functional.mse_loss)
-    assert runner._id_program is not None
+    assert runner.forward_pass.id_program is not None
     optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(2)
     for _ in range(4):

@@ -62,7 +62,7 @@ def test_one_worker_trains_as_on_one_device(single_process, sync) -> None:
     for step in range(6):
         runner.step(_batch(step))
     trained = runner.state_dict()
-    local = runner.server_sync.local_values()
+    local = runner.dense.server.local_values()
     parallax.shutdown()
     torch.manual_seed(0)
     model = EmbeddingRegressor()
@@ -76,7 +76,7 @@ def test_one_worker_trains_as_on_one_device(single_process, sync) -> None:
         torch.testing.assert_close(trained[name], value, rtol=1e-6, atol=1e-7, msg=name)
     torch.testing.assert_close(local, torch.cat([p.detach().reshape(-1)
                                                  for p in model.head.parameters()]))
-    assert runner.server_sync is not None and runner.server_sync.rounds == 6
+    assert runner.dense.server is not None and runner.dense.server.rounds == 6
     assert runner.dense_sync_seconds > 0  # the rounds are timed
     runner.reset_stats()
     assert runner.dense_sync_seconds == 0
@@ -90,7 +90,7 @@ def test_evaluate_and_export_see_the_servers_model_between_full_rounds(single_pr
                                         slim=parallax.SlimDP(reselect_every=3)))
     for step in range(5):  # round 5 is partial
         runner.step(_batch(step))
-    local = runner.server_sync.local_values()
+    local = runner.dense.server.local_values()
     exported = runner.state_dict()
     assert not torch.allclose(torch.cat([exported["head.weight"].reshape(-1),
                                          exported["head.bias"]]), local)
@@ -102,4 +102,4 @@ def test_evaluate_and_export_see_the_servers_model_between_full_rounds(single_pr
     with torch.no_grad():
         expected = float(nn.functional.mse_loss(model(probe[0]), probe[1]))
     assert evaluated == pytest.approx(expected, rel=1e-6)
-    assert torch.equal(runner.server_sync.local_values(), local)  # its copy is back
+    assert torch.equal(runner.dense.server.local_values(), local)  # its copy is back

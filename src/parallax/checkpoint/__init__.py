@@ -1,5 +1,6 @@
 """Checkpoints: sharded save/load on any cluster shape, atomic files with checksums and
-manifests, and export to a plain single-device state_dict.
+manifests, export to a plain single-device state_dict, and the running job's single-device
+view (`single_device`: state dicts out and in).
 
 Why our own format rather than ``torch.distributed.checkpoint`` (DCP): DCP reshards a tensor
 by the offsets of contiguous chunks, but a server's shard is the union of its partitions, and a

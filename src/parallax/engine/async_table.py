@@ -63,6 +63,11 @@ class AsyncTable:
     def shard(self) -> nn.Parameter | None:
         return self.inner.shard
 
+    @property
+    def held(self) -> ShardedTable:
+        """The wrapped table: the servers' optimizer and its state work on it."""
+        return self.inner
+
     # ---- forward -----------------------------------------------------------------------
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """``(rows of the unique ids, inverse)``: from this step's prefetched rows, else

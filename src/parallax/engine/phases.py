@@ -24,6 +24,9 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import torch
 
 __all__ = ["PHASES", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active", "merge_timelines",
            "phase"]
@@ -95,6 +98,25 @@ class PhaseClock:
         self._began = time.perf_counter_ns()
         self.thread = threading.get_ident()
         _active = self
+
+    def time_backward_of(self, output: Any) -> None:
+        """Time the user's own ``loss.backward()`` of ``output`` (`parallax.distribute`) as
+        the step's backward phase: from the first gradient that reaches the outputs to the
+        end of the backward (autograd's queued callback, as DDP's own)."""
+        tensors = [t for t in torch.utils._pytree.tree_leaves(output)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+
+        def started(_grad: torch.Tensor) -> None:
+            if self.thread == threading.get_ident() and self.open("backward"):
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self.close("backward"))
+
+        for tensor in tensors:
+            tensor.register_hook(started)
+
+    def after_step(self, done: object) -> None:
+        """A step hook (`parallax.step.hooks`): the step's time ends here."""
+        self.end()
 
     def end(self) -> None:
         global _active

@@ -16,8 +16,10 @@ Cost: three store writes and one check per step, 57 us per step on localhost (BE
 from __future__ import annotations
 
 import atexit
+import contextlib
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,8 +28,8 @@ from torch.distributed import distributed_c10d
 
 from parallax.errors import StalledRankError, UnevenInputsError, UsageError
 
-__all__ = ["CULPRIT", "Progress", "StalledRankError", "UnevenInputsError", "finish_all",
-           "is_collective_failure"]
+__all__ = ["CULPRIT", "Explainer", "Progress", "StalledRankError", "UnevenInputsError",
+           "finish_all", "is_collective_failure"]
 
 _PREFIX = "parallax/progress/"
 _ENDED = "ended"
@@ -194,3 +196,29 @@ def is_collective_failure(error: BaseException) -> bool:
     text = str(error)
     return any(mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer",
                                          "Connection reset", "Timed out waiting"))
+
+
+class Explainer:
+    """``with explainer():`` — a failed collective raised inside becomes the error that names
+    the rank that is missing (`Progress.explain` for the step ``step()`` says is running);
+    nested uses explain once, at the outermost. Nothing to explain with one worker."""
+
+    def __init__(self, progress: Progress | None, step: Callable[[], int]) -> None:
+        self.progress = progress
+        self.step = step
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        except (RuntimeError, ValueError) as error:  # gloo's are RuntimeErrors
+            if self._depth > 1 or self.progress is None or not is_collective_failure(error):
+                raise
+            explained = self.progress.explain(error, self.step())
+            if explained is error:
+                raise
+            raise explained from error
+        finally:
+            self._depth -= 1

@@ -36,6 +36,10 @@ class ReplicatedTable:
 
     on_servers = False
 
+    @property
+    def held(self) -> ReplicatedTable:
+        return self
+
     def __init__(self, name: str, param: nn.Parameter, *, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
                  sync: str = "allgatherv",

@@ -122,6 +122,10 @@ class ShardedTable:
     on_servers = True
     replica = None  # no worker holds the whole parameter
 
+    @property
+    def held(self) -> ShardedTable:
+        return self
+
     def __init__(self, name: str, weight: Tensor, *, num_partitions: int, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
                  local_aggregation: bool = False, first_server: int = 0,

@@ -45,6 +45,11 @@ class Table(Protocol):
     def replica(self) -> nn.Parameter | None:
         """The full parameter the user's optimizer updates on every worker (replicated kinds)."""
 
+    @property
+    def held(self) -> Table:
+        """The table whose ``shard`` the servers' optimizer and its state work on (itself, or
+        the synchronous table an asynchronous one wraps)."""
+
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """``(rows of the unique ids, inverse)`` with ``rows[inverse]`` the rows of ``ids``."""
 

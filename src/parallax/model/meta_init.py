@@ -31,7 +31,7 @@ at the call, naming the operation.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallax.engine.handles import restore
+from parallax.engine.shard_optimizer import rebuild_constructor_state
 from parallax.errors import ArgumentError, UnsupportedProgramError
 
 __all__ = ["Recipe", "meta_init", "recipe_of"]
@@ -165,6 +166,17 @@ def forget(tensor: Tensor) -> None:
     """Drop ``tensor``'s recipe (its values now live elsewhere)."""
     if tensor.device.type == "meta":
         _recipes.pop(_key(tensor), None)
+
+
+def place_on_device(model: nn.Module, server_held: Iterable[str],
+                    optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> None:
+    """A training run's start: what ``model`` built in `meta_init` keeps on every worker gets
+    its values now (the ``server_held`` parameters stay storage-less: each server makes its
+    own rows; the optimizers' constructor-time state is rebuilt for the others), then the
+    model moves to ``device`` in place (the optimizers' Parameter objects stay the same)."""
+    for param in materialise_kept(model, server_held):
+        rebuild_constructor_state(optimizers, param)
+    model._apply(lambda t: t if t.device.type == "meta" else t.to(device))
 
 
 def materialise_kept(model: nn.Module, deferred_ok: Iterable[str]) -> list[nn.Parameter]:

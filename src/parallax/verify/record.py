@@ -15,14 +15,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from parallax.errors import UnsupportedProgramError
 
-__all__ = ["RUN_FILE", "VERIFY_ENV", "AfterStep", "StateRecorder", "Verification",
+__all__ = ["RUN_FILE", "VERIFY_ENV", "StateRecorder", "Verification",
            "active", "add_hint", "describe_run", "step_file"]
 
 VERIFY_ENV = "PARALLAX_VERIFY"
@@ -85,13 +84,6 @@ class StateRecorder:
     def done(self) -> bool:
         """Whether the state after the last asked-for step is written."""
         return self.step > self.verification.steps
-
-
-class AfterStep(Protocol):
-    """What a `Runner` calls at the end of every step under ``parallax verify``
-    (`parallax.verify.run.RunRecorder`)."""
-
-    def after_step(self) -> None: ...
 
 
 def describe_run(verification: Verification, model: nn.Module, kind: str) -> None:

@@ -24,7 +24,7 @@ class RunRecorder:
     `VerifyComplete`."""
 
     def __init__(self, verification: Verification, runner: Runner) -> None:
-        if runner.asynchronous is not None:
+        if not runner.sync_mode.aligned:
             raise UnsupportedProgramError(
                 f"parallax verify: Config.sync={runner.config.sync!r} trains asynchronously, "
                 f"which differs from one device by design (stale reads); verify the "
@@ -36,7 +36,8 @@ class RunRecorder:
                          "the program's one-worker run (parallax.get_runner in one process)")
         self.recorder.record(runner.state_dict())
 
-    def after_step(self) -> None:
+    def after_step(self, done: object = None) -> None:
+        """A step hook (`parallax.step.hooks`)."""
         self.recorder.record(self.runner.state_dict())
         note_unsharded(self.recorder)
         if self.recorder.done:

@@ -1,0 +1,137 @@
+"""The forward of the module that runs: before it, the rows of every server-held table it will
+read are pulled in one exchange (the sync mode's ``prefetch``): all of a ps model's dense
+parameters, and the sparse lookups whose ids the id program (`parallax.model.lookahead`)
+computes from the inputs; a lookup the program cannot foresee pulls its rows itself.
+
+Also the batch helpers the runner needs (device moves, target counts, shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from parallax.engine.phases import PhaseClock
+from parallax.engine.server_table import ShardedTable
+from parallax.model.lookahead import build_id_program
+from parallax.planning.architectures import Layout
+from parallax.step.sync_modes import SyncMode
+
+__all__ = ["Forward", "evaluating", "mean_loss", "numel", "shapes", "to_device"]
+
+
+class Forward:
+    """``forward(args, kwargs)``: the output of ``module()`` (the executed copy, under DDP
+    where the dense sync uses it) for the inputs, with its rows pulled ahead."""
+
+    def __init__(self, executed: nn.Module, module: Callable[[], nn.Module], layout: Layout,
+                 params: dict[str, nn.Parameter], *, sync_mode: SyncMode, phases: PhaseClock,
+                 device: torch.device) -> None:
+        self.executed = executed
+        self.module = module
+        self.sync_mode = sync_mode
+        self.phases = phases
+        # All lookups' ids from the inputs, when the model allows: one pull for all tables.
+        self.id_program = build_id_program(executed) if layout.sparse else None
+        # ps/optps: dense parameters too come from the servers, whole, each step
+        self.whole_pulls = {name: (table, torch.arange(table.num_rows, device=device),
+                                   params[name].shape)
+                            for name, table in layout.pulled_whole.items()}
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        ahead = self._pull_ahead(args, kwargs)
+        try:
+            with self.phases.phase("forward"):
+                if not self.whole_pulls:
+                    return self.module()(*args, **kwargs)
+                pulled = {name: table.lookup(rows)[0].view(shape)
+                          for name, (table, rows, shape) in self.whole_pulls.items()}
+                return torch.func.functional_call(self.module(), pulled, args, kwargs)
+        finally:
+            for table in ahead:
+                table.prefetched = None
+
+    def _pull_ahead(self, args: tuple, kwargs: dict) -> list[ShardedTable]:
+        """Pull the rows this forward will read; returns the tables served from them."""
+        wanted: dict[str, tuple[ShardedTable, list[Tensor]]] = {}
+        if self.id_program is not None:
+            with self.phases.phase("id look-ahead"):
+                for path, ids in self.id_program(*args, **kwargs):
+                    table = self.executed.get_submodule(path).table
+                    if table.on_servers:  # replicated tables look up locally
+                        wanted.setdefault(table.name, (table, []))[1].append(ids)
+        for name, (table, rows, _) in self.whole_pulls.items():
+            wanted[name] = (table, [rows])
+        if wanted:
+            self.sync_mode.prefetch([table for table, _ in wanted.values()],
+                                    [ids for _, ids in wanted.values()])
+        return [table for table, _ in wanted.values()]
+
+
+def mean_loss(forward: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor],
+              batches: Iterable[Sequence[Any]], *, group: dist.ProcessGroup,
+              device: torch.device) -> float:
+    """The mean of ``loss_fn`` over the ``(inputs, targets)`` batches of every rank, weighted
+    by batch size, without gradients (collective: every rank passes as many batches)."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for inputs, targets in batches:
+            targets = to_device(targets, device)
+            loss = loss_fn(forward(inputs), targets)
+            count = len(targets)
+            total += torch.tensor([float(loss) * count, count], dtype=torch.float64,
+                                  device=device)
+    dist.all_reduce(total, group=group)
+    return float(total[0] / total[1].clamp_min(1))
+
+
+@contextmanager
+def evaluating(*trees: nn.Module) -> Iterator[None]:
+    """Every module of ``trees`` in eval mode inside (the user's tree too: `mirror` brings
+    its flags to the copies that run); each module's own mode back after."""
+    modes = [(module, module.training) for tree in trees for module in tree.modules()]
+    for tree in trees:
+        tree.eval()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def numel(value: Any) -> int:
+    """Target elements of a batch's targets (tensors anywhere inside)."""
+    if isinstance(value, Tensor):
+        return value.numel()
+    if isinstance(value, dict):
+        return sum(numel(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(numel(v) for v in value)
+    return 0
+
+
+def shapes(value: Any) -> Any:
+    """The tensor shapes of a batch (what the search's cache entry is valid for)."""
+    if isinstance(value, Tensor):
+        return [list(value.shape), str(value.dtype)]
+    if isinstance(value, dict):
+        return {str(k): shapes(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (tuple, list)):
+        return [shapes(v) for v in value]
+    return type(value).__name__
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value``'s tensors (anywhere inside tuples, lists and dicts) on ``device``."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value

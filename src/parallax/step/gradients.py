@@ -1,0 +1,171 @@
+"""A step's gradients, wherever they live: the replicated parameters' ``.grad`` on every
+worker, the split layers' shards (model parallelism), and the server-held tables' aggregated
+rows on their servers.
+
+One device's habits act on all of them alike: ``zero_grad`` clears every one, the global norm
+sums every one, the finiteness check reads every one. `StepGradients` is that single view, so
+the runner and the sync modes never walk the three kinds themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from parallax.cluster import WorkerInfo
+from parallax.engine.grad_norm import NonFinite, clip_by_global_norm, find_nonfinite
+from parallax.engine.server_table import ShardedTable
+from parallax.engine.shard_optimizer import parameter_ids
+from parallax.engine.table import Table
+from parallax.errors import UnsupportedProgramError
+from parallax.parallelism import Parallelism
+
+__all__ = ["StepGradients", "clear_grad"]
+
+
+class StepGradients:
+    """The gradients of one run's parameters. ``tables`` returns the current tables by
+    parameter name (the warm-up may move one to AllReduce); ``replicated`` is the runner's
+    list of parameters every worker holds whole (the same list object: moved tables join
+    it)."""
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter],
+                 tables: Callable[[], dict[str, Table]], replicated: list[nn.Parameter],
+                 split: list[nn.Parameter], parallelism: Parallelism, *, worker: WorkerInfo,
+                 group: dist.ProcessGroup, device: torch.device) -> None:
+        self.model = model
+        self.params = params
+        self.tables = tables
+        self.replicated = replicated
+        self.split = split
+        self.parallelism = parallelism
+        self.worker = worker
+        self.group = group
+        self.device = device
+        #: the tables' summed squared norm of this step, when the finiteness check has it
+        self.tables_squared: Tensor | None = None
+        #: the norm `Config.clip_grad_norm` clipped by, at the latest step that clipped
+        self.last_norm: float | None = None
+
+    # ---- which gradients ---------------------------------------------------------------------
+    def tables_of(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[Table]:
+        """The tables whose parameters ``optimizers`` hold."""
+        mine = parameter_ids(optimizers)
+        return [t for name, t in self.tables().items() if id(self.params[name]) in mine]
+
+    def server_held(self) -> list[ShardedTable]:
+        """The synchronous server-held tables (pulled and pushed every step)."""
+        return [t for t in self.tables().values() if isinstance(t, ShardedTable)]
+
+    def replicated_named(self) -> list[tuple[str, nn.Parameter]]:
+        """The replicated parameters with their names in the user's model."""
+        ids = {id(p) for p in self.replicated}
+        return [(n, p) for n, p in self.model.named_parameters() if id(p) in ids]
+
+    # ---- one device's habits -----------------------------------------------------------------
+    def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer] | None = None, *,
+                  set_to_none: bool = True) -> None:
+        """Clear every gradient, or those of the parameters ``optimizers`` update, as
+        ``Optimizer.zero_grad(set_to_none)`` does on one device."""
+        mine = None if optimizers is None else parameter_ids(optimizers)
+        for param in [*self.replicated, *self.split]:
+            if mine is None or id(param) in mine:
+                clear_grad(param, set_to_none)
+        tables = (list(self.tables().values()) if optimizers is None
+                  else self.tables_of(optimizers))
+        for table in tables:
+            table.zero_grad(set_to_none=set_to_none)
+
+    def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None) -> float:
+        """Clip the aggregated gradients of ``parameters`` (default: all) by their global L2
+        norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective."""
+        wanted = None if parameters is None else {id(p) for p in parameters}
+        everything_of = self.tables()
+        tables = [t for name, t in everything_of.items()
+                  if wanted is None or id(self.params[name]) in wanted]
+        grads = [p.grad for p in self.replicated
+                 if p.grad is not None and (wanted is None or id(p) in wanted)]
+        everything = wanted is None or len(tables) == len(everything_of)
+        parts = self.parallelism.norm_parts()  # split parameters' shards, like tables
+        chosen = [part for part in parts.values() if wanted is None or id(part.param) in wanted]
+        everything = everything and len(chosen) == len(parts)
+        return clip_by_global_norm(
+            max_norm, grads, [*tables, *chosen],
+            tables_squared=self.tables_squared if everything else None,
+            group=self.group, device=self.device)
+
+    def unscale_tables(self, optimizers: Sequence[torch.optim.Optimizer],
+                       inv_scale: Tensor) -> bool:
+        """Multiply the aggregated rows of the tables ``optimizers`` update by ``inv_scale``;
+        whether any of them is NaN or infinite (collective: the same answer everywhere)."""
+        squared = torch.zeros((), dtype=torch.float64, device=self.device)
+        for table in self.tables_of(optimizers):
+            table.scale_grad(inv_scale)
+            squared += table.grad_norm_squared()
+        dist.all_reduce(squared, group=self.group)
+        return not bool(torch.isfinite(squared))
+
+    def reduce_split_layers(self) -> None:
+        """The split layers' gradients (model parallelism) reduced over the data groups."""
+        self.parallelism.reduce_gradients()
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_none_outside_lookups(self) -> None:
+        """A server-held parameter gets its gradient through its lookups only; one that the
+        program read directly (a loss term on the whole table, under ps a dense weight used
+        outside the model's forward) has a gradient nobody would push: refused."""
+        used = [name for name, table in self.tables().items()
+                if table.on_servers and self.params[name].grad is not None]
+        if used:
+            raise UnsupportedProgramError(
+                f"rank {self.worker.rank}: parameter(s) {used} live on the parameter servers, "
+                f"but the program computed a gradient for them outside the model's lookups "
+                f"(e.g. a loss term on the whole weight); their values here are not the "
+                f"servers' and that gradient would be lost. Compute such terms from the "
+                f"model's outputs, or use architecture='allreduce' for these parameters.")
+
+    def find_nonfinite(self, loss: Tensor | None) -> NonFinite:
+        """Every worker's loss and every aggregated gradient checked in one collective, which
+        also tells each server-held table whether any backward reached it and keeps the
+        tables' squared norm for clipping."""
+        found = find_nonfinite(loss, {**self.tables(), **self.parallelism.norm_parts()},
+                               [(n, p.grad) for n, p in self.replicated_named()],
+                               rank=self.worker.rank, world=self.worker.world_size,
+                               group=self.group, device=self.device,
+                               flags=self._reached_flags())
+        self.agree_on_tables(found.flags)
+        self.tables_squared = found.tables_squared
+        return found
+
+    def agree_on_tables(self, summed: Tensor | None = None) -> None:
+        """Tell each server-held table whether any worker's backward reached it since its
+        gradient was cleared (``summed``: `_reached_flags` summed over the ranks; None: sum
+        them now, collective). One device skips a parameter whose ``.grad`` is None; the
+        servers skip such a table alike."""
+        tables = self.server_held()
+        if not tables:
+            return
+        if summed is None:
+            summed = self._reached_flags()
+            dist.all_reduce(summed, group=self.group)
+        for table, count in zip(tables, summed.tolist(), strict=True):
+            table.gradient_anywhere = count > 0
+
+    def _reached_flags(self) -> Tensor:
+        """Whether a backward reached each server-held table on this worker, 1.0 or 0.0."""
+        return torch.tensor([float(t.has_gradient) for t in self.server_held()],
+                            dtype=torch.float64, device=self.device)
+
+
+def clear_grad(param: Tensor, set_to_none: bool) -> None:
+    """``Optimizer.zero_grad``'s clearing of one parameter's gradient (torch has no public
+    helper for one parameter)."""
+    if param.grad is None or set_to_none:
+        param.grad = None
+    elif param.grad.grad_fn is not None:
+        param.grad.detach_().zero_()
+    else:
+        param.grad.requires_grad_(False).zero_()

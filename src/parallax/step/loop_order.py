@@ -1,0 +1,78 @@
+"""In the user's own loop (`parallax.distribute`), every rank must call forwards, optimizer
+steps and exports in the same order. One small collective says where every rank is, so a rank
+that skipped ``optimizer.step()`` (or ran one forward more) is named on every rank instead of
+meeting a different collective. `Runner.step` needs no check (its order is fixed), nor do
+workers whose steps are not aligned (asynchronous training).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+from parallax.cluster import WorkerInfo
+from parallax.engine.progress import Explainer
+from parallax.errors import UnevenInputsError, UnsupportedProgramError
+
+__all__ = ["COLLECTIVE_EXPORT", "Call", "LoopOrder"]
+
+COLLECTIVE_EXPORT = (
+    "model.state_dict() is collective (it gathers the servers' rows): call it on every rank "
+    "and save on one, e.g. state = model.state_dict(); then if rank == 0: torch.save(state, "
+    "path). The DDP habit of calling it on rank 0 alone cannot work here.")
+
+
+class Call(enum.IntEnum):
+    """What a rank is calling."""
+
+    FORWARD = 1
+    UPDATE = 2
+    EXPORT = 3
+
+
+_SAID = {Call.FORWARD: "a forward of the model", Call.UPDATE: "optimizer.step()",
+         Call.EXPORT: "model.state_dict()"}
+
+
+class LoopOrder:
+    """``enabled`` by `parallax.distribute`; ``applies``: several workers in the same step."""
+
+    def __init__(self, worker: WorkerInfo, group: dist.ProcessGroup, explained: Explainer, *,
+                 applies: bool) -> None:
+        self.explained = explained
+        self.worker = worker
+        self.group = group
+        self.applies = applies and worker.world_size > 1
+        self.enabled = False
+
+    def check(self, call: Call, step: int) -> None:
+        """Every rank is about to make ``call`` in step ``step``, or all raise naming who is
+        elsewhere (collective when enabled)."""
+        if not (self.enabled and self.applies):
+            return
+        mine = torch.tensor([int(call), step], dtype=torch.long, device=self.worker.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.worker.world_size)]
+        with self.explained():
+            dist.all_gather(everyone, mine, group=self.group)
+        where = [(Call(int(t[0])), int(t[1])) for t in everyone]
+        if len(set(where)) == 1:
+            return
+        odd = [r for r, w in enumerate(where) if w != where[0]]
+        raise UnsupportedProgramError(
+            f"rank {self.worker.rank}: the ranks' training loops diverged: rank 0 called "
+            f"{_SAID[where[0][0]]} in step {where[0][1]}, "
+            + ", ".join(f"rank {r} {_SAID[where[r][0]]} in step {where[r][1]}" for r in odd)
+            + ". Every rank must call the model and optimizer.step() in the same order (no "
+            "rank may skip a step or run an extra forward)."
+            + (f" {COLLECTIVE_EXPORT}" if Call.EXPORT in {w[0] for w in where} else ""))
+
+    def check_export(self, step: int) -> None:
+        """`check` of an export, saying it is collective when another rank already ended."""
+        try:
+            self.check(Call.EXPORT, step)
+        except UnevenInputsError as error:  # the other ranks ended: this rank exports alone
+            raise UnevenInputsError(
+                f"rank {self.worker.rank} called model.state_dict() after another rank ended "
+                f"({error}). {COLLECTIVE_EXPORT}") from error

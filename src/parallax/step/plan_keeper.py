@@ -1,0 +1,203 @@
+"""The plan of a run, kept up to date while it trains: the warm-up that measures α and may move
+tables to AllReduce (the hybrid's rule), the decision on local aggregation, the partition-count
+search, and ``parallax plan``'s early exit. A step hook: `after_step` after every step.
+
+It owns the tables' placement: `repartition` (the partition search's and the user's) and the
+move of a table to AllReduce go through it, so the plan it prints is always the layout that
+trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallax.cluster import WorkerInfo
+from parallax.config import Config
+from parallax.engine.shard_optimizer import ShardOptimizer
+from parallax.engine.table import Table
+from parallax.errors import PlanComplete
+from parallax.model.detect import SparseUse
+from parallax.parallelism import Parallelism
+from parallax.partitions.repartition import repartition
+from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
+from parallax.planning.architectures import Architecture, Layout
+from parallax.planning.plan import Plan
+from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
+from parallax.session import shutdown
+from parallax.step.hooks import StepDone
+from parallax.step.sync_modes import SyncMode
+
+__all__ = ["PlanKeeper"]
+
+
+class PlanKeeper:
+    """``warmup_steps``: steps before α is measured (0: never); ``plan_only``: under
+    ``parallax plan``, the path to write the plan to ("" to print only), then end the
+    program; None when training."""
+
+    def __init__(self, model: nn.Module, sparse_uses: dict[str, SparseUse], layout: Layout, *,
+                 architecture: Architecture, config: Config, worker: WorkerInfo,
+                 group: dist.ProcessGroup, sync_mode: SyncMode, warmup_steps: int,
+                 plan_only: str | None) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.sparse_uses = sparse_uses
+        self.layout = layout
+        self.architecture = architecture
+        self.config = config
+        self.worker = worker
+        self.group = group
+        self.sync_mode = sync_mode
+        self.warmup_steps = warmup_steps
+        self.plan_only = plan_only
+        #: whether sparse exchanges go through each machine's leader (the hybrid may turn it
+        #: off once α is measured: `Architecture.keeps_local_aggregation`)
+        self.local_aggregation = architecture.aggregates_locally(config)
+        self.sparsity: dict[str, Sparsity] = {}
+        self.decisions: dict[str, str] = (
+            dict.fromkeys(sparse_uses, "lazy: touched rows only")
+            if config.lazy_sparse_updates else {})
+        #: the shapes of `Runner.step`'s batch (what a search's cache entry is valid for)
+        self.batch_signature: Any = None
+        self.tuner: PartitionTuner | None = None
+        self.build()
+
+    def attach(self, executed: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+               shard_optimizer: ShardOptimizer, replicated: list[nn.Parameter],
+               parallelism: Parallelism, threads: int) -> None:
+        """The training machinery, once built: what the warm-up rewires when a table moves,
+        and the partition search's tuner."""
+        self.executed = executed
+        self.optimizers = optimizers
+        self.shard_optimizer = shard_optimizer
+        self.replicated = replicated
+        self.parallelism = parallelism
+        if self.sync_mode.aligned:  # its timed samples need aligned steps
+            self.tuner = build_tuner(
+                self.model, self.layout.sparse, config=self.config, worker=self.worker,
+                local_aggregation=self.local_aggregation, threads=threads, group=self.group,
+                device=self.worker.device, repartition=self.repartition)
+
+    @property
+    def searches(self) -> dict[str, SearchRecord]:
+        """Per partition group, how its count was chosen (`Runner.partition_searches`)."""
+        return {} if self.tuner is None else dict(self.tuner.records)
+
+    def build(self) -> None:
+        """The plan of the layout as it is now."""
+        self.plan = Plan.build(self.model, self.sparse_uses, placements=self.layout.placements,
+                               world_size=self.worker.world_size,
+                               num_machines=len(self.worker.server_ranks),
+                               architecture=self.config.architecture, sparsity=self.sparsity,
+                               reasons=self.decisions,
+                               local_aggregation=self.local_aggregation,
+                               searches=tuple(self.searches.values()))
+
+    # ---- the step hook -----------------------------------------------------------------------
+    def after_step(self, done: StepDone) -> None:
+        """Feed the search its step time; complete the plan after the warm-up."""
+        if self.tuner is not None and self.tuner.active:
+            self.tuner.after_step(done.seconds)
+            if not self.tuner.active:
+                self.build()
+                self._exit_if_plan_only()
+        if done.steps_here == self.warmup_steps:
+            self._complete()
+        elif self.warmup_steps == 0 and done.steps_here == 1:
+            self._start_search()
+
+    def _complete(self) -> None:
+        """After the warm-up steps: measure α; move to AllReduce what the architecture says
+        is cheaper there (the hybrid's rule: `Architecture.moves_to_allreduce`; collective)."""
+        tables = self.layout.sparse
+        self.sparsity = measure(tables, self.worker, self.group, self.worker.device)
+        self._decide_local_aggregation()
+        self.sync_mode.after_warmup(self.group)
+        for name, table in list(tables.items()):
+            move, why = self.architecture.moves_to_allreduce(
+                table, self.sparsity[name], config=self.config, worker=self.worker)
+            if move and not self.sync_mode.aligned:
+                self.decisions[name] = (f"stays on the servers (sync="
+                                        f"{str(self.config.sync)!r}); {why}")
+                move = False
+            if not move:
+                continue
+            self._replace_table(table, move_to_allreduce(
+                table, self.params[name], self.optimizers, self.shard_optimizer,
+                worker=self.worker, group=self.group))
+            self.replicated.append(self.params[name])
+            self.decisions[name] = why
+        self._start_search()
+        self.build()
+        self._exit_if_plan_only()
+
+    def _decide_local_aggregation(self) -> None:
+        """Keep or drop the leader hop as the architecture says for the measured α and α_m
+        (the same answer on every rank: both are all-reduced)."""
+        if not self.local_aggregation:
+            return
+        keep, why = self.architecture.keeps_local_aggregation(
+            self.layout.sparse, self.sparsity, config=self.config, worker=self.worker)
+        self.local_aggregation = keep
+        for name, table in self.layout.all_tables().items():
+            if table.on_servers:
+                table.local_aggregation = table.local_aggregation and keep
+                if name in self.sparse_uses and why:
+                    self.decisions[name] = why
+
+    def _replace_table(self, old: Table, new: Table) -> None:
+        self.layout.sparse[old.name] = new
+        self.layout.placements[old.name] = (
+            "allreduce" if new.sync == "allreduce" else "allgatherv", 0, ())
+        for module in self.executed.modules():
+            if getattr(module, "table", None) is old:
+                module.table = new
+
+    # ---- the partition search ----------------------------------------------------------------
+    def _start_search(self) -> None:
+        if self.tuner is None:
+            return
+        self.tuner.groups_on_servers({name for name, table in self.layout.sparse.items()
+                                      if table.on_servers})
+        self.tuner.begin(self.batch_signature)
+        self.build()
+
+    def repartition(self, num_partitions: int, names: Iterable[str] | None = None) -> None:
+        """Split the server-held sparse tables (all, or those in ``names``) into
+        ``num_partitions`` partitions each, keeping values and optimizer state (collective)."""
+        self.sync_mode.require_aligned(
+            "re-partitioning", "not implemented (the servers' threads hold the partitions); "
+                               "set Config.num_partitions before training")
+        wanted = None if names is None else set(names)
+        for name, table in self.layout.sparse.items():
+            if not table.on_servers or (wanted is not None and name not in wanted):
+                continue
+            if table.partitioning.num_partitions == num_partitions:
+                continue
+            repartition(table, num_partitions, self.shard_optimizer)
+            sync, _, servers = self.layout.placements[name]
+            self.layout.placements[name] = (sync, num_partitions, servers)
+        self.build()
+
+    # ---- parallax plan -----------------------------------------------------------------------
+    def _exit_if_plan_only(self) -> None:
+        """Under ``parallax plan``, stop once α is measured and any search is done: the plan
+        is printed and written, then `PlanComplete` (a `SystemExit` with status 0) ends the
+        program."""
+        if self.plan_only is None or (self.tuner is not None and self.tuner.active):
+            return
+        if self.worker.rank == 0:
+            print("\n" + self.plan.table(), flush=True)  # below any progress bar
+            if self.parallelism.grid.model > 1:
+                print(self.parallelism.describe(), flush=True)
+            if self.plan_only:
+                Path(self.plan_only).write_text(self.plan.to_json())
+        dist.barrier(group=self.group)
+        shutdown()
+        raise PlanComplete(self.plan_only or "the plan is printed")

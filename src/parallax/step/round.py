@@ -1,0 +1,136 @@
+"""The step round, explicit: one training step from its first training forward to the moment
+every optimizer has stepped.
+
+    begin (a training forward; a second one accumulates)
+      -> gradients_ready (the sync mode's push, finiteness, `Config` clipping: once, whatever
+         asks first: ``optimizer.step()``, ``clip_grad_norm_``, a loss scaler)
+      -> update / optimizer_done (each optimizer's update, or a loss scaler's skip)
+      -> end (every optimizer done, or the next step's forward comes): the dense sync's end
+         of step, then the step hooks get `StepDone`, what the step did.
+
+`Runner.step` drives a round itself; under `parallax.distribute` the user's loop drives the same
+round through the model, ``optimizer.step()`` and ``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from parallax.engine import handles
+from parallax.engine.dense_sync.strategy import DenseSync
+from parallax.engine.exchange import Traffic
+from parallax.engine.phases import PhaseClock
+from parallax.engine.progress import Explainer, Progress
+from parallax.errors import UnsupportedProgramError
+from parallax.step.gradients import StepGradients
+from parallax.step.hooks import StepDone, StepHook
+from parallax.step.loop_order import Call, LoopOrder
+from parallax.step.sync_modes import SyncMode
+
+__all__ = ["StepRound"]
+
+
+class StepRound:
+    """The rounds of ``optimizers`` (the program's, all of which step once per step), through
+    the run's parts; ``hooks`` run after every step, in order."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], *, rank: int,
+                 sync_mode: SyncMode, dense: DenseSync, gradients: StepGradients,
+                 order: LoopOrder, phases: PhaseClock, progress: Progress | None,
+                 explained: Explainer, traffic: Traffic, hooks: list[StepHook]) -> None:
+        self._all = {id(optimizer) for optimizer in optimizers}
+        self.rank = rank
+        self.sync_mode = sync_mode
+        self.dense = dense
+        self.gradients = gradients
+        self.order = order
+        self.phases = phases
+        self.progress = progress
+        self.explained = explained
+        self.traffic = traffic
+        self.hooks = hooks
+        self.global_step = 0  # since the start of training, across resumes
+        self.steps_here = 0  # in this process (the warm-up counts these)
+        self._stepped: set[int] = set()
+        self.open = False  # between the step's first training forward and its end
+        self._synced = False  # its gradients are pushed and checked
+        self._applies = False  # its update applies (False: Config.nonfinite skipped it)
+        self._began = 0.0
+
+    def begin(self) -> None:
+        """A training forward comes: it opens the step, or joins the open one (gradient
+        accumulation); after some optimizers stepped it belongs to the next step."""
+        if self._stepped:
+            self.end()
+        if not self.open:
+            self.open = True
+            self._began = time.perf_counter()
+            step = self.global_step + 1
+            self.phases.begin(step)
+            if self.progress is not None:
+                with self.phases.phase("progress record"):
+                    self.progress.begin(step)
+            self.sync_mode.begin_step(step)
+        self._synced = False  # its gradients join the step's: push them too
+
+    def gradients_ready(self, loss: Tensor | None = None, *, scaled: bool = False) -> bool:
+        """See `Runner.sync_gradients`."""
+        if not self.open:
+            raise UnsupportedProgramError(
+                f"rank {self.rank}: a gradient update with no forward through the "
+                f"distributed model since the last step (step {self.global_step + 1}); "
+                f"gradients of a parallax model come from its forward: call the model that "
+                f"parallax.distribute returned, then backward, then optimizer.step()")
+        if self._synced:
+            return self._applies
+        if scaled and self.sync_mode.config.clip_grad_norm is not None:
+            raise UnsupportedProgramError(
+                "Config.clip_grad_norm would clip the loss scaler's scaled gradients: clip "
+                "with parallax.clip_grad_norm_ after scaler.unscale_(optimizer) instead")
+        self.gradients.check_none_outside_lookups()
+        with self.explained():
+            self.order.check(Call.UPDATE, self.global_step + 1)
+            self._applies = self.sync_mode.push(self.gradients, loss, scaled=scaled,
+                                                step=self.global_step + 1)
+            self._synced = True
+        return self._applies
+
+    def update(self, optimizers: Sequence[torch.optim.Optimizer], *,
+               loss: Tensor | None = None) -> None:
+        """See `Runner.apply_update`."""
+        if self.gradients_ready(loss):
+            with self.explained():
+                with self.phases.phase("dense update"), handles.internal():
+                    for optimizer in optimizers:
+                        dense_step = getattr(optimizer, "parallax_dense_step", None)
+                        (dense_step or optimizer.step)()
+                self.sync_mode.update(optimizers)
+        self.optimizers_done(optimizers)
+
+    def optimizers_done(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """``optimizers`` stepped (or skipped); the step ends once every optimizer has."""
+        self._stepped.update(id(optimizer) for optimizer in optimizers)
+        if self._stepped >= self._all:
+            self.end()
+
+    def end(self) -> StepDone:
+        """Close the step: the dense sync's end of step, the counters, then the hooks."""
+        with self.explained():
+            self.dense.end_step(self.global_step + 1)
+        if self.progress is not None:
+            with self.phases.phase("progress record"):
+                self.progress.done(self.global_step + 1)
+        self.open = self._synced = False
+        self._stepped.clear()
+        self.traffic.steps += 1
+        self.steps_here += 1
+        self.global_step += 1
+        self.sync_mode.end_step()
+        done = StepDone(self.global_step, self.steps_here, time.perf_counter() - self._began)
+        for hook in self.hooks:
+            hook.after_step(done)
+        return done

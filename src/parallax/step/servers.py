@@ -1,0 +1,40 @@
+"""The hand-over to the parameter servers at start-up: the servers' optimizer over their shards
+(`parallax.engine.shard_optimizer`) takes the state the user's optimizer had for the server-held
+parameters, and the user's copies are released (`parallax.engine.handles`): they would be stale
+full tables in every process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from parallax.cluster import WorkerInfo
+from parallax.engine.handles import release
+from parallax.engine.pool import PartitionPool
+from parallax.engine.shard_optimizer import ShardOptimizer
+from parallax.engine.table import Table
+from parallax.model.meta_init import forget
+
+__all__ = ["hand_over"]
+
+
+def hand_over(tables: dict[str, Table], params: dict[str, nn.Parameter],
+              optimizers: Sequence[torch.optim.Optimizer], pool: PartitionPool, *,
+              worker: WorkerInfo) -> ShardOptimizer:
+    """The servers' optimizer of ``tables`` (by parameter name), run on ``pool``'s threads,
+    with the user's state adopted and the user's server-held parameters released."""
+    for table in tables.values():
+        table.pool = pool
+    shard_optimizer = ShardOptimizer(optimizers, {
+        id(params[name]): table.held for name, table in tables.items()
+        if table.shard is not None}, pool)
+    for name, table in tables.items():
+        if table.on_servers:
+            param = params[name]
+            shard_optimizer.adopt_user_state(table.held, param, optimizers)
+            release(param, name=name, device=worker.device, rank=worker.rank)
+            forget(param)  # a meta_init recipe, replayed by the servers already
+    return shard_optimizer

@@ -1,0 +1,317 @@
+"""`Config.sync` as a strategy: how a step's sparse rows travel and when the servers apply
+them. The runner picks one mode at construction and calls it at fixed points of the step; it
+never asks which mode it holds.
+
+* `Synchronous` (``"sync"``): every worker pushes its gradient rows in one collective exchange
+  per step, all workers agree on finiteness and the clipping norm, and the servers apply the
+  user's optimizer to the summed rows once every worker has pushed. Exactly one device's
+  training with the global batch.
+* `Asynchronous` (``"async"``, ``"async-sparse"``): server threads apply each worker's push as it
+  arrives (`parallax.engine.async_training`); workers run on their own clocks, bounded by
+  `Config.max_staleness`.
+
+The contract is three step methods (``prefetch``, ``push``, ``update``) plus the life-cycle
+calls a mode may ignore (``start``, ``begin_step``, ``end_step``, ``quiet``, ``after_load``).
+``aligned`` says whether the workers are in the same step, which the features that compare or
+combine the workers' steps (loop-order checks, global clipping, the partition search,
+re-partitioning, moving a table to AllReduce) require; ``require_aligned`` refuses them.
+Adding a mode is one class here and an entry in `SYNC_MODES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parallax.cluster import WorkerInfo
+from parallax.config import Config
+from parallax.engine.async_table import AsyncTable
+from parallax.engine.async_training import AsyncTraining
+from parallax.engine.early_push import EarlyPush
+from parallax.engine.exchange import Traffic
+from parallax.engine.grad_norm import clip_by_global_norm
+from parallax.engine.phases import PhaseClock
+from parallax.engine.progress import Progress
+from parallax.engine.server_table import prefetch
+from parallax.engine.shard_optimizer import ShardOptimizer
+from parallax.engine.table import Table, push_all
+from parallax.errors import UnsupportedProgramError
+from parallax.model.detect import SparseUse
+from parallax.planning.architectures import Layout
+from parallax.session import on_shutdown
+from parallax.step.gradients import StepGradients
+from parallax.step.nonfinite import NonFinitePolicy
+
+__all__ = ["SYNC_MODES", "Asynchronous", "SyncMode", "Synchronous", "build_sync_mode"]
+
+
+class SyncMode:
+    """The contract, with the life-cycle calls' defaults (nothing to do)."""
+
+    #: every worker is in the same step (see the module)
+    aligned: ClassVar[bool] = True
+
+    def __init__(self, config: Config, worker: WorkerInfo, phases: PhaseClock,
+                 nonfinite: NonFinitePolicy, layout: Layout, *,
+                 sparse_uses: dict[str, SparseUse], traffic: Traffic) -> None:
+        self.config = config
+        self.worker = worker
+        self.phases = phases
+        self.nonfinite = nonfinite
+        self.layout = layout
+        self.shard_optimizer: ShardOptimizer | None = None  # given by `start`
+
+    # ---- the step ----------------------------------------------------------------------------
+    def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]]) -> None:
+        """Pull, in one exchange, the rows of ``ids`` (per table) the coming forward reads."""
+        raise NotImplementedError
+
+    def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
+             step: int) -> bool:
+        """Send this step's gradient rows to the servers and check them (`Config.nonfinite`,
+        `Config.clip_grad_norm`); whether the step's update applies. ``scaled``: a loss
+        scaler's gradients (the scaler checks them)."""
+        raise NotImplementedError
+
+    def update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """The servers' share of ``optimizers``' update (after the dense update)."""
+        raise NotImplementedError
+
+    # ---- life cycle --------------------------------------------------------------------------
+    def start(self, shard_optimizer: ShardOptimizer, step: int,
+              progress: Progress | None) -> None:
+        """Training begins at ``step`` (after any resume) with the servers' optimizer."""
+        self.shard_optimizer = shard_optimizer
+
+    def begin_step(self, step: int) -> None:
+        """Step ``step``'s first training forward comes."""
+
+    def end_step(self) -> None:
+        """The step's updates are done."""
+
+    def quiet(self, group: dist.ProcessGroup) -> contextlib.AbstractContextManager[None]:
+        """While inside, the servers' shards are a consistent snapshot (collective)."""
+        return contextlib.nullcontext()
+
+    def after_load(self, step: int) -> None:
+        """A checkpoint of ``step`` was restored."""
+
+    def warmup_steps(self, requested: int) -> int:
+        """The warm-up steps this mode can take of the ``requested`` (measuring α is a
+        collective over the workers' steps)."""
+        return requested
+
+    def after_warmup(self, group: dist.ProcessGroup) -> None:
+        """The warm-up steps are done (their tables' use is measured)."""
+
+    def before_backward(self) -> None:
+        """`Runner.step`'s backward comes (its own loop's backward is the user's)."""
+
+    def workers_steps(self, own_steps: int) -> int:
+        """Steps finished by all workers together (``own_steps``: this worker's, since the
+        start of training)."""
+        return own_steps * self.worker.world_size
+
+    def require_aligned(self, what: str, fix: str) -> None:
+        """Refuse ``what`` (with its ``fix``) when the workers' steps are not aligned."""
+
+
+class Synchronous(SyncMode):
+    """``Config.sync="sync"``: see the module."""
+
+    def __init__(self, config: Config, worker: WorkerInfo, phases: PhaseClock,
+                 nonfinite: NonFinitePolicy, layout: Layout, *,
+                 sparse_uses: dict[str, SparseUse], traffic: Traffic) -> None:
+        super().__init__(config, worker, phases, nonfinite, layout, sparse_uses=sparse_uses,
+                         traffic=traffic)
+        # Runner.step's gradient rows leave during its backward (Config.overlap_push)
+        self.early = EarlyPush(worker.rank) if config.overlap_push else None
+
+    def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]]) -> None:
+        prefetch(tables, ids)  # server-held: ShardedTables
+
+    def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
+             step: int) -> bool:
+        with self.phases.phase("push"):
+            if self.early is not None:
+                self.early.flush()  # what Runner.step's backward did not push yet
+            push_all(self.layout.all_tables().values())
+        with self.phases.phase("dense sync"):
+            gradients.reduce_split_layers()
+        with self.phases.phase("clip and check"):
+            if scaled:  # the scaler checks finiteness; which tables have gradients
+                gradients.agree_on_tables()
+                applies = True
+            else:
+                applies = self._finite_or_skip(gradients, loss, step)
+            if applies and self.config.clip_grad_norm is not None:
+                gradients.last_norm = gradients.clip(self.config.clip_grad_norm)
+        return applies
+
+    def _finite_or_skip(self, gradients: StepGradients, loss: Tensor | None,
+                        step: int) -> bool:
+        """All workers decide alike, before anything is updated, whether the step applies."""
+        gradients.tables_squared = None
+        if not self.nonfinite.checks:
+            gradients.agree_on_tables()
+            return True
+        found = gradients.find_nonfinite(loss)
+        if self.nonfinite.applies(
+                found.describe(), step=step, lost="no parameter was updated",
+                skipping="skips such steps",
+                warn="parallax: step %d skipped (NaN or infinite %s)"
+                if self.worker.rank == 0 else None):
+            return True
+        gradients.zero_grad()
+        return False
+
+    def update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        assert self.shard_optimizer is not None, "Synchronous.update before start"
+        with self.phases.phase("server update"):
+            self.shard_optimizer.step(optimizers)
+
+    def before_backward(self) -> None:
+        """`Config.overlap_push`: the server-held rows leave during the backward."""
+        if self.early is not None:
+            self.early.arm([t for t in self.layout.all_tables().values() if t.on_servers])
+
+    def after_warmup(self, group: dist.ProcessGroup) -> None:
+        """The early push learns the tables' backward order."""
+        if self.early is not None:
+            self.early.learn(group)
+
+
+class Asynchronous(SyncMode):
+    """``Config.sync="async"``/``"async-sparse"``: see the module. Replaces the layout's
+    server-held tables by their asynchronous wrappers (collective to build)."""
+
+    aligned = False
+
+    def __init__(self, config: Config, worker: WorkerInfo, phases: PhaseClock,
+                 nonfinite: NonFinitePolicy, layout: Layout, *,
+                 sparse_uses: dict[str, SparseUse], traffic: Traffic) -> None:
+        super().__init__(config, worker, phases, nonfinite, layout, sparse_uses=sparse_uses,
+                         traffic=traffic)
+        _refuse_batch_dependent(sparse_uses, config)
+        self.training = AsyncTraining(
+            {n: t for n, t in layout.all_tables().items() if t.on_servers},
+            worker=worker, max_staleness=config.max_staleness,
+            timeout_s=config.collective_timeout_s, traffic=traffic)
+        for name, table in self.training.tables.items():
+            kind: dict[str, Any] = layout.sparse if name in layout.sparse else layout.pulled_whole
+            kind[name] = table
+
+    def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]]) -> None:
+        AsyncTable.prefetch_together(tables, ids)
+
+    def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
+             step: int) -> bool:
+        """This worker's own checks, then its push (returns once every server applied it).
+        The non-finite check needs no collective: the dense gradient is the same on every
+        worker (AllReduced, or none under "async"), the pushed rows are this worker's own, so
+        a bad push is dropped (or raised) here alone. Returns whether the dense update
+        applies."""
+        if scaled:
+            raise UnsupportedProgramError(
+                f"rank {self.worker.rank}: a loss scaler (parallax.GradScaler) under sync="
+                f"{str(self.config.sync)!r}: its overflow check needs every worker's scaled "
+                f"gradient of the same step; asynchronous servers apply each push on its own")
+        tables = list(self.training.tables.values())
+        with self.phases.phase("clip and check"):
+            dense_ok = self._check_and_clip(gradients, loss, tables, step)
+        with self.phases.phase("push"):
+            AsyncTable.push_together(tables)
+        return dense_ok
+
+    def _check_and_clip(self, gradients: StepGradients, loss: Tensor | None,
+                        tables: list[AsyncTable], step: int) -> bool:
+        """`Config.nonfinite` and `Config.clip_grad_norm` on this worker's own push."""
+        dense_ok = True
+        if self.nonfinite.checks:
+            bad_dense = [n for n, p in gradients.replicated_named()
+                         if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            bad_own = [t.name for t in tables if t.own_nonfinite()]
+            if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
+                bad_own.insert(0, "loss")
+            if not self.nonfinite.applies(
+                    ", ".join(bad_own + bad_dense), step=step, lost="this worker pushed nothing",
+                    skipping="drops such pushes",
+                    warn=f"parallax: rank {self.worker.rank}, step %d: push dropped "
+                         f"(NaN or infinite %s)"):
+                self.training.skip_push = True
+                dense_ok = not bad_dense
+        if self.config.clip_grad_norm is not None and not self.training.skip_push:
+            # this worker's own push (its tables' norms are its own: no collective)
+            own = sum((t.grad_norm_squared() for t in tables),
+                      torch.zeros((), dtype=torch.float64))
+            gradients.last_norm = clip_by_global_norm(
+                self.config.clip_grad_norm, [], tables,
+                tables_squared=own, group=gradients.group, device=gradients.device)
+        return dense_ok
+
+    def update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Nothing: the servers applied each push as it came."""
+
+    def start(self, shard_optimizer: ShardOptimizer, step: int,
+              progress: Progress | None) -> None:
+        super().start(shard_optimizer, step, progress)
+        self.training.start(shard_optimizer, step)
+        # held strongly: another rank's server waits for this one's stop message
+        on_shutdown(functools.partial(AsyncTraining.close, self.training))
+        if progress is not None and self.config.sync == "async":
+            progress.ends_freely = True  # workers finish on their own clocks
+
+    def begin_step(self, step: int) -> None:
+        self.training.before_step(step)  # the staleness bound's wait
+
+    def end_step(self) -> None:
+        self.training.after_step()
+
+    def quiet(self, group: dist.ProcessGroup) -> contextlib.AbstractContextManager[None]:
+        return self.training.quiet(group)
+
+    def after_load(self, step: int) -> None:
+        self.training.gate.start(step)
+
+    def workers_steps(self, own_steps: int) -> int:
+        return self.training.global_steps()
+
+    def warmup_steps(self, requested: int) -> int:
+        """None under "async": measuring α is a collective, and its workers never meet."""
+        return 0 if self.config.sync == "async" else requested
+
+    def require_aligned(self, what: str, fix: str) -> None:
+        raise UnsupportedProgramError(
+            f"rank {self.worker.rank}: {what} under sync={str(self.config.sync)!r}: {fix}")
+
+
+def _refuse_batch_dependent(sparse_uses: dict[str, SparseUse], config: Config) -> None:
+    """Refuse lookups whose result depends on every worker's ids of the same step."""
+    for name, use in sparse_uses.items():
+        if use.batch_dependent is not None:
+            raise UnsupportedProgramError(
+                f"parameter '{name}' is looked up with max_norm or scale_grad_by_freq, "
+                f"whose result depends on every worker's ids of the same step; under "
+                f"sync={str(config.sync)!r} the workers' steps are not aligned. Use "
+                f"sync='sync' for this model, or drop the option.")
+
+
+#: every sync mode, by its `Config.sync` names
+SYNC_MODES: dict[str, type[SyncMode]] = {
+    "sync": Synchronous, "async": Asynchronous, "async-sparse": Asynchronous,
+}
+
+
+def build_sync_mode(config: Config, worker: WorkerInfo, phases: PhaseClock,
+                    nonfinite: NonFinitePolicy, layout: Layout, *,
+                    sparse_uses: dict[str, SparseUse], traffic: Traffic) -> SyncMode:
+    """The mode `Config.sync` names (collective: an asynchronous mode connects its servers).
+    Build it before anything reads the layout's tables: it may replace them."""
+    return SYNC_MODES[str(config.sync)](config, worker, phases, nonfinite, layout,
+                                        sparse_uses=sparse_uses, traffic=traffic)
