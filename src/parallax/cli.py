@@ -27,7 +27,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeAlias
 
 from parallax.cluster import (
     PLAN_ONLY_ENV,
@@ -50,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="parallax", description="Hybrid data-parallel training for PyTorch."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_run, _add_plan, _add_export, _add_verify, _add_manifest):
+        add(commands)
+    return parser
+
+
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _add_run(commands: Commands) -> None:
     run = commands.add_parser(
         "run",
         help="launch a script on every worker of a cluster",
@@ -73,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         "file system)",
     )
     _add_cluster_arguments(run)
+
+
+def _add_plan(commands: Commands) -> None:
     plan = commands.add_parser(
         "plan",
         help="measure sparsity (and search partition counts), print the plan, stop",
@@ -85,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--warmup-steps", type=int, default=5, metavar="K",
                       help="training steps that measure alpha (default 5)")
     _add_cluster_arguments(plan)
+
+
+def _add_export(commands: Commands) -> None:
     export = commands.add_parser(
         "export",
         help="write a sharded checkpoint's model as one plain state_dict file",
@@ -94,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="step directory or root")
     export.add_argument("out", metavar="OUT", help="the .pt file to write")
+
+
+def _add_verify(commands: Commands) -> None:
     verify = commands.add_parser(
         "verify",
         help="prove that distributed training of SCRIPT equals its one-process run",
@@ -123,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("script", help="the training script")
     verify.add_argument("script_args", nargs=argparse.REMAINDER,
                         help="arguments for the script")
+
+
+def _add_manifest(commands: Commands) -> None:
     manifest = commands.add_parser(
         "manifest",
         help="print a Kubernetes PyTorchJob that runs a script on several pods",
@@ -141,7 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a variable for the workers (repeatable)")
     manifest.add_argument("script", help="the training script, as the image holds it")
     manifest.add_argument("script_args", nargs=argparse.REMAINDER)
-    return parser
 
 
 def _add_cluster_arguments(command: argparse.ArgumentParser) -> None:

@@ -334,6 +334,13 @@ class Config:
             _require(ok, "clip_grad_norm", value, "None or a finite number > 0")
         _require(is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", self.seed,
                  "an int in [-2**63, 2**64) (what torch.manual_seed takes)")
+        self._check_planning()
+        self._check_checkpoints()
+        self._check_reporting()
+        self._check_failures()
+
+    def _check_planning(self) -> None:
+        """The warm-up, α threshold, partition and server-thread options."""
         steps = self.sparsity_warmup_steps
         _require(is_int(steps) and steps >= 0, "sparsity_warmup_steps", steps, "an int >= 0")
         if self.alpha_threshold is not None:
@@ -355,6 +362,9 @@ class Config:
         if self.partition_cache is not None:
             _require(isinstance(self.partition_cache, str) and self.partition_cache != "",
                      "partition_cache", self.partition_cache, "None or a file path")
+
+    def _check_checkpoints(self) -> None:
+        """Where checkpoints go, how often, how many are kept, and resuming."""
         if isinstance(self.checkpoint_dir, os.PathLike):
             object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         if self.checkpoint_dir is not None:
@@ -375,6 +385,9 @@ class Config:
         _require(is_int(self.checkpoint_keep) and self.checkpoint_keep >= 1,
                  "checkpoint_keep", self.checkpoint_keep, "an int >= 1")
         _require(isinstance(self.resume, bool), "resume", self.resume, "a bool")
+
+    def _check_reporting(self) -> None:
+        """TensorBoard's folder and its cadence."""
         if isinstance(self.log_dir, os.PathLike):
             object.__setattr__(self, "log_dir", os.fspath(self.log_dir))
         if self.log_dir is not None:
@@ -387,6 +400,9 @@ class Config:
                     "'parallax-torch[metrics]')")
         every = self.log_every_steps
         _require(is_int(every) and every >= 1, "log_every_steps", every, "an int >= 1")
+
+    def _check_failures(self) -> None:
+        """What a NaN step does, and how long a collective may wait."""
         _require(self.nonfinite in NONFINITE, "nonfinite", self.nonfinite,
                  f"one of {NONFINITE}")
         timeout = self.collective_timeout_s

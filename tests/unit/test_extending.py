@@ -78,3 +78,52 @@ def test_the_readme_dense_sync_example_runs_in_the_registry(single_process,
     assert calls and calls[0] == sum(p.numel() for p in runner.module.parameters()
                                      if p.requires_grad)
     assert not torch.equal(runner.model.head.weight, before.head.weight)
+
+
+def _readme_class(marker: str, namespace: dict) -> dict:
+    """The README's example class holding ``marker``, run without its registry line."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if marker in b]
+    code = "\n".join(line for line in block.splitlines() if "_SYNCS[" not in line
+                     and "SYNC_MODES[" not in line)
+    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def test_the_readme_sync_mode_drives_every_step(single_process, monkeypatch) -> None:
+    """The README's TimedSync, registered under "sync", is the mode the runner builds: its
+    push runs once per step, and training is still the synchronous one (the weights move)."""
+    import time
+
+    from parallax.config import SyncName
+    from parallax.step import sync_modes
+    namespace = _readme_class("class TimedSync", {"Synchronous": sync_modes.Synchronous,
+                                                  "time": time})
+    monkeypatch.setitem(sync_modes.SYNC_MODES, SyncName.SYNC, namespace["TimedSync"])
+    torch.manual_seed(0)
+    before = EmbeddingRegressor()
+    runner = _train(parallax.Config(sparsity_warmup_steps=0, partition_cache=None), steps=3)
+    assert isinstance(runner.sync_mode, namespace["TimedSync"])
+    assert len(runner.sync_mode.push_seconds) == 3
+    assert not torch.equal(runner.state_dict()["embedding.weight"], before.embedding.weight)
+
+
+def test_the_readme_dense_sync_kind_runs_at_the_end_of_steps(single_process,
+                                                             monkeypatch) -> None:
+    """The README's LocalSGD, registered under "flat", is the kind the runner builds: no DDP
+    wraps the module, and its end_step runs after every step (averaging every fourth)."""
+    from parallax.engine.dense_sync import strategy
+    namespace = _readme_class("class LocalSGD", {"DenseSync": strategy.DenseSync, "dist": dist,
+                                                 "torch": torch})
+    rounds = []
+
+    class Counted(namespace["LocalSGD"]):
+        def end_step(self, step):
+            rounds.append(step)
+            super().end_step(step)
+
+    monkeypatch.setitem(strategy.DENSE_SYNCS, DenseSyncName.FLAT, Counted)
+    runner = _train(parallax.Config(dense_sync="flat", sparsity_warmup_steps=0,
+                                    partition_cache=None), steps=5)
+    assert isinstance(runner.dense, Counted) and runner.module is runner.dense.executed
+    assert rounds == [1, 2, 3, 4, 5]

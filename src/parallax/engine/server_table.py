@@ -163,6 +163,20 @@ class ShardedTable:
         self.parts: list[nn.Parameter] = []
         self.blocks: list[tuple[int, int]] = []
         self.pool: PartitionPool = SERIAL
+        self._init_step_state()
+        # Rank 0's initial values are the model's, whatever the other ranks' seeds were; each
+        # server receives its own rows only (no process but rank 0 ever holds the whole).
+        # ``initial_rows`` (global ids -> their values; a parallax.meta_init recipe): each
+        # server makes its own rows, and no process ever holds the whole.
+        if initial_rows is None:
+            rows = self.scatter_from_rank0(weight.detach())
+        elif worker.is_server:
+            rows = initial_rows(self.own_ids()).to(self.device)
+        if worker.is_server:
+            self.set_shard(nn.Parameter(rows))
+
+    def _init_step_state(self) -> None:
+        """What a step's pulls, pushes and updates keep between their calls."""
         self.rows_used: list[int] = []          # per training step, this worker's rows
         self.machine_rows_used: list[int] = []  # per step at a leader: its machine's rows
         self._pending: list[_Pull] = []  # this step's pulls that hold rows of this table
@@ -187,16 +201,6 @@ class ShardedTable:
         # Set by the servers' optimizer where row updates are deferred (SGD with momentum or
         # weight decay): called with shard rows (None: all) before they are read or written.
         self.before_read: Callable[[Tensor | None], None] | None = None
-        # Rank 0's initial values are the model's, whatever the other ranks' seeds were; each
-        # server receives its own rows only (no process but rank 0 ever holds the whole).
-        # ``initial_rows`` (global ids -> their values; a parallax.meta_init recipe): each
-        # server makes its own rows, and no process ever holds the whole.
-        if initial_rows is None:
-            rows = self.scatter_from_rank0(weight.detach())
-        elif worker.is_server:
-            rows = initial_rows(self.own_ids()).to(self.device)
-        if worker.is_server:
-            self.set_shard(nn.Parameter(rows))
 
     def scatter_from_rank0(self, weight: Tensor) -> Tensor:
         """This rank's shard rows of rank 0's ``weight`` (the parameter's values, or per-row

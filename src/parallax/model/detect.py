@@ -228,8 +228,29 @@ def rewrite_gathers(
         return model
 
     gm = fx.symbolic_trace(model)
-    graph = gm.graph
     by_id = {id(p): name for name, p in gather_params.items()}
+    _refuse_module_reads(model, gm.graph, by_id)
+    added: dict[str, str] = {}  # submodule name -> parameter name
+    for attr in list(gm.graph.nodes):
+        if attr.op != "get_attr":
+            continue
+        value = _resolve(model, str(attr.target))
+        name = by_id.get(id(value)) if isinstance(value, nn.Parameter) else None
+        if name is None:
+            continue
+        sub_name = _gather_module(gm, name, make_gather, added)
+        for user in list(attr.users):
+            _redirect(gm.graph, user, attr, name, gather_params[name], sub_name)
+        gm.graph.erase_node(attr)
+        _drop_attribute(gm, model, str(attr.target))
+
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _refuse_module_reads(model: nn.Module, graph: fx.Graph, by_id: dict[int, str]) -> None:
+    """A gather parameter read inside a called module is not only row-gathered."""
     for node in graph.nodes:
         if node.op != "call_module":
             continue
@@ -240,56 +261,51 @@ def rewrite_gathers(
                     "only by row gathers; re-run find_sparse_parameters on this model"
                 )
 
-    added: dict[str, str] = {}  # submodule name -> parameter name
-    for attr in list(graph.nodes):
-        if attr.op != "get_attr":
-            continue
-        value = _resolve(model, str(attr.target))
-        name = by_id.get(id(value)) if isinstance(value, nn.Parameter) else None
-        if name is None:
-            continue
-        param = gather_params[name]
-        sub_name = f"_parallax_gather_{name.replace('.', '_')}"
-        if sub_name not in added:
-            if hasattr(gm, sub_name):
-                raise UnsupportedProgramError(
-                    f"cannot add submodule {sub_name!r} for {name!r}: name taken")
-            gm.add_submodule(sub_name, make_gather(name))
-            added[sub_name] = name
-        elif added[sub_name] != name:
-            raise UnsupportedProgramError(
-                f"parameters {added[sub_name]!r} and {name!r} both map to {sub_name!r}"
-            )
-        for user in list(attr.users):
-            value = _metadata_value(user, attr, param)
-            if value is not _NO_VALUE:
-                for reader in list(user.users):
-                    reader.args = fx.node.map_arg(reader.args, lambda n, u=user, v=value:
-                                                  v if n is u else n)
-                    reader.kwargs = fx.node.map_arg(reader.kwargs, lambda n, u=user, v=value:
-                                                    v if n is u else n)
-                graph.erase_node(user)
-                continue
-            gather = _match_gather(user, attr, param.dim())
-            if gather is None:
-                raise UnsupportedProgramError(
-                    f"parameter {name!r} is used by {user.format_node()}, which is not a row "
-                    "gather; re-run find_sparse_parameters on this model"
-                )
-            kwargs: dict[str, Any] = {}
-            if gather.padding_idx is not None:
-                kwargs["padding_idx"] = _normalise_padding_idx(gather.padding_idx, param)
-            with graph.inserting_before(user):
-                call = graph.call_module(sub_name, (gather.ids,), kwargs)
-            call.meta = dict(user.meta)
-            user.replace_all_uses_with(call)
-            graph.erase_node(user)
-        graph.erase_node(attr)
-        _drop_attribute(gm, model, str(attr.target))
 
-    graph.lint()
-    gm.recompile()
-    return gm
+def _gather_module(gm: fx.GraphModule, name: str, make_gather: Callable[[str], nn.Module],
+                   added: dict[str, str]) -> str:
+    """The submodule's name that serves ``name``'s gathers, added on first use."""
+    sub_name = f"_parallax_gather_{name.replace('.', '_')}"
+    if sub_name not in added:
+        if hasattr(gm, sub_name):
+            raise UnsupportedProgramError(
+                f"cannot add submodule {sub_name!r} for {name!r}: name taken")
+        gm.add_submodule(sub_name, make_gather(name))
+        added[sub_name] = name
+    elif added[sub_name] != name:
+        raise UnsupportedProgramError(
+            f"parameters {added[sub_name]!r} and {name!r} both map to {sub_name!r}"
+        )
+    return sub_name
+
+
+def _redirect(graph: fx.Graph, user: fx.Node, attr: fx.Node, name: str, param: nn.Parameter,
+              sub_name: str) -> None:
+    """Replace ``user`` of the parameter ``attr``: a metadata read by its value, a row gather
+    by a call of ``sub_name``; anything else is refused."""
+    value = _metadata_value(user, attr, param)
+    if value is not _NO_VALUE:
+        for reader in list(user.users):
+            reader.args = fx.node.map_arg(reader.args, lambda n, u=user, v=value:
+                                          v if n is u else n)
+            reader.kwargs = fx.node.map_arg(reader.kwargs, lambda n, u=user, v=value:
+                                            v if n is u else n)
+        graph.erase_node(user)
+        return
+    gather = _match_gather(user, attr, param.dim())
+    if gather is None:
+        raise UnsupportedProgramError(
+            f"parameter {name!r} is used by {user.format_node()}, which is not a row "
+            "gather; re-run find_sparse_parameters on this model"
+        )
+    kwargs: dict[str, Any] = {}
+    if gather.padding_idx is not None:
+        kwargs["padding_idx"] = _normalise_padding_idx(gather.padding_idx, param)
+    with graph.inserting_before(user):
+        call = graph.call_module(sub_name, (gather.ids,), kwargs)
+    call.meta = dict(user.meta)
+    user.replace_all_uses_with(call)
+    graph.erase_node(user)
 
 
 # --------------------------------------------------------------------------------------------

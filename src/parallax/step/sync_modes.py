@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallax.cluster import WorkerInfo
-from parallax.config import Config
+from parallax.config import Config, SyncName
 from parallax.engine.async_table import AsyncTable
 from parallax.engine.async_training import AsyncTraining
 from parallax.engine.early_push import EarlyPush
@@ -303,8 +303,9 @@ def _refuse_batch_dependent(sparse_uses: dict[str, SparseUse], config: Config) -
 
 
 #: every sync mode, by its `Config.sync` names
-SYNC_MODES: dict[str, type[SyncMode]] = {
-    "sync": Synchronous, "async": Asynchronous, "async-sparse": Asynchronous,
+SYNC_MODES: dict[SyncName, type[SyncMode]] = {
+    SyncName.SYNC: Synchronous, SyncName.ASYNC: Asynchronous,
+    SyncName.ASYNC_SPARSE: Asynchronous,
 }
 
 
@@ -313,5 +314,5 @@ def build_sync_mode(config: Config, worker: WorkerInfo, phases: PhaseClock,
                     sparse_uses: dict[str, SparseUse], traffic: Traffic) -> SyncMode:
     """The mode `Config.sync` names (collective: an asynchronous mode connects its servers).
     Build it before anything reads the layout's tables: it may replace them."""
-    return SYNC_MODES[str(config.sync)](config, worker, phases, nonfinite, layout,
+    return SYNC_MODES[SyncName(config.sync)](config, worker, phases, nonfinite, layout,
                                         sparse_uses=sparse_uses, traffic=traffic)

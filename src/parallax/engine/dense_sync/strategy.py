@@ -51,6 +51,7 @@ class DenseSync:
                  traffic: Traffic, phases: PhaseClock) -> None:
         self.executed = executed
         self.phases = phases
+        self.group = group
         self.module: nn.Module = executed
         self.config = config
         self.rank = worker.rank
