@@ -1,4 +1,4 @@
-"""Cost of the per-step phase timing (parallax.engine.phases), which is always on.
+"""Cost of the per-step phase timing (parallax.engine.diagnostics.phases), which is always on.
 
     python benchmarks/phase_overhead.py [--ranges 200000] [--steps 40] [--rounds 5]
 

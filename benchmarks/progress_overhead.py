@@ -1,6 +1,6 @@
-"""Cost of the per-step progress records (parallax.engine.progress): the store operations one
-training step adds (a check for ended ranks, and the forward / backward / done writes), timed
-against a TCPStore served by another process, as the launcher's agent serves it.
+"""Cost of the per-step progress records (parallax.engine.diagnostics.progress): the store
+operations one training step adds (a check for ended ranks, and the forward / backward / done
+writes), timed against a TCPStore served by another process, as the launcher's agent serves it.
 
     python benchmarks/progress_overhead.py [--steps 5000]
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare  # noqa: E402
 
-from parallax.engine.progress import Progress
+from parallax.engine.diagnostics.progress import Progress
 from parallax.launch.elastic import free_port
 
 

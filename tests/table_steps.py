@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallax.engine.table import Table
+from parallax.engine.tables.table import Table
 
 
 def lookup_step(table: Table, lookups: list[tuple[Tensor, Tensor]]) -> list[Tensor]:

@@ -10,7 +10,7 @@ import torch
 
 from parallax.cluster import current_worker, parse_resources
 from parallax.config import Config
-from parallax.engine.shard_optimizer import (
+from parallax.engine.optimizers.shard_optimizer import (
     as_optimizer_list,
     check_in_model,
     check_lazy,

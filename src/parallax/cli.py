@@ -295,13 +295,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     env = {}
     timeline = getattr(args, "timeline", None)  # only ``run`` has the flag
     if timeline:
-        from parallax.engine.phases import TIMELINE_ENV
+        from parallax.engine.diagnostics.phases import TIMELINE_ENV
 
         timeline = os.path.abspath(timeline)
         env[TIMELINE_ENV] = timeline
     status = _launch(parser, args, spec, env, max_restarts)
     if timeline:
-        from parallax.engine.phases import merge_timelines
+        from parallax.engine.diagnostics.phases import merge_timelines
 
         merged = merge_timelines(timeline)
         said = f"written to {merged}" if merged else "empty: no step ran"

@@ -52,7 +52,7 @@ class ParallelismName(StrEnum):
 
 class SyncName(StrEnum):
     """When updates apply (`Config.sync`); the asynchronous ones are
-    `parallax.engine.async_training`."""
+    `parallax.engine.asynchronous.async_training`."""
 
     SYNC = "sync"
     ASYNC = "async"
@@ -221,7 +221,7 @@ class Config:
             ``sparse=True`` embeddings; needs SGD, Adagrad or SparseAdam for those parameters.
         overlap_push: in `Runner.step`, send each pull's gradient rows to the servers as soon
             as the backward has produced them (an async exchange that overlaps the rest of
-            the backward and DDP's AllReduce; `parallax.engine.early_push`), with the same
+            the backward and DDP's AllReduce; `parallax.engine.tables.early_push`), with the same
             results. False: push after the backward. A loop of your own
             (`parallax.distribute`) always pushes after the backward, in ``optimizer.step()``:
             it may call backward more than once per step.

@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parallax.api import build_runner
 from parallax.config import Config
-from parallax.engine import handles
-from parallax.engine.shard_optimizer import as_optimizer_list, parameter_ids
+from parallax.engine.optimizers.shard_optimizer import as_optimizer_list, parameter_ids
+from parallax.engine.tables import handles
 from parallax.errors import UnsupportedProgramError, UsageError
 from parallax.model.wrapper import ModuleWrapper
 from parallax.runner import Runner

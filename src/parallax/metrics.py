@@ -8,8 +8,8 @@ language model whose targets are tokens, samples for one label per sample),
 ``bytes/<parameter>`` and ``bytes/total`` (what rank 0 sent and received per step,
 `Runner.stats`), ``bytes/predicted_per_machine`` (the plan's Table 3 prediction for the
 architecture), ``alpha/<parameter>`` and ``partitions/<parameter>`` (the plan, once α is
-measured), ``phases/<phase>`` (seconds per step, `parallax.engine.phases`). TensorBoard is an
-optional dependency (``pip install tensorboard``); without it `Config.log_dir` is refused.
+measured), ``phases/<phase>`` (seconds per step, `parallax.engine.diagnostics.phases`). TensorBoard
+is an optional dependency (``pip install tensorboard``); without it `Config.log_dir` is refused.
 """
 
 from __future__ import annotations

@@ -24,14 +24,14 @@ from parallax.checkpoint.single_device import SingleDeviceView
 from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
 from parallax.config import Config
 from parallax.engine.dense_sync.strategy import DenseSync, build_dense_sync
-from parallax.engine.exchange import Traffic
-from parallax.engine.phases import TIMELINE_ENV, PhaseClock
-from parallax.engine.pool import default_threads, shared_pool
-from parallax.engine.progress import Explainer, Progress
-from parallax.engine.shard_optimizer import (
+from parallax.engine.diagnostics.phases import TIMELINE_ENV, PhaseClock
+from parallax.engine.diagnostics.progress import Explainer, Progress
+from parallax.engine.optimizers.shard_optimizer import (
     check_lazy,
     check_per_shard,
 )
+from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.pool import default_threads, shared_pool
 from parallax.errors import ArgumentTypeError
 from parallax.model.detect import SparseUse, find_sparse_parameters
 from parallax.model.exactness import check_exact
@@ -63,7 +63,7 @@ class Runner:
     The runner executes a structural copy of the user's ``model`` that shares its dense
     parameters and buffers, so the dense parameters the user holds are the ones being trained.
     A parameter the servers hold is released in the user's model (a storage-less handle on the
-    ``meta`` device, `parallax.engine.handles`): `state_dict` brings its values back.
+    ``meta`` device, `parallax.engine.tables.handles`): `state_dict` brings its values back.
     """
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -426,8 +426,8 @@ class Runner:
         """Bytes this worker sent and received per training step through the parameter-server
         and AllGatherv exchanges, per parameter, split into intra- and inter-machine traffic;
         and under ``"step phases"`` the seconds per step of each phase of the step on this
-        rank (`parallax.engine.phases.PHASES`, self times: they add up to ``"step"`` with
-        ``"other"``, what no phase covers). Averaged over the steps since the start or the
+        rank (`parallax.engine.diagnostics.phases.PHASES`, self times: they add up to ``"step"``
+        with ``"other"``, what no phase covers). Averaged over the steps since the start or the
         last ``reset_stats``."""
         return self.reporting.stats()
 

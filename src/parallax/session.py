@@ -2,8 +2,8 @@
 
 The PS exchange gets its own group (apart from DDP's bucketed AllReduce); `shutdown` destroys
 it before the default group (the order measured free of gloo aborts at exit), records that this
-rank's training ended (`parallax.engine.progress`), and restores the environment a one-worker
-run changed.
+rank's training ended (`parallax.engine.diagnostics.progress`), and restores the environment a
+one-worker run changed.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from torch import nn
 
 from parallax.cluster import EnvironmentPatch, WorkerInfo, current_worker
 from parallax.config import Config
-from parallax.engine import hierarchy, progress
-from parallax.engine.pool import close_shared_pools
+from parallax.engine.diagnostics import progress
+from parallax.engine.tables import hierarchy
+from parallax.engine.tables.pool import close_shared_pools
 from parallax.errors import UnsupportedProgramError
 from parallax.launch.elastic import free_port
 from parallax.parallelism.grid import forget_meshes

@@ -21,8 +21,8 @@ from torch import nn
 import parallax
 from parallax.cluster import ResourceError
 from parallax.config import ConfigError
-from parallax.engine.server_table import SparseIdError
-from parallax.engine.shard_optimizer import OptimizerError
+from parallax.engine.optimizers.shard_optimizer import OptimizerError
+from parallax.engine.tables.server_table import SparseIdError
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTY = ROOT / "tests" / "scripts" / "faulty_worker.py"
@@ -223,7 +223,7 @@ def test_negative_id_is_named_and_nothing_is_updated() -> None:
 def test_every_public_error_is_exported_under_one_base() -> None:
     from parallax import errors
     from parallax.checkpoint.files import CheckpointError
-    from parallax.engine.exchange import SparseIdError as RaisedByTheHop
+    from parallax.engine.tables.exchange import SparseIdError as RaisedByTheHop
 
     for name in errors.__all__:
         cls = getattr(parallax, name)

@@ -16,7 +16,7 @@ from torch import nn
 
 import parallax
 from parallax import runner as runner_module
-from parallax.engine.pool import PartitionPool
+from parallax.engine.tables.pool import PartitionPool
 from parallax.partitions.cache import cache_key, load_entry, store_entry
 from parallax.partitions.groups import group_of
 

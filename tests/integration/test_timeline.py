@@ -1,6 +1,6 @@
-"""Where a step's time goes (`parallax.engine.phases`): ``parallax run --timeline FILE`` on
-2 machines x 2 workers writes one Chrome trace (trace-event format) with every phase of every
-rank's steps, and the phases cover the steps they belong to; ``runner.stats()`` holds the
+"""Where a step's time goes (`parallax.engine.diagnostics.phases`): ``parallax run --timeline
+FILE`` on 2 machines x 2 workers writes one Chrome trace (trace-event format) with every phase of
+every rank's steps, and the phases cover the steps they belong to; ``runner.stats()`` holds the
 same phases' self times, which add up to the step."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from parallax.engine.phases import PHASES
+from parallax.engine.diagnostics.phases import PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD, STEPS = 4, 4

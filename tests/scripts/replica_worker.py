@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from equivalence_cases import Case, MaxNormed, global_batches, loss_fn, worker_slice  # noqa: E402
 
 import parallax  # noqa: E402
-from parallax.engine.replicated import ReplicatedTable  # noqa: E402
+from parallax.engine.tables.replicated import ReplicatedTable  # noqa: E402
 from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 

@@ -11,7 +11,7 @@ from equivalence_cases import Mixed, TiedLM
 from torch.utils.data import DataLoader, TensorDataset
 
 import parallax
-from parallax.engine.shard_optimizer import as_optimizer_list
+from parallax.engine.optimizers.shard_optimizer import as_optimizer_list
 from parallax.model.detect import find_sparse_parameters
 from parallax.planning.plan import Plan
 
@@ -87,7 +87,7 @@ def test_config_round_trips_through_a_dict() -> None:
 
 
 def test_lookup_ids_are_integers_deduplicated_and_range_checked() -> None:
-    from parallax.engine.exchange import unique_ids
+    from parallax.engine.tables.exchange import unique_ids
 
     unique, inverse, bad = unique_ids(torch.tensor([[3, 1], [3, 7]]), 10, "emb", 0)
     assert unique.tolist() == [1, 3, 7] and torch.equal(unique[inverse],

@@ -1,4 +1,4 @@
-"""One hop of the sparse exchange (`parallax.engine.exchange`): ids made unique, the bytes
+"""One hop of the sparse exchange (`parallax.engine.tables.exchange`): ids made unique, the bytes
 counted per peer, the count message and its error flag, payloads of several tables in one
 message. Collectives run in a world of one; the per-peer accounting is pure arithmetic."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallax.engine.exchange import COUNT_MESSAGE_BYTES, Hop, Traffic, unique_ids
+from parallax.engine.tables.exchange import COUNT_MESSAGE_BYTES, Hop, Traffic, unique_ids
 from parallax.errors import SparseIdError
 
 # ---- unique_ids -------------------------------------------------------------------------------

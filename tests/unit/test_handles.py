@@ -1,4 +1,4 @@
-"""`parallax.engine.handles`: a server-held parameter's user copy released in place."""
+"""`parallax.engine.tables.handles`: a server-held parameter's user copy released in place."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import weakref
 import torch
 from torch import nn
 
-from parallax.engine.handles import is_released, release, restore
+from parallax.engine.tables.handles import is_released, release, restore
 
 
 def test_release_keeps_the_object_and_its_attributes_but_no_storage() -> None:

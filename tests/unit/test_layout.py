@@ -18,7 +18,7 @@ SRC = ROOT / "src"
 LAYERS = [
     # nothing of ours, or only each other
     ["parallax.errors", "parallax.checks", "parallax.collective", "parallax.cluster",
-     "parallax.config", "parallax.checkpoint.files", "parallax.loader",
+     "parallax.config", "parallax.loader",
      "parallax.verify.record"],
     ["parallax.engine"],
     ["parallax.launch"],
@@ -95,6 +95,52 @@ def test_no_import_cycles() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def folder_of(module: str) -> str:
+    """A module's folder (``parallax.engine.tables``), or the module itself when it is one
+    file of the top level or a layer of its own in `LAYERS` (``parallax.verify.record``)."""
+    if any(module == prefix for layer in LAYERS for prefix in layer):
+        return module
+    parts = module.split(".")
+    for depth in range(len(parts), 1, -1):  # a package's own module is its folder
+        if (SRC.joinpath(*parts[:depth])).is_dir():
+            return ".".join(parts[:depth])
+    return module
+
+
+def test_no_folder_loop() -> None:
+    """The folders read top-down too: no folder imports one that imports it back (checkpoint
+    -> planning -> partitions -> checkpoint was one)."""
+    graph: dict[str, set[str]] = {}
+    for module, deps in imports().items():
+        for dep in deps:
+            if folder_of(module) != folder_of(dep):
+                graph.setdefault(folder_of(module), set()).add(folder_of(dep))
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
 def test_each_layer_imports_only_layers_below() -> None:

@@ -12,7 +12,7 @@ from models import EmbeddingRegressor
 from torch import nn
 
 import parallax
-from parallax.engine.phases import PHASES
+from parallax.engine.diagnostics.phases import PHASES
 from parallax.errors import ConfigError
 
 

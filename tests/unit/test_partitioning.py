@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parallax.engine.server_table import RowPartitioning
+from parallax.engine.tables.server_table import RowPartitioning
 
 
 @given(num_rows=st.integers(0, 300), num_partitions=st.integers(1, 12),

@@ -8,7 +8,12 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from parallax.engine.progress import CULPRIT, Progress, StalledRankError, UnevenInputsError
+from parallax.engine.diagnostics.progress import (
+    CULPRIT,
+    Progress,
+    StalledRankError,
+    UnevenInputsError,
+)
 
 
 @pytest.fixture

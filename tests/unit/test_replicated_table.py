@@ -1,4 +1,4 @@
-"""Replicated sparse parameters (`parallax.engine.replicated.ReplicatedTable`) in a world of
+"""Replicated sparse parameters (`parallax.engine.tables.replicated.ReplicatedTable`) in a world of
 one: lookups read the local replica, and after `push_gradients` the replica's gradient must be
 the single-device gradient of the same lookups, in both sync modes (AllGatherv of (ids, rows)
 and AllReduce of the dense gradient)."""
@@ -13,9 +13,9 @@ from table_steps import lookup_step, reference_grad
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.exchange import Traffic
-from parallax.engine.lookup_options import BatchDependent
-from parallax.engine.replicated import ReplicatedTable
+from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.lookup_options import BatchDependent
+from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.errors import SparseIdError, UnsupportedProgramError
 
 MODES = [("allgatherv", False), ("allgatherv", True), ("allreduce", False)]

@@ -1,4 +1,4 @@
-"""Server-held parameters (`parallax.engine.server_table`): where rows live
+"""Server-held parameters (`parallax.engine.tables.server_table`): where rows live
 (`RowPartitioning`), and a `ShardedTable`'s pull, push and gradient in a world of one, where
 rank 0 is the only server and its shard holds every row: whatever the partitioning, the
 aggregated gradient must be the single-device gradient of the same lookups, row for row."""
@@ -13,9 +13,9 @@ from table_steps import lookup_step, reference_grad
 from torch import Tensor
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.exchange import Traffic
-from parallax.engine.lookup_options import BatchDependent
-from parallax.engine.server_table import RowPartitioning, ShardedTable, prefetch
+from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.lookup_options import BatchDependent
+from parallax.engine.tables.server_table import RowPartitioning, ShardedTable, prefetch
 from parallax.errors import SparseIdError, UnsupportedProgramError
 
 # ---- RowPartitioning (no group) ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The user's optimizer applied per shard (`parallax.engine.shard_optimizer`): a server's
+"""The user's optimizer applied per shard (`parallax.engine.optimizers.shard_optimizer`): a server's
 update of its partitions must equal the user's optimizer stepping the whole parameter on one
 device with the same gradient, and the optimizers that cannot do that are refused by name.
 
@@ -17,10 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine import deferred_sgd
-from parallax.engine.exchange import Traffic
-from parallax.engine.server_table import ShardedTable
-from parallax.engine.shard_optimizer import (
+from parallax.engine.optimizers import deferred_sgd
+from parallax.engine.optimizers.shard_optimizer import (
     ShardOptimizer,
     as_optimizer_list,
     check_lazy,
@@ -29,6 +27,8 @@ from parallax.engine.shard_optimizer import (
     optimizer_of,
     zero_gradient_is_identity,
 )
+from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.server_table import ShardedTable
 from parallax.errors import OptimizerError
 
 Factory = Callable[[list[dict]], torch.optim.Optimizer]

@@ -33,7 +33,7 @@ from parallax.checkpoint.files import (
     save_object,
 )
 from parallax.checkpoint.streamed import StreamedFile
-from parallax.engine.table import Table
+from parallax.engine.tables.table import Table
 
 __all__ = [
     "CHECKPOINT_FORMAT",

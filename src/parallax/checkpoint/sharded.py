@@ -44,18 +44,18 @@ from parallax.checkpoint.files import (
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
 from parallax.config import Config
-from parallax.engine.handles import is_released, release, restore
-from parallax.engine.server_table import ShardedTable
-from parallax.engine.shard_optimizer import (
+from parallax.engine.optimizers.shard_optimizer import (
     ShardOptimizer,
     is_per_row,
     local_load_state_dict,
     local_state_dict,
     optimizer_of,
 )
-from parallax.engine.table import Table
+from parallax.engine.tables.handles import is_released, release, restore
+from parallax.engine.tables.layout import Layout
+from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.table import Table
 from parallax.parallelism import Parallelism
-from parallax.planning.architectures import Layout
 
 
 class Run(Protocol):
@@ -163,12 +163,12 @@ def _meta(runner: Run, files: dict[str, FileRecord], has_extra: bool) -> dict[st
 
     tables = {}
     for name, table in runner.layout.all_tables().items():
-        placement = runner.layout.placements.get(name, ("allreduce", 0, ()))
+        placement = runner.layout.placement(name)
         tables[name] = {
             "files": sorted(p for p in files if p.startswith(f"tables/{name}/")),
             "num_rows": table.num_rows, "row_shape": list(table.row_shape),
-            "dtype": _dtype_name(table.dtype), "sync": placement[0],
-            "partitions": placement[1]}
+            "dtype": _dtype_name(table.dtype), "sync": placement.sync,
+            "partitions": placement.partitions}
     return {
         "format": FORMAT, "step": runner.global_step,
         "parameters": {n: {"shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
@@ -353,7 +353,7 @@ def _piece_from_model(runner: Run, table: Table, values: Tensor) -> dict[str, An
     """A parameter the checkpoint holds with the dense state (replicated there, server-held
     here, e.g. a dense parameter resumed under ``ps``): its saved ``values`` and the state
     already loaded into the user's optimizer, as one piece. (The model's own copy of a
-    server-held parameter holds no values: parallax.engine.handles.)"""
+    server-held parameter holds no values: parallax.engine.tables.handles.)"""
     param = dict(runner.model.named_parameters())[table.name]
     owner = optimizer_of(runner.optimizers, param)
     rows, scalars = _split_state(dict(owner.state.get(param, {})) if owner else {}, param)

@@ -19,14 +19,14 @@ from torch import Tensor, nn
 from parallax.checkpoint.export import export_running
 from parallax.cluster import WorkerInfo
 from parallax.collective import first_difference
-from parallax.engine import handles
-from parallax.engine.shard_optimizer import (
+from parallax.engine.optimizers.shard_optimizer import (
     ShardOptimizer,
     is_per_row,
     local_load_state_dict,
     local_state_dict,
 )
-from parallax.engine.table import Table
+from parallax.engine.tables import handles
+from parallax.engine.tables.table import Table
 from parallax.errors import UnsupportedProgramError, UsageError
 from parallax.parallelism import Parallelism
 

@@ -1,4 +1,6 @@
-"""The machinery of one step, below every other layer: the all_to_all hop and its byte
-counting, server-held and replicated tables, dense AllReduce (DDP, hierarchical), the
-optimizer applied per shard, and each rank's progress record.
+"""The machinery of one step, below every other layer, by concern: `tables` (sparse rows, the
+exchanges that move them, the handles in the user's model), `dense_sync` (replicated dense
+parameters: DDP's comm hooks or servers), `optimizers` (the update of server-held rows, the
+global norm), `asynchronous` (server threads for asynchronous training) and `diagnostics`
+(phase times, every rank's progress).
 """

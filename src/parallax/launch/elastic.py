@@ -45,7 +45,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from parallax.checks import is_int
 from parallax.cluster import RESOURCES_ENV, EnvironmentPatch, ResourceSpec
-from parallax.engine.progress import CULPRIT
+from parallax.engine.diagnostics.progress import CULPRIT
 from parallax.errors import ArgumentError
 from parallax.launch.executors import omp_threads
 

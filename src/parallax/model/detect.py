@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallax.checks import is_int
-from parallax.engine.lookup_options import BatchDependent
+from parallax.engine.tables.lookup_options import BatchDependent
 from parallax.errors import InternalError, UnsupportedProgramError
 
 __all__ = ["BatchDependent", "SparseUse", "batch_dependent_reads", "find_sparse_parameters",

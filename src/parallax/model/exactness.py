@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from parallax.config import Config
-from parallax.engine.lookup_options import check_batch_dependent
+from parallax.engine.tables.lookup_options import check_batch_dependent
 from parallax.errors import UnsupportedProgramError
 from parallax.model.detect import SparseUse, batch_dependent_reads
 

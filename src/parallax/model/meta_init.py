@@ -40,8 +40,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallax.engine.handles import restore
-from parallax.engine.shard_optimizer import rebuild_constructor_state
+from parallax.engine.optimizers.shard_optimizer import rebuild_constructor_state
+from parallax.engine.tables.handles import restore
 from parallax.errors import ArgumentError, UnsupportedProgramError
 
 __all__ = ["Recipe", "meta_init", "recipe_of"]

@@ -1,6 +1,6 @@
 """Stand-ins for the layers that read a sparse parameter: they read rows from its table.
 
-Each holds a table (`parallax.engine.table.Table`; a plain attribute, not a parameter or
+Each holds a table (`parallax.engine.tables.table.Table`; a plain attribute, not a parameter or
 buffer: DDP must never see it) and computes exactly what the original layer computes, on the
 looked-up unique rows. `executed_copy` builds the module tree a run executes: the user's,
 sharing every tensor, with the stand-ins in place of the sparse reads.
@@ -15,7 +15,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parallax.engine.table import Table
+from parallax.engine.tables.table import Table
 from parallax.errors import ArgumentTypeError
 from parallax.model.detect import SparseUse, rewrite_gathers
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
 from parallax.config import Config, ParallelismName
-from parallax.engine.exchange import Traffic
+from parallax.engine.tables.exchange import Traffic
 from parallax.errors import ConfigError
 from parallax.parallelism.cost import choose_grid, explain, measure_link, predict_grids
 from parallax.parallelism.data_parallel import DataParallel

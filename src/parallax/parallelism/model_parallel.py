@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.checks import is_dtensor
-from parallax.engine.exchange import Traffic
-from parallax.engine.handles import release
+from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.handles import release
 from parallax.errors import UnsupportedProgramError
 from parallax.parallelism.comm_count import CollectiveCounter
 from parallax.parallelism.grid import Mesh
@@ -48,7 +48,7 @@ DATA_TRAFFIC = "dense gradients (data group)"
 
 class ShardedGradNorm:
     """A split parameter's part of the global gradient norm, in the shape of a server table
-    (`parallax.engine.grad_norm` sums ``grad_norm_squared`` over all ranks): its local
+    (`parallax.engine.optimizers.grad_norm` sums ``grad_norm_squared`` over all ranks): its local
     shard's squared norm divided by the number of ranks holding that same shard (every data
     replica, and every rank of the model group where it is replicated, as a row split's
     bias is), and a ``scale_grad`` of the local shard."""

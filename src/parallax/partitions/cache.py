@@ -13,10 +13,9 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
-
-from parallax.checkpoint.files import write_atomic
 
 __all__ = ["cache_key", "load_entry", "store_entry"]
 
@@ -57,4 +56,19 @@ def store_entry(path: str | os.PathLike, key: str, entry: dict[str, Any]) -> Non
     target = Path(path).expanduser()
     entries = _read(target)
     entries[key] = entry
-    write_atomic(target, json.dumps(entries, indent=1, sort_keys=True).encode())
+    _replace(target, json.dumps(entries, indent=1, sort_keys=True))
+
+
+def _replace(path: Path, text: str) -> None:
+    """``path`` holds the old text or the new, never half of it: a temporary file beside it is
+    renamed over it. (Not fsynced, unlike checkpoints: a cache lost to a power cut is only
+    searched again.)"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from parallax.collective import agree
-from parallax.engine.server_table import RowPartitioning, ShardedTable
-from parallax.engine.shard_optimizer import ShardOptimizer, is_per_row
+from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, is_per_row
+from parallax.engine.tables.server_table import RowPartitioning, ShardedTable
 from parallax.errors import ArgumentError
 
 __all__ = ["repartition"]

@@ -25,7 +25,7 @@ from torch import nn
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
 from parallax.config import Config
-from parallax.engine.table import Table
+from parallax.engine.tables.table import Table
 from parallax.partitions.cache import cache_key, load_entry, store_entry
 from parallax.partitions.groups import group_of
 from parallax.partitions.search import Sample, SearchResult, sampling, second_half_mean

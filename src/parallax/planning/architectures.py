@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch.distributed as dist
@@ -27,10 +27,11 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.config import ArchitectureName, Config
-from parallax.engine.exchange import Traffic
-from parallax.engine.replicated import ReplicatedTable
-from parallax.engine.server_table import ShardedTable
-from parallax.engine.table import Table
+from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.layout import Layout, Placement
+from parallax.engine.tables.replicated import ReplicatedTable
+from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.table import Table
 from parallax.model.detect import SparseUse
 from parallax.model.meta_init import recipe_of
 from parallax.planning import cost
@@ -38,26 +39,6 @@ from parallax.planning.sparsity import Sparsity
 
 __all__ = ["ARCHITECTURES", "MIN_AGGREGATION_SAVING", "Architecture", "Layout", "ParameterCost",
            "architecture_of", "build_layout", "server_held"]
-
-
-@dataclass
-class Layout:
-    """The tables of one run: those read by sparse lookups (``sparse``) and, when the
-    architecture puts dense parameters on the servers, those pulled whole every step
-    (``pulled_whole``); plus each parameter's (sync, partitions, servers) when it is not
-    replicated and AllReduced."""
-
-    sparse: dict[str, Table] = field(default_factory=dict)
-    pulled_whole: dict[str, ShardedTable] = field(default_factory=dict)
-    placements: dict[str, tuple[str, int, tuple[int, ...]]] = field(default_factory=dict)
-
-    @property
-    def uses_ddp(self) -> bool:
-        """Whether the dense parameters stay replicated (AllReduced by DDP)."""
-        return not self.pulled_whole
-
-    def all_tables(self) -> dict[str, Table]:
-        return {**self.sparse, **self.pulled_whole}
 
 
 @dataclass(frozen=True)
@@ -260,14 +241,14 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 name, params[name], worker=worker, group=group, traffic=traffic,
                 sparse_grad=sparse_grad, average=config.average_sparse,
                 batch_dependent=use.batch_dependent)
-            layout.placements[name] = ("allgatherv", 0, ())
+            layout.placements[name] = Placement("allgatherv", 0, ())
         else:
             layout.sparse[name] = ShardedTable(
                 name, params[name], num_partitions=num_partitions, worker=worker, group=group,
                 traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
                 local_aggregation=aggregates, batch_dependent=use.batch_dependent,
                 initial_rows=_initial_rows(params[name]))
-            layout.placements[name] = ("ps", num_partitions, servers)
+            layout.placements[name] = Placement("ps", num_partitions, servers)
     if architecture.dense_on_servers:
         dense = {n: p for n, p in params.items() if p.requires_grad and n not in sparse_uses}
         for name, server in greedy_placement(dense, layout.sparse, len(servers)).items():
@@ -277,7 +258,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 worker=worker, group=group, traffic=traffic, sparse_grad=False,
                 average=config.average_dense, local_aggregation=aggregates,
                 first_server=server, initial_rows=_initial_rows(params[name]))
-            layout.placements[name] = ("ps", 1, (servers[server],))
+            layout.placements[name] = Placement("ps", 1, (servers[server],))
     return layout
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax.engine.exchange import COUNT_MESSAGE_BYTES
+from parallax.engine.tables.exchange import COUNT_MESSAGE_BYTES
 
 ID_BYTES = 8
 
@@ -46,7 +46,8 @@ def count_messages(shape: Shape, exchanges: int) -> float:
 
 
 def allreduce_dense(w: float, shape: Shape) -> float:
-    """`parallax.engine.hierarchy.all_reduce`: reduced inside machines, a ring among machines."""
+    """`parallax.engine.tables.hierarchy.all_reduce`: reduced inside machines, a ring among
+    machines."""
     n = shape.machines
     return 4 * w * (n - 1) / n
 

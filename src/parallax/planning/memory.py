@@ -21,14 +21,14 @@ import torch
 from torch import Tensor, nn
 
 from parallax.checks import is_dtensor
-from parallax.engine.shard_optimizer import (
+from parallax.engine.optimizers.shard_optimizer import (
     _constructor_arguments,
     _hyper_parameters,
     is_per_row,
     optimizer_class,
     optimizer_of,
 )
-from parallax.engine.table import Table
+from parallax.engine.tables.table import Table
 
 __all__ = ["MemoryEstimate", "predict_memory", "state_tensors_per_parameter"]
 

@@ -15,13 +15,12 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from parallax.engine.tables.layout import REPLICATED, Placement
 from parallax.model.detect import SparseUse
 from parallax.partitions.tuner import SearchRecord
 from parallax.planning import cost
 from parallax.planning.architectures import ARCHITECTURES, ParameterCost
 from parallax.planning.sparsity import Sparsity
-
-Placement = tuple[str, int, tuple[int, ...]]  # (sync, partitions, server ranks)
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ class Plan:
             reason = "dense" if use is None else _sparse_reason(use)
             if reasons and name in reasons:
                 reason += f"; {reasons[name]}"
-            sync, partitions, servers = placements.get(name, ("allreduce", 0, ()))
+            sync, partitions, servers = placements.get(name, REPLICATED)
             measured = sparsity.get(name)
             entries.append(ParameterPlan(
                 name=name, shape=tuple(param.shape),

@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
-from parallax.engine.handles import restore
-from parallax.engine.replicated import ReplicatedTable
-from parallax.engine.server_table import ShardedTable
-from parallax.engine.shard_optimizer import ShardOptimizer, is_per_row, optimizer_of
-from parallax.engine.table import Table
+from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, is_per_row, optimizer_of
+from parallax.engine.tables.handles import restore
+from parallax.engine.tables.replicated import ReplicatedTable
+from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.table import Table
 
 
 @dataclass(frozen=True)

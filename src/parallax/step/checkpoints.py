@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from parallax.checkpoint import sharded
 from parallax.collective import agree
-from parallax.engine.phases import PhaseClock
+from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.errors import ArgumentError
 from parallax.step.hooks import StepDone
 

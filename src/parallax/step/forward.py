@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallax.engine.phases import PhaseClock
-from parallax.engine.server_table import ShardedTable
+from parallax.engine.diagnostics.phases import PhaseClock
+from parallax.engine.tables.layout import Layout
+from parallax.engine.tables.server_table import ShardedTable
 from parallax.model.lookahead import build_id_program
-from parallax.planning.architectures import Layout
 from parallax.step.sync_modes import SyncMode
 
 __all__ = ["Forward", "evaluating", "mean_loss", "numel", "shapes", "to_device"]

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.grad_norm import NonFinite, clip_by_global_norm, find_nonfinite
-from parallax.engine.server_table import ShardedTable
-from parallax.engine.shard_optimizer import parameter_ids
-from parallax.engine.table import Table
+from parallax.engine.optimizers.grad_norm import NonFinite, clip_by_global_norm, find_nonfinite
+from parallax.engine.optimizers.shard_optimizer import parameter_ids
+from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.table import Table
 from parallax.errors import UnsupportedProgramError
 from parallax.parallelism import Parallelism
 

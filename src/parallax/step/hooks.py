@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
-from parallax.engine.exchange import Traffic
-from parallax.engine.phases import PHASES, STATS_KEY, PhaseClock
+from parallax.engine.diagnostics.phases import PHASES, STATS_KEY, PhaseClock
+from parallax.engine.tables.exchange import Traffic
 from parallax.metrics import MetricsLog, Window
 from parallax.planning.plan import Plan
 from parallax.session import on_shutdown

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.progress import Explainer
+from parallax.engine.diagnostics.progress import Explainer
 from parallax.errors import UnevenInputsError, UnsupportedProgramError
 
 __all__ = ["COLLECTIVE_EXPORT", "Call", "LoopOrder"]

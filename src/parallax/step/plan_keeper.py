@@ -19,14 +19,15 @@ from torch import nn
 
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
-from parallax.engine.shard_optimizer import ShardOptimizer
-from parallax.engine.table import Table
+from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
+from parallax.engine.tables.layout import Layout
+from parallax.engine.tables.table import Table
 from parallax.errors import PlanComplete
 from parallax.model.detect import SparseUse
 from parallax.parallelism import Parallelism
 from parallax.partitions.repartition import repartition
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
-from parallax.planning.architectures import Architecture, Layout
+from parallax.planning.architectures import Architecture
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
 from parallax.session import shutdown
@@ -152,9 +153,7 @@ class PlanKeeper:
                     self.decisions[name] = why
 
     def _replace_table(self, old: Table, new: Table) -> None:
-        self.layout.sparse[old.name] = new
-        self.layout.placements[old.name] = (
-            "allreduce" if new.sync == "allreduce" else "allgatherv", 0, ())
+        self.layout.replace(new)
         for module in self.executed.modules():
             if getattr(module, "table", None) is old:
                 module.table = new
@@ -181,8 +180,7 @@ class PlanKeeper:
             if table.partitioning.num_partitions == num_partitions:
                 continue
             repartition(table, num_partitions, self.shard_optimizer)
-            sync, _, servers = self.layout.placements[name]
-            self.layout.placements[name] = (sync, num_partitions, servers)
+            self.layout.repartitioned(name, num_partitions)
         self.build()
 
     # ---- parallax plan -----------------------------------------------------------------------

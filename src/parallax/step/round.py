@@ -20,11 +20,11 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from parallax.engine import handles
 from parallax.engine.dense_sync.strategy import DenseSync
-from parallax.engine.exchange import Traffic
-from parallax.engine.phases import PhaseClock
-from parallax.engine.progress import Explainer, Progress
+from parallax.engine.diagnostics.phases import PhaseClock
+from parallax.engine.diagnostics.progress import Explainer, Progress
+from parallax.engine.tables import handles
+from parallax.engine.tables.exchange import Traffic
 from parallax.errors import UnsupportedProgramError
 from parallax.step.gradients import StepGradients
 from parallax.step.hooks import StepDone, StepHook

@@ -1,7 +1,7 @@
 """The hand-over to the parameter servers at start-up: the servers' optimizer over their shards
-(`parallax.engine.shard_optimizer`) takes the state the user's optimizer had for the server-held
-parameters, and the user's copies are released (`parallax.engine.handles`): they would be stale
-full tables in every process.
+(`parallax.engine.optimizers.shard_optimizer`) takes the state the user's optimizer had for the
+server-held parameters, and the user's copies are released (`parallax.engine.tables.handles`): they
+would be stale full tables in every process.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.handles import release
-from parallax.engine.pool import PartitionPool
-from parallax.engine.shard_optimizer import ShardOptimizer
-from parallax.engine.table import Table
+from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
+from parallax.engine.tables.handles import release
+from parallax.engine.tables.pool import PartitionPool
+from parallax.engine.tables.table import Table
 from parallax.model.meta_init import forget
 
 __all__ = ["hand_over"]

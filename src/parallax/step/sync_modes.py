@@ -7,8 +7,8 @@ never asks which mode it holds.
   user's optimizer to the summed rows once every worker has pushed. Exactly one device's
   training with the global batch.
 * `Asynchronous` (``"async"``, ``"async-sparse"``): server threads apply each worker's push as it
-  arrives (`parallax.engine.async_training`); workers run on their own clocks, bounded by
-  `Config.max_staleness`.
+  arrives (`parallax.engine.asynchronous.async_training`); workers run on their own clocks, bounded
+  by `Config.max_staleness`.
 
 The contract is three step methods (``prefetch``, ``push``, ``update``) plus the life-cycle
 calls a mode may ignore (``start``, ``begin_step``, ``end_step``, ``quiet``, ``after_load``).
@@ -31,19 +31,19 @@ from torch import Tensor
 
 from parallax.cluster import WorkerInfo
 from parallax.config import Config, SyncName
-from parallax.engine.async_table import AsyncTable
-from parallax.engine.async_training import AsyncTraining
-from parallax.engine.early_push import EarlyPush
-from parallax.engine.exchange import Traffic
-from parallax.engine.grad_norm import clip_by_global_norm
-from parallax.engine.phases import PhaseClock
-from parallax.engine.progress import Progress
-from parallax.engine.server_table import prefetch
-from parallax.engine.shard_optimizer import ShardOptimizer
-from parallax.engine.table import Table, push_all
+from parallax.engine.asynchronous.async_table import AsyncTable
+from parallax.engine.asynchronous.async_training import AsyncTraining
+from parallax.engine.diagnostics.phases import PhaseClock
+from parallax.engine.diagnostics.progress import Progress
+from parallax.engine.optimizers.grad_norm import clip_by_global_norm
+from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
+from parallax.engine.tables.early_push import EarlyPush
+from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.layout import Layout
+from parallax.engine.tables.server_table import prefetch
+from parallax.engine.tables.table import Table, push_all
 from parallax.errors import UnsupportedProgramError
 from parallax.model.detect import SparseUse
-from parallax.planning.architectures import Layout
 from parallax.session import on_shutdown
 from parallax.step.gradients import StepGradients
 from parallax.step.nonfinite import NonFinitePolicy

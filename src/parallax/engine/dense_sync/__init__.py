@@ -31,7 +31,7 @@ from parallax.engine.dense_sync.hierarchical import hierarchical_allreduce
 from parallax.engine.dense_sync.qsgd import qsgd_allgather
 from parallax.engine.dense_sync.qsgd_codec import QSGDCodec
 from parallax.engine.dense_sync.state import DenseSyncState
-from parallax.engine.exchange import Traffic
+from parallax.engine.tables.exchange import Traffic
 
 CommHook = Callable[[DenseSyncState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 

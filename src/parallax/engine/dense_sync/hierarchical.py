@@ -1,5 +1,5 @@
 """``hierarchical`` (default): each bucket reduced inside the machine, AllReduced among the
-machines' leaders, broadcast back (`parallax.engine.hierarchy`): Table 3's ``4 w (N-1) / N``
+machines' leaders, broadcast back (`parallax.engine.tables.hierarchy`): Table 3's ``4 w (N-1) / N``
 bytes on each machine's link, which the plan predicts.
 """
 
@@ -10,8 +10,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallax.engine import hierarchy, phases
 from parallax.engine.dense_sync.state import DenseSyncState
+from parallax.engine.diagnostics import phases
+from parallax.engine.tables import hierarchy
 
 
 def hierarchical_allreduce(state: DenseSyncState, bucket: dist.GradBucket,

@@ -15,8 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallax.engine import phases
 from parallax.engine.dense_sync.state import DenseSyncState
+from parallax.engine.diagnostics import phases
 
 #: the name its bytes are counted under in `Runner.stats` (the codes mix the bucket's parameters)
 TRAFFIC_NAME = "dense (qsgd)"

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from parallax.config import SlimDP
 from parallax.engine.dense_sync import slim_selection as sel
 from parallax.engine.dense_sync.qsgd_codec import QSGDCodec
-from parallax.engine.exchange import Traffic
+from parallax.engine.tables.exchange import Traffic
 from parallax.errors import UnsupportedProgramError
 
 #: names its bytes are counted under in `Runner.stats`

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from parallax.engine.dense_sync.qsgd_codec import QSGDCodec
-from parallax.engine.exchange import Traffic
+from parallax.engine.tables.exchange import Traffic
 
 
 @dataclass

@@ -30,8 +30,8 @@ from parallax.cluster import WorkerInfo
 from parallax.config import Config, DenseSyncName
 from parallax.engine.dense_sync import codec_of, wrap_dense
 from parallax.engine.dense_sync.server_sync import ServerSync, build_server_sync
-from parallax.engine.exchange import Traffic
-from parallax.engine.phases import PhaseClock
+from parallax.engine.diagnostics.phases import PhaseClock
+from parallax.engine.tables.exchange import Traffic
 from parallax.errors import UnsupportedProgramError
 
 __all__ = ["DENSE_SYNCS", "DenseSync", "HookSync", "ServerDenseSync", "build_dense_sync"]

@@ -1,10 +1,10 @@
 """`AsyncTraining`: what a runner holds under `Config.sync` ``"async"`` / ``"async-sparse"``.
 
 It wraps the layout's server-held tables in `AsyncTable`s, runs this process's server thread
-(`parallax.engine.async_server`), moves pulls and pushes by point-to-point messages, and keeps
-the staleness bound (`StalenessGate`). Per step on a worker: `before_step` (wait while more
-than ``max_staleness`` steps ahead of the slowest worker) -> pulls in the forward -> backward ->
-`push` (every server acknowledges once the push is applied) -> `after_step` (this worker's
+(`parallax.engine.asynchronous.async_server`), moves pulls and pushes by point-to-point messages,
+and keeps the staleness bound (`StalenessGate`). Per step on a worker: `before_step` (wait while
+more than ``max_staleness`` steps ahead of the slowest worker) -> pulls in the forward -> backward
+-> `push` (every server acknowledges once the push is applied) -> `after_step` (this worker's
 clock). Checkpoints, export and whole-table reads run `quiet`: a barrier after which every
 push is applied and no request is in flight, so the shards form one consistent snapshot.
 """
@@ -25,8 +25,7 @@ from torch import Tensor
 from torch.distributed import distributed_c10d
 
 from parallax.cluster import WorkerInfo
-from parallax.engine import phases
-from parallax.engine.async_server import (
+from parallax.engine.asynchronous.async_server import (
     _GRADS,
     _HEADER,
     _IDS,
@@ -40,9 +39,10 @@ from parallax.engine.async_server import (
     ServerState,
     ServerThread,
 )
-from parallax.engine.async_table import AsyncTable
-from parallax.engine.exchange import Traffic
-from parallax.engine.server_table import ShardedTable
+from parallax.engine.asynchronous.async_table import AsyncTable
+from parallax.engine.diagnostics import phases
+from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.server_table import ShardedTable
 
 __all__ = ["AsyncTraining", "StalenessGate"]
 

@@ -31,6 +31,7 @@ import sysconfig
 import threading
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ _LIKE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_l
                    "randn_like", "randint_like"})
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PARALLAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PARALLAX_DIR = str(Path(__file__).resolve().parents[2]) + os.sep  # src/parallax/
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _state = threading.local()
 

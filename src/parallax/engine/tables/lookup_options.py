@@ -1,7 +1,7 @@
 """Lookup options whose effect depends on the whole batch, as the tables must apply them.
 
 Detected in the model (`parallax.model.detect`), applied by the tables over the global batch
-(`parallax.engine.server_table`, `parallax.engine.replicated`).
+(`parallax.engine.tables.server_table`, `parallax.engine.tables.replicated`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ class BatchDependent:
     ``max_norm`` (with ``norm_type``) renormalises, in place and before the lookup, every row
     the batch looks up; ``scale_grad_by_freq`` divides each row's gradient by its count in the
     batch. Distributed, "the batch" is the *global* batch: the servers (or every replica) see
-    every worker's ids, so they apply both exactly (see `parallax.engine.server_table`,
-    `parallax.engine.replicated`).
+    every worker's ids, so they apply both exactly (see `parallax.engine.tables.server_table`,
+    `parallax.engine.tables.replicated`).
     """
 
     max_norm: float | None = None

@@ -100,8 +100,8 @@ class Traffic:
 
     def record_hierarchical_allreduce(self, name: str, payload_bytes: int, *, leader: int,
                                       num_machines: int) -> None:
-        """A `parallax.engine.hierarchy.all_reduce`: inside the machine, each worker sends its
-        payload to the leader and gets the sum back (counted as direct transfers); across
+        """A `parallax.engine.tables.hierarchy.all_reduce`: inside the machine, each worker sends
+        its payload to the leader and gets the sum back (counted as direct transfers); across
         machines, the leaders' ring sends ``2 (N-1)/N`` of the payload to the next leader."""
         world = len(self.machine_of_rank)
         sent, received = [0] * world, [0] * world

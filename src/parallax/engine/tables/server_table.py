@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine import lookup_options, phases
-from parallax.engine.exchange import Hop, SparseIdError, Traffic, unique_ids
-from parallax.engine.pool import SERIAL, PartitionPool
+from parallax.engine.diagnostics import phases
+from parallax.engine.tables import lookup_options
+from parallax.engine.tables.exchange import Hop, SparseIdError, Traffic, unique_ids
+from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.errors import ArgumentError, InternalError
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
@@ -116,7 +117,7 @@ class _Prefetched:
 
 class ShardedTable:
     """One parameter held by the servers; a collective object (every rank calls it).
-    Implements `parallax.engine.table.Table`."""
+    Implements `parallax.engine.tables.table.Table`."""
 
     sync = "ps"
     on_servers = True

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallax.engine.server_table import ShardedTable
+from parallax.engine.tables.server_table import ShardedTable
 from parallax.errors import AsyncServerError
 
 __all__ = ["PULL", "PUSH", "SKIP", "AsyncChannel", "AsyncServerError", "ServerState",

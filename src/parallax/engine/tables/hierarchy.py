@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.exchange import Traffic
+from parallax.engine.tables.exchange import Traffic
 
 __all__ = ["account", "all_reduce", "join", "leave"]
 

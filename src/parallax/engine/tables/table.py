@@ -1,11 +1,11 @@
 """The table contract: what the runner, the stand-in layers and checkpoints need of whatever
 holds a sparse parameter (or, under ps/optps, a dense one pulled whole).
 
-Two kinds implement it: `parallax.engine.server_table.ShardedTable` (rows partitioned over the
-parameter servers, pulled and pushed every step) and `parallax.engine.replicated.ReplicatedTable`
-(a replica on every worker, gradient rows exchanged by AllGatherv or AllReduced). Callers ask a
-table what it is (``on_servers``, ``shard``, ``replica``) instead of testing its class, so a third
-kind is one new file.
+Two kinds implement it: `parallax.engine.tables.server_table.ShardedTable` (rows partitioned over
+the parameter servers, pulled and pushed every step) and
+`parallax.engine.tables.replicated.ReplicatedTable` (a replica on every worker, gradient rows
+exchanged by AllGatherv or AllReduced). Callers ask a table what it is (``on_servers``, ``shard``,
+``replica``) instead of testing its class, so a third kind is one new file.
 
 A step drives a table through fixed phases: ``lookup`` (in the forward) → ``push_gradients``
 (after the backward; `push_all` lets a kind batch all its tables into one exchange) →

@@ -1,9 +1,9 @@
 """Server-held parameters under asynchronous training: the worker's side.
 
-`AsyncTable` implements the `parallax.engine.table.Table` contract for a parameter whose rows
-the asynchronous servers hold (`parallax.engine.async_server`): a lookup pulls the rows from
-their owners by point-to-point messages (no collective: no other worker takes part), and the
-push after the backward sends this worker's gradient rows to every server and waits for
+`AsyncTable` implements the `parallax.engine.tables.table.Table` contract for a parameter whose rows
+the asynchronous servers hold (`parallax.engine.asynchronous.async_server`): a lookup pulls the
+rows from their owners by point-to-point messages (no collective: no other worker takes part), and
+the push after the backward sends this worker's gradient rows to every server and waits for
 their acknowledgements. Everything else — the shard, checkpoints, export, optimizer state —
 is the wrapped `ShardedTable`'s, read while the servers are quiet (`AsyncTraining.quiet`).
 """
@@ -16,15 +16,15 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from parallax.engine.exchange import unique_ids
-from parallax.engine.server_table import ShardedTable, rows_pulled_ahead
+from parallax.engine.tables.exchange import unique_ids
+from parallax.engine.tables.server_table import ShardedTable, rows_pulled_ahead
 from parallax.errors import SparseIdError
 
 __all__ = ["AsyncExchange", "AsyncTable"]
 
 
 class AsyncExchange(Protocol):
-    """What a table needs of the run's messages (`parallax.engine.async_training`)."""
+    """What a table needs of the run's messages (`parallax.engine.asynchronous.async_training`)."""
 
     rank: int
 

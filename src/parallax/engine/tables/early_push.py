@@ -31,8 +31,8 @@ from functools import partial
 import torch.distributed as dist
 from torch import Tensor
 
-from parallax.engine import phases
-from parallax.engine.server_table import (
+from parallax.engine.diagnostics import phases
+from parallax.engine.tables.server_table import (
     ShardedTable,
     _Pull,
     can_push_early,

@@ -20,9 +20,9 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
-from parallax.engine import deferred_sgd
-from parallax.engine.deferred_sgd import DeferredRows, sgd_rows, zero_gradient_map
-from parallax.engine.pool import SERIAL, PartitionPool
+from parallax.engine.optimizers import deferred_sgd
+from parallax.engine.optimizers.deferred_sgd import DeferredRows, sgd_rows, zero_gradient_map
+from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.errors import (
     ArgumentTypeError,
     InternalError,
@@ -45,7 +45,7 @@ PER_SHARD_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 
 class ServerTable(Protocol):
     """What the servers' optimizer needs of a table
-    (`parallax.engine.server_table.ShardedTable`)."""
+    (`parallax.engine.tables.server_table.ShardedTable`)."""
 
     name: str
     shard: nn.Parameter | None
@@ -214,8 +214,8 @@ class ShardOptimizer:
         unchanged by the dense update too, so the result is the dense-gradient program's.
 
         Under SGD with momentum or weight decay (`deferrable_sgd`) the touched rows take the
-        step and the others' steps are deferred (`parallax.engine.deferred_sgd`) until they
-        are read (`catch_up`)."""
+        step and the others' steps are deferred (`parallax.engine.optimizers.deferred_sgd`) until
+        they are read (`catch_up`)."""
         wanted = None if optimizers is None else {id(o) for o in optimizers}
         slots = [slot for slot in self._slots if wanted is None or id(slot[1]) in wanted]
         for server_opt, user_opt, indices in slots:
@@ -424,8 +424,8 @@ def zero_gradient_is_identity(optimizer: torch.optim.Optimizer, group: dict) -> 
 
 def deferrable_sgd(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     """Whether the steps of rows with a zero gradient can be deferred and applied later in
-    closed form (`parallax.engine.deferred_sgd`): torch's own SGD (not a subclass, not fused
-    or differentiable) with momentum or weight decay; without either a zero gradient changes
+    closed form (`parallax.engine.optimizers.deferred_sgd`): torch's own SGD (not a subclass, not
+    fused or differentiable) with momentum or weight decay; without either a zero gradient changes
     nothing (`zero_gradient_is_identity`)."""
     return (optimizer_class(optimizer) is torch.optim.SGD and not group.get("fused")
             and not group.get("differentiable")

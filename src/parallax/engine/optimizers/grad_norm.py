@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallax.engine.table import Table
+from parallax.engine.tables.table import Table
 
 __all__ = ["NonFinite", "clip_by_global_norm", "find_nonfinite"]
 

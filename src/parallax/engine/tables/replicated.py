@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine import hierarchy, lookup_options
-from parallax.engine.exchange import Hop, Traffic, unique_ids
+from parallax.engine.tables import hierarchy, lookup_options
+from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 
 
 class ReplicatedTable:
@@ -31,7 +31,7 @@ class ReplicatedTable:
     ``sync="allgatherv"`` exchanges the (ids, rows) of every worker (the ``allreduce``
     architecture's sparse path); ``sync="allreduce"`` AllReduces the whole dense gradient (where
     the hybrid sends a sparse parameter whose measured α makes that cheaper than a PS).
-    Implements `parallax.engine.table.Table`.
+    Implements `parallax.engine.tables.table.Table`.
     """
 
     on_servers = False

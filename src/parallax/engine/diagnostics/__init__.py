@@ -1,0 +1,4 @@
+"""What a run observes of itself: each step's phase times and timeline (`phases`), and every
+rank's progress in the job's store, which names the rank a failed collective waited for
+(`progress`).
+"""

@@ -1,0 +1,62 @@
+"""`Layout`: the tables of one run and where each parameter lives. The architecture builds it
+(`parallax.planning.architectures.build_layout`); the plan's keeper changes it through its
+methods when the warm-up moves a table to AllReduce or the partition search re-partitions one;
+checkpoints and the plan read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.table import Table
+
+__all__ = ["REPLICATED", "Layout", "Placement"]
+
+
+class Placement(NamedTuple):
+    """Where a parameter lives: ``sync`` (``"ps"``, ``"allgatherv"``, ``"allreduce"``), its
+    partition count (0: not partitioned) and the server ranks holding it."""
+
+    sync: str
+    partitions: int
+    servers: tuple[int, ...]
+
+
+#: a parameter replicated and AllReduced (what a parameter without a placement is)
+REPLICATED = Placement("allreduce", 0, ())
+
+
+@dataclass
+class Layout:
+    """The tables of one run: those read by sparse lookups (``sparse``) and, when the
+    architecture puts dense parameters on the servers, those pulled whole every step
+    (``pulled_whole``); plus each parameter's `Placement` when it is not replicated and
+    AllReduced."""
+
+    sparse: dict[str, Table] = field(default_factory=dict)
+    pulled_whole: dict[str, ShardedTable] = field(default_factory=dict)
+    placements: dict[str, Placement] = field(default_factory=dict)
+
+    @property
+    def uses_ddp(self) -> bool:
+        """Whether the dense parameters stay replicated (AllReduced by DDP)."""
+        return not self.pulled_whole
+
+    def all_tables(self) -> dict[str, Table]:
+        return {**self.sparse, **self.pulled_whole}
+
+    def placement(self, name: str) -> Placement:
+        """Where parameter ``name`` lives (`REPLICATED` when no table holds it)."""
+        return self.placements.get(name, REPLICATED)
+
+    def replace(self, new: Table) -> None:
+        """``new`` holds its sparse parameter from now on (moved off the servers)."""
+        self.sparse[new.name] = new
+        self.placements[new.name] = Placement(
+            "allreduce" if new.sync == "allreduce" else "allgatherv", 0, ())
+
+    def repartitioned(self, name: str, partitions: int) -> None:
+        """Parameter ``name``'s table now has ``partitions`` partitions."""
+        self.placements[name] = self.placements[name]._replace(partitions=partitions)
