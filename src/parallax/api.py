@@ -31,7 +31,7 @@ __all__ = ["build_runner", "get_runner"]
 
 def get_runner(model: torch.nn.Module,
                optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-               loss_fn: LossFn, *, resources: str | os.PathLike | None = None,
+               loss_fn: LossFn, *, resources: str | os.PathLike[str] | None = None,
                config: Config | None = None) -> Runner:
     """Wrap a single-device training program for hybrid data-parallel training.
 
@@ -51,7 +51,7 @@ def get_runner(model: torch.nn.Module,
 
 def build_runner(model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-                 loss_fn: LossFn, *, resources: str | os.PathLike | None,
+                 loss_fn: LossFn, *, resources: str | os.PathLike[str] | None,
                  config: Config | None, seed: bool) -> Runner:
     """`get_runner`; ``seed``: whether to seed torch's global generator with `Config.seed`."""
     config = config if config is not None else Config()

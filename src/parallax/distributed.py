@@ -51,7 +51,7 @@ _RUNNER_ATTRIBUTE = "_parallax_runner"
 
 def distribute(model: nn.Module,
                optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *,
-               config: Config | None = None, resources: str | os.PathLike | None = None,
+               config: Config | None = None, resources: str | os.PathLike[str] | None = None,
                ) -> tuple[DistributedModel, Any]:
     """The model and optimizer(s) of a data-parallel run of this program (collective: call it
     on every worker). ``optimizer`` is one optimizer or a list; the same shape comes back.
@@ -135,7 +135,7 @@ class _RunnerRef:
     def __reduce__(self) -> tuple[Any, tuple[None]]:
         return (_RunnerRef, (None,))
 
-    def __deepcopy__(self, memo: dict) -> _RunnerRef:
+    def __deepcopy__(self, memo: dict[str, Any]) -> _RunnerRef:
         return _RunnerRef(None)
 
 
@@ -233,7 +233,7 @@ class DistributedModel(ModuleWrapper):
             f"Save model.state_dict() (collective: on every rank) and rebuild the module from "
             f"it")
 
-    def __deepcopy__(self, memo: dict) -> Any:
+    def __deepcopy__(self, memo: dict[str, Any]) -> Any:
         return self.__reduce_ex__(0)
 
     @contextlib.contextmanager
@@ -302,12 +302,12 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.parallax_runner.zero_grad([self], set_to_none=set_to_none)  # type: ignore[list-item]
 
-    def state_dict(self) -> dict:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The single-device ``state_dict`` (collective: call it on every rank): the
         servers' state of server-held parameters gathered whole."""
         return self.parallax_runner.optimizer_state_dict(self)  # type: ignore[arg-type]
 
-    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a single-device ``state_dict`` (every rank passes the same): the servers
         take their rows of the server-held parameters' state."""
         self.parallax_runner.load_optimizer_state_dict(self, state_dict)  # type: ignore[arg-type]

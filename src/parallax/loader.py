@@ -39,7 +39,7 @@ class _SkipSampler(Sampler[int]):
     costs nothing however far into the epoch it lands.
     """
 
-    def __init__(self, inner: DistributedSampler) -> None:
+    def __init__(self, inner: DistributedSampler[Any]) -> None:
         self.inner = inner
         self.skip = 0
 
@@ -91,7 +91,7 @@ class ShardedLoader:
     parallelism (`set_data_parallel`), so the global batch stays ``W * b``.
     """
 
-    def __init__(self, original: DataLoader, seed: int, worker: WorkerInfo):
+    def __init__(self, original: DataLoader[Any], seed: int, worker: WorkerInfo):
         self.original = original
         self.seed = seed
         self.worker = worker
@@ -227,7 +227,7 @@ class ShardedLoader:
         self._resume_at = {"epoch": epoch, "samples": samples}
 
 
-def _note_padding(original: DataLoader, workers: int) -> None:
+def _note_padding(original: DataLoader[Any], workers: int) -> None:
     """For parallax verify's report: an epoch that ``DistributedSampler`` pads on
     ``workers`` workers ends with another last batch than the one-process run's."""
     order = original.sampler
@@ -256,7 +256,7 @@ def _checked_position(position: dict[str, int]) -> tuple[int, int]:
     return values[0], values[1]
 
 
-def shard(loader: DataLoader, *, seed: int = 0) -> DataLoader | ShardedLoader:
+def shard(loader: DataLoader[Any], *, seed: int = 0) -> DataLoader[Any] | ShardedLoader:
     """This worker's part of ``loader``; the loader itself outside a parallax launch."""
     worker = current_worker()
     if worker is None:
@@ -271,7 +271,7 @@ def shard(loader: DataLoader, *, seed: int = 0) -> DataLoader | ShardedLoader:
     return ShardedLoader(loader, seed, worker)
 
 
-def _check_splittable(sampler: Sampler) -> None:
+def _check_splittable(sampler: Sampler[Any]) -> None:
     """Refuse a sampler whose order `shard` would not keep (it would silently read another
     order: every sample once per epoch, in order or in a seeded shuffle)."""
     if isinstance(sampler, (SequentialSampler, DistributedSampler)):
@@ -292,7 +292,7 @@ def _check_splittable(sampler: Sampler) -> None:
         f"worker its own part of the data without parallax.shard")
 
 
-def _draws_a_seed(sampler: Sampler) -> bool:
+def _draws_a_seed(sampler: Sampler[Any]) -> bool:
     return isinstance(sampler, RandomSampler) and sampler.generator is None
 
 

@@ -202,7 +202,7 @@ class Runner:
             (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {}))
         return self.forward_call(args, kwargs)
 
-    def forward_call(self, args: tuple, kwargs: dict) -> Any:
+    def forward_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``model(*args, **kwargs)`` as the user's module returns it (collective). Under
         autograd it belongs to the current step: its rows' gradients are pushed by the next
         `sync_gradients`."""
@@ -361,7 +361,7 @@ class Runner:
         return self.planner.searches
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike | None = None, *, extra: Any = None) -> Path:
+    def save(self, path: str | os.PathLike[str] | None = None, *, extra: Any = None) -> Path:
         """Write a sharded checkpoint of this step under ``path`` (default
         `Config.checkpoint_dir`): servers write their rows and optimizer state, rank 0 the
         dense part, the positions of the `parallax.shard` loaders and ``extra`` (anything
@@ -369,7 +369,7 @@ class Runner:
         directory."""
         return self.checkpoints.save(path, extra=extra)
 
-    def load(self, path: str | os.PathLike | None = None) -> Any:
+    def load(self, path: str | os.PathLike[str] | None = None) -> Any:
         """Restore the checkpoint at ``path`` (a step directory), or the newest complete one
         under it (default `Config.checkpoint_dir`), on this cluster whatever its shape and
         partition counts were: parameters, optimizer state, step, loader positions (and
@@ -383,7 +383,7 @@ class Runner:
         every rank, not only on the one that saves it)."""
         return self.view.state_dict()
 
-    def export(self, path: str | os.PathLike) -> Path | None:
+    def export(self, path: str | os.PathLike[str]) -> Path | None:
         """Write the plain single-device ``state_dict`` to ``path`` on rank 0 (collective),
         streamed: each server-held table comes from its servers in chunks of rows written
         straight into the file (`parallax.checkpoint.streamed`), so no process ever holds a
@@ -399,14 +399,15 @@ class Runner:
         ``nn.Module.load_state_dict`` returns."""
         return self.view.load_state_dict(state, strict=strict)
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` as on one device (collective): the state of its
         server-held parameters is gathered from the servers, each per-row tensor whole on
         every rank (as `state_dict` gathers the tables; for tables larger than memory,
         checkpoint with `save`)."""
         return self.view.optimizer_state_dict(optimizer)
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str,
+                                  Any]) -> None:
         """``optimizer.load_state_dict(state)`` of a single-device state dict (every rank
         passes the same): each server takes its rows of a server-held parameter's state,
         the optimizer object the rest."""

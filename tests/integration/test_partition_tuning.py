@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import parallax
-from parallax import runner as runner_module
+from parallax.step import round as round_module
 from parallax.engine.tables.pool import PartitionPool
 from parallax.partitions.cache import cache_key, load_entry, store_entry
 from parallax.partitions.groups import group_of
@@ -72,7 +72,7 @@ def test_pool_runs_every_task_and_reraises_after_all_ended() -> None:
 
 # ---- the search in a single-process runner, with a clock that follows a known curve ---------
 class CurveClock:
-    """``time.perf_counter`` for the runner: each step lasts t(P) of the table's current P."""
+    """``time.perf_counter`` for the step round: each step lasts t(P) of the table's current P."""
 
     def __init__(self, table_of, curve) -> None:
         self.table_of, self.curve, self.now, self.calls = table_of, curve, 0.0, 0
@@ -103,7 +103,7 @@ def train(config: parallax.Config, steps: int, curve=None, monkeypatch=None):
     try:
         if curve is not None:
             clock = CurveClock(lambda: runner.tables["0.weight"], curve)
-            monkeypatch.setattr(runner_module, "time", clock)
+            monkeypatch.setattr(round_module, "time", clock)
         optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.1)
         generator = torch.Generator().manual_seed(1)
         for _ in range(steps):

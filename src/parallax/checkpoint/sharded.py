@@ -80,7 +80,7 @@ FORMAT = "parallax-checkpoint"
 
 
 # ---- saving ------------------------------------------------------------------------------------
-def save(runner: Run, root: str | os.PathLike, *, keep: int | None = None,
+def save(runner: Run, root: str | os.PathLike[str], *, keep: int | None = None,
          extra: Any = None) -> Path:
     """Write step ``runner.global_step`` under ``root`` (collective). A failure on any rank
     raises on every rank and writes no manifest: the previous checkpoint stays the newest."""
@@ -191,7 +191,7 @@ def _meta(runner: Run, files: dict[str, FileRecord], has_extra: bool) -> dict[st
 find = find_checkpoint
 
 
-def load(runner: Run, path: str | os.PathLike) -> Any:
+def load(runner: Run, path: str | os.PathLike[str]) -> Any:
     """Restore ``runner`` (and the `parallax.shard` loaders) from the checkpoint at ``path``
     or the newest complete one under it; returns the saved ``extra`` (collective).
 

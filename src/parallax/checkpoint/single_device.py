@@ -77,7 +77,7 @@ class SingleDeviceView:
                     state[alias] = full
         return state
 
-    def export(self, path: str | os.PathLike) -> Path | None:
+    def export(self, path: str | os.PathLike[str]) -> Path | None:
         """Write the plain ``state_dict`` to ``path`` on rank 0, streamed: each server-held
         table comes from its servers in chunks of rows written straight into the file
         (`parallax.checkpoint.streamed`). Returns ``path`` on rank 0, None elsewhere."""
@@ -128,7 +128,7 @@ class SingleDeviceView:
         return result.__class__(missing, result.unexpected_keys)
 
     # ---- an optimizer ------------------------------------------------------------------------
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` as on one device: the state of its server-held
         parameters is gathered from the servers, each per-row tensor whole on every rank."""
         with self.quiet():
@@ -160,7 +160,8 @@ class SingleDeviceView:
                 entry[key] = kind
         return entry
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str,
+                                  Any]) -> None:
         """``optimizer.load_state_dict(state)`` of a single-device state dict (every rank
         passes the same): each server takes its rows of a server-held parameter's state,
         the optimizer object the rest."""

@@ -121,7 +121,7 @@ class _Machine:
 
     index: int
     where: str  # "host 10.0.0.2 (resources.txt line 2)"
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     over_ssh: bool
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
     reader: threading.Thread | None = None
@@ -227,7 +227,7 @@ def _wait_all(machines: list[_Machine], signals: list[int]) -> int:
         time.sleep(0.1)
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
     for proc in procs:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -271,8 +271,8 @@ class _LooksReal(TorchFunctionMode):
     ``orthogonal_``, ``sparse_`` and ``dirac_`` skip meta tensors silently; this way they
     run, and `_Deferring` records or refuses what they do."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         if getattr(func, "__self__", None) is _IS_META and args and _deferred(args[0]) is not None:
             return False
         return func(*args, **(kwargs or {}))
@@ -291,8 +291,8 @@ class _Deferring(TorchDispatchMode):
         # made on ``meta`` beside its target): their numbers
         self._constants: dict[int, tuple[Any, Tensor]] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _FACTORIES:
             return self._factory(func, args, kwargs)
@@ -322,7 +322,7 @@ class _Deferring(TorchDispatchMode):
             return self._out_of_place(func, args, kwargs, target)
         return func(*args, **kwargs)  # views, shapes: no values needed
 
-    def _factory(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    def _factory(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         device = kwargs.get("device")
         if device is not None and torch.device(device).type != "cpu":
             return func(*args, **kwargs)
@@ -345,7 +345,8 @@ class _Deferring(TorchDispatchMode):
         _recipes[_key(shaped)] = recipe
         return shaped
 
-    def _random(self, func: Any, args: tuple, kwargs: dict, recipe: Recipe) -> Tensor:
+    def _random(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                recipe: Recipe) -> Tensor:
         target = args[0]
         if _rows_of(target, recipe) != (0, recipe.num_rows) or target.numel() != math.prod(
                 recipe.shape):
@@ -361,7 +362,8 @@ class _Deferring(TorchDispatchMode):
         _advance(recipe, step, generator)
         return target
 
-    def _elementwise(self, func: Any, args: tuple, kwargs: dict, recipe: Recipe) -> Tensor:
+    def _elementwise(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     recipe: Recipe) -> Tensor:
         target = args[0]
         rows = _rows_of(target, recipe)
         extra, named = self._scalars(func, args[1:], kwargs)
@@ -370,7 +372,8 @@ class _Deferring(TorchDispatchMode):
                                   None if rows == (0, recipe.num_rows) else rows))
         return target
 
-    def _scalars(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _scalars(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``args``/``kwargs`` as numbers; refuses tensors (their values do not replay)."""
         def number(value: Any) -> Any:
             if isinstance(value, Tensor):
@@ -381,7 +384,8 @@ class _Deferring(TorchDispatchMode):
             return value
         return tuple(number(a) for a in args), {k: number(v) for k, v in kwargs.items()}
 
-    def _out_of_place(self, func: Any, args: tuple, kwargs: dict, recipe: Recipe) -> Tensor:
+    def _out_of_place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      recipe: Recipe) -> Tensor:
         if _rows_of(args[0], recipe) != (0, recipe.num_rows):
             raise _refuse(f"{func} of part of the tensor", "only whole tensors replay")
         extra, named = self._scalars(func, args[1:], kwargs)
@@ -393,12 +397,12 @@ class _Deferring(TorchDispatchMode):
         return result
 
 
-def _describe(func: Any, args: tuple) -> str:
+def _describe(func: Any, args: tuple[Any, ...]) -> str:
     shown = [a.item() if isinstance(a, Tensor) else a for a in args]
     return f"{func.overloadpacket.__name__}({', '.join(map(repr, shown))})"
 
 
-def _random_step(func: Any, args: tuple, kwargs: dict,
+def _random_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  generator: torch.Generator | None) -> _Step:
     state = (generator or torch.default_generator).get_state()
     return _Step(lambda c, g, f=func, a=args, k=kwargs: f(c, *a, generator=g, **k),

@@ -75,7 +75,7 @@ def mirror(model: nn.Module, executed: nn.Module, *,
     rewrote (hand-written gathers) has no such twin. Without ``shared_modules`` (model
     parallelism: the executed layers carry their own parameters and hooks) nothing is
     brought over."""
-    pairs: list[tuple[dict, dict]] = []
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     if not shared_modules:
         return lambda: None
     for path, mine in model.named_modules():

@@ -36,14 +36,14 @@ class CollectiveCounter(TorchDispatchMode):
         self.sent: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         packet = func._overloadpacket
         if packet in _ALL_REDUCE or packet in _ALL_GATHER or packet in _REDUCE_SCATTER:
             self._record(packet, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
-    def _record(self, packet: Any, args: tuple, kwargs: dict) -> None:
+    def _record(self, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         tensor = args[0]
         name = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name", "")
         n = self.sizes.get(name, 0)

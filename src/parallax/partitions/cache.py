@@ -43,7 +43,7 @@ def _read(path: Path) -> dict[str, Any]:
     return entries
 
 
-def load_entry(path: str | os.PathLike, key: str) -> dict[str, Any] | None:
+def load_entry(path: str | os.PathLike[str], key: str) -> dict[str, Any] | None:
     """The cached entry for ``key`` (None when absent or unusable)."""
     entry = _read(Path(path).expanduser()).get(key)
     if not isinstance(entry, dict) or not isinstance(entry.get("partitions"), int):
@@ -51,7 +51,7 @@ def load_entry(path: str | os.PathLike, key: str) -> dict[str, Any] | None:
     return entry
 
 
-def store_entry(path: str | os.PathLike, key: str, entry: dict[str, Any]) -> None:
+def store_entry(path: str | os.PathLike[str], key: str, entry: dict[str, Any]) -> None:
     """Add or replace ``key`` (atomic: a crash leaves the previous file)."""
     target = Path(path).expanduser()
     entries = _read(target)

@@ -44,7 +44,7 @@ class Checkpoints:
         self.after_load = after_load
         self.last_save = time.monotonic()
 
-    def save(self, path: str | os.PathLike | None = None, *, extra: Any = None) -> Path:
+    def save(self, path: str | os.PathLike[str] | None = None, *, extra: Any = None) -> Path:
         """See `Runner.save`."""
         root = path if path is not None else self.config.checkpoint_dir
         if root is None:
@@ -58,7 +58,7 @@ class Checkpoints:
         self.last_save = time.monotonic()
         return directory
 
-    def load(self, path: str | os.PathLike | None = None) -> Any:
+    def load(self, path: str | os.PathLike[str] | None = None) -> Any:
         """See `Runner.load`."""
         root = path if path is not None else self.config.checkpoint_dir
         if root is None:

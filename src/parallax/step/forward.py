@@ -43,7 +43,7 @@ class Forward:
                                    params[name].shape)
                             for name, table in layout.pulled_whole.items()}
 
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ahead = self._pull_ahead(args, kwargs)
         try:
             with self.phases.phase("forward"):
@@ -56,7 +56,7 @@ class Forward:
             for table in ahead:
                 table.prefetched = None
 
-    def _pull_ahead(self, args: tuple, kwargs: dict) -> list[ShardedTable]:
+    def _pull_ahead(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[ShardedTable]:
         """Pull the rows this forward will read; returns the tables served from them."""
         wanted: dict[str, tuple[ShardedTable, list[Tensor]]] = {}
         if self.id_program is not None:

@@ -134,7 +134,7 @@ def _run(options: VerifyOptions, role: str, root: Path) -> _RunResult:
     return _RunResult(code, time.monotonic() - began, log)
 
 
-def _wait(process: subprocess.Popen, directory: Path, options: VerifyOptions,
+def _wait(process: subprocess.Popen[bytes], directory: Path, options: VerifyOptions,
           role: str) -> int | None:
     """The run's exit status (None: past the timeout), with its progress: on a terminal
     as it goes, elsewhere a line every 30 s."""

@@ -65,7 +65,7 @@ class Comparison:
                           indent=2)
 
 
-def recorded_steps(directory: str | os.PathLike) -> int:
+def recorded_steps(directory: str | os.PathLike[str]) -> int:
     """Steps recorded in ``directory`` after the initial state (-1: not even that)."""
     step = 0
     while step_file(directory, step).exists():
@@ -73,7 +73,7 @@ def recorded_steps(directory: str | os.PathLike) -> int:
     return step - 1
 
 
-def compare_runs(reference: str | os.PathLike, distributed: str | os.PathLike,
+def compare_runs(reference: str | os.PathLike[str], distributed: str | os.PathLike[str],
                  tolerance: float) -> Comparison:
     """Compare the runs recorded in the two folders (every step both recorded)."""
     result = Comparison(tolerance, recorded_steps(reference), recorded_steps(distributed))

@@ -51,7 +51,7 @@ def active() -> Verification | None:
 _recording: set[str] = set()  # the folders this process records into
 
 
-def step_file(directory: str | os.PathLike, step: int) -> Path:
+def step_file(directory: str | os.PathLike[str], step: int) -> Path:
     """Where the state after ``step`` (0: before the first) is written."""
     return Path(directory) / f"step_{step:05d}.pt"
 

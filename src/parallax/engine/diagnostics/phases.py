@@ -50,7 +50,7 @@ class PhaseClock:
         self.seconds: dict[str, float] = defaultdict(float)  # self time since reset
         self.steps = 0
         self.events: list[tuple[str, int, int, int]] = []  # (phase, start ns, ns, step)
-        self._stack: list[list] = []  # [name, start ns, children's ns]
+        self._stack: list[list[Any]] = []  # [name, start ns, children's ns]
         self._step = 0
         self._began: int | None = None  # the running step's start
         self.thread = threading.get_ident()  # phases of other threads are not the step's
@@ -186,7 +186,7 @@ def phase(name: str) -> Iterator[None]:
         yield
 
 
-def merge_timelines(path: str | os.PathLike) -> Path | None:
+def merge_timelines(path: str | os.PathLike[str]) -> Path | None:
     """Join the ranks' ``PATH.rank<R>.json`` into one Chrome trace at ``path`` (the ranks'
     files are removed); None when no rank wrote one."""
     path = Path(path)

@@ -19,6 +19,8 @@ record stays short.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.optim.sgd import sgd
@@ -34,7 +36,7 @@ Map = tuple[float, float, float, float]
 IDENTITY: Map = (1.0, 0.0, 0.0, 1.0)
 
 
-def zero_gradient_map(group: dict, has_buffer: bool) -> Map:
+def zero_gradient_map(group: dict[str, Any], has_buffer: bool) -> Map:
     """One SGD step of ``group``'s hyper-parameters on an element whose gradient is zero, as a
     linear map of (value, momentum buffer); ``has_buffer``: whether the buffer exists yet
     (torch creates it at the first step, as a copy of the gradient)."""
@@ -106,7 +108,7 @@ class DeferredRows:
         self.done.zero_()
 
 
-def sgd_rows(part: Tensor, grad: Tensor, buf: Tensor | None, rows: Tensor, group: dict,
+def sgd_rows(part: Tensor, grad: Tensor, buf: Tensor | None, rows: Tensor, group: dict[str, Any],
              ) -> Tensor | None:
     """torch's SGD step (its own functional ``sgd``, so the arithmetic is the optimizer's) on
     ``rows`` of ``part`` with their ``grad`` rows, in place; ``buf``: the momentum buffer

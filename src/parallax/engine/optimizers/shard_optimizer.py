@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -175,7 +175,7 @@ class ShardOptimizer:
             owner = optimizer_class(self._owners[name][0])
             table.grad_zero_elsewhere = owner in PER_SHARD_OPTIMIZERS
 
-    def _rebuild(self, states: dict[nn.Parameter, dict]) -> None:
+    def _rebuild(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
         """Server optimizers over the tables' current partitions, with ``states`` (keyed by
         partition parameter) carried over."""
         for server_opt, _, _ in self._slots:
@@ -235,8 +235,8 @@ class ShardOptimizer:
                 part.grad = grad
 
     def _eligible(self, wanted: set[int] | None,
-                  rule: Callable[[torch.optim.Optimizer, dict], bool],
-                  ) -> list[tuple[ServerTable, dict]]:
+                  rule: Callable[[torch.optim.Optimizer, dict[str, Any]], bool],
+                  ) -> list[tuple[ServerTable, dict[str, Any]]]:
         """The dense-gradient tables of the wanted optimizers whose param group satisfies
         ``rule``, with the group."""
         eligible = []
@@ -265,7 +265,7 @@ class ShardOptimizer:
                 part.grad = None
         return tasks
 
-    def _deferred_step(self, part: nn.Parameter, grad: Tensor, rows: Tensor, group: dict,
+    def _deferred_step(self, part: nn.Parameter, grad: Tensor, rows: Tensor, group: dict[str, Any],
                        deferred: DeferredRows) -> Callable[[], None]:
         state = self._optimizer_of(part).state[part]
 
@@ -315,13 +315,13 @@ class ShardOptimizer:
                 swapped.append((part, grad))
         return swapped
 
-    def _state_of(self, part: nn.Parameter) -> dict:
+    def _state_of(self, part: nn.Parameter) -> dict[str, Any]:
         for server_opt, _, _ in self._slots:
             if part in server_opt.state:
                 return server_opt.state[part]
         return {}
 
-    def table_state(self, table: ServerTable) -> dict:
+    def table_state(self, table: ServerTable) -> dict[str, Any]:
         """The optimizer state of ``table``'s whole shard (empty before its first step):
         per-row tensors of its partitions joined in shard order, the rest (step counts) as
         its first partition has them. Deferred steps are applied first."""
@@ -335,7 +335,7 @@ class ShardOptimizer:
                 joined[key] = torch.cat([state[key] for state in states])
         return joined
 
-    def remove_table(self, table: ServerTable) -> dict:
+    def remove_table(self, table: ServerTable) -> dict[str, Any]:
         """Stop updating ``table``; return its shard's optimizer state (for moving it)."""
         state = self.table_state(table)
         parts = {id(part) for part in table.parts}
@@ -374,7 +374,7 @@ class ShardOptimizer:
         if state and table.shard is not None:
             self.set_table_state(table, state)
 
-    def set_table_state(self, table: ServerTable, state: dict) -> None:
+    def set_table_state(self, table: ServerTable, state: dict[str, Any]) -> None:
         """Replace the optimizer state of ``table``'s shard (a checkpoint's), ``{}`` for a
         fresh one. The rows' deferred steps are applied first (with the state they had)."""
         self.catch_up(table)
@@ -386,10 +386,10 @@ class ShardOptimizer:
                 del server_opt.state[part]
         self.table_repartitioned(table, state)
 
-    def table_repartitioned(self, table: ServerTable, state: dict) -> None:
+    def table_repartitioned(self, table: ServerTable, state: dict[str, Any]) -> None:
         """Update ``table``'s new partitions from now on, with its shard's optimizer ``state``
         (as `table_state` returned it, rows already in the new shard's order)."""
-        states: dict[nn.Parameter, dict] = {}
+        states: dict[nn.Parameter, dict[str, Any]] = {}
         if state:
             for part, (start, stop) in zip(table.parts, table.blocks, strict=True):
                 states[part] = {
@@ -407,7 +407,7 @@ def is_per_row(value: object, rows: Tensor | None) -> bool:
     return isinstance(value, Tensor) and rows is not None and value.shape == rows.shape
 
 
-def zero_gradient_is_identity(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+def zero_gradient_is_identity(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """Whether a step with a zero gradient leaves a parameter element and its optimizer
     state exactly unchanged, for this optimizer's class and ``group``'s hyper-parameters:
     plain SGD (no momentum, no weight decay) and Adagrad without weight decay (any lr_decay,
@@ -422,7 +422,7 @@ def zero_gradient_is_identity(optimizer: torch.optim.Optimizer, group: dict) -> 
     return cls is torch.optim.Adagrad
 
 
-def deferrable_sgd(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+def deferrable_sgd(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """Whether the steps of rows with a zero gradient can be deferred and applied later in
     closed form (`parallax.engine.optimizers.deferred_sgd`): torch's own SGD (not a subclass, not
     fused or differentiable) with momentum or weight decay; without either a zero gradient changes
@@ -432,13 +432,13 @@ def deferrable_sgd(optimizer: torch.optim.Optimizer, group: dict) -> bool:
             and (group.get("momentum", 0) != 0 or group.get("weight_decay", 0) != 0))
 
 
-def local_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+def local_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` of the object itself: for a `parallax.distribute` optimizer,
     its class's own (not the collective one that gathers the servers' state)."""
     return optimizer_class(optimizer).state_dict(optimizer)
 
 
-def local_load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
+def local_load_state_dict(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """``optimizer.load_state_dict(state)`` of the object itself (see `local_state_dict`)."""
     optimizer_class(optimizer).load_state_dict(optimizer, state)
 
@@ -468,7 +468,7 @@ def _is_meta(value: object) -> bool:
     return isinstance(value, Tensor) and value.device.type == "meta"
 
 
-def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict:
+def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The user's constructor arguments as ``defaults`` records them, for those the class's
     constructor takes: some act in the constructor itself (Adagrad fills its state with
     ``initial_accumulator_value`` there), so param groups alone would not reproduce them."""
@@ -482,5 +482,5 @@ def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict:
             if key in accepted and key != "params"}
 
 
-def _hyper_parameters(group: dict) -> dict:
+def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in group.items() if key != "params"}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
@@ -75,7 +76,7 @@ class EarlyPush:
         self._ready: set[tuple[int, str]] = set()
         self._arrivals: dict[str, float] = {}
         self._start = 0.0
-        self._handles: list = []
+        self._handles: list[Any] = []
 
     @property
     def armed(self) -> bool:
