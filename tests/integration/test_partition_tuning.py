@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import parallax
-from parallax.step import round as round_module
 from parallax.engine.tables.pool import PartitionPool
 from parallax.partitions.cache import cache_key, load_entry, store_entry
 from parallax.partitions.groups import group_of
+from parallax.step import round as round_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SEARCH_WORKER = ROOT / "tests" / "scripts" / "search_worker.py"
