@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Style check and the whole test suite (equivalence matrix, error paths, launcher, data).
+# Style check, type check and the whole test suite (equivalence matrix, error paths, launcher, data).
 #   bash scripts/test.sh            everything (~15 min on 2 cores)
 #   bash scripts/test.sh --fast     unit tests + one equivalence case per architecture (~1 min)
 #   bash scripts/test.sh ARGS       any pytest arguments (e.g. tests/integration -k uneven)
@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check src tests examples benchmarks
+.venv/bin/mypy  # strict on src/ (pyproject.toml [tool.mypy])
 if [ "${1:-}" = "--fast" ]; then
   shift
   exec .venv/bin/pytest -q -m "(unit or fast) and not network" "$@"

@@ -4,6 +4,10 @@ as a count, a step or a partition number, so "an int" means "an int, not a bool"
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, TypeGuard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["is_dtensor", "is_int", "is_number"]
 
@@ -20,7 +24,7 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def is_dtensor(value: object) -> bool:
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
     """Whether ``value`` is a DTensor (a parameter split by model parallelism), without
     importing ``torch.distributed.tensor`` (sympy with it: 0.7 s of the ``parallax`` command's
     start-up; a worker's first optimizer imports it anyway, through torch._dynamo): no DTensor

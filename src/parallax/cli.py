@@ -344,8 +344,9 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: i
     agent per machine; the links' byte counters reported at the end."""
     import tempfile
 
+    from parallax.errors import NetemError
     from parallax.launch.executors import NamespaceExecutor, launch_machines, omp_threads
-    from parallax.launch.netem import OFFLINE_ENV, EmulatedNetwork, NetemError
+    from parallax.launch.netem import OFFLINE_ENV, EmulatedNetwork
 
     if args.resources is not None:
         return _fail("--emulate-network goes with --machines, not --resources")

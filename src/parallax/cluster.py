@@ -217,7 +217,7 @@ class WorkerInfo:
     @property
     def server_ranks(self) -> tuple[int, ...]:
         """First rank of each machine: the ranks that host a parameter server."""
-        firsts = {}
+        firsts: dict[int, int] = {}
         for rank, machine in enumerate(self.machine_of_rank):
             firsts.setdefault(machine, rank)
         return tuple(firsts[m] for m in sorted(firsts))

@@ -66,7 +66,7 @@ SERVER_SYNCS = (DenseSyncName.PLUMP, DenseSyncName.SLIM)
 def _fields_by_name(cls: type[T]) -> type[T]:
     """A misspelt keyword (``Config(clip_grad_nrom=1.0)``) is a `ConfigError` naming it and
     the nearest field, not the dataclass's bare ``TypeError``."""
-    init = cls.__init__  # type: ignore[misc]
+    init = cls.__init__
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
 
     @functools.wraps(init)
@@ -79,7 +79,7 @@ def _fields_by_name(cls: type[T]) -> type[T]:
                                   f"{', '.join(names)}")
         init(self, *args, **kwargs)
 
-    cls.__init__ = checked  # type: ignore[misc]
+    cls.__init__ = checked  # type: ignore[method-assign]  # wrapping the dataclass's
     return cls
 
 

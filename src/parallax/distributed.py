@@ -22,9 +22,9 @@ import contextlib
 import dataclasses
 import os
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -110,7 +110,7 @@ def _retire_ddp(ddp: DistributedDataParallel,
     parallax synchronises the dense gradients itself (with DDP, inside)."""
     if ddp.find_unused_parameters:
         config = dataclasses.replace(config or Config(), find_unused_parameters=True)
-    ddp.reducer = None  # its destructor removes its gradient hooks
+    ddp.reducer = None  # type: ignore[assignment]  # its destructor removes its gradient hooks
     ddp.logger = None  # it holds the reducer too
     ddp.forward = _retired_forward  # type: ignore[method-assign]
     return ddp.module, config
@@ -192,6 +192,8 @@ class DistributedModel(ModuleWrapper):
     attribute access reach the user's module. Parameters are the user's (``module.`` names,
     as under DDP); use the optimizer `distribute` returned."""
 
+    runner: Runner
+
     def __init__(self, runner: Runner):
         super().__init__()
         self.module = runner.model
@@ -242,7 +244,8 @@ class DistributedModel(ModuleWrapper):
         sparse rows are pushed once per step in any case. Exact either way; saves
         AllReduces when accumulating micro-batches."""
         module = self.runner.module
-        with module.no_sync() if hasattr(module, "no_sync") else contextlib.nullcontext():
+        with (module.no_sync() if isinstance(module, DistributedDataParallel)
+              else contextlib.nullcontext()):
             yield
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:  # type: ignore[override]
@@ -253,7 +256,7 @@ class DistributedModel(ModuleWrapper):
                 "single-device state dict of your module")
         return self.runner.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True,
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         """Load a single-device ``state_dict`` of the user's module: dense values here, the
         servers' rows on the servers (every worker passes the same values). Optimizer state
@@ -261,10 +264,16 @@ class DistributedModel(ModuleWrapper):
         if assign:
             raise UnsupportedProgramError("DistributedModel.load_state_dict(assign=True) is "
                                           "not supported: the servers keep their own rows")
-        return self.runner.load_state_dict(state_dict, strict=strict)
+        return self.runner.load_state_dict(dict(state_dict), strict=strict)
 
 
-class DistributedOptimizer:
+if TYPE_CHECKING:  # a mixin over the user's optimizer class
+    _OptimizerBase = torch.optim.Optimizer
+else:
+    _OptimizerBase = object
+
+
+class DistributedOptimizer(_OptimizerBase):
     """Mixed into a subclass of the user's optimizer class by `distribute`.
 
     ``step()`` (and ``step(closure)``) pushes this step's gradients, checks them and applies
@@ -280,7 +289,7 @@ class DistributedOptimizer:
     # gradients it can see (not the servers' rows): how its use is recognised and refused.
     _step_supports_amp_scaling = True
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if hasattr(self, "found_inf"):
             raise UnsupportedProgramError(
                 "torch.amp.GradScaler would unscale and check only the replicated gradients, "
@@ -290,27 +299,27 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.parallax_runner.apply_update([self])  # type: ignore[list-item]
+        self.parallax_runner.apply_update([self])
         return loss
 
     def parallax_dense_step(self) -> None:
         """The user's optimizer class's own update of the parameters held here (its
         server-held parameters read as gradient-less meta tensors inside)."""
         with handles.internal():
-            self.parallax_base.step(self)  # type: ignore[arg-type]
+            self.parallax_base.step(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.parallax_runner.zero_grad([self], set_to_none=set_to_none)  # type: ignore[list-item]
+        self.parallax_runner.zero_grad([self], set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """The single-device ``state_dict`` (collective: call it on every rank): the
         servers' state of server-held parameters gathered whole."""
-        return self.parallax_runner.optimizer_state_dict(self)  # type: ignore[arg-type]
+        return self.parallax_runner.optimizer_state_dict(self)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a single-device ``state_dict`` (every rank passes the same): the servers
         take their rows of the server-held parameters' state."""
-        self.parallax_runner.load_optimizer_state_dict(self, state_dict)  # type: ignore[arg-type]
+        self.parallax_runner.load_optimizer_state_dict(self, state_dict)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -390,7 +399,9 @@ def _counted_step(optimizer: torch.optim.Optimizer) -> Any:
 
     def step(*args: Any, **kwargs: Any) -> Any:
         opt = owner()
-        opt._opt_called = True  # type: ignore[union-attr]
+        if opt is None:
+            raise UsageError("the optimizer this lr scheduler steps no longer exists")
+        opt._opt_called = True  # type: ignore[attr-defined]  # LRScheduler's own mark
         return type(opt).step(opt, *args, **kwargs)
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,17 +117,21 @@ class ShardedLoader:
         order = original.sampler
         # A DDP program's own DistributedSampler: its shuffle, seed and padding, and its
         # epoch (set_epoch) at each iteration, as the program would have used them.
-        own = isinstance(order, DistributedSampler)
-        self.sampler = DistributedSampler(
-            original.dataset, num_replicas=replicas, rank=index,
-            shuffle=order.shuffle if own else isinstance(order, RandomSampler),
-            seed=order.seed if own else self.seed,
-            drop_last=order.drop_last if own else original.drop_last)
+        if isinstance(order, DistributedSampler):
+            shuffle, seed, drop_last = order.shuffle, order.seed, order.drop_last
+        else:
+            shuffle = isinstance(order, RandomSampler)
+            seed, drop_last = self.seed, original.drop_last
+        self.sampler: DistributedSampler[Any] = DistributedSampler(
+            original.dataset, num_replicas=replicas, rank=index, shuffle=shuffle, seed=seed,
+            drop_last=drop_last)
         assert original.batch_size is not None  # shard checked it
         skipper = _SkipSampler(self.sampler)
+        #: this worker's batch size
+        self.batch_size = original.batch_size * group_size * self._reference_factor
         self.loader = DataLoader(
             original.dataset,
-            batch_size=original.batch_size * group_size * self._reference_factor,
+            batch_size=self.batch_size,
             sampler=skipper, num_workers=original.num_workers,
             collate_fn=original.collate_fn, pin_memory=original.pin_memory,
             drop_last=original.drop_last, timeout=original.timeout,
@@ -139,8 +143,7 @@ class ShardedLoader:
     @property
     def global_batch(self) -> int:
         """Samples all workers together take per step: ``W * b``."""
-        assert self.loader.batch_size is not None
-        return self.replicas * self.loader.batch_size
+        return self.replicas * self.batch_size
 
     def __iter__(self) -> Iterator[Any]:
         epoch, skipped = self.epoch, 0
@@ -177,8 +180,8 @@ class ShardedLoader:
         the global batch)."""
         per_worker = len(self.sampler)
         if self.loader.drop_last:
-            return per_worker // self.loader.batch_size
-        return math.ceil(per_worker / self.loader.batch_size)
+            return per_worker // self.batch_size
+        return math.ceil(per_worker / self.batch_size)
 
     def position(self) -> dict[str, int]:
         """Where the data stream stands: ``{"epoch": e, "samples": s}``.
@@ -220,7 +223,7 @@ class ShardedLoader:
         if samples and self._skipper is None:
             raise ArgumentError(f"cannot resume at samples={samples}: this ShardedLoader's "
                              "DataLoader was not built by parallax.shard, so it cannot skip")
-        size = len(self.sampler.dataset)
+        size = _dataset_size(self.sampler.dataset)
         if samples > size:
             raise ArgumentError(f"cannot resume at samples={samples}: the dataset has only "
                              f"{size} samples per epoch")
@@ -271,7 +274,7 @@ def shard(loader: DataLoader[Any], *, seed: int = 0) -> DataLoader[Any] | Sharde
     return ShardedLoader(loader, seed, worker)
 
 
-def _check_splittable(sampler: Sampler[Any]) -> None:
+def _check_splittable(sampler: Iterable[Any]) -> None:
     """Refuse a sampler whose order `shard` would not keep (it would silently read another
     order: every sample once per epoch, in order or in a seeded shuffle)."""
     if isinstance(sampler, (SequentialSampler, DistributedSampler)):
@@ -292,7 +295,15 @@ def _check_splittable(sampler: Sampler[Any]) -> None:
         f"worker its own part of the data without parallax.shard")
 
 
-def _draws_a_seed(sampler: Sampler[Any]) -> bool:
+def _dataset_size(dataset: Any) -> int:
+    """A map-style dataset's length (`shard` refuses the others)."""
+    if not isinstance(dataset, Sized):
+        raise ArgumentTypeError(f"{type(dataset).__name__} has no __len__: parallax.shard "
+                                f"needs a map-style dataset")
+    return len(dataset)
+
+
+def _draws_a_seed(sampler: Iterable[Any]) -> bool:
     return isinstance(sampler, RandomSampler) and sampler.generator is None
 
 

@@ -69,10 +69,10 @@ def join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
     return _sparse_group
 
 
-_releases: list[Callable[[], Callable[[], None] | None]] = []
+_releases: list[Callable[[], Callable[[], object] | None]] = []
 
 
-def on_shutdown(release: Callable[[], None]) -> None:
+def on_shutdown(release: Callable[[], object]) -> None:
     """Call ``release`` at `shutdown`, before any process group is destroyed (a runner drops
     its DDP wrapper there; weakly held: a runner already gone is skipped)."""
     _releases.append(weakref.WeakMethod(release) if hasattr(release, "__self__")

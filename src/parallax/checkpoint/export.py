@@ -33,7 +33,7 @@ from parallax.checkpoint.files import (
     save_object,
 )
 from parallax.checkpoint.streamed import StreamedFile
-from parallax.engine.tables.table import Table
+from parallax.engine.tables.server_table import ShardedTable
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -185,7 +185,7 @@ _CHUNK_BYTES = 4 << 20  # rows pulled per exchange by `export_running` (a few co
 
 
 def export_running(out: str | os.PathLike[str], state: dict[str, torch.Tensor],
-                   tables: Mapping[str, Table], names: Mapping[str, Sequence[str]], *,
+                   tables: Mapping[str, ShardedTable], names: Mapping[str, Sequence[str]], *,
                    rank: int) -> Path | None:
     """Write a running model's plain state_dict to ``out`` on rank 0 (collective): ``state``
     is the model's own (server-held entries are storage-less handles); each table of
@@ -231,7 +231,7 @@ class _Meta:
             raise CheckpointError(
                 f"{where}: meta.format is {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}"
             )
-        fields = {}
+        fields: dict[str, Any] = {}
         for key, kind in (("parameters", dict), ("aliases", dict), ("tables", dict),
                           ("dense_file", str)):
             value = meta.get(key)

@@ -125,14 +125,14 @@ def _save_rank_files(runner: Run, directory: Path, extra: Any) -> dict[str, File
     worker = runner.worker
     records = {}
     for name, table in runner.layout.all_tables().items():
-        if table.on_servers and table.shard is not None:
+        held = table.held
+        if held is not None and held.shard is not None:
             server = worker.server_ranks.index(worker.rank)
-            rows, scalars = _split_state(runner.shard_optimizer.table_state(table),
-                                         table.shard)
+            rows, scalars = _split_state(runner.shard_optimizer.table_state(held), held.shard)
             path = f"tables/{name}/server-{server}.pt"
             records[path] = save_object(directory / path, {
-                "ids": table.partitioning.rows_of_server(server),
-                "values": table.shard.detach(), "state": rows, "scalars": scalars})
+                "ids": held.partitioning.rows_of_server(server),
+                "values": held.shard.detach(), "state": rows, "scalars": scalars})
         elif table.replica is not None and worker.rank == 0:
             owner = optimizer_of(runner.optimizers, table.replica)
             state = dict(owner.state.get(table.replica, {})) if owner is not None else {}
@@ -147,8 +147,8 @@ def _save_rank_files(runner: Run, directory: Path, extra: Any) -> dict[str, File
     optimizers = [plain.plain_optimizer_state(opt, local_state_dict(opt))
                   for opt in runner.optimizers]
     if worker.rank == 0:
-        held = _table_keys(runner)
-        model = {k: v for k, v in dense_model.items() if k not in held}
+        in_tables = _table_keys(runner)
+        model = {k: v for k, v in dense_model.items() if k not in in_tables}
         records["dense.pt"] = save_object(directory / "dense.pt", {
             "model": model, "optimizers": optimizers})
         if extra is not None:
@@ -248,18 +248,20 @@ class _Restore:
         tables = runner.layout.all_tables()
         for name in self.from_model:  # now that the dense state is in the model
             table = tables[name]
-            if table.on_servers:
-                if table.shard is not None:
+            held = table.held
+            if held is not None:
+                if held.shard is not None:
                     piece = _piece_from_model(runner, table, self.dense["model"][name])
-                    self.shards[name] = _assemble_shard(table, [piece], self.directory,
+                    self.shards[name] = _assemble_shard(held, [piece], self.directory,
                                                         runner.worker.rank)
             else:
                 piece = _piece_from_model(runner, table, self.dense["model"][name])
-                self.full[name] = _assemble_full(table.replica, table.num_rows, table.row_shape,
-                                                 [piece])
+                self.full[name] = _assemble_full(_replica(table), table.num_rows,
+                                                 table.row_shape, [piece])
         for name in self.from_model:
             if tables[name].on_servers:
-                release(params[name], name=name, device=runner.device, rank=runner.worker.rank)
+                release(params[name], name=name, device=runner.worker.device,
+                        rank=runner.worker.rank)
         for name, (full, state) in self.full.items():
             param = params[name]
             with torch.no_grad():
@@ -270,10 +272,13 @@ class _Restore:
                                       for k, v in state.items()}
         for name, (values, state) in self.shards.items():
             table = tables[name]
-            table.settle()  # deferred steps belong to the values being replaced
-            with torch.no_grad():
-                table.shard.copy_(values)  # in place: the partitions view the shard's storage
-            runner.shard_optimizer.set_table_state(table, state)
+            held = table.held
+            if held is None:
+                raise CheckpointError(f"'{name}' is no longer held by the servers")
+            held.settle()  # deferred steps belong to the values being replaced
+            with torch.no_grad():  # in place: the partitions view the shard's storage
+                held.server_shard().copy_(values)
+            runner.shard_optimizer.set_table_state(held, state)
             table.zero_grad()
         if self.rng is not None:
             _set_rng_state(self.rng)
@@ -320,13 +325,14 @@ def _prepare(runner: Run, directory: Path) -> _Restore:
     for name, table in tables.items():
         if name not in meta["tables"]:
             restore.from_model.append(name)
-        elif table.on_servers:
-            if table.shard is not None:
+        elif (held := table.held) is not None:
+            if held.shard is not None:
                 restore.shards[name] = _assemble_shard(
-                    table, [read(f) for f in meta["tables"][name]["files"]], directory,
+                    held, [read(f) for f in meta["tables"][name]["files"]], directory,
                     runner.worker.rank)
         else:
-            restore.full[name] = _assemble_full(table.replica, table.num_rows, table.row_shape,
+            restore.full[name] = _assemble_full(_replica(table), table.num_rows,
+                                                table.row_shape,
                                                 [read(f) for f in meta["tables"][name]["files"]])
     if meta["cluster"]["world_size"] == runner.worker.world_size:
         restore.rng = read(meta["rng_files"][str(runner.worker.rank)])
@@ -367,7 +373,8 @@ def _assemble_shard(table: ShardedTable, pieces: list[dict[str, Any]], directory
                     rank: int) -> tuple[Tensor, dict[str, Any]]:
     """This server's rows of ``table`` under its current partitioning, and their optimizer
     state, from pieces of any partitioning."""
-    values = torch.empty_like(table.shard)
+    shard = table.server_shard()
+    values = torch.empty_like(shard)
     rows: dict[str, Tensor] = {}
     filled = 0
     for piece in pieces:
@@ -377,14 +384,21 @@ def _assemble_shard(table: ShardedTable, pieces: list[dict[str, Any]], directory
         values[local] = piece["values"].to(table.device, table.dtype).reshape(
             -1, *table.row_shape)[mine]
         for key, value in piece["state"].items():
-            target = rows.setdefault(key, torch.zeros(table.shard.shape, dtype=value.dtype,
+            target = rows.setdefault(key, torch.zeros(shard.shape, dtype=value.dtype,
                                                       device=table.device))
             target[local] = value.to(table.device).reshape(-1, *table.row_shape)[mine]
         filled += int(mine.sum())
-    if filled != table.shard.shape[0]:
+    if filled != shard.shape[0]:
         raise CheckpointError(f"{directory}: table '{table.name}' restores {filled} of the "
-                              f"{table.shard.shape[0]} rows rank {rank} holds")
+                              f"{shard.shape[0]} rows rank {rank} holds")
     return values, ({**pieces[0]["scalars"], **rows} if rows or pieces[0]["scalars"] else {})
+
+
+def _replica(table: Table) -> torch.nn.Parameter:
+    """The parameter a replicated table holds whole on every worker."""
+    if table.replica is None:
+        raise CheckpointError(f"'{table.name}' is neither server-held nor replicated")
+    return table.replica
 
 
 def _assemble_full(param: torch.nn.Parameter, num_rows: int, row_shape: tuple[int, ...],

@@ -26,6 +26,7 @@ from parallax.engine.optimizers.shard_optimizer import (
     local_state_dict,
 )
 from parallax.engine.tables import handles
+from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table
 from parallax.errors import UnsupportedProgramError, UsageError
 from parallax.parallelism import Parallelism
@@ -82,7 +83,7 @@ class SingleDeviceView:
         table comes from its servers in chunks of rows written straight into the file
         (`parallax.checkpoint.streamed`). Returns ``path`` on rank 0, None elsewhere."""
         self.check_export()
-        held = {name: t for name, t in self.tables().items() if t.on_servers}
+        held = {name: h for name, t in self.tables().items() if (h := t.held) is not None}
         aliases = self._aliases()
         names = {name: aliases[id(self.params[name])] for name in held}
         with self.serving_global(), self.quiet():
@@ -143,7 +144,7 @@ class SingleDeviceView:
                     state["state"][index[id(param)]] = entry
         return state
 
-    def _gathered_state(self, table: Table, param: nn.Parameter) -> dict[str, Any]:
+    def _gathered_state(self, table: ShardedTable, param: nn.Parameter) -> dict[str, Any]:
         """The servers' optimizer state of ``table``'s rows, whole (collective)."""
         shard_state = (self.shard_optimizer.table_state(table)
                        if table.shard is not None else {})
@@ -151,7 +152,7 @@ class SingleDeviceView:
                 for key, value in shard_state.items()}
         everyone: list[Any] = [None] * self.worker.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
-        kinds = next((kinds for kinds in everyone if kinds), {})  # a server's (all alike)
+        kinds: dict[str, Any] = next((kinds for kinds in everyone if kinds), {})  # a server's
         entry = {}
         for key, kind in kinds.items():
             if isinstance(kind, str) and kind == "rows":
@@ -181,10 +182,10 @@ class SingleDeviceView:
 
     # ---- names -------------------------------------------------------------------------------
     def _held_by(self, optimizer: torch.optim.Optimizer,
-                 index: dict[int, int]) -> list[tuple[str, Table]]:
-        """The server-held tables whose parameters ``optimizer`` updates."""
-        return [(name, table) for name, table in self.tables().items()
-                if table.on_servers and id(self.params[name]) in index]
+                 index: dict[int, int]) -> list[tuple[str, ShardedTable]]:
+        """The server-held tables whose parameters ``optimizer`` updates (`Table.held`)."""
+        return [(name, held) for name, table in self.tables().items()
+                if (held := table.held) is not None and id(self.params[name]) in index]
 
     def _aliases(self) -> dict[int, list[str]]:
         """Per parameter (by id), every name it has in the state dict (tied ones several)."""

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from parallax.checkpoint.files import TMP_PREFIX, FileRecord, _fsync_dir, _record_of
-from parallax.errors import InternalError
+from parallax.errors import CheckpointError, InternalError
 
 __all__ = ["StreamedFile"]
 
@@ -70,8 +70,8 @@ class StreamedFile:
             with torch.serialization.skip_data():
                 torch.save(state, self.tmp)
         located = torch.load(self.tmp, map_location="meta", weights_only=True)
-        self.offsets = {name: value.untyped_storage()._checkpoint_offset
-                        + value.storage_offset() * value.element_size()
+        self.offsets = {name: _file_offset(name, value)
+                        + int(value.storage_offset()) * value.element_size()
                         for name, value in located.items() if isinstance(value, Tensor)}
         self._small = {name: value for name, value in state.items()
                        if isinstance(value, Tensor) and name not in self.tables
@@ -81,18 +81,18 @@ class StreamedFile:
         done = set()
         for name, value in self._small.items():
             # torch.save wrote each storage whole: so are its bytes here (once per storage)
-            start = self.offsets[name] - value.storage_offset() * value.element_size()
+            start = self.offsets[name] - int(value.storage_offset()) * value.element_size()
             if start not in done:
                 done.add(start)
                 storage = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
-                os.pwrite(self._fd, memoryview(storage.cpu().numpy()), start)
+                os.pwrite(self._fd, storage.cpu().numpy().data, start)
         return self
 
     def write_rows(self, name: str, ids: Tensor, rows: Tensor) -> None:
         """Rows ``ids`` (global, distinct) of table ``name`` take the values ``rows``."""
         shape, dtype = self.tables[name]
         rows = rows.detach().to("cpu", dtype).contiguous().view(len(ids), -1)
-        row_bytes = rows.shape[1] * rows.element_size()
+        row_bytes = int(rows.shape[1]) * rows.element_size()
         ids = ids.cpu()
         base = self.offsets[name]
         self.written[name] += len(ids)
@@ -100,11 +100,10 @@ class StreamedFile:
             return
         first = int(ids[0])
         if torch.equal(ids, torch.arange(first, first + len(ids))):
-            os.pwrite(self._fd, memoryview(rows.view(torch.uint8).numpy()),
-                      base + first * row_bytes)
+            os.pwrite(self._fd, rows.view(torch.uint8).numpy().data, base + first * row_bytes)
             return
         start = base // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        length = base - start + shape[0] * row_bytes
+        length = base - start + int(shape[0]) * row_bytes
         with mmap.mmap(self._fd, length, offset=start) as region:
             for at in range(0, len(ids), _SCATTER_ROWS):
                 view = torch.frombuffer(region, dtype=dtype, count=shape[0] * rows.shape[1],
@@ -130,3 +129,12 @@ class StreamedFile:
         self.record = _record_of(self.tmp)
         os.replace(self.tmp, self.out)
         _fsync_dir(self.out.parent)
+
+
+def _file_offset(name: str, value: Tensor) -> int:
+    """Where ``value``'s storage starts in the file ``torch.load`` mapped it from."""
+    offset = value.untyped_storage()._checkpoint_offset
+    if offset is None:
+        raise CheckpointError(f"torch.load gave no file offset for '{name}'s storage; this "
+                              f"torch does not record them (torch >= 2.13 does)")
+    return int(offset)

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
-from torch.distributed import PrefixStore, TCPStore
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
@@ -138,7 +138,7 @@ def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def _launch_config(agent: AgentSetup, log_dir: str, max_restarts: int = 0) -> LaunchConfig:
@@ -207,13 +207,13 @@ class _RestartableRendezvous(RendezvousHandler):
                               RendezvousStoreInfo(static.master_addr, port))
 
     def is_closed(self) -> bool:
-        return self._static.is_closed()
+        return bool(self._static.is_closed())
 
     def set_closed(self) -> None:
         self._static.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self._static.num_nodes_waiting()
+        return int(self._static.num_nodes_waiting())
 
     def get_run_id(self) -> str:
         return self._static.get_run_id()
@@ -338,7 +338,7 @@ class _RestartAnnouncer(logging.Filter):
             _role, state, left, total = args
             with contextlib.suppress(TypeError, ValueError):
                 print(f"parallax: worker group {str(state).lower()}; restarting all workers "
-                      f"(restart {int(total) - int(left) + 1} of {int(total)})",
+                      f"(restart {int(str(total)) - int(str(left)) + 1} of {int(str(total))})",
                       file=sys.stderr)
         return record.levelno >= self.threshold
 

@@ -16,8 +16,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, TypeAlias
 
 from parallax.cluster import ResourceSpec
 from parallax.errors import ArgumentError
@@ -123,7 +125,7 @@ class _Machine:
     where: str  # "host 10.0.0.2 (resources.txt line 2)"
     proc: subprocess.Popen[bytes]
     over_ssh: bool
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=30))
     reader: threading.Thread | None = None
 
     def relay_stderr(self) -> None:
@@ -193,12 +195,16 @@ def launch_machines(spec_file: str, spec: ResourceSpec, cmd: Sequence[str],
             signal.signal(signum, handler)
 
 
-def _catch_signals(caught: list[int]) -> dict[int, object]:
+#: what signal.signal takes and returns
+Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+def _catch_signals(caught: list[int]) -> dict[int, Handler]:
     """Record SIGINT and SIGTERM in ``caught`` (main thread only: elsewhere Python cannot set
     handlers); returns the handlers to put back."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    previous = {}
+    previous: dict[int, Handler] = {}
     for signum in (signal.SIGINT, signal.SIGTERM):
         previous[signum] = signal.signal(signum, lambda number, _frame: caught.append(number))
     return previous

@@ -235,12 +235,12 @@ def rewrite_gathers(
         if attr.op != "get_attr":
             continue
         value = _resolve(model, str(attr.target))
-        name = by_id.get(id(value)) if isinstance(value, nn.Parameter) else None
-        if name is None:
+        param_name = by_id.get(id(value)) if isinstance(value, nn.Parameter) else None
+        if param_name is None:
             continue
-        sub_name = _gather_module(gm, name, make_gather, added)
+        sub_name = _gather_module(gm, param_name, make_gather, added)
         for user in list(attr.users):
-            _redirect(gm.graph, user, attr, name, gather_params[name], sub_name)
+            _redirect(gm.graph, user, attr, param_name, gather_params[param_name], sub_name)
         gm.graph.erase_node(attr)
         _drop_attribute(gm, model, str(attr.target))
 
@@ -285,11 +285,12 @@ def _redirect(graph: fx.Graph, user: fx.Node, attr: fx.Node, name: str, param: n
     by a call of ``sub_name``; anything else is refused."""
     value = _metadata_value(user, attr, param)
     if value is not _NO_VALUE:
+        def replaced(node: fx.Node) -> Any:
+            return value if node is user else node
+
         for reader in list(user.users):
-            reader.args = fx.node.map_arg(reader.args, lambda n, u=user, v=value:
-                                          v if n is u else n)
-            reader.kwargs = fx.node.map_arg(reader.kwargs, lambda n, u=user, v=value:
-                                            v if n is u else n)
+            reader.args = fx.node.map_arg(reader.args, replaced)
+            reader.kwargs = fx.node.map_arg(reader.kwargs, replaced)
         graph.erase_node(user)
         return
     gather = _match_gather(user, attr, param.dim())

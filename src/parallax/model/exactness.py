@@ -45,11 +45,12 @@ def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse], config: Con
             "from one device. Untie the weight or drop the option; on a parameter read only "
             "by its embedding lookups parallax applies it exactly.")
     for name, use in sparse_uses.items():
-        options = use.batch_dependent
-        if options is not None and options.scale_grad_by_freq and (
+        dependent = use.batch_dependent
+        if dependent is not None and dependent.scale_grad_by_freq and (
                 use.sparse_grad or config.lazy_sparse_updates):
-            check_batch_dependent(name, options, sparse_grad=True)
-        if options is not None and options.scale_grad_by_freq and use.kind == "embedding_bag":
+            check_batch_dependent(name, dependent, sparse_grad=True)
+        if (dependent is not None and dependent.scale_grad_by_freq
+                and use.kind == "embedding_bag"):
             raise UnsupportedProgramError(
                 f"parameter '{name}': nn.EmbeddingBag(scale_grad_by_freq=True) at "
                 f"'{use.module_path}' has no single-device result to be equal to: torch 2.13's "

@@ -30,6 +30,7 @@ at the call, naming the operation.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ _recipes: dict[int, Recipe] = {}  # by the meta storage's identity (views and Pa
 
 
 def _key(tensor: Tensor) -> int:
-    return tensor.untyped_storage()._cdata
+    return int(tensor.untyped_storage()._cdata)
 
 
 def recipe_of(tensor: Tensor) -> Recipe | None:
@@ -224,7 +225,8 @@ def _recipe_or_raise(name: str, tensor: Tensor) -> Recipe:
 
 def _restore(param: nn.Parameter, recipe: Recipe) -> None:
     restore(param, recipe.materialise())
-    forget(recipe.holder)
+    if recipe.holder is not None:
+        forget(recipe.holder)
 
 
 def _deferred(value: Any) -> Recipe | None:
@@ -285,7 +287,7 @@ class _Deferring(TorchDispatchMode):
     """Creates the large factories' tensors on ``meta`` and records what initialises them."""
 
     def __init__(self, threshold_bytes: int):
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # (torch's is unannotated)
         self.threshold_bytes = threshold_bytes
         # meta scalar tensors made in the context (``t[i] = 0.5`` copies scalar_tensor(0.5),
         # made on ``meta`` beside its target): their numbers
@@ -297,7 +299,7 @@ class _Deferring(TorchDispatchMode):
         if func in _FACTORIES:
             return self._factory(func, args, kwargs)
         if func is _aten.scalar_tensor.default:
-            result = func(*args, **kwargs)
+            result: Tensor = func(*args, **kwargs)
             if result.device.type == "meta":
                 self._constants[_key(result)] = (args[0], result)  # result: no key reuse
             return result
@@ -320,15 +322,18 @@ class _Deferring(TorchDispatchMode):
             raise _refuse(f"{func}", "it writes into the tensor")
         if target is not None and name in _OUT_OF_PLACE:
             return self._out_of_place(func, args, kwargs, target)
-        return func(*args, **kwargs)  # views, shapes: no values needed
+        view: Tensor = func(*args, **kwargs)  # views, shapes: no values needed
+        return view
 
     def _factory(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         device = kwargs.get("device")
         if device is not None and torch.device(device).type != "cpu":
-            return func(*args, **kwargs)
-        shaped = func(*args, **{**kwargs, "device": torch.device("meta")})
+            result: Tensor = func(*args, **kwargs)
+            return result
+        shaped: Tensor = func(*args, **{**kwargs, "device": torch.device("meta")})
         if shaped.numel() * shaped.element_size() < self.threshold_bytes:
-            return func(*args, **kwargs)
+            small: Tensor = func(*args, **kwargs)
+            return small
         recipe = Recipe(tuple(shaped.shape), shaped.dtype, shaped.dtype, holder=shaped)
         fill = _FACTORIES[func]
         if fill is not None:
@@ -336,7 +341,8 @@ class _Deferring(TorchDispatchMode):
             if kind == "full":
                 kind, value = "fill", args[1]
             if kind == "fill":
-                recipe.steps.append(_Step(lambda c, g, v=value: c.fill_(v), f"fill({value})"))
+                recipe.steps.append(_Step(functools.partial(_fill, value=value),
+                                          f"fill({value})"))
             else:
                 generator = kwargs.get("generator")
                 step = _random_step(getattr(_aten, kind).default, (), {}, generator)
@@ -347,7 +353,7 @@ class _Deferring(TorchDispatchMode):
 
     def _random(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                 recipe: Recipe) -> Tensor:
-        target = args[0]
+        target: Tensor = args[0]
         if _rows_of(target, recipe) != (0, recipe.num_rows) or target.numel() != math.prod(
                 recipe.shape):
             raise _refuse(f"{func} on part of the tensor",
@@ -364,10 +370,11 @@ class _Deferring(TorchDispatchMode):
 
     def _elementwise(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                      recipe: Recipe) -> Tensor:
-        target = args[0]
+        target: Tensor = args[0]
         rows = _rows_of(target, recipe)
         extra, named = self._scalars(func, args[1:], kwargs)
-        recipe.steps.append(_Step(lambda c, g, f=func, a=extra, k=named: f(c, *a, **k),
+        recipe.steps.append(_Step(functools.partial(_apply_op, func=func, args=extra,
+                                                    kwargs=named),
                                   _describe(func, extra),
                                   None if rows == (0, recipe.num_rows) else rows))
         return target
@@ -389,8 +396,8 @@ class _Deferring(TorchDispatchMode):
         if _rows_of(args[0], recipe) != (0, recipe.num_rows):
             raise _refuse(f"{func} of part of the tensor", "only whole tensors replay")
         extra, named = self._scalars(func, args[1:], kwargs)
-        result = func(*args, **kwargs)
-        step = _Step(lambda c, g, f=func, a=extra, k=named: f(c, *a, **k),
+        result: Tensor = func(*args, **kwargs)
+        step = _Step(functools.partial(_apply_op, func=func, args=extra, kwargs=named),
                      _describe(func, extra))
         _recipes[_key(result)] = Recipe(tuple(result.shape), result.dtype, recipe.start_dtype,
                                         [*recipe.steps, step], holder=result)
@@ -405,8 +412,27 @@ def _describe(func: Any, args: tuple[Any, ...]) -> str:
 def _random_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  generator: torch.Generator | None) -> _Step:
     state = (generator or torch.default_generator).get_state()
-    return _Step(lambda c, g, f=func, a=args, k=kwargs: f(c, *a, generator=g, **k),
+    return _Step(functools.partial(_apply_random_op, func=func, args=args, kwargs=kwargs),
                  _describe(func, args), rng_state=state)
+
+
+def _fill(chunk: Tensor, generator: torch.Generator | None, *, value: Any) -> Tensor:
+    """A recorded ``fill_`` (``full``, ``ones``, ``zeros``...) on ``chunk``."""
+    return chunk.fill_(value)
+
+
+def _apply_op(chunk: Tensor, generator: torch.Generator | None, *, func: Any,
+              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    """A recorded deterministic op on ``chunk``."""
+    result: Tensor = func(chunk, *args, **kwargs)
+    return result
+
+
+def _apply_random_op(chunk: Tensor, generator: torch.Generator | None, *, func: Any,
+                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    """A recorded random op on ``chunk``, drawing from ``generator``."""
+    result: Tensor = func(chunk, *args, generator=generator, **kwargs)
+    return result
 
 
 def _advance(recipe: Recipe, step: _Step, generator: torch.Generator | None) -> None:

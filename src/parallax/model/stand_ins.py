@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.engine.tables.table import Table
-from parallax.errors import ArgumentTypeError
+from parallax.errors import ArgumentTypeError, InternalError
 from parallax.model.detect import SparseUse, rewrite_gathers
 
 
@@ -46,14 +46,18 @@ def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
     for name, use in sparse_uses.items():
         if use.kind == "gather":
             continue
-        original = model.get_submodule(use.module_path)
-        if use.kind == "embedding":
+        path = use.module_path
+        original = model.get_submodule(path) if path is not None else None
+        if isinstance(original, nn.Embedding):
             stand_in: nn.Module = ShardedEmbedding(table_of(name), original.padding_idx)
-        else:
+        elif isinstance(original, nn.EmbeddingBag):
             stand_in = ShardedEmbeddingBag(table_of(name), mode=original.mode,
                                            padding_idx=original.padding_idx,
                                            include_last_offset=original.include_last_offset)
-        parent_path, _, child = use.module_path.rpartition(".")
+        else:
+            raise InternalError(f"'{name}' ({use.kind}) is read by {type(original).__name__} "
+                                f"at {path!r}, not by an embedding layer")
+        parent_path, _, child = str(path).rpartition(".")
         executed.get_submodule(parent_path).register_module(child, stand_in)
     return executed
 
@@ -106,7 +110,20 @@ def _padding_row(table: Table, ids: Tensor, inverse: Tensor,
     return int(inverse.reshape(-1)[hits[0, 0]]) if hits.numel() else None
 
 
-class ShardedEmbedding(nn.Module):
+class TableLookup(nn.Module):
+    """A stand-in layer: its rows come from ``table`` (`parallax.engine.tables.table.Table`)."""
+
+    table: Table
+
+
+def table_read_by(module: nn.Module) -> Table:
+    """The table a stand-in layer reads (what the id program names by the layer's path)."""
+    if not isinstance(module, TableLookup):
+        raise InternalError(f"{type(module).__name__} is not a stand-in layer of a table")
+    return module.table
+
+
+class ShardedEmbedding(TableLookup):
     """Replaces ``nn.Embedding``: same output, rows come from the parameter servers."""
 
     def __init__(self, table: Table, padding_idx: int | None = None):
@@ -123,7 +140,7 @@ class ShardedEmbedding(nn.Module):
         return f"'{self.table.name}', rows={self.table.num_rows}, padding_idx={self.padding_idx}"
 
 
-class ShardedEmbeddingBag(nn.Module):
+class ShardedEmbeddingBag(TableLookup):
     """Replaces ``nn.EmbeddingBag`` (sum / mean / max bags, offsets, per-sample weights)."""
 
     def __init__(self, table: Table, *, mode: str, padding_idx: int | None,
@@ -147,7 +164,7 @@ class ShardedEmbeddingBag(nn.Module):
         return f"'{self.table.name}', rows={self.table.num_rows}, mode={self.mode}"
 
 
-class ShardedGather(nn.Module):
+class ShardedGather(TableLookup):
     """Replaces a row gather on a plain parameter found by tracing (``F.embedding(ids, w)``,
     ``w[ids]``, ``w.index_select(0, ids)``): returns the gathered rows."""
 

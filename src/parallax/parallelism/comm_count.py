@@ -31,7 +31,7 @@ class CollectiveCounter(TorchDispatchMode):
     counts the calls in ``calls[group_name]``. ``sizes`` gives each group's size by name."""
 
     def __init__(self, sizes: dict[str, int]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # (torch's is unannotated)
         self.sizes = sizes
         self.sent: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)

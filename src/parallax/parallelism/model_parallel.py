@@ -65,12 +65,12 @@ class ShardedGradNorm:
         grad = self.param.grad
         if grad is None:
             return torch.zeros((), dtype=torch.float64)
-        local = grad.to_local()
-        return torch.linalg.vector_norm(local, dtype=torch.float64) ** 2 / self.copies
+        squared: Tensor = torch.linalg.vector_norm(_local(grad), dtype=torch.float64) ** 2
+        return squared / self.copies
 
     def scale_grad(self, factor: Tensor) -> None:
         if self.param.grad is not None:
-            local = self.param.grad.to_local()
+            local = _local(self.param.grad)
             local.mul_(factor.to(local.dtype))
 
 
@@ -141,7 +141,7 @@ class ModelParallel:
         self._record_model()
         if self.grid.data == 1:
             return
-        grads = [_local(p.grad) for p in self._with_gradients()]
+        grads = [_local(grad) for p in self._with_gradients() if (grad := p.grad) is not None]
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for grad in grads:
             by_dtype.setdefault(grad.dtype, []).append(grad)
@@ -224,7 +224,8 @@ class ModelParallel:
         (collective within the model group)."""
         state = dict(state)
         for name in sorted(self.sharded):
-            state[name] = self.sharded[name].detach().full_tensor()
+            with torch.no_grad():
+                state[name] = self.sharded[name].full_tensor()
         return state
 
     def load_plain_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -62,7 +62,7 @@ def plan_splits(module: nn.Module, group_size: int) -> list[LinearSplit]:
             path = f"{parent_path}.{name}" if parent_path else name
             if path in kinds or not _splittable(child, group_size, shared):
                 continue
-            if child.out_features < group_size:
+            if not isinstance(child, nn.Linear) or child.out_features < group_size:
                 continue
             j = i + 1
             while j < len(children) and isinstance(children[j][1], ELEMENTWISE):

@@ -115,7 +115,8 @@ def search_partitions(measure: Callable[[int], float], start: int, *,
         try:
             partitions = search.send(measure(partitions))
         except StopIteration as done:
-            return done.value
+            result: SearchResult = done.value
+            return result
 
 
 def second_half_mean(durations: list[float]) -> float:

@@ -32,6 +32,7 @@ from parallax.engine.tables.layout import Layout, Placement
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table
+from parallax.errors import InternalError
 from parallax.model.detect import SparseUse
 from parallax.model.meta_init import recipe_of
 from parallax.planning import cost
@@ -175,6 +176,8 @@ def _row_bytes(table: Table) -> int:
 def _ps_bytes(table: Table, measured: Sparsity, worker: WorkerInfo, *, aggregated: bool) -> float:
     """Predicted PS bytes of ``table`` at its measured α (α_m when ``aggregated``)."""
     alpha = measured.alpha_machine if aggregated else measured.alpha
+    if alpha is None:
+        raise InternalError(f"'{table.name}': no machine-level α measured; please report it")
     return cost.ps_rows(alpha * table.num_rows, _row_bytes(table), _shape(worker),
                         local_aggregation=aggregated)
 
@@ -274,9 +277,10 @@ def greedy_placement(dense: dict[str, nn.Parameter], sparse: dict[str, Table],
     fewest bytes so far (sparse shards included)."""
     load = [0] * num_servers
     for table in sparse.values():
-        if table.on_servers:
+        held = table.held
+        if held is not None:
             row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
-            for server, rows in enumerate(table.partitioning.shard_rows):
+            for server, rows in enumerate(held.partitioning.shard_rows):
                 load[server] += rows * row_bytes
     placement = {}
     by_size = sorted(dense.items(), key=lambda item: (-item[1].nbytes, item[0]))

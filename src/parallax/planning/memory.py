@@ -14,7 +14,7 @@ add the resident memory measured before the model is built.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +90,7 @@ def _held(tensors: Iterable[tuple[Tensor, Tensor]],
     return estimate
 
 
-def predict_memory(module: nn.Module, tables: dict[str, Table], user_params: dict[str, Tensor],
+def predict_memory(module: nn.Module, tables: dict[str, Table], user_params: Mapping[str, Tensor],
                    optimizers: Sequence[torch.optim.Optimizer], *, uses_ddp: bool,
                    pulled_whole: Iterable[str] = ()) -> MemoryEstimate:
     """This rank's `MemoryEstimate`: ``module``'s parameters that hold values (the executed

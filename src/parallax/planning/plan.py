@@ -70,15 +70,17 @@ class Plan:
     @property
     def alpha_model(self) -> float | None:
         """Element-weighted mean α over all trainable parameters (dense ones count as 1)."""
-        if any(p.sparse and p.alpha is None for p in self.parameters):
+        alphas = [(math.prod(p.shape), p.alpha if p.sparse else 1.0) for p in self.parameters]
+        if any(alpha is None for _, alpha in alphas):
             return None
-        total = sum(math.prod(p.shape) for p in self.parameters)
-        used = sum(math.prod(p.shape) * (p.alpha if p.sparse else 1.0) for p in self.parameters)
+        total = sum(size for size, _ in alphas)
+        used = sum(size * alpha for size, alpha in alphas if alpha is not None)
         return used / total if total else None
 
     def predicted_total(self, architecture: str) -> float | None:
         values = [p.predicted_bytes.get(architecture) for p in self.parameters]
-        return None if any(v is None for v in values) else sum(values)
+        known = [v for v in values if v is not None]
+        return None if len(known) < len(values) else sum(known)
 
     @classmethod
     def build(cls, model: nn.Module, sparse: dict[str, SparseUse], *,

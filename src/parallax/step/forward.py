@@ -8,6 +8,7 @@ Also the batch helpers the runner needs (device moves, target counts, shapes).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -18,8 +19,9 @@ from torch import Tensor, nn
 
 from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.tables.layout import Layout
-from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.table import Table
 from parallax.model.lookahead import build_id_program
+from parallax.model.stand_ins import table_read_by
 from parallax.step.sync_modes import SyncMode
 
 __all__ = ["Forward", "evaluating", "mean_loss", "numel", "shapes", "to_device"]
@@ -44,33 +46,29 @@ class Forward:
                             for name, table in layout.pulled_whole.items()}
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        ahead = self._pull_ahead(args, kwargs)
-        try:
-            with self.phases.phase("forward"):
-                if not self.whole_pulls:
-                    return self.module()(*args, **kwargs)
-                pulled = {name: table.lookup(rows)[0].view(shape)
-                          for name, (table, rows, shape) in self.whole_pulls.items()}
-                return torch.func.functional_call(self.module(), pulled, args, kwargs)
-        finally:
-            for table in ahead:
-                table.prefetched = None
+        with self._pulled_ahead(args, kwargs), self.phases.phase("forward"):
+            if not self.whole_pulls:
+                return self.module()(*args, **kwargs)
+            pulled = {name: table.lookup(rows)[0].view(shape)
+                      for name, (table, rows, shape) in self.whole_pulls.items()}
+            return torch.func.functional_call(self.module(), pulled, args, kwargs)
 
-    def _pull_ahead(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[ShardedTable]:
-        """Pull the rows this forward will read; returns the tables served from them."""
-        wanted: dict[str, tuple[ShardedTable, list[Tensor]]] = {}
+    def _pulled_ahead(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      ) -> contextlib.AbstractContextManager[None]:
+        """Pull the rows this forward will read; inside, lookups read them."""
+        wanted: dict[str, tuple[Table, list[Tensor]]] = {}
         if self.id_program is not None:
             with self.phases.phase("id look-ahead"):
                 for path, ids in self.id_program(*args, **kwargs):
-                    table = self.executed.get_submodule(path).table
+                    table = table_read_by(self.executed.get_submodule(path))
                     if table.on_servers:  # replicated tables look up locally
                         wanted.setdefault(table.name, (table, []))[1].append(ids)
         for name, (table, rows, _) in self.whole_pulls.items():
             wanted[name] = (table, [rows])
-        if wanted:
-            self.sync_mode.prefetch([table for table, _ in wanted.values()],
-                                    [ids for _, ids in wanted.values()])
-        return [table for table, _ in wanted.values()]
+        if not wanted:
+            return contextlib.nullcontext()
+        return self.sync_mode.prefetch([table for table, _ in wanted.values()],
+                                       [ids for _, ids in wanted.values()])
 
 
 def mean_loss(forward: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor],

@@ -24,6 +24,7 @@ from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
 from parallax.errors import PlanComplete
 from parallax.model.detect import SparseUse
+from parallax.model.stand_ins import TableLookup
 from parallax.parallelism import Parallelism
 from parallax.partitions.repartition import repartition
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
@@ -127,10 +128,11 @@ class PlanKeeper:
                 self.decisions[name] = (f"stays on the servers (sync="
                                         f"{str(self.config.sync)!r}); {why}")
                 move = False
-            if not move:
+            held = table.held
+            if not move or held is None:  # (replicated tables are there already)
                 continue
             self._replace_table(table, move_to_allreduce(
-                table, self.params[name], self.optimizers, self.shard_optimizer,
+                held, self.params[name], list(self.optimizers), self.shard_optimizer,
                 worker=self.worker, group=self.group))
             self.replicated.append(self.params[name])
             self.decisions[name] = why
@@ -155,7 +157,7 @@ class PlanKeeper:
     def _replace_table(self, old: Table, new: Table) -> None:
         self.layout.replace(new)
         for module in self.executed.modules():
-            if getattr(module, "table", None) is old:
+            if isinstance(module, TableLookup) and module.table is old:
                 module.table = new
 
     # ---- the partition search ----------------------------------------------------------------
@@ -175,11 +177,12 @@ class PlanKeeper:
                                "set Config.num_partitions before training")
         wanted = None if names is None else set(names)
         for name, table in self.layout.sparse.items():
-            if not table.on_servers or (wanted is not None and name not in wanted):
+            held = table.held
+            if held is None or (wanted is not None and name not in wanted):
                 continue
-            if table.partitioning.num_partitions == num_partitions:
+            if held.partitioning.num_partitions == num_partitions:
                 continue
-            repartition(table, num_partitions, self.shard_optimizer)
+            repartition(held, num_partitions, self.shard_optimizer)
             self.layout.repartitioned(name, num_partitions)
         self.build()
 

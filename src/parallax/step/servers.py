@@ -28,13 +28,13 @@ def hand_over(tables: dict[str, Table], params: dict[str, nn.Parameter],
     with the user's state adopted and the user's server-held parameters released."""
     for table in tables.values():
         table.pool = pool
+    held = {name: table.held for name, table in tables.items() if table.held is not None}
     shard_optimizer = ShardOptimizer(optimizers, {
-        id(params[name]): table.held for name, table in tables.items()
-        if table.shard is not None}, pool)
-    for name, table in tables.items():
-        if table.on_servers:
-            param = params[name]
-            shard_optimizer.adopt_user_state(table.held, param, optimizers)
-            release(param, name=name, device=worker.device, rank=worker.rank)
-            forget(param)  # a meta_init recipe, replayed by the servers already
+        id(params[name]): table for name, table in held.items() if table.shard is not None},
+        pool)
+    for name, table in held.items():
+        param = params[name]
+        shard_optimizer.adopt_user_state(table, param, optimizers)
+        release(param, name=name, device=worker.device, rank=worker.rank)
+        forget(param)  # a meta_init recipe, replayed by the servers already
     return shard_optimizer

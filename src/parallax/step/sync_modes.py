@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -40,7 +40,7 @@ from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
 from parallax.engine.tables.early_push import EarlyPush
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.layout import Layout
-from parallax.engine.tables.server_table import prefetch
+from parallax.engine.tables.server_table import ShardedTable, prefetch
 from parallax.engine.tables.table import Table, push_all
 from parallax.errors import UnsupportedProgramError
 from parallax.model.detect import SparseUse
@@ -68,8 +68,10 @@ class SyncMode:
         self.shard_optimizer: ShardOptimizer | None = None  # given by `start`
 
     # ---- the step ----------------------------------------------------------------------------
-    def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]]) -> None:
-        """Pull, in one exchange, the rows of ``ids`` (per table) the coming forward reads."""
+    def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]],
+                 ) -> contextlib.AbstractContextManager[None]:
+        """Pull now, in one exchange, the rows of ``ids`` (per server-held table) that the
+        coming forward reads; while inside, the tables' lookups are served from them."""
         raise NotImplementedError
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
@@ -133,8 +135,16 @@ class Synchronous(SyncMode):
         # Runner.step's gradient rows leave during its backward (Config.overlap_push)
         self.early = EarlyPush(worker.rank) if config.overlap_push else None
 
-    def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]]) -> None:
-        prefetch(tables, ids)  # server-held: ShardedTables
+    @contextlib.contextmanager
+    def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]],
+                 ) -> Iterator[None]:
+        held = _server_held(tables)
+        prefetch(held, ids)
+        try:
+            yield
+        finally:
+            for table in held:
+                table.prefetched = None
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
              step: int) -> bool:
@@ -179,7 +189,7 @@ class Synchronous(SyncMode):
     def before_backward(self) -> None:
         """`Config.overlap_push`: the server-held rows leave during the backward."""
         if self.early is not None:
-            self.early.arm([t for t in self.layout.all_tables().values() if t.on_servers])
+            self.early.arm(_server_held(self.layout.all_tables().values()))
 
     def after_warmup(self, group: dist.ProcessGroup) -> None:
         """The early push learns the tables' backward order."""
@@ -200,15 +210,23 @@ class Asynchronous(SyncMode):
                          traffic=traffic)
         _refuse_batch_dependent(sparse_uses, config)
         self.training = AsyncTraining(
-            {n: t for n, t in layout.all_tables().items() if t.on_servers},
+            {n: held for n, t in layout.all_tables().items() if (held := t.held) is not None},
             worker=worker, max_staleness=config.max_staleness,
             timeout_s=config.collective_timeout_s, traffic=traffic)
         for name, table in self.training.tables.items():
             kind: dict[str, Any] = layout.sparse if name in layout.sparse else layout.pulled_whole
             kind[name] = table
 
-    def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]]) -> None:
-        AsyncTable.prefetch_together(tables, ids)
+    @contextlib.contextmanager
+    def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]],
+                 ) -> Iterator[None]:
+        wrappers = [self.training.tables[table.name] for table in tables]
+        AsyncTable.prefetch_together(wrappers, ids)
+        try:
+            yield
+        finally:
+            for table in wrappers:
+                table.prefetched = None
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
              step: int) -> bool:
@@ -289,6 +307,11 @@ class Asynchronous(SyncMode):
     def require_aligned(self, what: str, fix: str) -> None:
         raise UnsupportedProgramError(
             f"rank {self.worker.rank}: {what} under sync={str(self.config.sync)!r}: {fix}")
+
+
+def _server_held(tables: Iterable[Table]) -> list[ShardedTable]:
+    """The synchronous server-held tables among ``tables`` (their `Table.held`)."""
+    return [held for table in tables if (held := table.held) is not None]
 
 
 def _refuse_batch_dependent(sparse_uses: dict[str, SparseUse], config: Config) -> None:

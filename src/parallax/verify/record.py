@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -112,7 +113,8 @@ def _update_run(directory: str, *, kind: str | None = None, hints: list[str]) ->
     """Set `RUN_FILE`'s kind (when given) and add the hints it does not hold yet."""
     path = Path(directory) / RUN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    run = json.loads(path.read_text()) if path.exists() else {"kind": "", "hints": []}
+    run: dict[str, Any] = (json.loads(path.read_text()) if path.exists()
+                           else {"kind": "", "hints": []})
     if kind is not None:
         run["kind"] = kind
     run["hints"] += [hint for hint in hints if hint not in run["hints"]]

@@ -48,7 +48,8 @@ class ReferenceModel(ModuleWrapper):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         module = self.module
-        with module.no_sync() if hasattr(module, "no_sync") else contextlib.nullcontext():
+        with (module.no_sync() if isinstance(module, DistributedDataParallel)
+              else contextlib.nullcontext()):
             yield
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:  # type: ignore[override]

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.errors import AsyncServerError
 
@@ -71,7 +72,8 @@ class AsyncChannel:
         return torch.empty((count, *t.row_shape), dtype=t.dtype)
 
     def send(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
-        return self.group.send([tensor.contiguous()], dst, tag)
+        work: dist.Work = self.group.send([tensor.contiguous()], dst, tag)
+        return work
 
     def recv(self, tensor: Tensor, src: int, tag: int, what: str) -> Tensor:
         """Receive into ``tensor`` from ``src``, waiting at most the run's timeout."""
@@ -101,7 +103,7 @@ class ServerState:
         self.timeout_s = timeout_s
         self.lock = threading.RLock()
         self.applied = threading.Condition(self.lock)
-        self.optimizer = None  # the ShardOptimizer, set once the runner has built it
+        self.optimizer: ShardOptimizer | None = None  # set once the runner has built it
         self.updates = 0        # optimizer steps applied (one per push, or per step)
         self.applied_rows: dict[str, Tensor] = {}  # per table: sum of applied gradient rows
         self.count_applied = False  # tests: keep `applied_rows` (costs an index_add per push)
@@ -118,7 +120,7 @@ class ServerState:
                 local = table.partitioning.local_row(table_ids)
                 if table.before_read is not None:
                     table.before_read(local)  # deferred steps first
-                out.append(table.shard.detach()[local].clone())
+                out.append(table.server_shard().detach()[local].clone())
         return out
 
     def push(self, rank: int, step: int, counts: Sequence[int], ids: Tensor,

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import distributed_c10d
 
 from parallax.cluster import WorkerInfo
@@ -41,8 +42,10 @@ from parallax.engine.asynchronous.async_server import (
 )
 from parallax.engine.asynchronous.async_table import AsyncTable
 from parallax.engine.diagnostics import phases
+from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.server_table import ShardedTable
+from parallax.errors import InternalError
 
 __all__ = ["AsyncTraining", "StalenessGate"]
 
@@ -67,14 +70,14 @@ class StalenessGate:
     steps ahead of the slowest (``None``: no bound)."""
 
     def __init__(self, rank: int, world_size: int, bound: int | None, timeout_s: float,
-                 store: dist.Store | None = None):
+                 store: Store | None = None):
         self.rank = rank
         self.world_size = world_size
         self.bound = bound
         self.timeout_s = timeout_s
         base = store if store is not None else distributed_c10d._get_default_store()
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.store = dist.PrefixStore(f"parallax/async/{restart}/{next(_serial)}", base)
+        self.store = PrefixStore(f"parallax/async/{restart}/{next(_serial)}", base)
         self.waited_s = 0.0
         self.lags: list[int] = []  # per bounded step: how far ahead of the slowest it began
 
@@ -152,13 +155,19 @@ class AsyncTraining:
             global _previous_hook
             _previous_hook, sys.excepthook = sys.excepthook, _note_failure
 
-    def start(self, shard_optimizer: object, step: int) -> None:
+    def start(self, shard_optimizer: ShardOptimizer, step: int) -> None:
         """Serve: the servers' optimizer is built and the initial values are in place."""
         if self.state is not None:
             self.state.optimizer = shard_optimizer
         self.gate.start(step)
         if self.thread is not None:
             self.thread.start()
+
+    def _own_state(self) -> ServerState:
+        """This process's server state (only a server serves its own rows)."""
+        if self.state is None:
+            raise InternalError(f"rank {self.rank} is no server; please report it")
+        return self.state
 
     # ---- per step ----------------------------------------------------------------------
     def before_step(self, step: int) -> None:
@@ -199,7 +208,8 @@ class AsyncTraining:
         for server, items in by_server.items():
             counts, ids = self._counts(items, indices)
             if server == self.rank:
-                for (k, where, _), rows in zip(items, self.state.pull(counts, ids), strict=True):
+                pulled = self._own_state().pull(counts, ids)
+                for (k, where, _), rows in zip(items, pulled, strict=True):
                     out[k][where] = rows
             else:
                 sends += self._send(server, PULL, counts, ids)
@@ -230,7 +240,7 @@ class AsyncTraining:
             counts, ids = self._counts(items, indices)
             grads = [taken[k][1][where] for k, where, _ in items]
             if server == self.rank:
-                done = self.state.push(self.rank, self.step, counts, ids, grads, skip=skip)
+                done = self._own_state().push(self.rank, self.step, counts, ids, grads, skip=skip)
                 for rank in done:
                     if rank != self.rank:
                         self.channel.send(torch.ones(1), rank, _REPLY).wait()
@@ -244,7 +254,7 @@ class AsyncTraining:
             self.channel.recv(torch.empty(1), server, _REPLY,
                               f"acknowledgement of step {self.step}'s push")
         if not acknowledged:
-            self.state.wait_applied(self.step)
+            self._own_state().wait_applied(self.step)
         for work in sends:
             work.wait()
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from parallax.config import QSGD, DenseSyncName
@@ -33,7 +34,7 @@ from parallax.engine.dense_sync.qsgd_codec import QSGDCodec
 from parallax.engine.dense_sync.state import DenseSyncState
 from parallax.engine.tables.exchange import Traffic
 
-CommHook = Callable[[DenseSyncState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+CommHook = Callable[[DenseSyncState, GradBucket], torch.futures.Future[torch.Tensor]]
 
 #: every dense-synchronisation strategy, by the name `Config.dense_sync` gives it
 HOOKS: dict[DenseSyncName, CommHook] = {

@@ -9,14 +9,20 @@ the ring crosses machines as often as ranks do, so machine links carry more than
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 
 from parallax.engine.dense_sync.state import DenseSyncState
+from parallax.errors import InternalError
 
 
-def flat_allreduce(state: DenseSyncState, bucket: dist.GradBucket,
+def flat_allreduce(state: DenseSyncState, bucket: GradBucket,
                    ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: asynchronous AllReduce of the bucket; bytes counted per parameter."""
     for name, piece in state.pieces(bucket):
         state.traffic.record_ring_allreduce(name, piece.numel() * piece.element_size())
     work = dist.all_reduce(bucket.buffer(), async_op=True)
-    return work.get_future().then(lambda done: state.finish(done.value()[0]))
+    if work is None:  # (async_op=True always gives a Work)
+        raise InternalError("all_reduce(async_op=True) returned no work")
+    summed: torch.futures.Future[torch.Tensor] = work.get_future().then(
+        lambda done: state.finish(done.value()[0]))
+    return summed

@@ -8,14 +8,14 @@ bytes on each machine's link, which the plan predicts.
 import time
 
 import torch
-import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 
 from parallax.engine.dense_sync.state import DenseSyncState
 from parallax.engine.diagnostics import phases
 from parallax.engine.tables import hierarchy
 
 
-def hierarchical_allreduce(state: DenseSyncState, bucket: dist.GradBucket,
+def hierarchical_allreduce(state: DenseSyncState, bucket: GradBucket,
                            ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: AllReduce the bucket machine by machine and count its bytes per
     parameter. The three collectives run before the hook returns: the backward waits for them

@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 
 from parallax.engine.dense_sync.state import DenseSyncState
 from parallax.engine.diagnostics import phases
@@ -22,7 +23,7 @@ from parallax.engine.diagnostics import phases
 TRAFFIC_NAME = "dense (qsgd)"
 
 
-def qsgd_allgather(state: DenseSyncState, bucket: dist.GradBucket,
+def qsgd_allgather(state: DenseSyncState, bucket: GradBucket,
                    ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: quantise, all_gather the codes, decode and sum (then average)."""
     with phases.phase("dense sync"):

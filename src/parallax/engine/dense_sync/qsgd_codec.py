@@ -27,7 +27,7 @@ class QSGDCodec:
     @property
     def levels(self) -> int:
         """``s``: the largest level; a value is one of ``‖v_b‖·k/s``, ``k in [-s, s]``."""
-        return 2 ** (self.bits - 1) - 1
+        return int(2 ** (self.bits - 1) - 1)
 
     def encoded_bytes(self, n: int, dtype: torch.dtype) -> int:
         """Bytes of the payload of ``n`` values of ``dtype``: one norm per bucket, ``bits``

@@ -154,7 +154,8 @@ class ServerSync:
         pulled = self._from_servers(replies, [self._count(s, full) for s in range(
             len(self.servers))])
         for s, (start, end) in enumerate(self.ranges):
-            where = slice(start, end) if picks[s] is None else start + picks[s]
+            pick = picks[s]
+            where = slice(start, end) if pick is None else start + pick
             flat[where] = pulled[s]
             self.base[where] = pulled[s]
         self._write(flat)
@@ -207,7 +208,7 @@ class ServerSync:
         count = self._count(self.server, full)
         core = self.core[self.server] if not full else None
         update = torch.zeros_like(self.values)
-        picks = []
+        picks: list[Tensor | None] = []
         for worker, payload in enumerate(received):
             values = (self.codec.decode(payload, count, self.dtype) if self.codec
                       else payload)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 
 from parallax.engine.dense_sync.qsgd_codec import QSGDCodec
 from parallax.engine.tables.exchange import Traffic
@@ -29,7 +29,7 @@ class DenseSyncState:
     generator: torch.Generator | None = None
     seconds: float = 0.0
 
-    def pieces(self, bucket: dist.GradBucket) -> list[tuple[str, torch.Tensor]]:
+    def pieces(self, bucket: GradBucket) -> list[tuple[str, torch.Tensor]]:
         """Each parameter's slice of the bucket's flat buffer, with its name."""
         buffer = bucket.buffer()
         out, offset = [], 0

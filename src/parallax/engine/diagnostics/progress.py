@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import distributed_c10d
 
 from parallax.errors import StalledRankError, UnevenInputsError, UsageError
@@ -61,12 +62,12 @@ class Progress:
     """This rank's records in the job's store (collective-free: each rank writes its own key)."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float,
-                 store: dist.Store | None = None):
+                 store: Store | None = None):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         base = store if store is not None else distributed_c10d._get_default_store()
-        self.store: dist.Store | None = dist.PrefixStore(_PREFIX, base)
+        self.store: Store | None = PrefixStore(_PREFIX, base)
         self.steps = 0
         self.ended = False
         self.current = "done"
@@ -105,7 +106,8 @@ class Progress:
         self.ended = True
         try:
             self._write(self.steps, _ENDED)
-            self.store.set(_ENDED, str(self.rank))
+            if self.store is not None:
+                self.store.set(_ENDED, str(self.rank))
         except Exception:  # the launcher's store may already be gone at interpreter exit
             pass
         # Hold the store no longer than the process group does (a step after shutdown then

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 from torch.optim.sgd import sgd
 
+from parallax.errors import InternalError
+
 __all__ = ["FLUSH_EVERY", "DeferredRows", "sgd_rows", "zero_gradient_map"]
 
 # Steps recorded before every row of a partition is brought up to date (bounds the cost of a
@@ -126,9 +128,12 @@ def sgd_rows(part: Tensor, grad: Tensor, buf: Tensor | None, rows: Tensor, group
         part[rows] = values
     if momentum == 0:
         return buf
+    filled = buffers[0]
+    if filled is None:
+        raise InternalError("torch's sgd left no momentum buffer; please report it")
     if whole:
-        return buffers[0]
+        return filled
     if buf is None:
         buf = torch.zeros_like(part)
-    buf[rows] = buffers[0]
+    buf[rows] = filled
     return buf

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -55,10 +55,14 @@ class ServerTable(Protocol):
     group: dist.ProcessGroup
     sparse_grad: bool
     gradient_anywhere: bool  # False: no .grad on one device this step; its update is skipped
+    # its optimizer never writes gradients: they are zero outside the touched rows
+    grad_zero_elsewhere: bool
     # called with shard rows (None: all) before they are read or written (`catch_up`)
     before_read: Callable[[Tensor | None], None] | None
 
     def scatter_from_rank0(self, weight: Tensor) -> Tensor: ...
+
+    def touched_rows_by_part(self) -> list[Tensor]: ...
 
 
 def as_optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
@@ -79,7 +83,7 @@ def parameter_ids(optimizers: Sequence[torch.optim.Optimizer]) -> set[int]:
 
 
 def optimizer_of(optimizers: Sequence[torch.optim.Optimizer],
-                 param: nn.Parameter) -> torch.optim.Optimizer | None:
+                 param: Tensor) -> torch.optim.Optimizer | None:
     """The optimizer whose param groups hold ``param`` (None: it is not optimized)."""
     for opt in optimizers:
         if any(p is param for g in opt.param_groups for p in g["params"]):
@@ -175,7 +179,7 @@ class ShardOptimizer:
             owner = optimizer_class(self._owners[name][0])
             table.grad_zero_elsewhere = owner in PER_SHARD_OPTIMIZERS
 
-    def _rebuild(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
+    def _rebuild(self, states: Mapping[Tensor, Any]) -> None:
         """Server optimizers over the tables' current partitions, with ``states`` (keyed by
         partition parameter) carried over."""
         for server_opt, _, _ in self._slots:
@@ -229,7 +233,8 @@ class ShardOptimizer:
         dense_grads += self._touched_rows_only(wanted)
         deferred_steps = self._deferred_steps(wanted, dense_grads)
         try:
-            self.pool.run([server_opt.step for server_opt, _, _ in slots] + deferred_steps)
+            steps: list[Callable[[], object]] = [server_opt.step for server_opt, _, _ in slots]
+            self.pool.run([*steps, *deferred_steps])
         finally:
             for part, grad in dense_grads:
                 part.grad = grad
@@ -249,7 +254,8 @@ class ShardOptimizer:
         return eligible
 
     def _deferred_steps(self, wanted: set[int] | None,
-                        held: list[tuple[nn.Parameter, Tensor]]) -> list[Callable[[], None]]:
+                        held: list[tuple[nn.Parameter, Tensor | None]],
+                        ) -> list[Callable[[], None]]:
         """The deferred-SGD updates of this step, one task per partition; the partitions'
         gradients are taken from the servers' optimizers (which skip them) into ``held``."""
         tasks = []
@@ -318,7 +324,8 @@ class ShardOptimizer:
     def _state_of(self, part: nn.Parameter) -> dict[str, Any]:
         for server_opt, _, _ in self._slots:
             if part in server_opt.state:
-                return server_opt.state[part]
+                state: dict[str, Any] = server_opt.state[part]
+                return state
         return {}
 
     def table_state(self, table: ServerTable) -> dict[str, Any]:
@@ -363,7 +370,7 @@ class ShardOptimizer:
         rank = table.worker.rank
         layout = agree({key: ("rows" if is_per_row(value, param) else value)
                         for key, value in mine.items()}, rank=rank, group=table.group)
-        state = {}
+        state: dict[str, Any] = {}
         for key, kind in layout.items():
             if isinstance(kind, str) and kind == "rows":
                 state[key] = table.scatter_from_rank0(mine.get(key, param).detach())
@@ -382,14 +389,14 @@ class ShardOptimizer:
             self._deferred.pop(part, None)
         parts = {id(part) for part in table.parts}
         for server_opt, _, _ in self._slots:
-            for part in [p for p in server_opt.state if id(p) in parts]:
-                del server_opt.state[part]
+            for stale in [p for p in server_opt.state if id(p) in parts]:
+                del server_opt.state[stale]
         self.table_repartitioned(table, state)
 
     def table_repartitioned(self, table: ServerTable, state: dict[str, Any]) -> None:
         """Update ``table``'s new partitions from now on, with its shard's optimizer ``state``
         (as `table_state` returned it, rows already in the new shard's order)."""
-        states: dict[nn.Parameter, dict[str, Any]] = {}
+        states: dict[Tensor, Any] = {}
         if state:
             for part, (start, stop) in zip(table.parts, table.blocks, strict=True):
                 states[part] = {
@@ -418,7 +425,7 @@ def zero_gradient_is_identity(optimizer: torch.optim.Optimizer, group: dict[str,
     if group.get("weight_decay", 0) != 0 or group.get("fused"):
         return False
     if cls is torch.optim.SGD:
-        return group.get("momentum", 0) == 0
+        return bool(group.get("momentum", 0) == 0)
     return cls is torch.optim.Adagrad
 
 

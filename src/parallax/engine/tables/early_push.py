@@ -40,6 +40,7 @@ from parallax.engine.tables.server_table import (
     pending_pulls,
     start_push,
 )
+from parallax.errors import InternalError
 
 __all__ = ["MIN_GAP_S", "EarlyPush", "groups_from_arrivals"]
 
@@ -101,7 +102,7 @@ class EarlyPush:
     def _plan(self, records: list[_Pull]) -> list[tuple[_Pull, list[str]]]:
         """The items in launch order: the last pulls first (the backward meets them first),
         each pull's tables in the schedule's groups."""
-        items = []
+        items: list[tuple[_Pull, list[str]]] = []
         for record in reversed(records):
             if not can_push_early(record):
                 continue  # through the leader hop: pushed whole at sync_gradients
@@ -143,5 +144,8 @@ class EarlyPush:
         """Set the schedule from rank 0's last armed step (collective, once: at the plan)."""
         message = [groups_from_arrivals(self.last_arrivals) if self.rank == 0 else None]
         dist.broadcast_object_list(message, src=0, group=group)
-        self.schedule = message[0]
-        return self.schedule
+        schedule = message[0]
+        if schedule is None:
+            raise InternalError("rank 0 sent no push schedule; please report it")
+        self.schedule = schedule
+        return schedule

@@ -32,6 +32,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -109,7 +110,7 @@ def _name_of(func: Any) -> str:
 def _users_frame() -> Any:
     """The first frame outside torch and the standard library that led here, or None when
     that frame is parallax's own."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         if not (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR)
@@ -122,7 +123,7 @@ def _users_frame() -> Any:
 def program_line() -> str:
     """``file:line`` of the program's own code that led here (the first frame outside
     torch, the standard library and parallax), for messages; "" when there is none."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if not (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR)
@@ -136,7 +137,7 @@ def _callers_between(caller: Any) -> set[str]:
     """Names of the functions between the refused operation and the user's frame (torch's
     and the standard library's): what habit the program is in."""
     names = set()
-    frame = sys._getframe(3)
+    frame: FrameType | None = sys._getframe(3)
     while frame is not None and frame is not caller:
         names.add(frame.f_code.co_name)
         frame = frame.f_back

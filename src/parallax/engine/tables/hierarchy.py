@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from parallax.cluster import WorkerInfo
 from parallax.engine.tables.exchange import Traffic
+from parallax.errors import InternalError
 
 __all__ = ["account", "all_reduce", "join", "leave"]
 
@@ -52,6 +53,8 @@ def join(worker: WorkerInfo, *, backend: str, timeout: timedelta) -> None:
             mine = group
     leaders = dist.new_group(list(worker.server_ranks), backend=backend, timeout=timeout)
     leader = worker.server_ranks[worker.machine]
+    if mine is None:
+        raise InternalError(f"rank {worker.rank}: machine {worker.machine} has no group")
     _groups = _Groups(mine, leaders if worker.rank == leader else None, leader, machines)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table
 
 __all__ = ["REPLICATED", "Layout", "Placement"]
@@ -36,7 +35,7 @@ class Layout:
     AllReduced."""
 
     sparse: dict[str, Table] = field(default_factory=dict)
-    pulled_whole: dict[str, ShardedTable] = field(default_factory=dict)
+    pulled_whole: dict[str, Table] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)
 
     @property

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine.tables import hierarchy, lookup_options
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
+from parallax.engine.tables.pool import SERIAL, PartitionPool
 
 
 class ReplicatedTable:
@@ -35,10 +36,12 @@ class ReplicatedTable:
     """
 
     on_servers = False
+    local_aggregation = False  # replicas exchange directly
+    pool: PartitionPool = SERIAL  # (no per-partition work)
 
     @property
-    def held(self) -> ReplicatedTable:
-        return self
+    def held(self) -> None:
+        return None
 
     def __init__(self, name: str, param: nn.Parameter, *, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
@@ -75,15 +78,15 @@ class ReplicatedTable:
         # Every rank learns of a bad id on any rank (a count exchange), so none waits alone;
         # with max_norm the ids themselves go to every replica.
         world = self.worker.world_size
-        renorm = options is not None and options.max_norm is not None
-        hop = Hop.open([unique.numel() if renorm else 0] * world, group=self.group,
+        renorm = options if options is not None and options.max_norm is not None else None
+        hop = Hop.open([unique.numel() if renorm is not None else 0] * world, group=self.group,
                        traffic=self.traffic, name=self.name, num_rows=self.num_rows,
                        bad_id=bad_id, device=self.param.device)
-        if renorm:
+        if renorm is not None and renorm.max_norm is not None:
             everyone = hop.forward(unique.repeat(world))
             with torch.no_grad():
-                torch.embedding_renorm_(self.param.detach(), everyone, options.max_norm,
-                                        options.norm_type)
+                torch.embedding_renorm_(self.param.detach(), everyone, renorm.max_norm,
+                                        renorm.norm_type)
         rows = self.param.detach()[unique].clone()
         if torch.is_grad_enabled():
             rows.requires_grad_(True)

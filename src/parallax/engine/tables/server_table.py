@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options
-from parallax.engine.tables.exchange import Hop, SparseIdError, Traffic, unique_ids
+from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.pool import SERIAL, PartitionPool
-from parallax.errors import ArgumentError, InternalError
+from parallax.errors import ArgumentError, InternalError, SparseIdError
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
            "pending_pulls", "prefetch", "pull", "push_gradients", "rows_pulled_ahead",
@@ -318,16 +318,18 @@ class ShardedTable:
         """A zero dense gradient for the shard, its partitions' gradients viewing it. Where
         only the touched rows can be non-zero (`grad_zero_elsewhere`), only they are zeroed:
         a pass over the whole shard per step saved."""
-        if self.shard.grad is None:
-            self.shard.grad = torch.zeros_like(self.shard)
+        shard = self.server_shard()
+        if shard.grad is None:
+            shard.grad = torch.zeros_like(shard)
         elif self.grad_zero_elsewhere and not self._grad_scaled_everywhere:
-            self.shard.grad.index_fill_(0, self.touched_rows(), 0)
+            shard.grad.index_fill_(0, self.touched_rows(), 0)
         else:
-            self.shard.grad.zero_()
+            shard.grad.zero_()
         self._grad_scaled_everywhere = False
         if len(self.parts) > 1:
+            grad = _grad_of(shard)
             for part, (start, stop) in zip(self.parts, self.blocks, strict=True):
-                part.grad = self.shard.grad[start:stop]
+                part.grad = grad[start:stop]
 
     @staticmethod
     def push_together(tables: Sequence[ShardedTable]) -> None:
@@ -355,9 +357,10 @@ class ShardedTable:
         if self.sparse_grad or len(self.parts) > 1:
             self._received.append((local_rows, grad_rows))
         else:
-            if self.shard.grad is None:  # no zero_grad before the first backward
+            shard = self.server_shard()
+            if shard.grad is None:  # no zero_grad before the first backward
                 self._zero_dense_grad()
-            self.shard.grad.index_add_(0, local_rows, grad_rows)
+            _grad_of(shard).index_add_(0, local_rows, grad_rows)
 
     def _finish_aggregation(self) -> None:
         """Sum the received gradient rows per partition, the partitions in parallel: into the
@@ -377,7 +380,8 @@ class ShardedTable:
         if len(self.parts) > 1:  # group the rows by partition: one slice each
             rows, order = torch.sort(rows, stable=True)
             values = values[order]
-            starts = torch.tensor([start for start, _ in self.blocks] + [self.shard.shape[0]],
+            starts = torch.tensor([start for start, _ in self.blocks]
+                                  + [self.server_shard().shape[0]],
                                   dtype=rows.dtype, device=rows.device)
             bounds = torch.searchsorted(rows, starts).tolist()
         else:
@@ -391,13 +395,20 @@ class ShardedTable:
                         values: Tensor) -> Callable[[], None]:
         def aggregate() -> None:
             if not self.sparse_grad:
-                part.grad.index_add_(0, rows - start, values)
+                _grad_of(part).index_add_(0, rows - start, values)
                 return
             grad = torch.sparse_coo_tensor((rows - start).unsqueeze(0), values, part.shape,
                                            check_invariants=False)
             # accumulated onto a gradient no zero_grad cleared, as autograd does
             part.grad = (grad if part.grad is None else part.grad + grad).coalesce()
         return aggregate
+
+    def server_shard(self) -> nn.Parameter:
+        """The shard, on a server of this table (what only servers call asks for it)."""
+        if self.shard is None:
+            raise InternalError(f"rank {self.worker.rank} holds no shard of '{self.name}'; "
+                                f"please report it")
+        return self.shard
 
     def touched_rows(self) -> Tensor:
         """The (sorted, distinct) shard rows that received gradient since the last zero_grad:
@@ -411,7 +422,8 @@ class ShardedTable:
     def touched_rows_by_part(self) -> list[Tensor]:
         """Per partition, `touched_rows` in the partition's own row numbers."""
         rows = self.touched_rows()
-        starts = torch.tensor([start for start, _ in self.blocks] + [self.shard.shape[0]],
+        starts = torch.tensor([start for start, _ in self.blocks]
+                              + [self.server_shard().shape[0]],
                               dtype=rows.dtype, device=rows.device)
         bounds = torch.searchsorted(rows, starts).tolist()
         return [rows[bounds[i]:bounds[i + 1]] - start
@@ -426,7 +438,7 @@ class ShardedTable:
         total = torch.zeros(self.shard.shape[0], dtype=self.dtype, device=self.device)
         total.index_add_(0, torch.cat([rows for rows, _ in received]),
                          torch.cat([counts for _, counts in received]))
-        lookup_options.divide_by_counts(self.shard.grad, total)
+        lookup_options.divide_by_counts(_grad_of(self.shard), total)
 
     def _gradients(self) -> list[Tensor]:
         """This server's aggregated gradient, as whole tensors (the shard's, or its
@@ -619,6 +631,8 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
             pieces = record.to_leader.forward_many(grads)
             for name, lookup in record.lookups.items():
                 merged = pieces[name].new_zeros((lookup.merged_count, *pieces[name].shape[1:]))
+                if lookup.merged_inverse is None:
+                    raise InternalError(f"'{name}': a leader's push without its pull's merge")
                 grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
         _deliver(record, record.direct.forward_many(
             {name: grads[name][lookup.order] for name, lookup in record.lookups.items()}),
@@ -689,3 +703,10 @@ def _deliver(record: _Pull, received: dict[str, Tensor],
         if table.average:
             values.div_(table.worker.world_size)
         table._accumulate(lookup.recv_local_rows, values)
+
+
+def _grad_of(param: Tensor) -> Tensor:
+    """``param``'s gradient, which the caller has made sure exists."""
+    if param.grad is None:
+        raise InternalError("a server's gradient was read before it was made; please report it")
+    return param.grad

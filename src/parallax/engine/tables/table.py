@@ -16,9 +16,14 @@ optimizer applies to ``shard`` or the user's optimizer to ``replica``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from parallax.engine.tables.pool import PartitionPool
+    from parallax.engine.tables.server_table import ShardedTable
 
 __all__ = ["Table", "push_all"]
 
@@ -36,6 +41,13 @@ class Table(Protocol):
     on_servers: bool
     rows_used: list[int]  # per training step, the rows this worker read (α's measurement)
     machine_rows_used: list[int]
+    dtype: torch.dtype
+    #: lookups with dense-gradient (False) or sparse-gradient (True) semantics
+    sparse_grad: bool
+    #: whether this table's exchanges go through each machine's leader
+    local_aggregation: bool
+    #: the threads its per-partition work runs on
+    pool: PartitionPool
 
     @property
     def shard(self) -> nn.Parameter | None:
@@ -46,9 +58,10 @@ class Table(Protocol):
         """The full parameter the user's optimizer updates on every worker (replicated kinds)."""
 
     @property
-    def held(self) -> Table:
-        """The table whose ``shard`` the servers' optimizer and its state work on (itself, or
-        the synchronous table an asynchronous one wraps)."""
+    def held(self) -> ShardedTable | None:
+        """The server-held table whose ``shard`` the servers' optimizer and its state work on
+        (itself, or the synchronous table an asynchronous one wraps); None for a replicated
+        kind. What needs the servers' rows asks this instead of testing the class."""
 
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """``(rows of the unique ids, inverse)`` with ``rows[inverse]`` the rows of ``ids``."""
@@ -71,14 +84,14 @@ class Table(Protocol):
         """Set the whole parameter's values (every rank passes the same ``weight``)."""
 
     @staticmethod
-    def push_together(tables: Sequence[Table]) -> None:
+    def push_together(tables: Sequence[Any]) -> None:
         """Push all ``tables`` of this kind (in one exchange where the kind can)."""
 
 
 def push_all(tables: Iterable[Table]) -> None:
     """Push every table's gradients: each kind pushes its tables together (collective; every
     rank holds the same tables in the same order, so the kinds go in the same order)."""
-    by_kind: dict[type, list[Table]] = {}
+    by_kind: dict[type[Table], list[Table]] = {}
     for table in tables:
         by_kind.setdefault(type(table), []).append(table)
     for kind, members in by_kind.items():
