@@ -295,7 +295,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     env = {}
     timeline = getattr(args, "timeline", None)  # only ``run`` has the flag
     if timeline:
-        from parallax.engine.diagnostics.phases import TIMELINE_ENV
+        from parallax.cluster import TIMELINE_ENV
 
         timeline = os.path.abspath(timeline)
         env[TIMELINE_ENV] = timeline

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 __all__ = [
     "PLAN_ONLY_ENV",
     "PLAN_WARMUP_ENV",
+    "TIMELINE_ENV",
+    "LaunchOrders",
     "RESOURCES_ENV",
     "EnvironmentPatch",
     "Machine",
@@ -46,6 +48,8 @@ RESOURCES_ENV = "PARALLAX_RESOURCES"
 PLAN_ONLY_ENV = "PARALLAX_PLAN_ONLY"
 #: Set by ``parallax plan``: how many warm-up steps measure α.
 PLAN_WARMUP_ENV = "PARALLAX_PLAN_WARMUP_STEPS"
+#: Set by ``parallax run --timeline FILE``: where each rank writes its phases' trace.
+TIMELINE_ENV = "PARALLAX_TIMELINE"
 
 _HOST_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 _IPV6_RE = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*")
@@ -280,6 +284,25 @@ def _worker_from_torchrun(env: Mapping[str, str], rank: int, world_size: int) ->
         machine_of_rank=tuple(r // local_world for r in range(world_size)),
         device_index=local_rank,
     )
+
+
+@dataclass(frozen=True)
+class LaunchOrders:
+    """What the ``parallax`` command asked of this worker beyond training (read once, by the
+    runner): ``plan_only`` (``parallax plan``: stop after the warm-up and write the plan here,
+    "" to print it only), ``warmup_steps`` (``parallax plan --warmup-steps``) and
+    ``timeline`` (``parallax run --timeline``: this rank's trace file)."""
+
+    plan_only: str | None = None
+    warmup_steps: int | None = None
+    timeline: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> LaunchOrders:
+        warmup = env.get(PLAN_WARMUP_ENV)
+        return cls(plan_only=env.get(PLAN_ONLY_ENV),
+                   warmup_steps=int(warmup) if warmup is not None else None,
+                   timeline=env.get(TIMELINE_ENV) or None)
 
 
 class EnvironmentPatch:

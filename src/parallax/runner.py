@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.checkpoint.single_device import SingleDeviceView
-from parallax.cluster import PLAN_ONLY_ENV, PLAN_WARMUP_ENV, WorkerInfo
+from parallax.cluster import LaunchOrders, WorkerInfo
 from parallax.config import Config
 from parallax.engine.dense_sync.strategy import DenseSync, build_dense_sync
-from parallax.engine.diagnostics.phases import TIMELINE_ENV, PhaseClock
+from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.diagnostics.progress import Explainer, Progress
 from parallax.engine.optimizers.shard_optimizer import (
     check_lazy,
@@ -77,15 +77,16 @@ class Runner:
         self.device = worker.device
         self.group = sparse_group  # every rank of the run (checkpoints agree through it)
         check_same_everywhere(model, config, worker, sparse_group)
+        orders = LaunchOrders.from_env()  # what the parallax command asked beyond training
         # Where every rank is, in the job's store: a failed collective names who is missing.
         self.progress = (Progress(worker.rank, worker.world_size, config.collective_timeout_s)
                          if worker.world_size > 1 else None)
         self._explained = Explainer(self.progress, lambda: self.global_step + 1)
         # where each step's time goes (runner.stats()["step phases"]; parallax run --timeline)
-        self.phases = PhaseClock(worker.rank, os.environ.get(TIMELINE_ENV) or None)
+        self.phases = PhaseClock(worker.rank, orders.timeline)
         on_shutdown(self.phases.write)
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
-        self._build_layout(model)
+        self._build_layout(model, orders)
         self._build_executed(model)
         self.pool = shared_pool(config.server_threads or default_threads())
         self.shard_optimizer = hand_over(self.layout.all_tables(), self._params, self.optimizers,
@@ -96,7 +97,7 @@ class Runner:
         self.reporting.start()
 
     # ---- construction ------------------------------------------------------------------------
-    def _build_layout(self, model: nn.Module) -> None:
+    def _build_layout(self, model: nn.Module, orders: LaunchOrders) -> None:
         """Where each parameter lives (`parallax.planning`), the sync mode over it, and the
         plan's keeper."""
         config = self.config
@@ -109,7 +110,7 @@ class Runner:
         self.layout = build_layout(model, self.sparse_uses, config=config, worker=self.worker,
                                    group=self.group, traffic=self.traffic)
         self.nonfinite = NonFinitePolicy(config.nonfinite, self.worker.rank)
-        # before anything reads the tables: an asynchronous mode wraps the server-held ones
+        # before anything reads the tables: a sync mode may wrap the server-held ones
         self.sync_mode: SyncMode = build_sync_mode(
             config, self.worker, self.phases, self.nonfinite, self.layout,
             sparse_uses=self.sparse_uses, traffic=self.traffic)
@@ -117,13 +118,13 @@ class Runner:
         check_per_shard(self.optimizers, server_held)
         if config.lazy_sparse_updates:
             check_lazy(self.optimizers, {n: self._params[n] for n in self.sparse_uses})
-        # under ``parallax plan`` (its environment) the warm-up is all that runs
-        warmup = int(os.environ.get(PLAN_WARMUP_ENV, config.sparsity_warmup_steps))
+        warmup = (orders.warmup_steps if orders.warmup_steps is not None
+                  else config.sparsity_warmup_steps)
         self.planner = PlanKeeper(model, self.sparse_uses, self.layout,
                                   architecture=self.architecture, config=config,
                                   worker=self.worker, group=self.group, sync_mode=self.sync_mode,
                                   warmup_steps=self.sync_mode.warmup_steps(warmup),
-                                  plan_only=os.environ.get(PLAN_ONLY_ENV))
+                                  plan_only=orders.plan_only)
 
     def _build_executed(self, model: nn.Module) -> None:
         """The module tree that runs: a copy of the user's whose lookups read the tables,
@@ -274,16 +275,7 @@ class Runner:
                        ) -> float:
         """Clip the aggregated gradients of ``parameters`` (default: all) by their global L2
         norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective."""
-        what = "clipping by the global norm of the aggregated gradients"
-        self.sync_mode.require_aligned(
-            what, "the servers apply each worker's push on its own; Config(clip_grad_norm=...) "
-                  "clips each push (sync='async')")
-        self.dense.require_aggregated(
-            what, "each worker updates its own dense copy from its own gradients, there is no "
-                  "aggregated dense gradient; use dense_sync='hierarchical' or 'qsgd' to clip")
-        self.sync_gradients()
-        with self._explained():
-            return self.gradients.clip(max_norm, parameters)
+        return self.round.clip(max_norm, parameters)
 
     @property
     def global_step(self) -> int:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from parallax.engine.dense_sync.strategy import DenseSync
 from parallax.engine.diagnostics.phases import PhaseClock
@@ -98,6 +98,19 @@ class StepRound:
                                                 step=self.global_step + 1)
             self._synced = True
         return self._applies
+
+    def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None) -> float:
+        """See `Runner.clip_grad_norm`: the gradients made ready, then clipped."""
+        what = "clipping by the global norm of the aggregated gradients"
+        self.sync_mode.require_aligned(
+            what, "the servers apply each worker's push on its own; Config(clip_grad_norm=...) "
+                  "clips each push (sync='async')")
+        self.dense.require_aggregated(
+            what, "each worker updates its own dense copy from its own gradients, there is no "
+                  "aggregated dense gradient; use dense_sync='hierarchical' or 'qsgd' to clip")
+        self.gradients_ready()
+        with self.explained():
+            return self.gradients.clip(max_norm, parameters)
 
     def update(self, optimizers: Sequence[torch.optim.Optimizer], *,
                loss: Tensor | None = None) -> None:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from parallax.cluster import TIMELINE_ENV
+
 __all__ = ["PHASES", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active", "merge_timelines",
            "phase"]
 
@@ -36,7 +38,6 @@ __all__ = ["PHASES", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active", "merge
 PHASES = ("id look-ahead", "pull", "forward", "backward", "dense sync", "push",
           "server aggregation", "clip and check", "server update", "dense update",
           "checkpoint", "progress record")
-TIMELINE_ENV = "PARALLAX_TIMELINE"
 STATS_KEY = "step phases"  # where `Runner.stats` holds `PhaseClock.per_step`
 _STEP = "step"
 
