@@ -23,6 +23,8 @@ from torch import Tensor, nn
 from parallax.checkpoint.single_device import SingleDeviceView
 from parallax.cluster import LaunchOrders, WorkerInfo
 from parallax.config import Config
+from parallax.engine.asynchronous.async_training import AsyncTraining
+from parallax.engine.dense_sync.server_sync import ServerSync
 from parallax.engine.dense_sync.strategy import DenseSync, build_dense_sync
 from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.diagnostics.progress import Explainer, Progress
@@ -302,11 +304,19 @@ class Runner:
         work, whichever workers did it, reads this)."""
         return self.sync_mode.workers_steps(self.global_step)
 
+    @property
+    def asynchronous(self) -> AsyncTraining | None:
+        """(Kept for earlier programs.) The asynchronous servers' client, else None."""
+        return getattr(self.sync_mode, "training", None)
+
+    @property
+    def server_sync(self) -> ServerSync | None:
+        """(Kept for earlier programs.) The Plump-DP/Slim-DP client, else None."""
+        return self.dense.server
+
     def headline(self) -> dict[str, float | None]:
-        """The numbers for a progress bar, over the steps since the last call: ``loss``
-        (this rank's, `Runner.step` only), ``targets_per_s`` (every worker's target elements
-        per second: words of an LM, samples of a classifier), ``bytes_per_step`` (what this
-        rank sent and received) and ``step_s``. Not collective."""
+        """The numbers for a progress bar since the last call: ``loss``, ``targets_per_s``,
+        ``bytes_per_step``, ``step_s`` (`parallax.step.hooks.Reporting.headline`)."""
         return self.reporting.headline()
 
     def evaluate(self, batches: Iterable[Sequence[Any]]) -> float:
@@ -416,12 +426,8 @@ class Runner:
                               pulled_whole=self.layout.pulled_whole)
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """Bytes this worker sent and received per training step through the parameter-server
-        and AllGatherv exchanges, per parameter, split into intra- and inter-machine traffic;
-        and under ``"step phases"`` the seconds per step of each phase of the step on this
-        rank (`parallax.engine.diagnostics.phases.PHASES`, self times: they add up to ``"step"``
-        with ``"other"``, what no phase covers). Averaged over the steps since the start or the
-        last ``reset_stats``."""
+        """Per parameter, the bytes this worker moved per step (intra-/inter-machine), and the
+        seconds per step of each phase under ``"step phases"`` (`Reporting.stats`)."""
         return self.reporting.stats()
 
     def inter_machine_bytes(self) -> dict[str, float]:

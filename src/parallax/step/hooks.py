@@ -93,14 +93,22 @@ class Reporting:
             self.metrics.write(done.step, numbers, self.plan(), str(self.config.architecture))
 
     def headline(self) -> dict[str, float | None]:
-        """See `Runner.headline`."""
+        """The numbers for a progress bar, over the steps since the last call: ``loss``
+        (this rank's, `Runner.step` only), ``targets_per_s`` (every worker's target elements
+        per second: words of an LM, samples of a classifier), ``bytes_per_step`` (what this
+        rank sent and received) and ``step_s``. Not collective."""
         numbers = self._take(self._headline, "headline")
         return {"loss": numbers["loss"], "targets_per_s": numbers["targets_per_s"],
                 "bytes_per_step": sum(numbers["bytes"].values()),
                 "step_s": numbers["phases"].get("step", 0.0)}
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """See `Runner.stats`."""
+        """Bytes this worker sent and received per training step through the parameter-server
+        and AllGatherv exchanges, per parameter, split into intra- and inter-machine traffic;
+        and under ``"step phases"`` the seconds per step of each phase of the step on this
+        rank (`parallax.engine.diagnostics.phases.PHASES`, self times: they add up to ``"step"``
+        with ``"other"``, what no phase covers). Averaged over the steps since the start or the
+        last `reset`."""
         return {**self.traffic.per_step(), STATS_KEY: self.phases.per_step()}
 
     def inter_machine_bytes(self) -> dict[str, float]:
