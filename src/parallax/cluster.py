@@ -233,12 +233,24 @@ class WorkerInfo:
 
     @property
     def device(self) -> torch.device:
-        """The spec's CUDA device for this worker when CUDA is usable, else the CPU."""
+        """The spec's CUDA device for this worker when CUDA is usable, else the CPU. A GPU
+        index this host does not have is refused here, naming the rank (CUDA and NCCL would
+        fail later, naming neither)."""
         import torch
 
-        if self.device_index is not None and torch.cuda.is_available():
-            return torch.device("cuda", self.device_index)
-        return torch.device("cpu")
+        if self.device_index is None or not torch.cuda.is_available():
+            return torch.device("cpu")
+        count = torch.cuda.device_count()
+        if self.device_index >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ResourceError(
+                f"rank {self.rank} (machine {self.machine}, local rank {self.local_rank}) is "
+                f"given GPU {self.device_index}, but this host has {count} visible GPU(s)"
+                + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                + ": give each worker a GPU of its own (NCCL refuses two ranks on one GPU; "
+                "fewer workers per machine, or list existing devices in the resource file), "
+                "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU")
+        return torch.device("cuda", self.device_index)
 
 
 def current_worker() -> WorkerInfo | None:

@@ -171,6 +171,7 @@ def test_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert worker.device == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert worker.device == torch.device("cuda", 1)
     assert WorkerInfo(0, 1, 0, 0, 1, (0,)).device == torch.device("cpu")
 
@@ -191,3 +192,26 @@ def test_environment_patch_puts_back_what_was_there(monkeypatch):
     assert os.environ["PX_TEST_SET"] == "y"
     patch.restore()  # the first saved values
     assert os.environ["PX_TEST_SET"] == "before" and "PX_TEST_UNSET" not in os.environ
+
+
+def test_a_gpu_index_the_host_lacks_is_refused_naming_the_rank(monkeypatch) -> None:
+    """Two workers on a one-GPU host (an emulated 1 x 2 cluster gives them GPUs 0 and 1): the
+    second is refused with the rank and the remedy, not a CUDA error naming neither."""
+    from parallax.cluster import local_spec
+    from parallax.errors import ResourceError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    spec = local_spec(1, 2)
+
+    def worker(rank: int) -> WorkerInfo:
+        return WorkerInfo(rank=rank, world_size=2, local_rank=rank, machine=0, num_machines=1,
+                          machine_of_rank=spec.machine_of_rank,
+                          device_index=spec.device_of_rank(rank))
+
+    assert worker(0).device == torch.device("cuda", 0)
+    with pytest.raises(ResourceError, match=r"rank 1 .* given GPU 1, but this host has 1 "
+                                            r"visible GPU.*CUDA_VISIBLE_DEVICES="):
+        _ = worker(1).device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker(1).device == torch.device("cpu")  # no CUDA: every worker on the CPU

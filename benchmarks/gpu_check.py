@@ -1,0 +1,209 @@
+"""The GPU path in one command (`bash scripts/gpu_check.sh`): what this 2-core CPU host cannot
+check, run on a machine with CUDA (and 16 CPU cores), written to one JSON record and a short
+report.
+
+Checks, each a subprocess with its own timeout (a failure is recorded with the end of its
+output, and the next check runs):
+
+* ``equivalence-cuda-1x1``: the equivalence matrix's sampled cases (``sample:3``) trained by one
+  worker on ``cuda:0`` (process groups on NCCL), each compared with the single-device CPU
+  reference (float64 1e-9, float32 1e-5 relative), as ``tests/equivalence`` does on the CPU;
+* ``equivalence-cuda-1xN``: the same with one worker per GPU when the host has two or more; with
+  one GPU it is not run and the record says why (NCCL refuses two ranks on one GPU, and
+  parallax refuses a GPU index the host lacks);
+* ``lm-cuda-1x1``: the benchmark LM, one worker on CUDA, `plain` PyTorch against parallax
+  (`hybrid`) and DDP (`ddp-sparse`): step times and peak memory (``benchmarks/compare.py``);
+* ``partitions-cpu-4x1``: the partition-count search against brute force on 4 emulated
+  machines (``benchmarks/partitions.py``, CPU workers: ``CUDA_VISIBLE_DEVICES=``), and
+  ``local-aggregation-cpu-2x4``: 4 workers per machine, hybrid/optps/ps
+  (``benchmarks/compare.py``) — both need network namespaces (root, iproute2).
+
+Without CUDA it says so, writes the record (``cuda_available: false``) and exits 2. ``--plan``
+prints the checks' commands and exits 0 (``tests/unit/test_gpu_check.py`` runs both on the
+CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = {"float32": 1e-5, "float64": 1e-9}
+
+
+@dataclass
+class Check:
+    """One check: its command, environment additions and time limit."""
+
+    name: str
+    command: list[str]
+    timeout_s: int
+    env: dict[str, str] = field(default_factory=dict)
+    skip: str = ""  # why it is not run here ("" = it runs)
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    nccl = None
+    if cuda:
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as error:  # torch built without NCCL
+            nccl = f"unavailable: {error}"
+    return {"torch": torch.__version__, "cuda_available": cuda,
+            "cuda": torch.version.cuda, "nccl": nccl,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if cuda else [],
+            "cpu_cores": os.cpu_count(), "python": platform.python_version(),
+            "host": platform.node()}
+
+
+def checks(out: Path, gpus: int) -> list[Check]:
+    py = sys.executable
+    worker = str(ROOT / "tests" / "scripts" / "equivalence_worker.py")
+    cpu_only = {"CUDA_VISIBLE_DEVICES": ""}
+    return [
+        Check("equivalence-cuda-1x1",
+              [py, "-m", "parallax.cli", "run", "--machines", "1", "--nproc-per-machine", "1",
+               worker, str(out / "equivalence-cuda-1x1.pt"), "sample:3"], 420),
+        Check("equivalence-cuda-1xN",
+              [py, "-m", "parallax.cli", "run", "--machines", "1", "--nproc-per-machine",
+               str(max(gpus, 2)), worker, str(out / "equivalence-cuda-1xN.pt"), "sample:3"],
+              420, skip="" if gpus >= 2 else
+              "one GPU: NCCL refuses two ranks on one GPU, and parallax refuses a GPU index "
+              "the host lacks (WorkerInfo.device), so no multi-process CUDA run here"),
+        Check("lm-cuda-1x1",
+              [py, str(ROOT / "benchmarks" / "compare.py"), "--workload", "lm", "--machines",
+               "1", "--nproc-per-machine", "1", "--systems", "plain", "hybrid", "ddp-sparse",
+               "--isolate", "--repeats", "3", "--steps", "20", "--no-plot",
+               "--out", str(out / "lm-cuda-1x1.json")], 420),
+        Check("partitions-cpu-4x1",
+              [py, str(ROOT / "benchmarks" / "partitions.py"), "--machines", "4",
+               "--nproc-per-machine", "1", "--rate", "1gbit"], 540, env=cpu_only),
+        Check("local-aggregation-cpu-2x4",
+              [py, str(ROOT / "benchmarks" / "compare.py"), "--workload", "lm", "--machines",
+               "2", "--nproc-per-machine", "4", "--rate", "1gbit", "--systems", "hybrid",
+               "optps", "ps", "--isolate", "--repeats", "3", "--no-plot",
+               "--out", str(out / "local-aggregation-cpu-2x4.json")], 540, env=cpu_only),
+    ]
+
+
+def run_check(check: Check) -> dict[str, Any]:
+    if check.skip:
+        return {"status": "not run", "why": check.skip}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}"
+           f"{os.environ.get('PYTHONPATH', '')}", **check.env}
+    began = time.monotonic()
+    try:
+        proc = subprocess.run(check.command, cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=check.timeout_s)
+    except subprocess.TimeoutExpired as error:
+        return {"status": "timed out", "seconds": check.timeout_s,
+                "output_tail": _tail(error.stdout, error.stderr)}
+    result: dict[str, Any] = {"status": "ok" if proc.returncode == 0 else "failed",
+                              "exit": proc.returncode,
+                              "seconds": round(time.monotonic() - began, 1),
+                              "output_tail": _tail(proc.stdout, proc.stderr)}
+    return result
+
+
+def _tail(*texts: Any, chars: int = 3000) -> str:
+    joined = "\n".join(t.decode() if isinstance(t, bytes) else (t or "") for t in texts)
+    return joined[-chars:]
+
+
+def compare_equivalence(results_file: Path, world: int) -> dict[str, Any]:
+    """Each case's relative difference from the single-device CPU reference."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from equivalence_cases import all_cases, single_device_reference
+
+    got_all = torch.load(results_file, map_location="cpu", weights_only=False)
+    by_key = {case.key: case for case in all_cases()}
+    worst: dict[str, float] = {}
+    failed = []
+    for key, state in got_all.items():
+        case = by_key[key]
+        got = {k: v for k, v in state.items() if not k.startswith("__")}
+        want = single_device_reference(case, world)
+        difference = max(float((got[k].double() - want[k].double()).abs().max()
+                               / want[k].double().abs().max().clamp_min(1e-300))
+                         for k in want)
+        worst[key] = difference
+        if difference > TOLERANCE[case.dtype]:
+            failed.append(key)
+    return {"cases": len(worst), "failed": failed,
+            "largest_relative_difference": max(worst.values(), default=0.0)}
+
+
+def report(record: dict[str, Any]) -> str:
+    env = record["environment"]
+    lines = [f"gpu_check: torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, "
+             f"GPUs {env['gpus'] or 'none'}, {env['cpu_cores']} CPU cores"]
+    for name, result in record["checks"].items():
+        extra = result.get("why") or ""
+        if "equivalence" in result:
+            eq = result["equivalence"]
+            extra = (f"{eq['cases']} cases, {len(eq['failed'])} above tolerance, largest "
+                     f"relative difference {eq['largest_relative_difference']:.3g}")
+        lines.append(f"  {name:28s} {result['status']:10s} {extra}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "gpu-check",
+                        help="folder for the record (gpu-check.json), report and results")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the checks' commands and exit")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these checks")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    planned = checks(args.out, len(env["gpus"]))
+    if args.plan:
+        for check in planned:
+            print(f"{check.name}: {' '.join(check.command)}"
+                  + (f"  [not run: {check.skip}]" if check.skip else ""))
+        return 0
+    record: dict[str, Any] = {"environment": env, "checks": {},
+                              "plan": [asdict(check) for check in planned]}
+    if not env["cuda_available"]:
+        print(f"gpu_check: no CUDA device here (torch {env['torch']}, "
+              f"torch.cuda.is_available() is False): nothing to check; run it on a machine "
+              f"with a GPU", file=sys.stderr)
+        (args.out / "gpu-check.json").write_text(json.dumps(record, indent=1))
+        return 2
+    for check in planned:
+        if args.only is not None and check.name not in args.only:
+            continue
+        print(f"gpu_check: {check.name} ...", flush=True)
+        result = run_check(check)
+        results_file = args.out / f"{check.name}.pt"
+        if result["status"] == "ok" and results_file.exists():
+            world = 1 if check.name.endswith("1x1") else len(env["gpus"])
+            result["equivalence"] = compare_equivalence(results_file, world)
+            if result["equivalence"]["failed"]:
+                result["status"] = "different"
+        record["checks"][check.name] = result
+        (args.out / "gpu-check.json").write_text(json.dumps(record, indent=1))
+    text = report(record)
+    (args.out / "gpu-check.md").write_text(text + "\n")
+    print(text)
+    return 0 if all(r["status"] in ("ok", "not run") for r in record["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

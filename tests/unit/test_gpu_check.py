@@ -1,0 +1,63 @@
+"""`scripts/gpu_check.sh` on this CPU host: it says there is no CUDA device, writes its record
+and exits 2; its plan names scripts that exist; and its comparison with the single-device
+reference (what it reports for the CUDA runs) passes an equal result and flags a different
+one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from equivalence_cases import all_cases, single_device_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+
+def _script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--out",
+                           str(tmp_path), *args], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
+                               "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_without_cuda_it_says_so_and_exits_2(tmp_path: Path) -> None:
+    proc = _script(tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA device here" in proc.stderr
+    record = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert record["environment"]["cuda_available"] is False and record["checks"] == {}
+    assert [c["name"] for c in record["plan"]] == [
+        "equivalence-cuda-1x1", "equivalence-cuda-1xN", "lm-cuda-1x1", "partitions-cpu-4x1",
+        "local-aggregation-cpu-2x4"]
+
+
+def test_the_plan_runs_scripts_that_exist(tmp_path: Path) -> None:
+    proc = _script(tmp_path, "--plan")
+    assert proc.returncode == 0, proc.stderr
+    for check in gpu_check.checks(tmp_path, gpus=1):
+        scripts = [part for part in check.command if part.endswith(".py")]
+        assert scripts and all(Path(s).is_file() for s in scripts), check.name
+        assert check.name in proc.stdout
+    one_gpu = {c.name: c.skip for c in gpu_check.checks(tmp_path, gpus=1)}
+    assert "NCCL refuses two ranks on one GPU" in one_gpu["equivalence-cuda-1xN"]
+    assert not gpu_check.checks(tmp_path, gpus=2)[1].skip
+
+
+def test_the_comparison_passes_an_equal_run_and_flags_a_different_one(tmp_path: Path) -> None:
+    case = next(c for c in all_cases() if c.dtype == "float64")
+    want = single_device_reference(case, 1)
+    results = tmp_path / "run.pt"
+    torch.save({case.key: {**want, "__plan__": "{}"}}, results)
+    equal = gpu_check.compare_equivalence(results, world=1)
+    assert equal == {"cases": 1, "failed": [], "largest_relative_difference": 0.0}
+    name = next(iter(want))
+    torch.save({case.key: {**want, name: want[name] * (1 + 1e-6)}}, results)
+    different = gpu_check.compare_equivalence(results, world=1)
+    assert different["failed"] == [case.key]
+    assert 1e-7 < different["largest_relative_difference"] < 1e-5
