@@ -27,7 +27,7 @@ from parallax.engine.optimizers.shard_optimizer import (
 )
 from parallax.engine.tables import handles
 from parallax.engine.tables.server_table import ShardedTable
-from parallax.engine.tables.table import Table
+from parallax.engine.tables.table import Table, held_tables
 from parallax.errors import UnsupportedProgramError, UsageError
 from parallax.parallelism import Parallelism
 
@@ -83,7 +83,7 @@ class SingleDeviceView:
         table comes from its servers in chunks of rows written straight into the file
         (`parallax.checkpoint.streamed`). Returns ``path`` on rank 0, None elsewhere."""
         self.check_export()
-        held = {name: h for name, t in self.tables().items() if (h := t.held) is not None}
+        held = held_tables(self.tables())
         aliases = self._aliases()
         names = {name: aliases[id(self.params[name])] for name in held}
         with self.serving_global(), self.quiet():
@@ -184,8 +184,8 @@ class SingleDeviceView:
     def _held_by(self, optimizer: torch.optim.Optimizer,
                  index: dict[int, int]) -> list[tuple[str, ShardedTable]]:
         """The server-held tables whose parameters ``optimizer`` updates (`Table.held`)."""
-        return [(name, held) for name, table in self.tables().items()
-                if (held := table.held) is not None and id(self.params[name]) in index]
+        return [(name, held) for name, held in held_tables(self.tables()).items()
+                if id(self.params[name]) in index]
 
     def _aliases(self) -> dict[int, list[str]]:
         """Per parameter (by id), every name it has in the state dict (tied ones several)."""

@@ -19,7 +19,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.optimizers.grad_norm import NonFinite, clip_by_global_norm, find_nonfinite
 from parallax.engine.optimizers.shard_optimizer import parameter_ids
 from parallax.engine.tables.server_table import ShardedTable
-from parallax.engine.tables.table import Table
+from parallax.engine.tables.table import Table, held_tables
 from parallax.errors import UnsupportedProgramError
 from parallax.parallelism import Parallelism
 
@@ -57,8 +57,8 @@ class StepGradients:
         return [t for name, t in self.tables().items() if id(self.params[name]) in mine]
 
     def server_held(self) -> list[ShardedTable]:
-        """The synchronous server-held tables (pulled and pushed every step)."""
-        return [t for t in self.tables().values() if isinstance(t, ShardedTable)]
+        """The server-held tables (`Table.held`), whose rows the servers aggregate."""
+        return list(held_tables(self.tables()).values())
 
     def replicated_named(self) -> list[tuple[str, nn.Parameter]]:
         """The replicated parameters with their names in the user's model."""

@@ -15,7 +15,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
 from parallax.engine.tables.handles import release
 from parallax.engine.tables.pool import PartitionPool
-from parallax.engine.tables.table import Table
+from parallax.engine.tables.table import Table, held_tables
 from parallax.model.meta_init import forget
 
 __all__ = ["hand_over"]
@@ -28,7 +28,7 @@ def hand_over(tables: dict[str, Table], params: dict[str, nn.Parameter],
     with the user's state adopted and the user's server-held parameters released."""
     for table in tables.values():
         table.pool = pool
-    held = {name: table.held for name, table in tables.items() if table.held is not None}
+    held = held_tables(tables)
     shard_optimizer = ShardOptimizer(optimizers, {
         id(params[name]): table for name, table in held.items() if table.shard is not None},
         pool)

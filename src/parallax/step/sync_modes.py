@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -41,7 +41,7 @@ from parallax.engine.tables.early_push import EarlyPush
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.server_table import ShardedTable, prefetch
-from parallax.engine.tables.table import Table, push_all
+from parallax.engine.tables.table import Table, held_tables, push_all
 from parallax.errors import UnsupportedProgramError
 from parallax.model.detect import SparseUse
 from parallax.session import on_shutdown
@@ -135,16 +135,11 @@ class Synchronous(SyncMode):
         # Runner.step's gradient rows leave during its backward (Config.overlap_push)
         self.early = EarlyPush(worker.rank) if config.overlap_push else None
 
-    @contextlib.contextmanager
     def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]],
-                 ) -> Iterator[None]:
-        held = _server_held(tables)
+                 ) -> contextlib.AbstractContextManager[None]:
+        held = list(held_tables({table.name: table for table in tables}).values())
         prefetch(held, ids)
-        try:
-            yield
-        finally:
-            for table in held:
-                table.prefetched = None
+        return _serving_pulled(held)
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
              step: int) -> bool:
@@ -189,7 +184,7 @@ class Synchronous(SyncMode):
     def before_backward(self) -> None:
         """`Config.overlap_push`: the server-held rows leave during the backward."""
         if self.early is not None:
-            self.early.arm(_server_held(self.layout.all_tables().values()))
+            self.early.arm(list(held_tables(self.layout.all_tables()).values()))
 
     def after_warmup(self, group: dist.ProcessGroup) -> None:
         """The early push learns the tables' backward order."""
@@ -210,23 +205,18 @@ class Asynchronous(SyncMode):
                          traffic=traffic)
         _refuse_batch_dependent(sparse_uses, config)
         self.training = AsyncTraining(
-            {n: held for n, t in layout.all_tables().items() if (held := t.held) is not None},
+            held_tables(layout.all_tables()),
             worker=worker, max_staleness=config.max_staleness,
             timeout_s=config.collective_timeout_s, traffic=traffic)
         for name, table in self.training.tables.items():
             kind: dict[str, Any] = layout.sparse if name in layout.sparse else layout.pulled_whole
             kind[name] = table
 
-    @contextlib.contextmanager
     def prefetch(self, tables: Sequence[Table], ids: Sequence[Sequence[Tensor]],
-                 ) -> Iterator[None]:
+                 ) -> contextlib.AbstractContextManager[None]:
         wrappers = [self.training.tables[table.name] for table in tables]
         AsyncTable.prefetch_together(wrappers, ids)
-        try:
-            yield
-        finally:
-            for table in wrappers:
-                table.prefetched = None
+        return _serving_pulled(wrappers)
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
              step: int) -> bool:
@@ -309,9 +299,15 @@ class Asynchronous(SyncMode):
             f"rank {self.worker.rank}: {what} under sync={str(self.config.sync)!r}: {fix}")
 
 
-def _server_held(tables: Iterable[Table]) -> list[ShardedTable]:
-    """The synchronous server-held tables among ``tables`` (their `Table.held`)."""
-    return [held for table in tables if (held := table.held) is not None]
+@contextlib.contextmanager
+def _serving_pulled(tables: Sequence[ShardedTable] | Sequence[AsyncTable]) -> Iterator[None]:
+    """While inside, ``tables``' lookups read the rows just pulled for them; after, those
+    rows are forgotten (the next forward pulls its own)."""
+    try:
+        yield
+    finally:
+        for table in tables:
+            table.prefetched = None
 
 
 def _refuse_batch_dependent(sparse_uses: dict[str, SparseUse], config: Config) -> None:

@@ -15,7 +15,7 @@ optimizer applies to ``shard`` or the user's optimizer to ``replica``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from parallax.engine.tables.pool import PartitionPool
     from parallax.engine.tables.server_table import ShardedTable
 
-__all__ = ["Table", "push_all"]
+__all__ = ["Table", "held_tables", "push_all"]
 
 
 @runtime_checkable
@@ -86,6 +86,12 @@ class Table(Protocol):
     @staticmethod
     def push_together(tables: Sequence[Any]) -> None:
         """Push all ``tables`` of this kind (in one exchange where the kind can)."""
+
+
+def held_tables(tables: Mapping[str, Table]) -> dict[str, ShardedTable]:
+    """The server-held tables behind ``tables`` (`Table.held`), by the same names: what the
+    servers' optimizer, their rows and their exchanges work on."""
+    return {name: held for name, table in tables.items() if (held := table.held) is not None}
 
 
 def push_all(tables: Iterable[Table]) -> None:
