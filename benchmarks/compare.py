@@ -89,7 +89,8 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # the dense layers (Plump-DP through servers, Quant-DP, Slim-DP; SGD for plump and slim).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
                "optps-direct", "hybrid-late", "ps-late", "torchrec-rw", "torchrec-tw",
-               "torchrec-plan", "plain", "hybrid-plump", "hybrid-qsgd", "hybrid-slim"]
+               "torchrec-plan", "plain", "hybrid-plump", "hybrid-qsgd", "hybrid-slim",
+               "hybrid-flat"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 

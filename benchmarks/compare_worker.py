@@ -39,7 +39,8 @@ from parallax.planning.memory import predict_memory  # noqa: E402
 PARALLAX_ARCHITECTURES = ("hybrid", "optps", "ps", "allreduce")
 MAX_ALPHA_STEPS = 5  # Config's default warm-up: more steps only delay the plan
 LOSS_STEPS = 10  # loss_last: the mean training loss over this many last timed steps
-DENSE_SYNCS = {"plump": "plump", "qsgd": "qsgd", "slim": "slim"}  # system variant -> dense_sync
+# system variant -> dense_sync
+DENSE_SYNCS = {"plump": "plump", "qsgd": "qsgd", "slim": "slim", "flat": "flat"}
 
 
 def link_bytes() -> int:
@@ -181,6 +182,17 @@ def profile(step: Callable[[Any], Any], workload: Workload, generator: torch.Gen
     dist.barrier()
 
 
+def phases_per_rank(runner: Any, world: int) -> dict[str, list[float]]:
+    """Each rank's milliseconds per timed step in each of the engine's phases (collective)."""
+    mine = runner.stats().get("step phases", {})
+    names = sorted(mine)
+    values = torch.zeros(len(names), world, dtype=torch.float64)
+    values[:, current_worker().rank] = torch.tensor([mine[n] * 1e3 for n in names],
+                                                    dtype=torch.float64)
+    dist.all_reduce(values)
+    return {name: [round(v, 3) for v in values[i].tolist()] for i, name in enumerate(names)}
+
+
 def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     """Build, warm up and time one system on every rank; the result is the same on all."""
     worker = current_worker()
@@ -204,12 +216,14 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     if runner is not None:
         runner.reset_stats()  # the engine's count then covers the timed steps only
     before, times, losses = link_bytes(), [], []
+    cpu_before = time.process_time()
     for _ in range(steps):
         batch = workload.batch(generator)
         start = time.perf_counter()
         loss = step(batch)
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
+    cpu_ms = (time.process_time() - cpu_before) * 1e3 / steps
     dist.barrier()
     sent, peak = link_bytes() - before, peak_rss_mib()
     if args.get("profile_dir"):  # after every count of the timed steps is taken
@@ -221,6 +235,9 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     world = worker.world_size
     if runner is not None:  # after the warm-up: the plan may have moved tables
         held = runner.predicted_memory().total
+    cpu = torch.zeros(world, dtype=torch.float64)
+    cpu[worker.rank] = cpu_ms
+    dist.all_reduce(cpu)
     values = torch.zeros(1 + steps + 2 * world, dtype=torch.float64)
     values[0] = float(sent) if worker.is_server else 0.0
     values[1:1 + steps] = torch.tensor(times, dtype=torch.float64)
@@ -254,9 +271,13 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         "isolated": bool(args.get("isolated", False)),
         "steps": steps, "warmup": warmup, "world_size": world, "machines": machines,
         "loss_last": float(last) / world,
+        # CPU time (all threads, user + system) per timed step: on a host with fewer cores
+        # than processes, the step is bounded by the ranks' CPU time together
+        "cpu_ms_per_step_per_rank": [round(c, 2) for c in cpu.tolist()],
     }
     if runner is not None:
         result.update(plan_fields(runner, system, wire))
+        result["phases_ms_per_rank"] = phases_per_rank(runner, world)
     if getattr(step, "plan", None) is not None:  # TorchRec: each table's sharding, as planned
         from torchrec_peer import plan_summary
 

@@ -55,6 +55,9 @@ def test_hybrid_moves_a_table_to_allreduce_where_the_bytes_model_says_so(traffic
     assert narrow["alpha"] == 1.0
     assert narrow["sync"] == "allreduce"
     assert "AllReduce predicted" in narrow["reason"]
+    # ... but not a table so small that its sum would go by one all_to_all to every rank
+    small = traffic["narrow_small"]
+    assert small["alpha"] == 1.0 and small["sync"] == "ps"
     # ... and the 16-wide table with α = 0.04 stays on the servers.
     assert traffic["hybrid"]["sync"]["embedding.weight"] == "ps"
 

@@ -41,16 +41,19 @@ def batch(step: int, worker: parallax.cluster.WorkerInfo,
     return ids.repeat(BATCH, 1), torch.randint(0, 64, (BATCH,))
 
 
-def narrow_table_moves_to_allreduce() -> dict:
-    """Rows of 4 bytes, all used every step: the PS's 8-byte ids cost more than the rows, the
-    bytes model prefers AllReduce, and the default hybrid moves the table there."""
+def narrow_table(rows: int) -> dict:
+    """Rows of 4 bytes, all used every step: the PS's 8-byte ids cost more than the rows.
+    With 40,000 rows the gradient is summed by a ring, the bytes model prefers AllReduce and
+    the default hybrid moves the table there; with 64 rows it would be summed by one
+    all_to_all (`parallax.engine.tables.reduction`), whose copies to every rank cost more
+    than the PS: it stays."""
     torch.manual_seed(0)
-    model = Model(rows=64, dim=1)
+    model = Model(rows=rows, dim=1)
     runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  nn.functional.cross_entropy,
                                  config=parallax.Config(sparsity_warmup_steps=2))
     for _ in range(3):
-        runner.step((torch.arange(64).repeat(BATCH, 1), torch.randint(0, 64, (BATCH,))))
+        runner.step((torch.arange(rows).repeat(BATCH, 1), torch.randint(0, 64, (BATCH,))))
     plan = {p.name: p for p in runner.plan.parameters}["embedding.weight"]
     return {"sync": plan.sync, "reason": plan.reason, "alpha": plan.alpha}
 
@@ -79,7 +82,8 @@ def main() -> None:
         results[run] = {"measured": measured, "predicted": predicted, "alpha": alpha,
                         "sync": sync, "reason": reason,
                         "local_aggregation": runner.local_aggregation}
-    results["narrow"] = narrow_table_moves_to_allreduce()
+    results["narrow"] = narrow_table(40_000)
+    results["narrow_small"] = narrow_table(64)
     if runner.worker.rank == 0:
         with open(sys.argv[1], "w") as out:
             json.dump(results, out, indent=1)

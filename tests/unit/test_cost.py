@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from parallax.planning import cost
 
@@ -44,7 +45,6 @@ def test_allreduce_crosses_machines_once_per_machine(machines: int, workers: int
 def _aggregating_table(rows: int = 10_000) -> object:
     from types import SimpleNamespace
 
-    import torch
     return SimpleNamespace(on_servers=True, local_aggregation=True, dtype=torch.float32,
                            row_shape=(32,), num_rows=rows)
 
@@ -60,7 +60,7 @@ def test_hybrid_keeps_the_leader_hop_only_where_merging_saves_enough(shared: flo
     from parallax.planning.architectures import MIN_AGGREGATION_SAVING, Hybrid
     from parallax.planning.sparsity import Sparsity
 
-    worker = SimpleNamespace(server_ranks=(0, 2), world_size=4)
+    worker = SimpleNamespace(server_ranks=(0, 2), world_size=4, device=torch.device("cpu"))
     measured = {"t": Sparsity(alpha=0.01, alpha_machine=0.01 * (2 - shared))}
     tables = {"t": _aggregating_table()}
     kept, why = Hybrid().keeps_local_aggregation(tables, measured, config=Config(),
@@ -71,3 +71,20 @@ def test_hybrid_keeps_the_leader_hop_only_where_merging_saves_enough(shared: flo
     for forced in (True, False):
         assert Hybrid().keeps_local_aggregation(
             tables, measured, config=Config(local_aggregation=forced), worker=worker)[0] is forced
+
+
+def test_small_sums_on_cpu_cost_a_copy_to_every_other_machines_worker() -> None:
+    """Under ``small_sums`` a payload within `reduction.small` goes by one all_to_all (each
+    of a machine's k workers sends it to the W - k remote workers and receives as much); a
+    larger one, or a piece of a larger payload, keeps the ring's Table 3 figure."""
+    from parallax.engine.tables import reduction
+
+    shape = cost.Shape(2, 2, small_sums=True)
+    small = 4096.0
+    assert reduction.small(small, shape.world)
+    assert cost.allreduce_dense(small, shape) == 2 * 2 * 2 * small
+    assert cost.allreduce_dense(small, cost.Shape(2, 2)) == 2 * small  # the papers' ring
+    large = float(reduction.ALL_TO_ALL_MAX_SENT_BYTES)  # x (W - 1) > the bound
+    assert cost.allreduce_dense(large, shape) == 2 * large
+    assert cost.allreduce_dense(small, shape, payload=large) == 2 * small
+    assert not reduction.small(small, 1)  # one rank sums nothing

@@ -53,6 +53,9 @@ class ParameterCost:
     used: float | None = None
     used_machine: float | None = None
     sync: str = "allreduce"  # where it lives in this run (the hybrid may have moved it)
+    #: the bytes of the AllReduce it is summed in, when more than its own (a dense
+    #: parameter's: all dense gradients, one sum: `parallax.engine.tables.reduction`)
+    payload: float | None = None
 
     @property
     def total(self) -> float:
@@ -118,7 +121,7 @@ class Hybrid(Architecture):
     def predicted_bytes(self, param: ParameterCost, shape: cost.Shape, *,
                         local_aggregation: bool | None) -> float | None:
         if not param.sparse or param.sync == "allreduce":
-            return cost.allreduce_dense(param.total, shape)
+            return cost.allreduce_dense(param.total, shape, payload=param.payload)
         aggregated = self.aggregates_by_default if local_aggregation is None else local_aggregation
         used = param.used_machine if aggregated else param.used
         if used is None:
@@ -166,7 +169,8 @@ class Hybrid(Architecture):
 
 def _shape(worker: WorkerInfo) -> cost.Shape:
     machines = len(worker.server_ranks)
-    return cost.Shape(machines, max(1, worker.world_size // machines))
+    return cost.Shape(machines, max(1, worker.world_size // machines),
+                      small_sums=worker.device.type == "cpu")
 
 
 def _row_bytes(table: Table) -> int:
@@ -189,7 +193,7 @@ class AllReduce(Architecture):
     def predicted_bytes(self, param: ParameterCost, shape: cost.Shape, *,
                         local_aggregation: bool | None) -> float | None:
         if not param.sparse:
-            return cost.allreduce_dense(param.total, shape)
+            return cost.allreduce_dense(param.total, shape, payload=param.payload)
         if param.used is None:
             return None
         return cost.allgatherv_rows(param.used, param.row_bytes, shape)

@@ -8,6 +8,7 @@ machines (a dense parameter on a PS loads its own server's machine most: Table 3
 | parameter | architecture | bytes per machine and step |
 |---|---|---|
 | dense | AllReduce (ring over the N machines' leaders) | ``4 w (N-1) / N`` |
+| dense, small (CPU) | AllReduce by one all_to_all (`allreduce_dense`) | ``2 k (W-k) w`` |
 | sparse | PS | ``2 k U (N-1)/N (8 + 2r)``: ids out, rows back, gradient rows out |
 | sparse | PS + local aggregation | ``2 U_m (N-1)/N (8 + 2r)``: one sender per machine |
 | dense | PS (whole on one server) | as sparse PS with ``U = w / r`` (every row, every step) |
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallax.engine.tables import reduction
 from parallax.engine.tables.exchange import COUNT_MESSAGE_BYTES
 
 ID_BYTES = 8
@@ -33,6 +35,9 @@ class Shape:
 
     machines: int
     workers_per_machine: int
+    #: small AllReduce payloads go by one all_to_all (`parallax.engine.tables.reduction.small`: a
+    #: run on CPU over gloo); False: every AllReduce is a ring, as in the papers
+    small_sums: bool = False
 
     @property
     def world(self) -> int:
@@ -45,9 +50,15 @@ def count_messages(shape: Shape, exchanges: int) -> float:
     return exchanges * 2 * COUNT_MESSAGE_BYTES * k * (shape.world - k)
 
 
-def allreduce_dense(w: float, shape: Shape) -> float:
-    """`parallax.engine.tables.hierarchy.all_reduce`: reduced inside machines, a ring among
-    machines."""
+def allreduce_dense(w: float, shape: Shape, *, payload: float | None = None) -> float:
+    """`parallax.engine.tables.reduction.all_reduce` of ``w`` bytes within a sum of ``payload``
+    bytes (default: ``w`` alone): reduced inside machines and a ring among machines, or, for
+    a small payload under ``shape.small_sums``, one all_to_all in which each of a machine's
+    ``k`` workers sends ``w`` to the ``W - k`` workers of other machines and receives as
+    much."""
+    k = shape.workers_per_machine
+    if shape.small_sums and reduction.small(w if payload is None else payload, shape.world):
+        return 2 * k * (shape.world - k) * w
     n = shape.machines
     return 4 * w * (n - 1) / n
 

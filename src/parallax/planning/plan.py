@@ -87,12 +87,16 @@ class Plan:
               placements: dict[str, Placement], world_size: int, num_machines: int,
               architecture: str = "hybrid", sparsity: dict[str, Sparsity] | None = None,
               reasons: dict[str, str] | None = None, local_aggregation: bool | None = None,
-              searches: tuple[SearchRecord, ...] = ()) -> Plan:
+              searches: tuple[SearchRecord, ...] = (), small_sums: bool = False) -> Plan:
         """``placements[name]`` for every parameter held otherwise than replicated and
         AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it;
         ``local_aggregation`` as `Config.local_aggregation` (None: each architecture's
-        default); ``searches`` how the partition groups' counts were chosen."""
-        shape = cost.Shape(num_machines, max(1, world_size // num_machines))
+        default); ``searches`` how the partition groups' counts were chosen; ``small_sums``:
+        the run sums small AllReduce payloads by one all_to_all (`cost.Shape.small_sums`)."""
+        shape = cost.Shape(num_machines, max(1, world_size // num_machines),
+                           small_sums=small_sums)
+        dense_payload = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                            if p.requires_grad and n not in sparse)
         sparsity = sparsity or {}
         entries = []
         for name, param in model.named_parameters():
@@ -112,7 +116,7 @@ class Plan:
                 alpha=measured.alpha if measured else None,
                 alpha_machine=measured.alpha_machine if measured else None,
                 predicted_bytes=_predictions(param, use is not None, measured, sync, shape,
-                                             local_aggregation)))
+                                             local_aggregation, dense_payload)))
         return cls(tuple(entries), world_size, num_machines, architecture, searches)
 
     def table(self) -> str:
@@ -148,8 +152,10 @@ class Plan:
 
 
 def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None, sync: str,
-                 shape: cost.Shape, local_aggregation: bool | None) -> dict[str, float | None]:
-    """Each architecture's predicted bytes for ``param`` (`Architecture.predicted_bytes`)."""
+                 shape: cost.Shape, local_aggregation: bool | None,
+                 dense_payload: float) -> dict[str, float | None]:
+    """Each architecture's predicted bytes for ``param`` (`Architecture.predicted_bytes`);
+    ``dense_payload``: the bytes of all dense gradients, summed together."""
     rows = param.shape[0] if param.dim() else 1
     used = used_machine = None
     if is_sparse and measured is not None:
@@ -159,7 +165,8 @@ def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None
                          else 1 - (1 - measured.alpha) ** k)  # independent workers' union
         used_machine = machine_alpha * rows
     sized = ParameterCost(rows=rows, row_bytes=param.numel() * param.element_size() / max(rows, 1),
-                          sparse=is_sparse, used=used, used_machine=used_machine, sync=sync)
+                          sparse=is_sparse, used=used, used_machine=used_machine, sync=sync,
+                          payload=None if is_sparse else dense_payload)
     return {str(name): architecture.predicted_bytes(sized, shape,
                                                     local_aggregation=local_aggregation)
             for name, architecture in ARCHITECTURES.items()}

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine.optimizers.grad_norm import NonFinite, clip_by_global_norm, find_nonfinite
 from parallax.engine.optimizers.shard_optimizer import parameter_ids
+from parallax.engine.tables import reduction
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table, held_tables
 from parallax.errors import UnsupportedProgramError
@@ -105,7 +106,7 @@ class StepGradients:
         for table in self.tables_of(optimizers):
             table.scale_grad(inv_scale)
             squared += table.grad_norm_squared()
-        dist.all_reduce(squared, group=self.group)
+        reduction.all_reduce(squared, group=self.group)
         return not bool(torch.isfinite(squared))
 
     def reduce_split_layers(self) -> None:
@@ -150,7 +151,7 @@ class StepGradients:
             return
         if summed is None:
             summed = self._reached_flags()
-            dist.all_reduce(summed, group=self.group)
+            reduction.all_reduce(summed, group=self.group)
         for table, count in zip(tables, summed.tolist(), strict=True):
             table.gradient_anywhere = count > 0
 

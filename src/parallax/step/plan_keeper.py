@@ -97,6 +97,7 @@ class PlanKeeper:
                                world_size=self.worker.world_size,
                                num_machines=len(self.worker.server_ranks),
                                architecture=self.config.architecture, sparsity=self.sparsity,
+                               small_sums=self.worker.device.type == "cpu",
                                reasons=self.decisions,
                                local_aggregation=self.local_aggregation,
                                searches=tuple(self.searches.values()))

@@ -32,6 +32,7 @@ from parallax.engine.dense_sync.hierarchical import hierarchical_allreduce
 from parallax.engine.dense_sync.qsgd import qsgd_allgather
 from parallax.engine.dense_sync.qsgd_codec import QSGDCodec
 from parallax.engine.dense_sync.state import DenseSyncState
+from parallax.engine.tables import reduction
 from parallax.engine.tables.exchange import Traffic
 
 CommHook = Callable[[DenseSyncState, GradBucket], torch.futures.Future[torch.Tensor]]
@@ -67,8 +68,11 @@ def wrap_dense(module: nn.Module, *, device: torch.device, sync: str, average: b
     names = {id(p): n for n, p in module.named_parameters()}
     rank = dist.get_rank()
     generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + rank) % 2**63)
+    payload = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    small_sums = (device.type == "cpu" and "gloo" in str(dist.get_backend())
+                  and reduction.small(payload, dist.get_world_size()))
     state = DenseSyncState(traffic, names, dist.get_world_size(), average,
-                           codec=codec_of(qsgd), generator=generator)
+                           codec=codec_of(qsgd), generator=generator, small_sums=small_sums)
     ddp.register_comm_hook(state, HOOKS[DenseSyncName(sync)])
     return ddp, state
 

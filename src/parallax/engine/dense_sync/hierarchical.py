@@ -1,6 +1,8 @@
 """``hierarchical`` (default): each bucket reduced inside the machine, AllReduced among the
 machines' leaders, broadcast back (`parallax.engine.tables.hierarchy`): Table 3's ``4 w (N-1) / N``
-bytes on each machine's link, which the plan predicts.
+bytes on each machine's link, which the plan predicts. When all dense gradients together are
+small, each bucket is summed by one all_to_all instead (`parallax.engine.tables.reduction`: there
+three collectives cost more than the bytes; chosen once for the model, as the plan predicts).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations are real types.
@@ -12,7 +14,7 @@ from torch._C._distributed_c10d import GradBucket
 
 from parallax.engine.dense_sync.state import DenseSyncState
 from parallax.engine.diagnostics import phases
-from parallax.engine.tables import hierarchy
+from parallax.engine.tables import reduction
 
 
 def hierarchical_allreduce(state: DenseSyncState, bucket: GradBucket,
@@ -22,10 +24,11 @@ def hierarchical_allreduce(state: DenseSyncState, bucket: GradBucket,
     (on CPU there is little compute to overlap with)."""
     with phases.phase("dense sync"):
         began = time.perf_counter()
-        for name, piece in state.pieces(bucket):
-            hierarchy.account(piece, traffic=state.traffic, name=name)
         buffer = bucket.buffer()
-        hierarchy.all_reduce(buffer)
+        for name, piece in state.pieces(bucket):
+            reduction.account(piece, traffic=state.traffic, name=name,
+                              all_to_all=state.small_sums)
+        reduction.all_reduce(buffer, all_to_all=state.small_sums)
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(state.finish(buffer))
         state.seconds += time.perf_counter() - began

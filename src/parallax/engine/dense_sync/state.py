@@ -19,7 +19,8 @@ class DenseSyncState:
     parameter's ``id`` to its name there; ``world`` ranks sum the bucket; ``average`` divides
     the sum by ``world`` (DDP's mean); ``codec`` and ``generator``: a quantising hook's
     codec and the generator of its random rounding (this rank's own); ``seconds``: time the
-    synchronous hooks spent (collectives, encoding and decoding), for `Runner.stats`."""
+    synchronous hooks spent (collectives, encoding and decoding), for `Runner.stats`;
+    ``small_sums``: see the field."""
 
     traffic: Traffic
     names: dict[int, str]
@@ -28,6 +29,9 @@ class DenseSyncState:
     codec: QSGDCodec | None = None
     generator: torch.Generator | None = None
     seconds: float = 0.0
+    #: sum the buckets by one all_to_all (`parallax.engine.tables.reduction.small`: the dense
+    #: gradients together are small), else ring by ring
+    small_sums: bool = False
 
     def pieces(self, bucket: GradBucket) -> list[tuple[str, torch.Tensor]]:
         """Each parameter's slice of the bucket's flat buffer, with its name."""

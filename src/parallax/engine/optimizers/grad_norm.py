@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallax.engine.tables import reduction
 from parallax.engine.tables.table import Table
 
 __all__ = ["NonFinite", "clip_by_global_norm", "find_nonfinite"]
@@ -56,7 +57,7 @@ def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
         values[rank] = float(not bool(torch.isfinite(loss.detach()).all()))
     for i, (_, table) in enumerate(named):  # server-held: each server its own rows
         values[world + i] = table.grad_norm_squared()
-    dist.all_reduce(values, group=group)
+    reduction.all_reduce(values, group=group)
     bad = [name for i, (name, _) in enumerate(named)
            if not torch.isfinite(values[world + i])]
     bad += [name for name, grad in dense if grad is not None and not _all_finite(grad)]
@@ -78,7 +79,7 @@ def clip_by_global_norm(max_norm: float, dense_grads: Sequence[Tensor], tables: 
         for table in tables:
             squared += table.grad_norm_squared()
         if tables:
-            dist.all_reduce(squared, group=group)
+            reduction.all_reduce(squared, group=group)
     for grad in dense_grads:  # replicated sparse-gradient tables arrive coalesced
         values = grad._values() if grad.is_sparse else grad
         squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2

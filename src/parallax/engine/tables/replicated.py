@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.tables import hierarchy, lookup_options
+from parallax.engine.tables import lookup_options, reduction
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 
@@ -175,8 +175,9 @@ class ReplicatedTable:
         self._pending.clear()
         # The counts ride in the same AllReduce, as one more column.
         payload = lookup_options.with_counts(grad, total) if self._scales_by_freq else grad
-        hierarchy.account(payload, traffic=self.traffic, name=self.name)
-        hierarchy.all_reduce(payload, group=self.group)
+        all_to_all = reduction.by_all_to_all(payload, self.group)
+        reduction.account(payload, traffic=self.traffic, name=self.name, all_to_all=all_to_all)
+        reduction.all_reduce(payload, group=self.group, all_to_all=all_to_all)
         if self._scales_by_freq:
             grad, total = lookup_options.split_counts(payload, self.row_shape)
             grad = grad.contiguous()

@@ -1,0 +1,58 @@
+"""Sums over all ranks on 2 machines x 2 workers (tests/scripts/reduction_worker.py): small
+payloads go by one all_to_all, large ones machine by machine; either way every rank holds
+bitwise the same sum, close to the exact one, and the bytes counted are the cost model's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallax.engine.tables import reduction
+from parallax.planning import cost
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLD, MACHINES = 4, 2
+
+
+@pytest.fixture(scope="module")
+def sums(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("reduction")
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(MACHINES),
+           "--nproc-per-machine", "2", str(ROOT / "tests" / "scripts" / "reduction_worker.py"),
+           str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+def test_small_payloads_go_by_one_all_to_all_and_large_ones_by_rings(sums) -> None:
+    schemes = {case: record["by_all_to_all"] for case, record in sums[0].items()}
+    assert schemes == {"tiny-float32": True, "tiny-float64": True, "small-float32": True,
+                       "small-float64": False, "large-float32": False,
+                       "large-float64": False}
+    for case, record in sums[0].items():  # the rule the plan uses decides alike
+        size = record["sum"].numel() * record["sum"].element_size()
+        assert reduction.small(size, WORLD) is record["by_all_to_all"], case
+
+
+def test_every_rank_holds_bitwise_the_same_sum_close_to_the_exact_one(sums) -> None:
+    for case, record in sums[0].items():
+        for rank in range(1, WORLD):
+            assert torch.equal(sums[rank][case]["sum"], record["sum"]), (case, rank)
+        # rounding: the cast and W - 1 additions, each within eps of the magnitudes' sum
+        eps = torch.finfo(record["sum"].dtype).eps
+        error = (record["sum"].double() - record["exact"]).abs()
+        assert bool((error <= WORLD * eps * record["bound"]).all()), case
+
+
+def test_counted_bytes_are_the_cost_models(sums) -> None:
+    shape = cost.Shape(MACHINES, WORLD // MACHINES, small_sums=True)
+    for case in sums[0]:
+        inter = sum(record[case]["bytes"].get(key, 0) for record in sums
+                    for key in ("inter_sent", "inter_received"))
+        size = sums[0][case]["sum"].numel() * sums[0][case]["sum"].element_size()
+        assert inter / MACHINES == pytest.approx(cost.allreduce_dense(size, shape)), case
