@@ -1,7 +1,7 @@
 """Worker of test_reduction.py: sums tensors of several sizes and dtypes over all ranks with
 `parallax.engine.tables.reduction.all_reduce` and saves, per case, the scheme taken, this
-rank's result, the exact float64 sum (and that of the magnitudes) and the bytes the accounting recorded, to
-OUT_DIR/rank<R>.pt.
+rank's result, the exact float64 sum (and that of the magnitudes) and the bytes the
+accounting recorded, to OUT_DIR/rank<R>.pt.
 
 Usage: parallax run --machines 2 --nproc-per-machine 2 reduction_worker.py OUT_DIR"""
 
