@@ -135,15 +135,13 @@ def test_plan_puts_each_parameter_where_the_design_says(distributed) -> None:
     sync = {model: placement for (arch, model), placement in by_arch.items() if arch == "hybrid"}
     assert set(sync["dense"].values()) == {"allreduce"}
     assert sync["sparse"] == {"embedding.weight": "ps"}
-    # The bag's rows are 12 bytes, less than an id: on 2 machines of 2 workers the bytes model
-    # finds the machine-level AllReduce (4w(N-1)/N) cheaper than serving them, and says why;
-    # with one worker per machine or one machine it stays on the PS.
-    bag_sync = "allreduce" if topology == "2x2" else "ps"
-    assert sync["mixed"] == {"embedding.weight": "ps", "bag.weight": bag_sync,
+    # The bag's rows are 12 bytes, less than an id, but the whole bag is so small that its
+    # AllReduced gradient would go by one all_to_all to every rank (small sums on CPU:
+    # parallax.engine.tables.reduction), more bytes than serving the rows: it stays on the PS
+    # on every topology (tests/integration/test_traffic.py moves a larger narrow table).
+    assert sync["mixed"] == {"embedding.weight": "ps", "bag.weight": "ps",
                              "hidden.weight": "allreduce", "hidden.bias": "allreduce",
                              "out.weight": "allreduce", "out.bias": "allreduce"}
-    bag = next(p for p in plans["hybrid", "mixed"]["parameters"] if p["name"] == "bag.weight")
-    assert bag_sync == "ps" or "AllReduce predicted" in bag["reason"], bag
     # Tied input/output embedding: read densely by the decoder, so it is dense.
     assert sync["tied"]["embedding.weight"] == "allreduce"
     # Untraceable: the module rule alone still finds the embedding.

@@ -38,6 +38,7 @@ def repartition(table: ShardedTable, num_partitions: int,
     values = table.read_rows(mine)
     moved = {key: table.read_rows(mine, state.get(key)) for key in per_row}
     table.partitioning = new
+    table.reservations.reset()  # (on every rank: repartitioning is collective)
     if old_shard is None:
         return
     table.set_shard(nn.Parameter(values.clone(), requires_grad=old_shard.requires_grad))

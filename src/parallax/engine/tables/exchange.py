@@ -129,6 +129,24 @@ class Traffic:
         self.bytes.clear()
 
 
+BAD_ID = 1  # a count message's flag: the sender has an id outside the table's rows
+
+
+def raise_bad_ids(received: Tensor, names: Sequence[str], *, traffic: Traffic,
+                  num_rows: dict[str, int]) -> None:
+    """`SparseIdError` for the first bad id in the count messages ``received`` (``[peer,
+    table, (count, flags, bad id)]``, on CPU), on every rank alike."""
+    for t, name in enumerate(names):
+        failed = (received[:, t, 1] & BAD_ID).nonzero().flatten().tolist()
+        if failed:
+            rank = failed[0]
+            machine = traffic.machine_of_rank[rank]
+            raise SparseIdError(
+                f"parallax: sparse parameter '{name}' got id {int(received[rank, t, 2])} "
+                f"on rank {rank} (machine {machine}), outside its rows "
+                f"[0, {num_rows[name]})")
+
+
 @dataclass
 class Hop:
     """One all_to_all for several tables at once, with splits fixed per table and peer:
@@ -166,22 +184,15 @@ class Hop:
             message[:, t, 0] = torch.tensor(send_counts[name], dtype=torch.long)
             bad_id = (bad_ids or {}).get(name)
             if bad_id is not None:
-                message[:, t, 1] = 1
+                message[:, t, 1] = BAD_ID
                 message[:, t, 2] = bad_id
         message = message.to(device)
         received = torch.empty_like(message)
         dist.all_to_all_single(received, message, group=group)
         received = received.cpu()
-        for t, name in enumerate(names):
+        for name in names:
             traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
-            failed = received[:, t, 1].nonzero().flatten().tolist()
-            if failed:
-                rank = failed[0]
-                machine = traffic.machine_of_rank[rank]
-                raise SparseIdError(
-                    f"parallax: sparse parameter '{name}' got id {int(received[rank, t, 2])} "
-                    f"on rank {rank} (machine {machine}), outside its rows "
-                    f"[0, {num_rows[name]})")
+        raise_bad_ids(received, names, traffic=traffic, num_rows=num_rows)
         recv_counts = {name: received[:, t, 0].tolist() for t, name in enumerate(names)}
         return cls(dict(send_counts), recv_counts, group, traffic)
 

@@ -26,6 +26,7 @@ from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.pool import SERIAL, PartitionPool
+from parallax.engine.tables.reservations import Reservations, open_carrying
 from parallax.errors import ArgumentError, InternalError, SparseIdError
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
@@ -158,6 +159,8 @@ class ShardedTable:
                                   and worker.world_size > len(worker.server_ranks))
         self.partitioning = RowPartitioning(self.num_rows, num_partitions, worker.server_ranks,
                                             first_server)
+        # room for this table's ids in a pull's one message (reset when the rows move)
+        self.reservations = Reservations(worker.world_size)
         self.shard: nn.Parameter | None = None
         # The shard's partitions as parameters viewing its storage: the unit of the servers'
         # parallel aggregation and update (the shard itself when it holds one partition).
@@ -528,7 +531,7 @@ def _pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
         merged = {name: torch.unique(piece, return_inverse=True)
                   for name, piece in pieces.items()}
         merged_rows, direct, lookups = _pull_direct(tables, [m for m, _ in merged.values()],
-                                                    [None] * len(tables), renorm=True)
+                                                    [None] * len(tables), lookup=True)
         rows = to_leader.backward_many({name: merged_rows[name][inverse]
                                         for name, (_, inverse) in merged.items()})
         for name, (ids_merged, inverse) in merged.items():
@@ -536,7 +539,7 @@ def _pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
             lookups[name].merged_count = ids_merged.numel()
     else:
         rows, direct, lookups = _pull_direct(tables, list(uniques.values()),
-                                             list(bad_ids.values()), renorm=True)
+                                             list(bad_ids.values()), lookup=True)
     for name, lookup in lookups.items():
         lookup.ids, lookup.rows = uniques[name], rows[name]
     for table, (unique, inverse, _) in zip(tables, requests, strict=True):
@@ -573,20 +576,30 @@ def _open(tables: Sequence[ShardedTable], counts: dict[str, list[int]],
 
 def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
                  bad_ids: Sequence[int | None], source: Tensor | None = None,
-                 renorm: bool = False) -> tuple[dict[str, Tensor], Hop, dict[str, _Lookup]]:
+                 lookup: bool = False) -> tuple[dict[str, Tensor], Hop, dict[str, _Lookup]]:
     """Rows ``uniques[i]`` of ``tables[i]`` from their owners' shards (or from ``source``, a
-    tensor shaped like the shard, e.g. an optimizer state; one table only). With ``renorm``
-    (a lookup's pull), owners of a ``max_norm`` table first renormalise the requested rows in
-    place, as ``F.embedding`` does on one device: the requests of all workers together are
-    the global batch's ids, and renormalising is idempotent, so the result is exact."""
+    tensor shaped like the shard, e.g. an optimizer state; one table only). A ``lookup``'s
+    pull (training or evaluation, not an export) sends its ids with the count message
+    (`open_carrying`), and owners of a ``max_norm`` table first renormalise the requested
+    rows in place, as ``F.embedding`` does on one device: the requests of all workers
+    together are the global batch's ids, and renormalising is idempotent, so the result is
+    exact."""
     orders, counts = {}, {}
     for table, unique in zip(tables, uniques, strict=True):
         owner = table.partitioning.owner_rank(unique.clamp(0, max(table.num_rows - 1, 0)))
         orders[table.name] = torch.argsort(owner, stable=True)
         counts[table.name] = torch.bincount(owner, minlength=table.worker.world_size).tolist()
-    hop = _open(tables, counts, dict(zip(counts, bad_ids, strict=True)))
-    recv_ids = hop.forward_many({t.name: u[orders[t.name]]
-                                 for t, u in zip(tables, uniques, strict=True)})
+    sorted_ids = {t.name: u[orders[t.name]] for t, u in zip(tables, uniques, strict=True)}
+    bad = dict(zip(counts, bad_ids, strict=True))
+    if lookup:
+        first = tables[0]
+        hop, recv_ids = open_carrying(
+            sorted_ids, counts, reservations={t.name: t.reservations for t in tables},
+            group=first.group, traffic=first.traffic,
+            num_rows={t.name: t.num_rows for t in tables}, bad_ids=bad)
+    else:
+        hop = _open(tables, counts, bad)
+        recv_ids = hop.forward_many(sorted_ids)
     served, lookups = {}, {}
     for table in tables:
         local = table.partitioning.local_row(recv_ids[table.name])
@@ -594,7 +607,7 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
             table.before_read(local)  # deferred steps first (values and optimizer state)
         held = source if source is not None else table.shard
         options = table.batch_dependent
-        if renorm and held is not None and options is not None and options.max_norm is not None:
+        if lookup and held is not None and options is not None and options.max_norm is not None:
             with torch.no_grad():
                 torch.embedding_renorm_(held.detach(), local, options.max_norm,
                                         options.norm_type)

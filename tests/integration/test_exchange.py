@@ -1,6 +1,11 @@
-"""Sums over all ranks on 2 machines x 2 workers (tests/scripts/reduction_worker.py): small
-payloads go by one all_to_all, large ones machine by machine; either way every rank holds
-bitwise the same sum, close to the exact one, and the bytes counted are the cost model's."""
+"""The exchange's collectives on 2 machines x 2 workers (tests/scripts/exchange_worker.py).
+
+Sums over all ranks: small payloads go by one all_to_all, large ones machine by machine;
+either way every rank holds bitwise the same sum, close to the exact one, and the bytes
+counted are the cost model's. Pulls whose ids go with the count message: exactly the table's
+rows whatever the counts do (none, steady, bursts past the reserved room), one all_to_all to
+open where the room holds the ids and two where it does not, and a bad id on one rank fails
+every rank with the same error."""
 
 from __future__ import annotations
 
@@ -19,14 +24,24 @@ WORLD, MACHINES = 4, 2
 
 
 @pytest.fixture(scope="module")
-def sums(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("reduction")
+def records(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("exchange")
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(MACHINES),
-           "--nproc-per-machine", "2", str(ROOT / "tests" / "scripts" / "reduction_worker.py"),
+           "--nproc-per-machine", "2", str(ROOT / "tests" / "scripts" / "exchange_worker.py"),
            str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def sums(records) -> list[dict]:
+    return [record["sums"] for record in records]
+
+
+@pytest.fixture(scope="module")
+def pulls(records) -> list[dict]:
+    return [record["pulls"] for record in records]
 
 
 def test_small_payloads_go_by_one_all_to_all_and_large_ones_by_rings(sums) -> None:
@@ -56,3 +71,27 @@ def test_counted_bytes_are_the_cost_models(sums) -> None:
                     for key in ("inter_sent", "inter_received"))
         size = sums[0][case]["sum"].numel() * sums[0][case]["sum"].element_size()
         assert inter / MACHINES == pytest.approx(cost.allreduce_dense(size, shape)), case
+
+
+def test_pulls_return_the_tables_rows_whatever_the_counts_do(pulls) -> None:
+    for rank, record in enumerate(pulls):
+        assert all(record["exact"]), (rank, record["exact"])
+
+
+def test_a_pull_opens_in_one_all_to_all_where_the_room_holds_its_ids(pulls) -> None:
+    opened = pulls[0]["collectives"]  # the same on every rank: they agree on a second round
+    assert all(record["collectives"] == opened for record in pulls)
+    # (steps: ids per lookup 0, then 60 x 3 consecutive, 60 random, a burst of 300, 20,
+    # 20, 0, 400, 400, 10 random)
+    assert opened[0] == 1  # nothing to send
+    assert opened[1] == 2  # the first ids: no room reserved yet
+    assert opened[2] == opened[3] == opened[4] == 1  # steady counts, then alike at random
+    assert opened[5] == 2 and opened[9] == 2  # bursts past the most seen
+    assert opened[6] == opened[7] == opened[8] == opened[10] == opened[11] == 1
+
+
+def test_a_bad_id_on_one_rank_fails_every_rank_alike(pulls) -> None:
+    errors = {record["error"] for record in pulls}
+    assert len(errors) == 1
+    (error,) = errors
+    assert error is not None and "id 505 on rank 1" in error

@@ -1,0 +1,162 @@
+"""Opening a hop and sending its ids in one message.
+
+`Hop.open_many` first exchanges the counts (gloo checks no split sizes, so both sides must know
+them before the ids travel), then the ids: two all_to_alls before a pull can even serve rows,
+and on a host whose cores the ranks share each costs about 0.6 ms of CPU per rank and 1.6 ms of
+wall time (2 machines x 2 workers, BENCHMARKS.md "Small sums"). `open_carrying` sends the
+count message and the ids together: each rank reserves, per table and peer, room for as many
+ids as the most it sent that peer over the last `HISTORY` pulls (its `Reservations`), pads
+what it sends up to that, and sends whatever does not fit in a second all_to_all that only
+happens when some rank ran out of room. Sender and receiver keep the same history of the
+counts between them (both learn every count from the message), so they reserve alike
+without a word (steady counts reserve exactly them, varying ones a quarter more than
+the most seen); each message says whether its sender overflowed, so every rank knows whether
+the second all_to_all comes.
+
+Ids are padded, never dropped: the result is the same ids as `Hop.open_many` then
+`Hop.forward_many` give, in the same order. The padding is counted as traffic; with steady
+counts (as many ids per owner every step) there is none.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parallax.engine.tables.exchange import (
+    BAD_ID,
+    COUNT_MESSAGE_BYTES,
+    Hop,
+    Traffic,
+    raise_bad_ids,
+)
+
+__all__ = ["HISTORY", "Reservations", "open_carrying"]
+
+HISTORY = 16  # pulls whose counts a reservation covers
+OVERFLOWED = 2  # a count message's flag: the sender's ids did not all fit
+_HEADER = COUNT_MESSAGE_BYTES // 8  # int64s per table and peer: count, flags, bad id
+
+
+class Reservations:
+    """One table's room for ids per peer in `open_carrying`: the most sent to (received
+    from) each peer over the last `HISTORY` openings."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the counts (the rows moved: another partitioning, on every rank at once)."""
+        self.sent: list[deque[int]] = [deque(maxlen=HISTORY) for _ in range(self.world)]
+        self.received: list[deque[int]] = [deque(maxlen=HISTORY) for _ in range(self.world)]
+
+    def to(self, peer: int) -> int:
+        return _room(self.sent[peer])
+
+    def from_(self, peer: int) -> int:
+        return _room(self.received[peer])
+
+    def note(self, sent: Sequence[int], received: Sequence[int]) -> None:
+        for peer in range(self.world):
+            self.sent[peer].append(sent[peer])
+            self.received[peer].append(received[peer])
+
+
+def _room(counts: deque[int]) -> int:
+    """Steady counts: exactly them. Varying ones: the most seen and a quarter more (random
+    ids per owner vary like a binomial; the most of a few draws alone is exceeded about
+    every ``HISTORY`` pulls by one of the ``W^2`` pairs, a quarter more almost never)."""
+    if not counts:
+        return 0
+    most = max(counts)
+    return most if min(counts) == most else most + most // 4 + 4
+
+
+def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]], *,
+                  reservations: dict[str, Reservations], group: dist.ProcessGroup,
+                  traffic: Traffic, num_rows: dict[str, int],
+                  bad_ids: dict[str, int | None]) -> tuple[Hop, dict[str, Tensor]]:
+    """`Hop.open_many` and `Hop.forward_many` of the id ``payloads`` (1-D int64, sorted by
+    peer, ``send_counts`` per peer), in one all_to_all where the reservations hold them.
+    Returns the hop (exact counts, for the rows back and the gradients) and the ids each
+    table received, in peer order."""
+    names = list(payloads)
+    world = len(send_counts[names[0]])
+    room_to = {n: [reservations[n].to(p) for p in range(world)] for n in names}
+    room_from = {n: [reservations[n].from_(p) for p in range(world)] for n in names}
+    pieces = {n: payloads[n].split(send_counts[n]) for n in names}
+    overflowed = any(send_counts[n][p] > room_to[n][p] for n in names for p in range(world))
+    message = torch.cat([part for peer in range(world) for part in _to_peer(
+        peer, names, pieces, send_counts, room_to, bad_ids, overflowed)])
+    send_splits = [len(names) * _HEADER + sum(room_to[n][p] for n in names)
+                   for p in range(world)]
+    recv_splits = [len(names) * _HEADER + sum(room_from[n][p] for n in names)
+                   for p in range(world)]
+    out = message.new_empty(sum(recv_splits))
+    dist.all_to_all_single(out, message, recv_splits, send_splits, group=group)
+    chunks = out.split(recv_splits)
+    headers = torch.stack([chunk[:len(names) * _HEADER].view(len(names), _HEADER)
+                           for chunk in chunks]).cpu()
+    for name in names:
+        traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
+        traffic.record(name, room_to[name], room_from[name], 8)
+    raise_bad_ids(headers, names, traffic=traffic, num_rows=num_rows)
+    recv_counts = {name: headers[:, t, 0].tolist() for t, name in enumerate(names)}
+    received = _cut(chunks, names, room_from, recv_counts)
+    if bool((headers[:, :, 1] & OVERFLOWED).any()):  # every rank sees every sender's flag
+        rest = Hop({n: [max(0, c - r) for c, r in zip(send_counts[n], room_to[n], strict=True)]
+                    for n in names},
+                   {n: [max(0, c - r) for c, r in zip(recv_counts[n], room_from[n], strict=True)]
+                    for n in names}, group, traffic)
+        more = rest.forward_many({n: torch.cat([piece[room_to[n][p]:]
+                                                for p, piece in enumerate(pieces[n])])
+                                  for n in names})
+        received = {n: _merge(received[n], more[n].split(rest.recv_counts[n]))
+                    for n in names}
+    for name in names:
+        reservations[name].note(send_counts[name], recv_counts[name])
+    ids = {n: torch.cat(received[n]) for n in names}
+    return Hop(dict(send_counts), recv_counts, group, traffic), ids
+
+
+def _to_peer(peer: int, names: list[str], pieces: dict[str, tuple[Tensor, ...]],
+             send_counts: dict[str, list[int]], room_to: dict[str, list[int]],
+             bad_ids: dict[str, int | None], overflowed: bool) -> list[Tensor]:
+    """The message to ``peer``: a count message per table, then each table's ids padded to
+    the room reserved for them (cut to it when they overflow)."""
+    header = torch.zeros(len(names), _HEADER, dtype=torch.long)
+    parts = [header.reshape(-1)]
+    for t, name in enumerate(names):
+        bad = bad_ids.get(name)
+        header[t, 0] = send_counts[name][peer]
+        header[t, 1] = (BAD_ID if bad is not None else 0) | (OVERFLOWED if overflowed else 0)
+        header[t, 2] = 0 if bad is None else bad
+        ids, room = pieces[name][peer], room_to[name][peer]
+        parts.append(ids[:room])
+        if ids.numel() < room:
+            parts.append(ids.new_zeros(room - ids.numel()))
+    device = pieces[names[0]][0].device
+    return [part.to(device) for part in parts]
+
+
+def _cut(chunks: Sequence[Tensor], names: list[str], room_from: dict[str, list[int]],
+         recv_counts: dict[str, list[int]]) -> dict[str, list[Tensor]]:
+    """Per table, per peer, the ids that arrived in the reserved room (padding dropped)."""
+    out: dict[str, list[Tensor]] = {n: [] for n in names}
+    for peer, chunk in enumerate(chunks):
+        offset = len(names) * _HEADER
+        for name in names:
+            room = room_from[name][peer]
+            out[name].append(chunk[offset:offset + min(room, recv_counts[name][peer])])
+            offset += room
+    return out
+
+
+def _merge(first: list[Tensor], rest: Sequence[Tensor]) -> list[Tensor]:
+    """Per peer, the ids that fit followed by those of the second all_to_all."""
+    return [torch.cat([a, b]) for a, b in zip(first, rest, strict=True)]
