@@ -1,4 +1,4 @@
-"""Worker of test_exchange.py, two parts of the exchange's CPU cost, saved to
+"""Worker of test_collectives.py, two parts of the exchange's CPU cost, saved to
 OUT_DIR/rank<R>.pt:
 
 - "sums": tensors of several sizes and dtypes summed over all ranks with
@@ -10,7 +10,7 @@ OUT_DIR/rank<R>.pt:
   exactly the table's rows, how many all_to_alls the opening took, and the error every rank
   got for a bad id on rank 1.
 
-Usage: parallax run --machines 2 --nproc-per-machine 2 exchange_worker.py OUT_DIR"""
+Usage: parallax run --machines 2 --nproc-per-machine 2 collectives_worker.py OUT_DIR"""
 
 import sys
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""The exchange's collectives on 2 machines x 2 workers (tests/scripts/exchange_worker.py).
+"""The exchange's collectives on 2 machines x 2 workers (tests/scripts/collectives_worker.py).
 
 Sums over all ranks: small payloads go by one all_to_all, large ones machine by machine;
 either way every rank holds bitwise the same sum, close to the exact one, and the bytes
@@ -25,9 +25,9 @@ WORLD, MACHINES = 4, 2
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("exchange")
+    out = tmp_path_factory.mktemp("collectives")
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(MACHINES),
-           "--nproc-per-machine", "2", str(ROOT / "tests" / "scripts" / "exchange_worker.py"),
+           "--nproc-per-machine", "2", str(ROOT / "tests" / "scripts" / "collectives_worker.py"),
            str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
