@@ -2,14 +2,14 @@
 
 gloo's AllReduce runs a ring of ``2 (W-1)`` send/receive rounds, each one synchronising the
 ranks again; on a host whose cores the ranks share, every round costs scheduling and CPU.
-Measured on 2 machines x 2 workers (emulated 1 Gbit/s, 2 cores; BENCHMARKS.md, "Small
-sums"), per call and rank:
+Measured on 2 machines x 2 workers (emulated 1 Gbit/s, 2 cores; ``benchmarks/small_sums.py``,
+BENCHMARKS.md "Small sums"), CPU and wall milliseconds per call and rank:
 
-| scheme | 16 values | 10k float32 | 30k float32 | 100k float32 |
+| scheme | 16 float32 | 10k | 30k | 100k |
 |---|---|---|---|---|
-| flat ring AllReduce | 2.1 ms CPU, 5.6 ms | 2.4, 6.3 | 2.3, 6.0 | 2.0, 6.3 |
-| machine by machine (`hierarchy`) | 1.9, 5.4 | 1.6, 4.5 | 1.7, 4.9 | 1.4, 4.9 |
-| one all_to_all, summed here | 0.7, 1.9 | 0.5, 1.7 | 0.9, 4.7 | 1.9, 14.3 |
+| flat ring AllReduce | 1.8 CPU, 4.9 wall | 1.9, 5.2 | 1.8, 4.7 | 1.4, 5.6 |
+| machine by machine (`hierarchy`) | 1.4, 4.2 | 1.4, 3.9 | 1.5, 4.3 | 1.3, 4.7 |
+| one all_to_all, summed here | 0.6, 1.6 | 0.5, 1.7 | 0.7, 4.2 | 2.1, 14.5 |
 
 In the all_to_all every rank sends its whole payload to every other and adds up the ``W``
 pieces itself: one collective instead of a ring, but ``(W-1) b`` bytes out of each rank
