@@ -39,6 +39,7 @@ torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
 --rate 1gbit --isolate"
   [bandwidth]="$py benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit 5gbit --isolate"
   [alpha]="$py benchmarks/alpha_crossover.py"
+  [small-sums]="$py benchmarks/small_sums.py --repeats ${REPEATS:-3}"
   [partitions-2x2]="$py benchmarks/partitions.py --machines 2 --nproc-per-machine 2 \
 --rate 1gbit"
   [partitions-4x1]="$py benchmarks/partitions.py --machines 4 --nproc-per-machine 1 \
@@ -68,7 +69,7 @@ torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
-ORDER=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling extrapolate sparsity bandwidth alpha
+ORDER=(lm-2x2 lm-4x1 lm-kjv recsys cnn table1 table4 scaling extrapolate sparsity bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases launch)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)

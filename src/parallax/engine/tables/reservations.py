@@ -3,15 +3,15 @@
 `Hop.open_many` first exchanges the counts (gloo checks no split sizes, so both sides must know
 them before the ids travel), then the ids: two all_to_alls before a pull can even serve rows,
 and on a host whose cores the ranks share the count message alone costs 0.5 ms of CPU per rank
-and 1.3 ms of wall time (2 machines x 2 workers, BENCHMARKS.md "Small sums"). `open_carrying` sends the
-count message and the ids together: each rank reserves, per table and peer, room for as many
-ids as the most it sent that peer over the last `HISTORY` pulls (its `Reservations`), pads
-what it sends up to that, and sends whatever does not fit in a second all_to_all that only
-happens when some rank ran out of room. Sender and receiver keep the same history of the
-counts between them (both learn every count from the message), so they reserve alike
-without a word (steady counts reserve exactly them, varying ones a quarter more than
-the most seen); each message says whether its sender overflowed, so every rank knows whether
-the second all_to_all comes.
+and 1.3 ms of wall time (2 machines x 2 workers, BENCHMARKS.md, issue 37's section).
+`open_carrying` sends the count message and the ids together: each rank reserves, per table and
+peer, room for as many ids as the most it sent that peer over the last `HISTORY` pulls (its
+`Reservations`), pads what it sends up to that, and sends whatever does not fit in a second
+all_to_all that only happens when some rank ran out of room. Sender and receiver keep the same
+history of the counts between them (both learn every count from the message), so they reserve
+alike without a word (steady counts reserve exactly them, varying ones a quarter more than the
+most seen); each message says whether its sender overflowed, so every rank knows whether the
+second all_to_all comes.
 
 Ids are padded, never dropped: the result is the same ids as `Hop.open_many` then
 `Hop.forward_many` give, in the same order. The padding is counted as traffic; with steady
