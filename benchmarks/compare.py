@@ -86,11 +86,13 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # "torchrec-plan": TorchRec with each table's sharding chosen by its own planner;
 # "plain": the single-device loop, no DDP (one worker only: parallax's single-worker overhead);
 # "hybrid-plump" / "hybrid-qsgd" / "hybrid-slim" (and allreduce-*): that Config.dense_sync for
-# the dense layers (Plump-DP through servers, Quant-DP, Slim-DP; SGD for plump and slim).
+# the dense layers (Plump-DP through servers, Quant-DP, Slim-DP; SGD for plump and slim);
+# "hybrid-flat": dense_sync="flat"; "hybrid-eager": the model built as the single-device program
+# builds it, every table on every worker first (the others build it in parallax.meta_init()).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
                "optps-direct", "hybrid-late", "ps-late", "torchrec-rw", "torchrec-tw",
                "torchrec-plan", "plain", "hybrid-plump", "hybrid-qsgd", "hybrid-slim",
-               "hybrid-flat"]
+               "hybrid-flat", "hybrid-eager"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 

@@ -87,6 +87,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     single-worker overhead). ``-sparse`` systems run the program with ``sparse=True``
     embeddings, ``-lazy`` ones the dense-gradient program with
     ``Config(lazy_sparse_updates=True)``, ``-direct`` ones ``Config(local_aggregation=False)``,
+    ``-eager`` ones the model built as the single-device program builds it (not in
+    ``parallax.meta_init()``: every worker materialises every table first),
     ``-late`` ones ``Config(overlap_push=False)`` (gradient rows pushed after the backward);
     ``-plump``, ``-qsgd``, ``-slim`` ones that ``Config.dense_sync`` (defaults of `QSGD` and
     `SlimDP`; plump/slim need the LM's ``momentum`` optimizer: SGD);
@@ -97,11 +99,13 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
 
         return make_torchrec_step(system, workload.cfg, lr=workload.lr), None, None
     sparse_grad = system.endswith("-sparse")
+    architecture, _, variant = system.partition("-")
     # parallax systems build the model in parallax.meta_init(), as a program with tables
-    # larger than a worker would: each server makes its own rows (DDP needs them all)
+    # larger than a worker would: each server makes its own rows (DDP needs them all);
+    # ``-eager`` ones as the single-device program does (every worker builds every table)
     baseline = system.startswith("ddp") or system == "plain"
-    model, optimizer = workload.model_and_optimizer(sparse_grad=sparse_grad,
-                                                    deferred=not baseline)
+    model, optimizer = workload.model_and_optimizer(
+        sparse_grad=sparse_grad, deferred=not baseline and variant != "eager")
     if baseline:
         if system == "plain" and current_worker().world_size != 1:
             raise ValueError("system 'plain' (the single-device loop) runs on one worker only")
@@ -118,7 +122,6 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
 
         held = predict_memory(model, {}, {}, [optimizer], uses_ddp=system != "plain").total
         return step, None, held
-    architecture, _, variant = system.partition("-")
     if architecture not in PARALLAX_ARCHITECTURES:
         raise ValueError(f"unknown system {system!r}")
     runner = parallax.get_runner(model, optimizer, workload.loss,
@@ -161,6 +164,7 @@ def plan_fields(runner: parallax.Runner, system: str, wire: float) -> dict[str, 
         # None where the model predicts nothing crosses machines (one machine): no ratio
         "wire_over_predicted": wire / predicted if predicted else None,
         "engine_over_predicted": engine / predicted if predicted else None,
+        "local_aggregation": runner.local_aggregation,
     }
 
 

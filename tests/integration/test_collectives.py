@@ -1,11 +1,11 @@
 """The exchange's collectives on 2 machines x 2 workers (tests/scripts/collectives_worker.py).
 
-Sums over all ranks: small payloads go by one all_to_all, large ones machine by machine;
-either way every rank holds bitwise the same sum, close to the exact one, and the bytes
-counted are the cost model's. Pulls whose ids go with the count message: exactly the table's
-rows whatever the counts do (none, steady, bursts past the reserved room), one all_to_all to
-open where the room holds the ids and two where it does not, and a bad id on one rank fails
-every rank with the same error."""
+Sums over all ranks: small payloads go by one all_to_all, large ones machine by machine; either
+way every rank holds bitwise the same sum, close to the exact one, and the bytes counted are
+the cost model's. Pulls whose ids go with the count message (from a table that rank 0 scattered
+in many rounds): exactly the table's rows whatever the counts do (none, steady, bursts past the
+reserved room), one all_to_all to open where the room holds the ids and two where it does not,
+and a bad id on one rank fails every rank with the same error."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ OUT_DIR/rank<R>.pt:
 - "sums": tensors of several sizes and dtypes summed over all ranks with
   `parallax.engine.tables.reduction.all_reduce`: per case the scheme taken, this rank's
   result, the exact float64 sum (and that of the magnitudes) and the bytes counted;
-- "pulls": lookups of a server-held table whose ids go with the count message
+- "pulls": lookups of a server-held table (its rows scattered from rank 0 in many rounds)
+  whose ids go with the count message
   (`parallax.engine.tables.reservations`), their counts per owner varying from step to step
   (none, steady, bursts past the reserved room): per step whether each lookup returned
   exactly the table's rows, how many all_to_alls the opening took, and the error every rank
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 import parallax
 from parallax.cluster import WorkerInfo, current_worker
-from parallax.engine.tables import reduction
+from parallax.engine.tables import reduction, server_table
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.errors import SparseIdError
@@ -61,6 +62,8 @@ COUNTS = [("steady", 0), ("steady", 60), ("steady", 60), ("steady", 60), ("rando
 
 def pulls(worker: WorkerInfo, group: dist.ProcessGroup) -> dict:
     weight = torch.randn(ROWS, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    # rank 0 scatters the rows in rounds of 1 KiB (12 of them) instead of 64 MiB
+    server_table.SCATTER_ROUND_BYTES = 1024
     table = ShardedTable("t", weight.clone(), num_partitions=3, worker=worker, group=group,
                          traffic=Traffic(worker.rank, worker.machine_of_rank),
                          sparse_grad=False, average=True)

@@ -14,6 +14,7 @@ leader before anything crosses machines.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -116,6 +117,16 @@ class _Prefetched:
     rows: Tensor  # the pull's leaf rows
 
 
+#: the most bytes of a table (or of its optimizer state) rank 0 sends per round of
+#: `ShardedTable.scatter_from_rank0`: its transient copy beside the program's table
+SCATTER_ROUND_BYTES = 64 * 2**20
+
+
+def _round_bounds(count: int, k: int, rounds: int) -> tuple[int, int]:
+    """Round ``k`` of ``rounds``' slice of ``count`` rows (near-equal slices)."""
+    return count * k // rounds, count * (k + 1) // rounds
+
+
 class ShardedTable:
     """One parameter held by the servers; a collective object (every rank calls it).
     Implements `parallax.engine.tables.table.Table`."""
@@ -209,20 +220,33 @@ class ShardedTable:
     def scatter_from_rank0(self, weight: Tensor) -> Tensor:
         """This rank's shard rows of rank 0's ``weight`` (the parameter's values, or per-row
         optimizer state shaped like it; collective; empty off the servers). Only rank 0 reads
-        ``weight``'s values. Not counted as training traffic."""
-        world = self.worker.world_size
-        send = [0] * world
-        pieces = []
-        if self.worker.rank == 0:
-            for index, rank in sorted(enumerate(self.worker.server_ranks), key=lambda x: x[1]):
-                rows = self.partitioning.rows_of_server(index)
-                send[rank] = rows.numel()
-                pieces.append(weight[rows.to(weight.device)])
-        payload = torch.cat(pieces) if pieces else weight.new_empty((0, *self.row_shape))
-        hop = Hop.open(send, group=self.group, traffic=Traffic(self.worker.rank,
-                                                               self.worker.machine_of_rank),
-                       name=self.name, num_rows=self.num_rows, device=weight.device)
-        return hop.forward(payload)
+        ``weight``'s values. Not counted as training traffic.
+
+        In rounds of at most `SCATTER_ROUND_BYTES` (every rank knows every count from the
+        partitioning, so no count message): rank 0 never holds a second copy of a whole table
+        beside the program's, and each server receives straight into its shard."""
+        worker, partitioning = self.worker, self.partitioning
+        mine = (partitioning.shard_rows[worker.server_ranks.index(worker.rank)]
+                if worker.is_server else 0)
+        out = weight.new_empty((mine, *self.row_shape))
+        # (counted at 8 bytes an element whatever the dtype: every rank counts alike)
+        rounds = max(1, math.ceil(self.num_rows * 8 * math.prod(self.row_shape)
+                                  / SCATTER_ROUND_BYTES))
+        held = ({rank: partitioning.rows_of_server(index).to(weight.device)
+                 for index, rank in enumerate(worker.server_ranks)}
+                if worker.rank == 0 else {})
+        for k in range(rounds):
+            send, receive = [0] * worker.world_size, [0] * worker.world_size
+            pieces = []
+            for rank in sorted(held):
+                start, stop = _round_bounds(held[rank].numel(), k, rounds)
+                send[rank] = stop - start
+                pieces.append(weight[held[rank][start:stop]])
+            start, stop = _round_bounds(mine, k, rounds)
+            receive[0] = stop - start
+            payload = torch.cat(pieces) if pieces else weight.new_empty((0, *self.row_shape))
+            dist.all_to_all_single(out[start:stop], payload, receive, send, group=self.group)
+        return out
 
     def assign(self, weight: Tensor) -> None:
         """Set the whole parameter's values (every rank passes the same ``weight``): each
