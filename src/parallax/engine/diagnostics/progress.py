@@ -9,12 +9,8 @@ that no rank has ended (uneven inputs fail at once, before any collective); a st
 collective fails reads every rank's record and raises an error that names the rank that did
 not arrive, with its last known step and phase.
 
-Cost: one check per step on the step's path; the three records a step writes go to the store
-from a thread of this rank's (`RecordWriter`), since each is a round trip to the launcher's
-store: on the emulated cluster the four round trips took about 0.9 ms of a 24 ms step
-(BENCHMARKS.md, issue 37's section; ``benchmarks/progress_overhead.py``). Only the latest
-record matters, so one written while another is in flight replaces it; reading the records
-first waits for this process's writes. Nothing when the job has one worker.
+Cost: three store writes and one check per step, 57 us per step on localhost (BENCHMARKS.md,
+``benchmarks/progress_overhead.py``); nothing when the job has one worker.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,64 +41,6 @@ _READ_TIMEOUT = timedelta(seconds=5)  # reading records after a failure must not
 
 CULPRIT = re.compile(r"^(StalledRankError|UnevenInputsError): rank (\d+) ")
 """How the launcher recognises, in a failed worker's error, the rank that caused it."""
-
-
-class RecordWriter:
-    """Sets one key of a store from a thread of its own: `put` returns at once, the latest
-    value wins, `flush` waits until the store holds what was put (records are best effort:
-    a store that is gone loses them, as the synchronous write would have failed). The thread
-    ends after `IDLE_S` without a record and starts again with the next (a process may hold
-    many runs' records, e.g. a test's)."""
-
-    IDLE_S = 2.0
-
-    def __init__(self, store: Store, key: str) -> None:
-        self.store = store
-        self.key = key
-        self._pending: str | None = None
-        self._busy = False
-        self._closed = False
-        self._running = False
-        self._changed = threading.Condition()
-
-    def put(self, value: str) -> None:
-        with self._changed:
-            self._pending = value
-            self._changed.notify_all()
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name=f"parallax {self.key} records",
-                                 daemon=True).start()
-
-    def flush(self, timeout_s: float = _READ_TIMEOUT.total_seconds()) -> None:
-        with self._changed:
-            self._changed.wait_for(lambda: self._pending is None and not self._busy,
-                                   timeout=timeout_s)
-
-    def close(self) -> None:
-        """Write what is pending, then end the thread."""
-        self.flush()
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait_for(lambda: self._pending is not None or self._closed,
-                                       timeout=self.IDLE_S)
-                if self._pending is None:  # closed or idle: the next put starts a thread
-                    self._running = False
-                    return
-                value, self._pending, self._busy = self._pending, None, True
-            try:
-                self.store.set(self.key, value)
-            except Exception:  # the launcher's store may be gone (shutdown, a failed job)
-                pass
-            finally:
-                with self._changed:
-                    self._busy = False
-                    self._changed.notify_all()
 
 
 @dataclass(frozen=True)
@@ -131,7 +68,6 @@ class Progress:
         self.timeout_s = timeout_s
         base = store if store is not None else distributed_c10d._get_default_store()
         self.store: Store | None = PrefixStore(_PREFIX, base)
-        self.writer: RecordWriter | None = RecordWriter(self.store, f"rank{rank}")
         self.steps = 0
         self.ended = False
         self.current = "done"
@@ -141,10 +77,10 @@ class Progress:
 
     def _write(self, step: int, phase: str) -> None:
         self.current = phase
-        if self.writer is None:
+        if self.store is None:
             raise UsageError(f"rank {self.rank}: parallax was shut down (parallax.shutdown) "
                                "and cannot step any more")
-        self.writer.put(_record(step, phase))
+        self.store.set(f"rank{self.rank}", f"{step}|{phase}|{time.time()!r}")
 
     def phase(self, step: int, phase: str) -> None:
         """Step ``step`` reached ``phase`` (a key of `PHASES`)."""
@@ -168,13 +104,9 @@ class Progress:
         if self.ended:
             return
         self.ended = True
-        self.current = _ENDED
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        try:  # the record, then the flag others check: whoever sees the flag finds the record
+        try:
+            self._write(self.steps, _ENDED)
             if self.store is not None:
-                self.store.set(f"rank{self.rank}", _record(self.steps, _ENDED))
                 self.store.set(_ENDED, str(self.rank))
         except Exception:  # the launcher's store may already be gone at interpreter exit
             pass
@@ -187,9 +119,6 @@ class Progress:
         keys = [f"rank{r}" for r in range(self.world_size)]
         if self.store is None:
             return {}
-        for progress in list(_active):  # this process's records first (several in tests)
-            if progress.writer is not None:
-                progress.writer.flush()
         try:
             self.store.set_timeout(_READ_TIMEOUT)
             present = [k for k in keys if self.store.check([k])]
@@ -243,10 +172,6 @@ class Progress:
             f"{self.rank} called step {step} — give every worker the same number of batches "
             "(e.g. with parallax.shard, which gives each worker an equal share), or stop all "
             "workers at the same step")
-
-
-def _record(step: int, phase: str) -> str:
-    return f"{step}|{phase}|{time.time()!r}"
 
 
 def _ended(records: dict[int, Record]) -> list[int]:
