@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.config import ArchitectureName, Config
 from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.handles import release
 from parallax.engine.tables.layout import Layout, Placement
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
@@ -256,6 +257,9 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 local_aggregation=aggregates, batch_dependent=use.batch_dependent,
                 initial_rows=_initial_rows(params[name]))
             layout.placements[name] = Placement("ps", num_partitions, servers)
+            # the program's whole table is not needed once scattered: its storage goes now,
+            # before the next table's shard is made (a lower peak for a model built as usual)
+            release(params[name], name=name, device=worker.device, rank=worker.rank)
     if architecture.dense_on_servers:
         dense = {n: p for n, p in params.items() if p.requires_grad and n not in sparse_uses}
         for name, server in greedy_placement(dense, layout.sparse, len(servers)).items():
