@@ -238,6 +238,16 @@ class Config:
         num_partitions: row partitions per sparse parameter; partition ``p`` holds the rows with
             ``id % num_partitions == p`` and lives on server ``p % num_servers``. ``None`` means
             one partition per server.
+        pooled_tables: parameter names of ``nn.EmbeddingBag`` tables to hold whole on one
+            server each (TorchRec's table-wise sharding) and pool there: a worker sends its
+            ids and offsets to the owner and gets one pooled vector per bag back, and sends
+            that vector's gradient back after the backward, instead of pulling every row its
+            bags read and pushing every row's gradient (`parallax.engine.tables.pooled`).
+            Fewer bytes for long bags over big tables; exact like the row path. Owners are
+            chosen largest table first onto the least loaded server; the plan shows them.
+            Not for tables with ``max_norm`` or ``scale_grad_by_freq``, per-sample weights
+            that require a gradient, ``architecture="allreduce"`` or an asynchronous
+            ``sync``; such a table is never re-partitioned nor moved to AllReduce.
         server_threads: threads with which a server aggregates and updates its partitions in
             parallel. ``None``: this process's torch thread count.
         partition_search_steps: training steps timed per sample of the partition-count search
@@ -294,6 +304,7 @@ class Config:
     clip_grad_norm: float | None = None
     seed: int = 0
     num_partitions: int | None = None
+    pooled_tables: tuple[str, ...] = ()
     server_threads: int | None = None
     partition_search_steps: int = 8
     max_partitions: int | None = None
@@ -347,6 +358,7 @@ class Config:
             value = self.alpha_threshold
             _require(is_number(value) and 0 <= value <= 1, "alpha_threshold", value,
                      "None or a number in [0, 1]")
+        self._check_pooled_tables()
         if self.num_partitions is not None:
             ok = is_int(self.num_partitions) and self.num_partitions >= 1
             _require(ok, "num_partitions", self.num_partitions, "None or an int >= 1")
@@ -362,6 +374,19 @@ class Config:
         if self.partition_cache is not None:
             _require(isinstance(self.partition_cache, str) and self.partition_cache != "",
                      "partition_cache", self.partition_cache, "None or a file path")
+
+    def _check_pooled_tables(self) -> None:
+        names = self.pooled_tables
+        ok = (isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names)
+              and len(set(names)) == len(names))
+        _require(ok, "pooled_tables", names, "a tuple of distinct parameter names")
+        if names:
+            _require(self.architecture != ArchitectureName.ALLREDUCE, "pooled_tables", names,
+                     "() with architecture='allreduce' (no server holds a table to pool on)")
+            _require(self.sync == SyncName.SYNC, "pooled_tables", names,
+                     f"() with sync={str(self.sync)!r} (bags are pooled in the step of the "
+                     f"synchronous exchange)")
+        object.__setattr__(self, "pooled_tables", tuple(names))
 
     def _check_checkpoints(self) -> None:
         """Where checkpoints go, how often, how many are kept, and resuming."""

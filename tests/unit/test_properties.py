@@ -327,6 +327,10 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     "clip_grad_norm": lambda v, _: v is None or _finite_positive(v),
     "seed": lambda v, _: _is_int(v) and -(2**63) <= v < 2**64,
     "num_partitions": lambda v, _: v is None or (_is_int(v) and v >= 1),
+    # names are checked against the model when the tables are built
+    "pooled_tables": lambda v, arch: isinstance(v, (tuple, list)) and all(
+        isinstance(n, str) for n in v) and len(set(v)) == len(v) and (
+        not v or arch != "allreduce"),
     "server_threads": lambda v, _: v is None or (_is_int(v) and v >= 1),
     "partition_search_steps": lambda v, _: _is_int(v) and v >= 2,
     "max_partitions": lambda v, _: v is None or (_is_int(v) and v >= 1),
@@ -369,6 +373,7 @@ def test_config_field_constructs_or_names_the_field(field, value, architecture, 
     if RULES[field](value, values["architecture"]):
         config = build(values)
         expected = os.fspath(value) if isinstance(value, os.PathLike) else value
+        expected = tuple(value) if field == "pooled_tables" else expected  # (a list too)
         assert getattr(config, field) == expected
     else:
         with pytest.raises(ConfigError) as err:

@@ -153,6 +153,10 @@ class ShardedEmbeddingBag(TableLookup):
 
     def forward(self, ids: Tensor, offsets: Tensor | None = None,
                 per_sample_weights: Tensor | None = None) -> Tensor:
+        if self.table.pools:  # pooled where the table lives (Config.pooled_tables)
+            return self.table.pool_bags(ids, offsets, per_sample_weights, mode=self.mode,
+                                   padding_idx=self.padding_idx,
+                                   include_last_offset=self.include_last_offset)
         rows, inverse = self.table.lookup(ids)
         padding = _padding_row(self.table, ids, inverse, self.padding_idx)
         return F.embedding_bag(inverse, rows, offsets, mode=self.mode,

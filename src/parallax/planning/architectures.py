@@ -33,7 +33,7 @@ from parallax.engine.tables.layout import Layout, Placement
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table
-from parallax.errors import InternalError
+from parallax.errors import ArgumentError, InternalError, UnsupportedProgramError
 from parallax.model.detect import SparseUse
 from parallax.model.meta_init import recipe_of
 from parallax.planning import cost
@@ -132,8 +132,9 @@ class Hybrid(Architecture):
     def moves_to_allreduce(self, table: Table, measured: Sparsity, *, config: Config,
                            worker: WorkerInfo) -> tuple[bool, str]:
         """α above `Config.alpha_threshold` when set, else fewer predicted bytes than the PS
-        (using the measured α_m of the machines' merged rows when aggregating locally)."""
-        if not table.on_servers:
+        (using the measured α_m of the machines' merged rows when aggregating locally). A
+        table pooled on its owner stays (`Config.pooled_tables` is the user's choice)."""
+        if not table.on_servers or table.pools:
             return False, ""
         if config.alpha_threshold is not None:
             threshold = config.alpha_threshold
@@ -242,9 +243,19 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
     layout = Layout()
     servers = worker.server_ranks
     num_partitions = config.num_partitions or len(servers)
+    owners = pooled_owners(sparse_uses, params, config, len(servers))
     for name, use in sorted(sparse_uses.items()):
         sparse_grad = use.sparse_grad or config.lazy_sparse_updates
-        if not architecture.sparse_on_servers:
+        if name in owners:
+            table = ShardedTable(
+                name, params[name], num_partitions=1, worker=worker, group=group,
+                traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
+                first_server=owners[name], initial_rows=_initial_rows(params[name]))
+            table.pools = True
+            layout.sparse[name] = table
+            layout.placements[name] = Placement("ps", 1, (servers[owners[name]],))
+            release(params[name], name=name, device=worker.device, rank=worker.rank)
+        elif not architecture.sparse_on_servers:
             layout.sparse[name] = ReplicatedTable(
                 name, params[name], worker=worker, group=group, traffic=traffic,
                 sparse_grad=sparse_grad, average=config.average_sparse,
@@ -271,6 +282,34 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 first_server=server, initial_rows=_initial_rows(params[name]))
             layout.placements[name] = Placement("ps", 1, (servers[server],))
     return layout
+
+
+def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parameter],
+                  config: Config, num_servers: int) -> dict[str, int]:
+    """The server (an index into the server ranks) holding each table of
+    `Config.pooled_tables` whole: largest first, onto the server with the fewest pooled bytes
+    so far. Refuses a name that is not an ``nn.EmbeddingBag`` table the owner can pool
+    exactly."""
+    for name in config.pooled_tables:
+        use = sparse_uses.get(name)
+        if use is None or use.kind != "embedding_bag":
+            what = "not a sparse parameter" if use is None else f"read by {use.kind!r}"
+            raise ArgumentError(
+                f"Config.pooled_tables names {name!r}, which is {what}; it takes the "
+                f"parameter names of nn.EmbeddingBag tables: "
+                f"{sorted(n for n, u in sparse_uses.items() if u.kind == 'embedding_bag')}")
+        if use.batch_dependent is not None:
+            raise UnsupportedProgramError(
+                f"Config.pooled_tables names {name!r}, whose layer has "
+                f"{use.batch_dependent.describe()}: that depends on every row the global "
+                f"batch reads, which only the row path applies exactly; leave it out of "
+                f"pooled_tables")
+    load = [0] * num_servers
+    owners = {}
+    for name in sorted(config.pooled_tables, key=lambda n: (-params[n].nbytes, n)):
+        owners[name] = min(range(num_servers), key=lambda s: (load[s], s))
+        load[owners[name]] += params[name].nbytes
+    return owners
 
 
 def _initial_rows(param: nn.Parameter) -> Callable[[Tensor], Tensor] | None:

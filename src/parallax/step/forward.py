@@ -21,7 +21,7 @@ from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
 from parallax.model.lookahead import build_id_program
-from parallax.model.stand_ins import table_read_by
+from parallax.model.stand_ins import ShardedEmbeddingBag, table_read_by
 from parallax.step.sync_modes import SyncMode
 
 __all__ = ["Forward", "evaluating", "mean_loss", "numel", "shapes", "to_device"]
@@ -60,8 +60,11 @@ class Forward:
         if self.id_program is not None:
             with self.phases.phase("id look-ahead"):
                 for path, ids in self.id_program(*args, **kwargs):
-                    table = table_read_by(self.executed.get_submodule(path))
-                    if table.on_servers:  # replicated tables look up locally
+                    layer = self.executed.get_submodule(path)
+                    table = table_read_by(layer)
+                    # replicated tables look up locally; pooled bags pull no rows
+                    if table.on_servers and not (table.pools
+                                                 and isinstance(layer, ShardedEmbeddingBag)):
                         wanted.setdefault(table.name, (table, []))[1].append(ids)
         for name, (table, rows, _) in self.whole_pulls.items():
             wanted[name] = (table, [rows])

@@ -65,6 +65,11 @@ class PlanKeeper:
         self.decisions: dict[str, str] = (
             dict.fromkeys(sparse_uses, "lazy: touched rows only")
             if config.lazy_sparse_updates else {})
+        for name, table in layout.sparse.items():
+            if table.pools:  # (their own word in the plan: where their bags are pooled)
+                self.decisions[name] = (f"bags pooled on owner rank "
+                                        f"{layout.placement(name).servers[0]} "
+                                        f"(Config.pooled_tables)")
         #: the shapes of `Runner.step`'s batch (what a search's cache entry is valid for)
         self.batch_signature: Any = None
         self.tuner: PartitionTuner | None = None
@@ -150,7 +155,7 @@ class PlanKeeper:
             self.layout.sparse, self.sparsity, config=self.config, worker=self.worker)
         self.local_aggregation = keep
         for name, table in self.layout.all_tables().items():
-            if table.on_servers:
+            if table.on_servers and not table.pools:  # (a pooled table talks to its owner)
                 table.local_aggregation = table.local_aggregation and keep
                 if name in self.sparse_uses and why:
                     self.decisions[name] = why
@@ -166,7 +171,7 @@ class PlanKeeper:
         if self.tuner is None:
             return
         self.tuner.groups_on_servers({name for name, table in self.layout.sparse.items()
-                                      if table.on_servers})
+                                      if table.on_servers and not table.pools})
         self.tuner.begin(self.batch_signature)
         self.build()
 
@@ -179,8 +184,8 @@ class PlanKeeper:
         wanted = None if names is None else set(names)
         for name, table in self.layout.sparse.items():
             held = table.held
-            if held is None or (wanted is not None and name not in wanted):
-                continue
+            if held is None or table.pools or (wanted is not None and name not in wanted):
+                continue  # (a pooled table is whole on its owner)
             if held.partitioning.num_partitions == num_partitions:
                 continue
             repartition(held, num_partitions, self.shard_optimizer)

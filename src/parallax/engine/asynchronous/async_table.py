@@ -41,6 +41,7 @@ class AsyncTable:
     on_servers = True
     replica = None
     local_aggregation = False
+    pools = False  # (refused under an asynchronous sync: Config.pooled_tables)
 
     def __init__(self, inner: ShardedTable, index: int, run: AsyncExchange):
         self.inner = inner

@@ -24,6 +24,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.tables import lookup_options, reduction
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.pool import SERIAL, PartitionPool
+from parallax.errors import InternalError
 
 
 class ReplicatedTable:
@@ -37,6 +38,7 @@ class ReplicatedTable:
 
     on_servers = False
     local_aggregation = False  # replicas exchange directly
+    pools = False  # every worker pools its own bags from its replica
     pool: PartitionPool = SERIAL  # (no per-partition work)
 
     @property
@@ -66,6 +68,11 @@ class ReplicatedTable:
         self._pending: list[tuple[Tensor, Tensor, Tensor | None]] = []  # ids, rows, counts
         with torch.no_grad():  # rank 0's initial values, as DDP does for dense parameters
             dist.broadcast(param.data, src=0, group=group)
+
+    def pool_bags(self, ids: Tensor, offsets: Tensor | None, per_sample_weights: Tensor | None, *,
+                  mode: str, padding_idx: int | None, include_last_offset: bool) -> Tensor:
+        raise InternalError(f"'{self.name}' is replicated: its bags are pooled from the rows "
+                            "it looks up, not on an owner; please report it")
 
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Rows of the local replica, as `ShardedTable.lookup` returns them."""

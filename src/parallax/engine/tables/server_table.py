@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.engine.diagnostics import phases
-from parallax.engine.tables import lookup_options
+from parallax.engine.tables import lookup_options, pooled
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
+from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.reservations import Reservations, open_carrying
 from parallax.errors import ArgumentError, InternalError, SparseIdError
@@ -33,53 +34,6 @@ from parallax.errors import ArgumentError, InternalError, SparseIdError
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
            "pending_pulls", "prefetch", "pull", "push_gradients", "rows_pulled_ahead",
            "start_push"]
-
-
-class RowPartitioning:
-    """Where each row of a ``num_rows``-row table lives: owning rank and row inside its shard."""
-
-    def __init__(self, num_rows: int, num_partitions: int, server_ranks: tuple[int, ...],
-                 first_server: int = 0):
-        self.num_rows = num_rows
-        self.num_partitions = num_partitions
-        self.server_ranks = server_ranks
-        self.first_server = first_server
-        sizes = [max(0, (num_rows - p + num_partitions - 1) // num_partitions)
-                 for p in range(num_partitions)]
-        owners, offsets = [], []
-        self.shard_rows = [0] * len(server_ranks)
-        for p, size in enumerate(sizes):
-            server = self.server_of_partition(p)
-            owners.append(server_ranks[server])
-            offsets.append(self.shard_rows[server])
-            self.shard_rows[server] += size
-        self._sizes = sizes
-        self._offsets = offsets
-        self._owner_of_partition = torch.tensor(owners, dtype=torch.long)
-        self._offset_of_partition = torch.tensor(offsets, dtype=torch.long)
-
-    def server_of_partition(self, partition: int) -> int:
-        return (partition + self.first_server) % len(self.server_ranks)
-
-    def owner_rank(self, ids: Tensor) -> Tensor:
-        return self._owner_of_partition.to(ids.device)[ids % self.num_partitions]
-
-    def local_row(self, ids: Tensor) -> Tensor:
-        offsets = self._offset_of_partition.to(ids.device)
-        return offsets[ids % self.num_partitions] + ids // self.num_partitions
-
-    def shard_blocks(self, server_index: int) -> list[tuple[int, int]]:
-        """``(start, stop)`` in one server's shard of each of its partitions, in shard order:
-        a partition is a contiguous block of its server's shard."""
-        return [(self._offsets[p], self._offsets[p] + self._sizes[p])
-                for p in range(self.num_partitions) if self.server_of_partition(p) == server_index]
-
-    def rows_of_server(self, server_index: int) -> Tensor:
-        """Global ids held by one server, in the order of its shard."""
-        parts = [torch.arange(p, max(p, self.num_rows), self.num_partitions)
-                 for p in range(self.num_partitions)
-                 if self.server_of_partition(p) == server_index]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
 @dataclass
@@ -134,6 +88,8 @@ class ShardedTable:
     sync = "ps"
     on_servers = True
     replica = None  # no worker holds the whole parameter
+    #: bags pooled on the owner (`parallax.engine.tables.pooled`): set where the layout is built
+    pools = False
 
     @property
     def held(self) -> ShardedTable:
@@ -203,6 +159,7 @@ class ShardedTable:
         self.has_gradient = False
         self.gradient_anywhere = True
         self.prefetched: _Prefetched | None = None
+        self.pooled_calls: list[pooled.PooledCall] = []  # this step's, until pushed
         # (shard rows, gradient rows) received this step, summed by `_finish_aggregation`
         self._received: list[tuple[Tensor, Tensor]] = []
         # shard rows that received gradient since the last zero_grad (`touched_rows_by_part`)
@@ -306,6 +263,13 @@ class ShardedTable:
         return rows_pulled_ahead(held.ids, held.rows, unique, self.name, self.worker.rank,
                                  bad_id=bad_id), inverse
 
+    def pool_bags(self, ids: Tensor, offsets: Tensor | None, per_sample_weights: Tensor | None, *,
+                  mode: str, padding_idx: int | None, include_last_offset: bool) -> Tensor:
+        """``F.embedding_bag`` of this table computed on its owner: this rank's pooled rows
+        (collective; a table with ``pools`` only, `parallax.engine.tables.pooled`)."""
+        return pooled.pool(self, ids, offsets, per_sample_weights, mode=mode,
+                           padding_idx=padding_idx, include_last_offset=include_last_offset)
+
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
         """Current values of rows ``ids`` (collective; for export and migration), from the
         shards or from ``source``, a tensor each server holds shaped like its shard."""
@@ -329,6 +293,8 @@ class ShardedTable:
             self.has_gradient = False
         for record in self._pending:
             record.lookups[self.name].rows.grad = None
+        for call in self.pooled_calls:
+            call.out.grad = None
         self.prefetched = None
         self._received.clear()
         self._received_counts.clear()
@@ -651,6 +617,7 @@ def push_gradients(tables: Sequence[ShardedTable]) -> None:
     order, one exchange per pull for all its tables, unless `start_push` sent them already);
     servers sum the rows of all workers and, by default, divide by the worker count.
     ``tables`` must hold every table of those pulls."""
+    pooled.push_pooled(tables)
     by_name = {table.name: table for table in tables}
     for table in tables:
         table._record_usage()

@@ -48,6 +48,9 @@ class Table(Protocol):
     local_aggregation: bool
     #: the threads its per-partition work runs on
     pool: PartitionPool
+    #: ``nn.EmbeddingBag`` calls are pooled on the table's owner (`pool_bags`) instead of
+    #: pulling the rows (`lookup`); `parallax.engine.tables.pooled`
+    pools: bool
 
     @property
     def shard(self) -> nn.Parameter | None:
@@ -65,6 +68,10 @@ class Table(Protocol):
 
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """``(rows of the unique ids, inverse)`` with ``rows[inverse]`` the rows of ``ids``."""
+
+    def pool_bags(self, ids: Tensor, offsets: Tensor | None, per_sample_weights: Tensor | None, *,
+                  mode: str, padding_idx: int | None, include_last_offset: bool) -> Tensor:
+        """``F.embedding_bag`` of this table computed where it lives (kinds with ``pools``)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 

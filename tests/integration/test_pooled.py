@@ -1,0 +1,148 @@
+"""Owner-side pooling (`Config.pooled_tables`, `parallax.engine.tables.pooled`).
+
+On 2 machines x 2 workers (tests/scripts/pooled_worker.py): EmbeddingBag tables pooled on their
+owners train to the single-device parameters (float64, every bag option the owner reproduces,
+dense and sparse gradients, SGD with momentum and clipping, Adagrad, Adam), each table on its
+own owner as the plan says, with fewer inter-machine bytes than pulling the rows; a checkpoint
+written halfway resumes on 1 machine x 2 workers to the same parameters. In one process:
+what cannot be pooled exactly is refused, naming the parameter and the rank."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import parallax
+from parallax.errors import SparseIdError, UnsupportedProgramError
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import pooled_cases as cases  # noqa: E402
+
+WORKER = ROOT / "tests" / "scripts" / "pooled_worker.py"
+
+
+def _run(out: Path, what: str, machines: int, per_machine: int) -> None:
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(machines),
+           "--nproc-per-machine", str(per_machine), str(WORKER), str(out), what]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    out = tmp_path_factory.mktemp("pooled")
+    _run(out, "train", 2, 2)
+    _run(out, "resume", 1, 2)
+    return torch.load(out / "train.pt"), torch.load(out / "resumed.pt")
+
+
+def _max_error(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
+    assert got.keys() == want.keys()
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.name)
+def test_pooled_tables_train_to_the_single_device_parameters(runs, case) -> None:
+    trained, _ = runs
+    want = cases.single_device(case)
+    initial = cases.build(case)[0].state_dict()
+    assert _max_error(trained[case.name]["state"], want) <= 1e-9
+    assert _max_error(want, initial) > 1e-2  # the case trains (its tables move)
+
+
+def test_each_pooled_table_lives_whole_on_its_own_owner_as_the_plan_says(runs) -> None:
+    plan = runs[0][cases.RESUMED]["plan"]
+    lines = {line.split()[0]: line for line in plan.splitlines()[1:] if line.strip()}
+    # the larger table first onto server rank 0, the other onto the other machine's server
+    assert "bags pooled on owner rank 0" in lines["history.weight"]
+    assert "PS: 1 partition(s) on server rank(s) 0" in lines["history.weight"]
+    assert "bags pooled on owner rank 2" in lines["user.weight"]
+    assert "PS: 1 partition(s) on server rank(s) 2" in lines["user.weight"]
+    assert "pooled" not in lines["item.weight"]  # an nn.Embedding pulls its rows
+
+
+def test_pooling_moves_fewer_bytes_across_machines_than_pulling_rows(runs) -> None:
+    trained, _ = runs
+    pooled, pulled = trained[cases.RESUMED]["bytes"], trained["rows-pulled"]["bytes"]
+    for name in cases.POOLED:  # rank 0's bytes over the same steps and data
+        inter = {run: sum(v for k, v in moved[name].items() if k.startswith("inter"))
+                 for run, moved in (("pooled", pooled), ("pulled", pulled))}
+        assert 0 < inter["pooled"] < 0.6 * inter["pulled"], (name, inter)
+
+
+def test_a_checkpoint_resumes_on_another_shape(runs) -> None:
+    _, resumed = runs
+    case = next(c for c in cases.CASES if c.name == cases.RESUMED)
+    assert _max_error(resumed, cases.single_device(case)) <= 1e-9
+
+
+# ---- refused, in one process -----------------------------------------------------------------
+class Bags(nn.Module):
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 3, mode="sum", **options)
+        self.embedding = nn.Embedding(20, 3)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, ids: Tensor, weights: Tensor | None = None) -> Tensor:
+        return self.out(self.bag(ids, per_sample_weights=weights)
+                        + self.embedding(ids.clamp(max=19)).mean(dim=1))
+
+
+def _runner(model: nn.Module, pooled: tuple[str, ...], **config) -> parallax.Runner:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return parallax.get_runner(model, optimizer, lambda o, t: F.cross_entropy(o, t),
+                               config=parallax.Config(pooled_tables=pooled, **config))
+
+
+@pytest.fixture
+def _shutdown():
+    yield
+    parallax.shutdown()
+
+
+@pytest.mark.usefixtures("_shutdown")
+@pytest.mark.parametrize("name, message", [
+    ("nope.weight", r"'nope.weight', which is not a sparse parameter; it takes .*'bag.weight'"),
+    ("embedding.weight", r"'embedding.weight', which is read by 'embedding'"),
+])
+def test_a_name_that_is_no_embedding_bag_is_refused(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _runner(Bags(), (name,))
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_a_bag_with_max_norm_is_refused() -> None:
+    with pytest.raises(UnsupportedProgramError, match=r"'bag.weight', whose layer has "
+                                                      r"max_norm=1.0"):
+        _runner(Bags(max_norm=1.0), ("bag.weight",))
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"architecture": "allreduce"}, "architecture='allreduce'"),
+    ({"sync": "async-sparse"}, "sync='async-sparse'"),
+    ({"pooled_tables": "bag.weight"}, "a tuple of distinct parameter names"),
+])
+def test_configurations_that_cannot_pool_are_refused(config: dict, why: str) -> None:
+    with pytest.raises(ValueError, match=rf"pooled_tables.*{why}"):
+        parallax.Config(**{"pooled_tables": ("bag.weight",), **config})
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_weights_that_need_a_gradient_and_bad_ids_are_refused_naming_the_rank() -> None:
+    runner = _runner(Bags(), ("bag.weight",))
+    ids, target = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([0, 1])
+    runner.step(((ids, torch.rand(2, 3)), target))  # detached weights pool
+    with pytest.raises(UnsupportedProgramError, match=r"rank 0: parameter 'bag.weight' is "
+                                                      r"pooled .* require a gradient"):
+        runner.step(((ids, torch.rand(2, 3, requires_grad=True)), target))
+    with pytest.raises(SparseIdError, match=r"'bag.weight' got id 20 on rank 0"):
+        runner.forward((torch.tensor([[1, 20]]),))

@@ -1,0 +1,132 @@
+"""Cases of owner-side pooling (`Config.pooled_tables`), shared by the worker
+(tests/scripts/pooled_worker.py) and the single-device reference (tests/integration/
+test_pooled.py): an EmbeddingBag over variable-length bags with every option the owner must
+reproduce (mode, per-sample weights, padding_idx, include_last_offset, sparse gradients), one
+over fixed-length 2-D bags, a row-path nn.Embedding beside them, an MLP on top."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+GLOBAL_BATCH = 8
+HISTORY_ROWS, USER_ROWS, ITEM_ROWS, DIM = 300, 40, 60, 6
+POOLED = ("history.weight", "user.weight")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    mode: str = "sum"
+    weights: bool = False
+    padding_idx: int | None = None
+    last_offset: bool = False
+    sparse: bool = False
+    optimizer: str = "sgd"
+    clip: float | None = None
+    pooled: tuple[str, ...] = POOLED
+    steps: int = 6
+
+
+CASES = [
+    Case("sum-weights-momentum-clip", weights=True, optimizer="momentum", clip=0.05),
+    Case("mean-padding-adagrad", mode="mean", padding_idx=0, optimizer="adagrad"),
+    Case("max-last-offset-adam", mode="max", last_offset=True, optimizer="adam"),
+    Case("sparse-sum-adagrad", sparse=True, optimizer="adagrad", weights=True),
+    Case("rows-pulled", mode="mean", padding_idx=0, optimizer="adagrad", pooled=()),
+]
+RESUMED = "mean-padding-adagrad"  # checkpointed halfway, resumed on another shape
+
+
+class BagModel(nn.Module):
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        self.history = nn.EmbeddingBag(HISTORY_ROWS, DIM, mode=case.mode,
+                                       padding_idx=case.padding_idx,
+                                       include_last_offset=case.last_offset, sparse=case.sparse)
+        self.user = nn.EmbeddingBag(USER_ROWS, DIM, mode="mean", sparse=case.sparse)
+        self.item = nn.Embedding(ITEM_ROWS, DIM, sparse=case.sparse)
+        self.hidden = nn.Linear(3 * DIM, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, history: Tensor, offsets: Tensor, weights: Tensor | None,
+                users: Tensor, items: Tensor) -> Tensor:
+        pooled = torch.cat([self.history(history, offsets, per_sample_weights=weights),
+                            self.user(users), self.item(items).mean(dim=1)], dim=1)
+        return self.out(torch.tanh(self.hidden(pooled)))
+
+
+def build(case: Case) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = BagModel(case).double()
+    params = model.parameters()
+    optimizer = {
+        "sgd": lambda: torch.optim.SGD(params, lr=0.3),
+        "momentum": lambda: torch.optim.SGD(params, lr=0.3, momentum=0.9),
+        "adagrad": lambda: torch.optim.Adagrad(params, lr=0.3),
+        "adam": lambda: torch.optim.Adam(params, lr=0.05),
+    }[case.optimizer]()
+    return model, optimizer
+
+
+Sample = tuple[Tensor, Tensor]  # a bag's ids and weights
+Batch = tuple[tuple[list[Sample], Tensor, Tensor], Tensor]
+
+
+def batches(case: Case) -> list[Batch]:
+    """``case.steps`` global batches: bags of 0 to 12 ids (the padding id among them), users
+    as bags of 3, items as pairs, 3 classes."""
+    generator = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(case.steps):
+        bags = []
+        for _ in range(GLOBAL_BATCH):
+            length = int(torch.randint(0, 13, (1,), generator=generator))
+            ids = torch.randint(0, HISTORY_ROWS, (length,), generator=generator)
+            ids[::5] = 0  # the padding id, where there is one
+            bags.append((ids, torch.rand(length, generator=generator, dtype=torch.float64)))
+        users = torch.randint(0, USER_ROWS, (GLOBAL_BATCH, 3), generator=generator)
+        items = torch.randint(0, ITEM_ROWS, (GLOBAL_BATCH, 2), generator=generator)
+        targets = torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
+        out.append(((bags, users, items), targets))
+    return out
+
+
+def inputs(case: Case, bags: list[Sample], users: Tensor, items: Tensor) -> tuple:
+    """The model's arguments for these samples: flat ids with offsets (one more at the end
+    under include_last_offset), weights or None."""
+    lengths = torch.tensor([ids.numel() for ids, _ in bags])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    if not case.last_offset:
+        offsets = offsets[:-1]
+    flat = torch.cat([ids for ids, _ in bags])
+    weights = torch.cat([w for _, w in bags]) if case.weights else None
+    return flat, offsets, weights, users, items
+
+
+def worker_slice(case: Case, batch: Batch, rank: int, world: int) -> tuple[tuple, Tensor]:
+    """Worker ``rank``'s consecutive share of the global batch, as the model's arguments."""
+    (bags, users, items), targets = batch
+    per = GLOBAL_BATCH // world
+    part = slice(rank * per, (rank + 1) * per)
+    return inputs(case, bags[part], users[part], items[part]), targets[part]
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(output, target)
+
+
+def single_device(case: Case) -> dict[str, Tensor]:
+    """The plain program's parameters after training ``case`` on the global batches."""
+    model, optimizer = build(case)
+    for (bags, users, items), targets in batches(case):
+        optimizer.zero_grad()
+        loss = loss_fn(model(*inputs(case, bags, users, items)), targets)
+        loss.backward()
+        if case.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
