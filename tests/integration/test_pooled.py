@@ -9,6 +9,7 @@ what cannot be pooled exactly is refused, naming the parameter and the rank."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,29 @@ def test_pooling_moves_fewer_bytes_across_machines_than_pulling_rows(runs) -> No
         inter = {run: sum(v for k, v in moved[name].items() if k.startswith("inter"))
                  for run, moved in (("pooled", pooled), ("pulled", pulled))}
         assert 0 < inter["pooled"] < 0.6 * inter["pulled"], (name, inter)
+
+
+def _plan_rows(plan: str) -> dict[str, list[str]]:
+    return {cells[0]: cells for line in plan.splitlines()[3:]
+            if len(cells := re.split(r"\s{2,}", line.strip())) > 7}
+
+
+def test_the_plan_predicts_pooling_s_bytes_and_offers_it_for_pulled_bags(runs) -> None:
+    trained, _ = runs
+    pooled = _plan_rows(trained[cases.RESUMED]["plan"])
+    pulled = _plan_rows(trained["rows-pulled"]["plan"])
+    hybrid = pooled["history.weight"].index("PS: 1 partition(s) on server rank(s) 0") + 1
+    for name in cases.POOLED:
+        offered = re.search(r"pooled on an owner: (.*?)/step", pulled[name][5])
+        assert offered is not None, pulled[name]
+        assert offered.group(1) == pooled[name][hybrid]  # what pinning it then predicts
+        assert _bytes(pooled[name][hybrid]) < _bytes(pulled[name][hybrid])
+    assert "pooled" not in pulled["item.weight"][5]  # an nn.Embedding has no bags
+
+
+def _bytes(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
 
 
 def test_a_checkpoint_resumes_on_another_shape(runs) -> None:

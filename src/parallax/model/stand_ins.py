@@ -12,6 +12,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -153,6 +154,8 @@ class ShardedEmbeddingBag(TableLookup):
 
     def forward(self, ids: Tensor, offsets: Tensor | None = None,
                 per_sample_weights: Tensor | None = None) -> Tensor:
+        if torch.is_grad_enabled():
+            self.table.bag_use.add(ids, offsets, self.include_last_offset)
         if self.table.pools:  # pooled where the table lives (Config.pooled_tables)
             return self.table.pool_bags(ids, offsets, per_sample_weights, mode=self.mode,
                                    padding_idx=self.padding_idx,

@@ -57,6 +57,11 @@ class ParameterCost:
     #: the bytes of the AllReduce it is summed in, when more than its own (a dense
     #: parameter's: all dense gradients, one sum: `parallax.engine.tables.reduction`)
     payload: float | None = None
+    #: an nn.EmbeddingBag's ids and bags per worker and step (once measured), and whether
+    #: its bags are pooled on its owner in this run (`Config.pooled_tables`)
+    bag_ids: float | None = None
+    bags: float | None = None
+    pooled: bool = False
 
     @property
     def total(self) -> float:
@@ -123,6 +128,9 @@ class Hybrid(Architecture):
                         local_aggregation: bool | None) -> float | None:
         if not param.sparse or param.sync == "allreduce":
             return cost.allreduce_dense(param.total, shape, payload=param.payload)
+        if param.pooled:
+            return (None if param.bags is None or param.bag_ids is None
+                    else cost.pooled_bags(param.bag_ids, param.bags, param.row_bytes, shape))
         aggregated = self.aggregates_by_default if local_aggregation is None else local_aggregation
         used = param.used_machine if aggregated else param.used
         if used is None:

@@ -13,6 +13,7 @@ machines (a dense parameter on a PS loads its own server's machine most: Table 3
 | sparse | PS + local aggregation | ``2 U_m (N-1)/N (8 + 2r)``: one sender per machine |
 | dense | PS (whole on one server) | as sparse PS with ``U = w / r`` (every row, every step) |
 | sparse | AllGatherv | ``2 k (W-k) U (8 + r)``: every worker's (ids, rows) to every other |
+| bags | pooled on one owner | ``2 k (N-1)/N (8 (L + B) + 2 B r)`` for ``L`` ids in ``B`` bags |
 
 plus the count messages that open each exchange (24 bytes to every rank, both ways), which
 matter for small tables. With one worker per machine these are Table 3's ``4w(N-1)/N``,
@@ -27,6 +28,7 @@ from parallax.engine.tables import reduction
 from parallax.engine.tables.exchange import COUNT_MESSAGE_BYTES
 
 ID_BYTES = 8
+POOLED_HEADER_BYTES = 5 * 8  # `parallax.engine.tables.pooled`'s header, to every rank
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,20 @@ def ps_rows(rows: float, row_bytes: float, shape: Shape, *, local_aggregation: b
     exchanges = 2 if aggregating else 1
     traffic = 2 * senders * rows * (n - 1) / n * (ID_BYTES + 2 * row_bytes)
     return traffic + count_messages(shape, exchanges)
+
+
+def pooled_bags(ids: float, bags: float, row_bytes: float, shape: Shape) -> float:
+    """Owner-side pooling (`parallax.engine.tables.pooled`) of ``bags`` bags of ``ids`` ids
+    in all per worker and step: every worker off the owner's machine sends its ids and one
+    offset per bag, gets one pooled row per bag and sends its gradient back (averaged over
+    machines as the PS rows are: the owner's machine carries all of it, a hot spot), plus
+    the header every call sends to every rank."""
+    n = shape.machines
+    if n == 1:
+        return 0.0
+    k = shape.workers_per_machine
+    traffic = 2 * k * (n - 1) / n * (ID_BYTES * (ids + bags) + 2 * bags * row_bytes)
+    return traffic + count_messages(shape, 1) * POOLED_HEADER_BYTES / COUNT_MESSAGE_BYTES
 
 
 def allgatherv_rows(rows: float, row_bytes: float, shape: Shape) -> float:

@@ -87,12 +87,14 @@ class Plan:
               placements: dict[str, Placement], world_size: int, num_machines: int,
               architecture: str = "hybrid", sparsity: dict[str, Sparsity] | None = None,
               reasons: dict[str, str] | None = None, local_aggregation: bool | None = None,
-              searches: tuple[SearchRecord, ...] = (), small_sums: bool = False) -> Plan:
+              searches: tuple[SearchRecord, ...] = (), small_sums: bool = False,
+              pooled: frozenset[str] = frozenset()) -> Plan:
         """``placements[name]`` for every parameter held otherwise than replicated and
         AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it;
         ``local_aggregation`` as `Config.local_aggregation` (None: each architecture's
         default); ``searches`` how the partition groups' counts were chosen; ``small_sums``:
-        the run sums small AllReduce payloads by one all_to_all (`cost.Shape.small_sums`)."""
+        the run sums small AllReduce payloads by one all_to_all (`cost.Shape.small_sums`);
+        ``pooled``: the tables whose bags their owners pool (`Config.pooled_tables`)."""
         shape = cost.Shape(num_machines, max(1, world_size // num_machines),
                            small_sums=small_sums)
         dense_payload = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -108,6 +110,13 @@ class Plan:
                 reason += f"; {reasons[name]}"
             sync, partitions, servers = placements.get(name, REPLICATED)
             measured = sparsity.get(name)
+            if (measured is not None and measured.bags is not None and measured.bag_ids
+                    is not None and name not in pooled and sync == "ps"):
+                row_bytes = param.numel() * param.element_size() / max(param.shape[0], 1)
+                pooled_bytes = cost.pooled_bags(measured.bag_ids, measured.bags, row_bytes,
+                                                shape)
+                reason += f"; pooled on an owner: {_size(pooled_bytes)}/step (pooled_tables)"
+
             entries.append(ParameterPlan(
                 name=name, shape=tuple(param.shape),
                 dtype=str(param.dtype).removeprefix("torch."), sync=sync, reason=reason,
@@ -116,7 +125,8 @@ class Plan:
                 alpha=measured.alpha if measured else None,
                 alpha_machine=measured.alpha_machine if measured else None,
                 predicted_bytes=_predictions(param, use is not None, measured, sync, shape,
-                                             local_aggregation, dense_payload)))
+                                             local_aggregation, dense_payload,
+                                             pooled=name in pooled)))
         return cls(tuple(entries), world_size, num_machines, architecture, searches)
 
     def table(self) -> str:
@@ -153,7 +163,7 @@ class Plan:
 
 def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None, sync: str,
                  shape: cost.Shape, local_aggregation: bool | None,
-                 dense_payload: float) -> dict[str, float | None]:
+                 dense_payload: float, *, pooled: bool = False) -> dict[str, float | None]:
     """Each architecture's predicted bytes for ``param`` (`Architecture.predicted_bytes`);
     ``dense_payload``: the bytes of all dense gradients, summed together."""
     rows = param.shape[0] if param.dim() else 1
@@ -166,7 +176,9 @@ def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None
         used_machine = machine_alpha * rows
     sized = ParameterCost(rows=rows, row_bytes=param.numel() * param.element_size() / max(rows, 1),
                           sparse=is_sparse, used=used, used_machine=used_machine, sync=sync,
-                          payload=None if is_sparse else dense_payload)
+                          payload=None if is_sparse else dense_payload,
+                          bag_ids=measured.bag_ids if measured else None,
+                          bags=measured.bags if measured else None, pooled=pooled)
     return {str(name): architecture.predicted_bytes(sized, shape,
                                                     local_aggregation=local_aggregation)
             for name, architecture in ARCHITECTURES.items()}

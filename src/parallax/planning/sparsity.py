@@ -28,27 +28,37 @@ from parallax.engine.tables.table import Table
 class Sparsity:
     alpha: float                  # rows one worker uses per step / rows
     alpha_machine: float | None   # rows one machine uses per step / rows (local aggregation)
+    #: an nn.EmbeddingBag's ids and bags per worker and step (None: no bag calls)
+    bag_ids: float | None = None
+    bags: float | None = None
 
 
 def measure(tables: dict[str, Table], worker: WorkerInfo,
             group: dist.ProcessGroup, device: torch.device) -> dict[str, Sparsity]:
     """α and α_m of every table from its recorded usage (collective)."""
     names = sorted(tables)
-    values = torch.zeros(2 * len(names), dtype=torch.float64, device=device)
+    values = torch.zeros(len(names), 4, dtype=torch.float64, device=device)
     for i, name in enumerate(names):
         table = tables[name]
         if table.rows_used:
-            values[2 * i] = sum(table.rows_used) / len(table.rows_used) / table.num_rows
+            steps = len(table.rows_used)
+            values[i, 0] = sum(table.rows_used) / steps / table.num_rows
+            values[i, 2] = table.bag_use.ids / steps
+            values[i, 3] = table.bag_use.bags / steps
         if table.machine_rows_used:
             used = table.machine_rows_used
-            values[2 * i + 1] = sum(used) / len(used) / table.num_rows
+            values[i, 1] = sum(used) / len(used) / table.num_rows
     dist.all_reduce(values, group=group)
+    values = values.cpu()
     machines = len(worker.server_ranks)
     result = {}
     for i, name in enumerate(names):
         aggregated = tables[name].on_servers and tables[name].local_aggregation
-        result[name] = Sparsity(float(values[2 * i]) / worker.world_size,
-                                float(values[2 * i + 1]) / machines if aggregated else None)
+        bags = float(values[i, 3]) / worker.world_size
+        result[name] = Sparsity(
+            float(values[i, 0]) / worker.world_size,
+            float(values[i, 1]) / machines if aggregated else None,
+            float(values[i, 2]) / worker.world_size if bags else None, bags or None)
     return result
 
 

@@ -103,6 +103,8 @@ class PlanKeeper:
                                num_machines=len(self.worker.server_ranks),
                                architecture=self.config.architecture, sparsity=self.sparsity,
                                small_sums=self.worker.device.type == "cpu",
+                               pooled=frozenset(n for n, t in self.layout.sparse.items()
+                                                if t.pools),
                                reasons=self.decisions,
                                local_aggregation=self.local_aggregation,
                                searches=tuple(self.searches.values()))

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import unique_ids
 from parallax.engine.tables.server_table import ShardedTable, rows_pulled_ahead
 from parallax.errors import SparseIdError
@@ -53,6 +54,7 @@ class AsyncTable:
         self.dtype = inner.dtype
         self.rows_used: list[int] = []
         self.machine_rows_used: list[int] = []
+        self.bag_use = BagUse()
         self.prefetched: tuple[Tensor, Tensor] | None = None  # (sorted ids, leaf rows)
         self._pending: list[tuple[Tensor, Tensor]] = []  # this step's (ids, leaf rows)
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.engine.tables import lookup_options, reduction
+from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.errors import InternalError
@@ -56,6 +57,7 @@ class ReplicatedTable:
         self.sync = sync
         self.rows_used: list[int] = []
         self.machine_rows_used: list[int] = []
+        self.bag_use = BagUse()
         self.param = param
         self.num_rows = param.shape[0]
         self.row_shape = tuple(param.shape[1:])

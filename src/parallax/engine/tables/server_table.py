@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options, pooled
+from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
@@ -150,6 +151,7 @@ class ShardedTable:
         """What a step's pulls, pushes and updates keep between their calls."""
         self.rows_used: list[int] = []          # per training step, this worker's rows
         self.machine_rows_used: list[int] = []  # per step at a leader: its machine's rows
+        self.bag_use = BagUse()
         self._pending: list[_Pull] = []  # this step's pulls that hold rows of this table
         # Whether the single-device parameter would have a .grad now: a backward reached
         # this table's rows on this worker since the last clear to None (`has_gradient`), on

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from parallax.engine.tables.bag_use import BagUse
+
 if TYPE_CHECKING:
     from parallax.engine.tables.pool import PartitionPool
     from parallax.engine.tables.server_table import ShardedTable
@@ -41,6 +43,7 @@ class Table(Protocol):
     on_servers: bool
     rows_used: list[int]  # per training step, the rows this worker read (α's measurement)
     machine_rows_used: list[int]
+    bag_use: BagUse  # its nn.EmbeddingBag calls' ids and bags over those steps
     dtype: torch.dtype
     #: lookups with dense-gradient (False) or sparse-gradient (True) semantics
     sparse_grad: bool

@@ -1,0 +1,26 @@
+"""`BagUse`: what a table's ``nn.EmbeddingBag`` calls read, counted for the plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+__all__ = ["BagUse"]
+
+
+@dataclass
+class BagUse:
+    """The ids and bags of a table's ``nn.EmbeddingBag`` calls with gradients, summed over
+    the steps `Table.rows_used` counts (what predicts pooling's bytes:
+    `parallax.planning.cost.pooled_bags`)."""
+
+    ids: int = 0
+    bags: int = 0
+
+    def add(self, ids: Tensor, offsets: Tensor | None, include_last_offset: bool) -> None:
+        self.ids += ids.numel()
+        if ids.dim() == 2 or offsets is None:
+            self.bags += ids.shape[0] if ids.dim() == 2 else 0
+        else:
+            self.bags += max(offsets.numel() - int(include_last_offset), 0)
