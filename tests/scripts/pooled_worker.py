@@ -1,12 +1,9 @@
 """Worker of test_pooled.py: EmbeddingBag tables pooled on their owners
 (`Config.pooled_tables`), trained under parallax, every case's exported state_dict and the
 bytes each table moved saved on rank 0 to OUT_DIR/train.pt, and a checkpoint of one case
-written to OUT_DIR/ckpt after its first half.
+written to OUT_DIR/ckpt after its first half (test_pooled.py resumes it on another shape).
 
-``resume`` (run on another cluster shape): loads that checkpoint and trains the second half,
-saving OUT_DIR/resumed.pt.
-
-Usage: parallax run ... pooled_worker.py OUT_DIR train|resume"""
+Usage: parallax run ... pooled_worker.py OUT_DIR"""
 
 import sys
 from pathlib import Path
@@ -20,10 +17,9 @@ import parallax  # noqa: E402
 from parallax.launch.fast_exit import exit_now  # noqa: E402
 
 
-def config(case, checkpoint_dir=None) -> parallax.Config:
+def config(case) -> parallax.Config:
     return parallax.Config(pooled_tables=case.pooled, clip_grad_norm=case.clip,
                            sparsity_warmup_steps=2, partition_cache=None,
-                           checkpoint_dir=checkpoint_dir, resume=False,
                            collective_timeout_s=60)
 
 
@@ -47,22 +43,8 @@ def train(out: Path) -> None:
         torch.save(results, out / "train.pt")
 
 
-def resume(out: Path) -> None:
-    case = next(c for c in CASES if c.name == RESUMED)
-    model, optimizer = build(case)
-    runner = parallax.get_runner(model, optimizer, loss_fn, config=config(case))
-    runner.load(out / "ckpt")
-    worker = runner.worker
-    for batch in batches(case)[case.steps // 2:]:
-        runner.step(worker_slice(case, batch, worker.rank, worker.world_size))
-    state = runner.state_dict()
-    if worker.rank == 0:
-        torch.save({k: v.detach().clone() for k, v in state.items()}, out / "resumed.pt")
-
-
 def main() -> None:
-    out, what = Path(sys.argv[1]), sys.argv[2]
-    train(out) if what == "train" else resume(out)
+    train(Path(sys.argv[1]))
     parallax.shutdown()
     exit_now()
 
