@@ -177,3 +177,20 @@ def test_weights_that_need_a_gradient_and_bad_ids_are_refused_naming_the_rank() 
         runner.step(((ids, torch.rand(2, 3, requires_grad=True)), target))
     with pytest.raises(SparseIdError, match=r"'bag.weight' got id 20 on rank 0"):
         runner.forward((torch.tensor([[1, 20]]),))
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_an_own_loop_accumulating_two_backwards_per_step_trains_exactly() -> None:
+    """`parallax.distribute`: each half of the batch pooled and backpropagated on its own,
+    the owner's gradients summed over both before the optimizer's step."""
+    case = next(c for c in cases.CASES if c.mode == "max")
+    model, optimizer = cases.build(case)
+    model, optimizer = parallax.distribute(model, optimizer, config=parallax.Config(
+        pooled_tables=case.pooled, partition_cache=None))
+    for batch in cases.batches(case):
+        optimizer.zero_grad()
+        for half in range(2):
+            args, targets = cases.worker_slice(case, batch, half, 2)
+            (cases.loss_fn(model(*args), targets) / 2).backward()
+        optimizer.step()
+    assert _max_error(model.state_dict(), cases.single_device(case)) <= 1e-9
