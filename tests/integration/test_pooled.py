@@ -194,3 +194,30 @@ def test_an_own_loop_accumulating_two_backwards_per_step_trains_exactly() -> Non
             (cases.loss_fn(model(*args), targets) / 2).backward()
         optimizer.step()
     assert _max_error(model.state_dict(), cases.single_device(case)) <= 1e-9
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_a_forward_pools_all_its_bag_calls_in_one_exchange(monkeypatch) -> None:
+    """The id program computes both tables' calls (ids, offsets, weights) from the inputs:
+    one exchange before the forward pools them all; a call it cannot foresee pools alone."""
+    from parallax.engine.tables import pooled
+
+    exchanges: list[list[str]] = []
+    real = pooled.pool_many
+
+    def counted(calls):
+        exchanges.append([call.table.name for call in calls])
+        return real(calls)
+
+    monkeypatch.setattr(pooled, "pool_many", counted)
+    case = next(c for c in cases.CASES if c.weights)
+    model, optimizer = cases.build(case)
+    runner = parallax.get_runner(model, optimizer, cases.loss_fn, config=parallax.Config(
+        pooled_tables=case.pooled, partition_cache=None))
+    batch = cases.batches(case)[0]
+    runner.step(cases.worker_slice(case, batch, 0, 1))
+    assert exchanges == [["history.weight", "user.weight"]]
+    exchanges.clear()
+    args, _ = cases.worker_slice(case, batch, 0, 1)
+    runner._executed.history(*args[:2], per_sample_weights=args[2])  # called on its own
+    assert exchanges == [["history.weight"]]

@@ -53,10 +53,10 @@ def test_ids_of_inputs_and_their_reshapes_get_a_program(single_process) -> None:
     assert program is not None
     (users, items, genres), _ = _batch(torch.Generator().manual_seed(0))
     got = program(users, items, genres)
-    assert [path for path, _ in got] == ["users", "items", "genres"]
-    torch.testing.assert_close(got[0][1], users.view(-1))
-    torch.testing.assert_close(got[1][1], items % 60)
-    torch.testing.assert_close(got[2][1], genres)
+    assert [call.path for call in got] == ["users", "items", "genres"]
+    torch.testing.assert_close(got[0].ids, users.view(-1))
+    torch.testing.assert_close(got[1].ids, items % 60)
+    torch.testing.assert_close(got[2].ids, genres)
 
 
 def test_ids_computed_with_a_parameter_get_no_program(single_process) -> None:

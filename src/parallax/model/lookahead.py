@@ -16,7 +16,7 @@ import builtins
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from parallax.model.stand_ins import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
 
-__all__ = ["IdProgram", "build_id_program"]
+__all__ = ["IdProgram", "LookAhead", "build_id_program"]
 
 logger = logging.getLogger("parallax")
 
@@ -42,18 +42,35 @@ _SAFE_METHODS = {"reshape", "view", "flatten", "long", "int", "to", "contiguous"
                  "mul", "__mod__", "__add__", "__mul__", "__floordiv__"}
 
 
+class LookAhead(NamedTuple):
+    """One lookup stand-in call of a forward, computed ahead: the layer's path, its ids, and
+    for an ``nn.EmbeddingBag`` whose offsets and per-sample weights come from the inputs too,
+    ``(offsets, per_sample_weights)`` (each may be None, as in the call), else None."""
+
+    path: str
+    ids: Tensor
+    bag_args: tuple[Tensor | None, Tensor | None] | None
+
+
 @dataclass
 class IdProgram:
-    """Computes, from a forward's inputs, the ids of every lookup stand-in call of the step:
-    ``(module path, ids)`` in the order of the forward."""
+    """Computes, from a forward's inputs, every lookup stand-in call of the step (`LookAhead`)
+    in the order of the forward."""
 
     module: fx.GraphModule
     paths: tuple[str, ...]
+    #: per call, whether the program's outputs hold its bag arguments (after its ids)
+    bag_args: tuple[bool, ...]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> list[tuple[str, Tensor]]:
+    def __call__(self, *args: Any, **kwargs: Any) -> list[LookAhead]:
         with torch.no_grad():
-            ids = self.module(*args, **kwargs)
-        return list(zip(self.paths, ids, strict=True))
+            outputs = iter(self.module(*args, **kwargs))
+        calls = []
+        for path, known in zip(self.paths, self.bag_args, strict=True):
+            ids = next(outputs)
+            extra = (next(outputs), next(outputs)) if known else None
+            calls.append(LookAhead(path, ids, extra))
+        return calls
 
 
 class _StandInsAsLeaves(fx.Tracer):
@@ -73,21 +90,40 @@ def build_id_program(model: nn.Module) -> IdProgram | None:
              and isinstance(model.get_submodule(node.target), _STAND_INS)]
     if not calls:
         return None
-    ids_nodes = []
+    outputs: list[Any] = []
+    known = []
     for call in calls:
         ids = call.args[0] if call.args else call.kwargs.get("ids")
         if not isinstance(ids, fx.Node) or not _from_inputs_only(ids):
             logger.debug("parallax: no id look-ahead: ids of %s are computed", call.target)
             return None
-        ids_nodes.append(ids)
+        outputs.append(ids)
+        bag = _bag_args(call) if isinstance(model.get_submodule(call.target),
+                                            ShardedEmbeddingBag) else None
+        known.append(bag is not None)
+        outputs.extend(bag or ())
     program = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    needed = _ancestors(ids_nodes)
+    needed = _ancestors([node for node in outputs if isinstance(node, fx.Node)])
     for node in graph.nodes:  # every placeholder, so the program takes the forward's inputs
         if node.op == "placeholder" or node in needed:
             env[node] = program.node_copy(node, lambda n: env[n])
-    program.output(tuple(env[node] for node in ids_nodes))
-    return IdProgram(fx.GraphModule(model, program), tuple(str(c.target) for c in calls))
+    program.output(tuple(env[node] if isinstance(node, fx.Node) else node
+                         for node in outputs))
+    return IdProgram(fx.GraphModule(model, program), tuple(str(c.target) for c in calls),
+                     tuple(known))
+
+
+def _bag_args(call: fx.Node) -> tuple[Any, Any] | None:
+    """An ``nn.EmbeddingBag`` call's ``(offsets, per_sample_weights)`` nodes (or None
+    constants), when both come from the inputs alone; else None."""
+    names = ("ids", "offsets", "per_sample_weights")
+    given = dict(zip(names, call.args, strict=False)) | dict(call.kwargs)
+    args = (given.get("offsets"), given.get("per_sample_weights"))
+    for arg in args:
+        if arg is not None and not (isinstance(arg, fx.Node) and _from_inputs_only(arg)):
+            return None
+    return args
 
 
 def _from_inputs_only(node: fx.Node) -> bool:

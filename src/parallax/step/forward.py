@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.engine.diagnostics.phases import PhaseClock
+from parallax.engine.tables import pooled
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
 from parallax.model.lookahead import build_id_program
@@ -54,24 +55,43 @@ class Forward:
             return torch.func.functional_call(self.module(), pulled, args, kwargs)
 
     def _pulled_ahead(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      ) -> contextlib.AbstractContextManager[None]:
+                      ) -> contextlib.ExitStack:
         """Pull the rows this forward will read; inside, lookups read them."""
         wanted: dict[str, tuple[Table, list[Tensor]]] = {}
+        bags: list[pooled.BagCall] = []
         if self.id_program is not None:
             with self.phases.phase("id look-ahead"):
-                for path, ids in self.id_program(*args, **kwargs):
+                for path, ids, bag_args in self.id_program(*args, **kwargs):
                     layer = self.executed.get_submodule(path)
                     table = table_read_by(layer)
-                    # replicated tables look up locally; pooled bags pull no rows
-                    if table.on_servers and not (table.pools
-                                                 and isinstance(layer, ShardedEmbeddingBag)):
+                    held = table.held
+                    if held is not None and held.pools and isinstance(layer,
+                                                                      ShardedEmbeddingBag):
+                        if bag_args is not None:  # (else the layer's call pools it)
+                            bags.append(pooled.bag_call(
+                                held, ids, *bag_args, mode=layer.mode,
+                                padding_idx=layer.padding_idx,
+                                include_last_offset=layer.include_last_offset))
+                    elif table.on_servers:  # replicated tables look up locally
                         wanted.setdefault(table.name, (table, []))[1].append(ids)
         for name, (table, rows, _) in self.whole_pulls.items():
             wanted[name] = (table, [rows])
-        if not wanted:
-            return contextlib.nullcontext()
-        return self.sync_mode.prefetch([table for table, _ in wanted.values()],
-                                       [ids for _, ids in wanted.values()])
+        stack = contextlib.ExitStack()
+        if wanted:
+            stack.enter_context(self.sync_mode.prefetch(
+                [table for table, _ in wanted.values()], [ids for _, ids in wanted.values()]))
+        if bags:
+            with self.phases.phase("pool"):
+                pooled.pool_ahead(bags)
+            stack.callback(_forget_pooled_ahead, bags)
+        return stack
+
+
+def _forget_pooled_ahead(calls: list[pooled.BagCall]) -> None:
+    """After the forward: calls pooled ahead that it did not make are dropped (their
+    gradients, none, are still pushed as zeros)."""
+    for call in calls:
+        call.table.pooled_ahead.clear()
 
 
 def mean_loss(forward: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor],

@@ -161,6 +161,8 @@ class Hop:
     recv_counts: dict[str, list[int]]
     group: dist.ProcessGroup
     traffic: Traffic
+    #: the parameter each payload's bytes are counted for, where its name is not one
+    accounts: dict[str, str] | None = None
 
     @classmethod
     def open(cls, send_counts: list[int], *, group: dist.ProcessGroup, traffic: Traffic,
@@ -222,7 +224,11 @@ class Hop:
         """The same splits for the tables ``names`` only (their payloads in a message of
         their own: every rank must take the same subsets in the same order)."""
         return Hop({n: self.send_counts[n] for n in names},
-                   {n: self.recv_counts[n] for n in names}, self.group, self.traffic)
+                   {n: self.recv_counts[n] for n in names}, self.group, self.traffic,
+                   self.accounts)
+
+    def _account(self, name: str) -> str:
+        return name if self.accounts is None else self.accounts.get(name, name)
 
     def _start(self, payloads: dict[str, Tensor], send: dict[str, list[int]],
                receive: dict[str, list[int]], *, async_op: bool,
@@ -244,7 +250,7 @@ class Hop:
         work = dist.all_to_all_single(out, message, recv_splits, send_splits, group=self.group,
                                       async_op=async_op)
         for name in names:
-            self.traffic.record(name, send[name], receive[name], item[name])
+            self.traffic.record(self._account(name), send[name], receive[name], item[name])
 
         def finish() -> dict[str, Tensor]:
             if work is not None:
@@ -266,7 +272,7 @@ class Hop:
         work = dist.all_to_all_single(out, payload, receive, send, group=self.group,
                                       async_op=async_op)
         item_bytes = payload.element_size() * math.prod(payload.shape[1:])
-        self.traffic.record(name, send, receive, item_bytes)
+        self.traffic.record(self._account(name), send, receive, item_bytes)
 
         def finish() -> dict[str, Tensor]:
             if work is not None:

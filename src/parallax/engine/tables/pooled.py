@@ -18,16 +18,19 @@ single-device gradient of the global batch. What depends on the whole batch (``m
 ``scale_grad_by_freq``) and per-sample weights that require a gradient are not pooled
 (refused where the table is pinned, see `parallax.planning.architectures`).
 
-Each call is collective (every rank's layer calls it at the same point of its forward): a
-header (counts and flags, to every rank, so a bad id or refused weights fail every rank
-alike), the ids and offsets to the owner, the weights if any rank has some, the pooled rows
-back; and one message per call with the gradients in the push.
+All the bag calls of a forward that the id program (`parallax.model.lookahead`) computes from
+the inputs are pooled in one exchange before it (`pool_ahead`), all tables and owners
+together, and served to the layers in order; any other call is an exchange of its own
+(`pool_many` of one call). An exchange is collective: a header (counts and flags, to every
+rank, so a bad id or refused weights fail every rank alike), the ids and offsets to the
+owners, the weights if any rank has some, the pooled rows back: three all_to_alls (four with
+weights); and one with all its gradients in the push.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -41,9 +44,21 @@ from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.errors import (
     ArgumentError,
     ArgumentTypeError,
+    InternalError,
     SparseIdError,
     UnsupportedProgramError,
 )
+
+__all__ = ["BagCall", "PoolingTable", "PooledExchange", "bag_call", "owner_of", "pool_ahead",
+           "pool_many", "push_pooled", "serve_ahead"]
+
+# header flags, per sender and call
+_BAD_ID = 1
+_HAS_WEIGHTS = 2
+_WEIGHTS_NEED_GRAD = 4
+# header fields, per sender, receiver and call: ids, offsets, flags, bad id, bags
+_IDS, _OFFSETS, _FLAGS, _BAD, _BAGS = range(5)
+HEADER_BYTES = 5 * 8
 
 
 class PoolingTable(Protocol):
@@ -61,7 +76,8 @@ class PoolingTable(Protocol):
     average: bool
     has_gradient: bool
     rows_used: list[int]
-    pooled_calls: list[PooledCall]
+    pooled_calls: list[PooledExchange]
+    pooled_ahead: list[tuple[BagCall, Tensor]]
     before_read: Callable[[Tensor | None], None] | None
 
     def server_shard(self) -> nn.Parameter: ...
@@ -70,27 +86,73 @@ class PoolingTable(Protocol):
 
     def _accumulate(self, local_rows: Tensor, grad_rows: Tensor) -> None: ...
 
-__all__ = ["PooledCall", "PoolingTable", "owner_of", "pool", "push_pooled"]
-
-# header flags, per sender
-_BAD_ID = 1
-_HAS_WEIGHTS = 2
-_WEIGHTS_NEED_GRAD = 4
-# header fields, per sender and receiver: ids, offsets, flags, bad id, bags
-_IDS, _OFFSETS, _FLAGS, _BAD, _BAGS = range(5)
-HEADER_BYTES = 5 * 8
-
 
 @dataclass
-class PooledCall:
-    """One pooled ``embedding_bag`` call of a step, kept until its gradients are pushed."""
+class BagCall:
+    """One ``nn.EmbeddingBag`` call of a pooled table, as 1-D ids with offsets
+    (`bag_call`)."""
 
-    out: Tensor                 # this rank's pooled rows (a leaf: its .grad is pushed)
-    hop: Hop                    # owner -> workers; its backward carries the gradients back
-    pooled: list[Tensor]        # at the owner: each worker's pooled rows, with their graph
-    rows: Tensor | None         # at the owner: the leaf rows of all workers' unique ids
-    local_rows: Tensor | None   # at the owner: where those rows are in the shard
-    distinct_ids: int           # this rank's distinct ids (α's measurement)
+    table: PoolingTable
+    ids: Tensor
+    offsets: Tensor
+    weights: Tensor | None
+    mode: str
+    padding_idx: int | None
+    include_last_offset: bool
+
+    @property
+    def bags(self) -> int:
+        return max(self.offsets.numel() - int(self.include_last_offset), 0)
+
+    def same_as(self, other: BagCall) -> bool:
+        """Whether ``other`` is this very call (what serving a call pooled ahead checks)."""
+        return (self.table is other.table and self.mode == other.mode
+                and self.padding_idx == other.padding_idx
+                and self.include_last_offset == other.include_last_offset
+                and _equal(self.ids, other.ids) and _equal(self.offsets, other.offsets)
+                and _equal(self.weights, other.weights))
+
+
+def _equal(a: Tensor | None, b: Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def bag_call(table: PoolingTable, ids: Tensor, offsets: Tensor | None,
+             per_sample_weights: Tensor | None, *, mode: str, padding_idx: int | None,
+             include_last_offset: bool) -> BagCall:
+    """The call ``F.embedding_bag(ids, table, offsets, ...)`` as 1-D ids with offsets, as
+    ``F.embedding_bag`` itself turns a 2-D batch of fixed-length bags into one (same checks,
+    same messages: raised here, on the rank that made the call, before any exchange)."""
+    name, rank = table.name, table.worker.rank
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an integer "
+                                f"tensor, got {ids.dtype}")
+    weights = per_sample_weights
+    if weights is not None and weights.dtype != table.dtype:
+        raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: per_sample_weights must "
+                                f"have the table's dtype {table.dtype}, got {weights.dtype} "
+                                f"(torch refuses it on one device)")
+    if weights is not None and weights.shape != ids.shape:
+        raise ArgumentError(f"embedding_bag: If per_sample_weights ({weights.shape}) is not "
+                            f"None, then it must have the same shape as the input "
+                            f"({ids.shape})")
+    if ids.dim() == 2:
+        if offsets is not None:
+            raise ArgumentError("if input is 2D, then offsets has to be None, as input is "
+                                "treated is a mini-batch of fixed length sequences. However, "
+                                f"found offsets of type {type(offsets)}")
+        offsets = torch.arange(0, ids.numel(), ids.size(1), dtype=ids.dtype, device=ids.device)
+        ids, include_last_offset = ids.reshape(-1), False
+        weights = None if weights is None else weights.reshape(-1)
+    elif ids.dim() != 1:
+        raise ArgumentError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension "
+                            f"{ids.dim()}")
+    elif offsets is None or offsets.dim() != 1:
+        raise ArgumentError("offsets has to be a 1D Tensor"
+                            + (" but got None" if offsets is None else ""))
+    return BagCall(table, ids, offsets, weights, mode, padding_idx, include_last_offset)
 
 
 def owner_of(table: PoolingTable) -> int:
@@ -99,133 +161,172 @@ def owner_of(table: PoolingTable) -> int:
     return partitioning.server_ranks[partitioning.server_of_partition(0)]
 
 
-def pool(table: PoolingTable, ids: Tensor, offsets: Tensor | None,
-         per_sample_weights: Tensor | None, *, mode: str, padding_idx: int | None,
-         include_last_offset: bool) -> Tensor:
-    """``F.embedding_bag(ids, table, offsets, ...)`` computed on the table's owner: this rank's
-    pooled rows (collective; see the module)."""
-    name, rank, world = table.name, table.worker.rank, table.worker.world_size
-    if ids.dtype not in (torch.int64, torch.int32):
-        raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an integer "
-                                f"tensor, got {ids.dtype}")
-    if per_sample_weights is not None and per_sample_weights.dtype != table.dtype:
-        raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: per_sample_weights must "
-                                f"have the table's dtype {table.dtype}, got "
-                                f"{per_sample_weights.dtype} (torch refuses it on one device)")
-    ids, offsets, per_sample_weights, include_last_offset = _as_flat(
-        ids, offsets, per_sample_weights, include_last_offset)
-    if per_sample_weights is not None and per_sample_weights.shape != ids.shape:
-        raise ArgumentError(f"embedding_bag: If per_sample_weights ({per_sample_weights.shape}) "
-                         f"is not None, then it must have the same shape as the input "
-                         f"({ids.shape})")
-    bags = max(offsets.numel() - (1 if include_last_offset else 0), 0)
-    owner = owner_of(table)
-    header = _exchange_header(table, ids, offsets, per_sample_weights, bags, owner)
-    hop_in = _hop(table, send={owner: ids.numel() + offsets.numel()},
-                  receive=(header[:, _IDS] + header[:, _OFFSETS]).tolist())
-    received = hop_in.forward(torch.cat([offsets.long(), ids.long()]))
-    weights = None
-    if bool((header[:, _FLAGS] & _HAS_WEIGHTS).any()):
-        mine = (per_sample_weights.detach() if per_sample_weights is not None
-                else table._rows(0).new_empty(0))
-        hop_w = _hop(table, send={owner: mine.numel()},
-                     receive=[int(n) if int(f) & _HAS_WEIGHTS else 0
-                              for n, f in zip(header[:, _IDS], header[:, _FLAGS], strict=True)])
-        weights = hop_w.forward(mine)
-    grad = torch.is_grad_enabled()
-    pooled: list[Tensor] = []
-    rows = local = None
-    if rank == owner:
-        pooled, rows, local = _pool_at_owner(table, header, received, weights, grad=grad,
-                                             mode=mode, padding_idx=padding_idx,
-                                             include_last_offset=include_last_offset)
-        payload = torch.cat([p.detach() for p in pooled]) if pooled else table._rows(0)
-    else:
-        payload = table._rows(0)
-    hop_out = _hop(table, send={w: int(n) for w, n in enumerate(header[:, _BAGS])}
-                   if rank == owner else {}, receive=[bags if w == owner else 0
-                                                     for w in range(world)])
-    out = hop_out.forward(payload)
-    if grad:
-        out.requires_grad_(True)
-        distinct = int(torch.unique(ids).numel())
-        table.pooled_calls.append(PooledCall(out, hop_out, pooled, rows, local, distinct))
+@dataclass
+class _Owned:
+    """At the owner, one call of every worker, with the graph of its pooling."""
+
+    pooled: list[Tensor]   # each worker's pooled rows
+    rows: Tensor           # leaf rows of all workers' unique ids
+    local_rows: Tensor     # where they are in the shard
+
+
+@dataclass
+class PooledExchange:
+    """The pooled calls of one exchange, kept until their gradients are pushed (in one
+    message, against the exchange's last hop)."""
+
+    calls: list[BagCall]
+    outs: list[Tensor]           # this rank's pooled rows per call (leaves: .grad is pushed)
+    keys: list[str]
+    hop: Hop                     # owners -> workers; its backward carries the gradients
+    owned: dict[int, _Owned] = field(default_factory=dict)  # at owners, by call index
+
+
+def pool_ahead(calls: Sequence[BagCall]) -> None:
+    """Pool ``calls`` (a forward's, computed ahead) in one exchange; each table then serves
+    its layers' calls in order (`serve_ahead`)."""
+    if not calls:
+        return
+    for call, out in zip(calls, pool_many(calls), strict=True):
+        call.table.pooled_ahead.append((call, out))
+
+
+def serve_ahead(call: BagCall) -> Tensor:
+    """The pooled rows of ``call``, pooled ahead for this forward."""
+    table = call.table
+    ahead, out = table.pooled_ahead.pop(0)
+    if not ahead.same_as(call):
+        raise InternalError(
+            f"parallax internal error: rank {table.worker.rank} made a call of '{table.name}' "
+            f"other than the one pooled ahead for it; please report it")
     return out
 
 
-def _as_flat(ids: Tensor, offsets: Tensor | None, weights: Tensor | None,
-             include_last_offset: bool) -> tuple[Tensor, Tensor, Tensor | None, bool]:
-    """The call as 1-D ids with offsets, as ``F.embedding_bag`` itself turns a 2-D batch of
-    fixed-length bags into one (same checks, same messages)."""
-    if ids.dim() == 2:
-        if offsets is not None:
-            raise ArgumentError("if input is 2D, then offsets has to be None, as input is treated "
-                             "is a mini-batch of fixed length sequences. However, found "
-                             f"offsets of type {type(offsets)}")
-        offsets = torch.arange(0, ids.numel(), ids.size(1), dtype=ids.dtype, device=ids.device)
-        return ids.reshape(-1), offsets, (None if weights is None else weights.reshape(-1)), \
-            False
-    if ids.dim() != 1:
-        raise ArgumentError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension "
-                         f"{ids.dim()}")
-    if offsets is None or offsets.dim() != 1:
-        raise ArgumentError("offsets has to be a 1D Tensor" + (" but got None" if offsets is None
-                                                           else ""))
-    return ids, offsets, weights, include_last_offset
+def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
+    """This rank's pooled rows of every call, computed on the calls' owners in one exchange
+    (collective: every rank passes the same tables' calls in the same order)."""
+    first = calls[0].table
+    rank, world = first.worker.rank, first.worker.world_size
+    owners = [owner_of(call.table) for call in calls]
+    header = _exchange_header(calls, owners)
+    keys = [f"{call.table.name}#{i}" for i, call in enumerate(calls)]
+    accounts = {key: call.table.name for key, call in zip(keys, calls, strict=True)}
+    received = _hop(first, {k: (o, c.ids.numel() + c.offsets.numel())
+                            for k, o, c in zip(keys, owners, calls, strict=True)},
+                    {k: header[:, i, _IDS] + header[:, i, _OFFSETS] for i, k in enumerate(keys)},
+                    accounts).forward_many(
+        {k: torch.cat([c.offsets.long(), c.ids.long()]) for k, c in zip(keys, calls,
+                                                                       strict=True)})
+    weights = _send_weights(calls, owners, header, keys, accounts)
+    grad = torch.is_grad_enabled()
+    owned = {i: _pool_at_owner(call, header[:, i], received[keys[i]], weights.get(keys[i]),
+                               grad=grad)
+             for i, call in enumerate(calls) if owners[i] == rank}
+    payloads = {k: (torch.cat([p.detach() for p in owned[i].pooled]) if i in owned
+                    else c.table._rows(0)) for i, (k, c) in enumerate(zip(keys, calls,
+                                                                         strict=True))}
+    sends = {k: header[:, i, _BAGS].tolist() if owners[i] == rank else [0] * world
+             for i, k in enumerate(keys)}
+    receives = {k: [c.bags if peer == owners[i] else 0 for peer in range(world)]
+                for i, (k, c) in enumerate(zip(keys, calls, strict=True))}
+    hop = Hop(sends, receives, first.group, first.traffic, accounts)
+    outs = hop.forward_many(payloads)
+    result = [outs[k] for k in keys]
+    if grad:
+        for out in result:
+            out.requires_grad_(True)
+        record = PooledExchange(list(calls), result, keys, hop, owned)
+        for table in {id(c.table): c.table for c in calls}.values():
+            table.pooled_calls.append(record)
+    return result
 
 
-def _exchange_header(table: PoolingTable, ids: Tensor, offsets: Tensor, weights: Tensor | None,
-                     bags: int, owner: int) -> Tensor:
-    """Every sender's counts (to the owner) and flags (to every rank); raises on every rank
-    alike for a bad id or weights that need a gradient, naming the rank."""
-    world = table.worker.world_size
-    flags, bad = 0, 0
-    if ids.numel():
-        low, high = torch.aminmax(ids)
-        if int(low) < 0 or int(high) >= table.num_rows:
-            flags, bad = _BAD_ID, int(low) if int(low) < 0 else int(high)
-    if weights is not None:
-        flags |= _HAS_WEIGHTS | (_WEIGHTS_NEED_GRAD if weights.requires_grad else 0)
-    message = torch.zeros(world, 5, dtype=torch.long)
-    message[:, _FLAGS], message[:, _BAD] = flags, bad
-    message[owner, _IDS], message[owner, _OFFSETS] = ids.numel(), offsets.numel()
-    message[owner, _BAGS] = bags
+def _exchange_header(calls: Sequence[BagCall], owners: list[int]) -> Tensor:
+    """Every sender's counts (to each call's owner) and flags (to every rank), as
+    ``[sender, call, field]``; raises on every rank alike for a bad id or weights that need a
+    gradient, naming the rank."""
+    first = calls[0].table
+    world = first.worker.world_size
+    message = torch.zeros(world, len(calls), 5, dtype=torch.long)
+    for i, (call, owner) in enumerate(zip(calls, owners, strict=True)):
+        flags, bad = 0, 0
+        if call.ids.numel():
+            low, high = (int(v) for v in torch.aminmax(call.ids))
+            if low < 0 or high >= call.table.num_rows:
+                flags, bad = _BAD_ID, low if low < 0 else high
+        if call.weights is not None:
+            flags |= _HAS_WEIGHTS | (_WEIGHTS_NEED_GRAD if call.weights.requires_grad else 0)
+        message[:, i, _FLAGS], message[:, i, _BAD] = flags, bad
+        message[owner, i, _IDS], message[owner, i, _OFFSETS] = (call.ids.numel(),
+                                                                call.offsets.numel())
+        message[owner, i, _BAGS] = call.bags
     received = torch.empty_like(message)
-    dist.all_to_all_single(received, message.to(table.device), group=table.group)
+    dist.all_to_all_single(received.view(world, -1), message.view(world, -1).to(first.device),
+                           group=first.group)
     received = received.cpu()
-    table.traffic.record(table.name, [1] * world, [1] * world, HEADER_BYTES)
-    sender_flags = received[:, _FLAGS]
-    for peer in (sender_flags & _BAD_ID).nonzero().flatten().tolist():
-        machine = table.traffic.machine_of_rank[peer]
-        raise SparseIdError(f"parallax: sparse parameter '{table.name}' got id "
-                            f"{int(received[peer, _BAD])} on rank {peer} (machine {machine}), "
-                            f"outside its rows [0, {table.num_rows})")
-    for peer in (sender_flags & _WEIGHTS_NEED_GRAD).nonzero().flatten().tolist():
-        raise UnsupportedProgramError(
-            f"rank {peer}: parameter '{table.name}' is pooled on its owner "
-            "(Config.pooled_tables), but its per_sample_weights require a gradient, which "
-            "owner-side pooling does not send back; leave the table out of pooled_tables "
-            "(its rows are then pulled to the workers) or detach the weights")
+    for call in {c.table.name: c for c in calls}.values():
+        first.traffic.record(call.table.name, [1] * world, [1] * world,
+                             HEADER_BYTES * sum(c.table is call.table for c in calls))
+    for i, call in enumerate(calls):
+        sender_flags = received[:, i, _FLAGS]
+        for peer in (sender_flags & _BAD_ID).nonzero().flatten().tolist():
+            machine = first.traffic.machine_of_rank[peer]
+            raise SparseIdError(f"parallax: sparse parameter '{call.table.name}' got id "
+                                f"{int(received[peer, i, _BAD])} on rank {peer} (machine "
+                                f"{machine}), outside its rows [0, {call.table.num_rows})")
+        for peer in (sender_flags & _WEIGHTS_NEED_GRAD).nonzero().flatten().tolist():
+            raise UnsupportedProgramError(
+                f"rank {peer}: parameter '{call.table.name}' is pooled on its owner "
+                "(Config.pooled_tables), but its per_sample_weights require a gradient, which "
+                "owner-side pooling does not send back; leave the table out of pooled_tables "
+                "(its rows are then pulled to the workers) or detach the weights")
     return received
 
 
-def _hop(table: PoolingTable, *, send: dict[int, int], receive: list[int]) -> Hop:
-    counts = [0] * table.worker.world_size
-    for peer, count in send.items():
-        counts[peer] = count
-    return Hop({table.name: counts}, {table.name: [int(c) for c in receive]}, table.group,
-               table.traffic)
+def _hop(table: PoolingTable, send: dict[str, tuple[int, int]], receive: dict[str, Tensor],
+         accounts: dict[str, str]) -> Hop:
+    """A hop sending each key's ``(owner, count)`` and receiving ``receive[key]`` per peer."""
+    world = table.worker.world_size
+    counts = {}
+    for key, (owner, count) in send.items():
+        counts[key] = [0] * world
+        counts[key][owner] = count
+    return Hop(counts, {k: [int(c) for c in v] for k, v in receive.items()}, table.group,
+               table.traffic, accounts)
 
 
-def _pool_at_owner(table: PoolingTable, header: Tensor, received: Tensor,
-                   weights: Tensor | None, *, grad: bool, mode: str, padding_idx: int | None,
-                   include_last_offset: bool) -> tuple[list[Tensor], Tensor, Tensor]:
-    """Each worker's call computed on the unique rows of all of them (with their graph)."""
+def _send_weights(calls: Sequence[BagCall], owners: list[int], header: Tensor,
+                  keys: list[str], accounts: dict[str, str]) -> dict[str, Tensor]:
+    """The per-sample weights of the calls for which any rank has some, at their owners."""
+    weighted = [i for i in range(len(calls)) if bool((header[:, i, _FLAGS] & _HAS_WEIGHTS)
+                                                     .any())]
+    if not weighted:
+        return {}
+    mine = {keys[i]: _weights_of(calls[i]) for i in weighted}
+    receive = {keys[i]: header[:, i, _IDS] * ((header[:, i, _FLAGS] & _HAS_WEIGHTS) > 0)
+               for i in weighted}
+    hop = _hop(calls[0].table, {keys[i]: (owners[i], mine[keys[i]].numel()) for i in weighted},
+               receive, accounts)
+    return hop.forward_many(mine)
+
+
+def _weights_of(call: BagCall) -> Tensor:
+    """The call's weights as sent (an empty tensor of the table's dtype for none)."""
+    if call.weights is None:
+        return call.table._rows(0).new_empty(0)
+    return call.weights.detach()
+
+
+def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Tensor | None,
+                   *, grad: bool) -> _Owned:
+    """Every worker's ``call`` computed on the unique rows of all of them (with its graph);
+    ``header``: this call's ``[sender, field]``."""
+    table = call.table
     counts = header[:, _IDS].tolist()
     pieces = received.split((header[:, _IDS] + header[:, _OFFSETS]).tolist())
-    calls = [(piece[:int(m)], piece[int(m):]) for piece, m in
-             zip(pieces, header[:, _OFFSETS], strict=True)]
-    unique, inverse = torch.unique(torch.cat([ids for _, ids in calls]), return_inverse=True)
+    sent = [(piece[:int(m)], piece[int(m):]) for piece, m in
+            zip(pieces, header[:, _OFFSETS], strict=True)]
+    unique, inverse = torch.unique(torch.cat([ids for _, ids in sent]), return_inverse=True)
     local = table.partitioning.local_row(unique)
     if table.before_read is not None:
         table.before_read(local)  # deferred steps first (values and optimizer state)
@@ -233,43 +334,55 @@ def _pool_at_owner(table: PoolingTable, header: Tensor, received: Tensor,
     if grad:
         rows.requires_grad_(True)
     padding = None
-    if padding_idx is not None:
-        target = padding_idx + table.num_rows if padding_idx < 0 else padding_idx
+    if call.padding_idx is not None:
+        target = call.padding_idx + table.num_rows if call.padding_idx < 0 else call.padding_idx
         hits = (unique == target).nonzero()
         padding = int(hits[0, 0]) if hits.numel() else None
-    has_weights = (header[:, _FLAGS] & _HAS_WEIGHTS).tolist()
+    has_weights = ((header[:, _FLAGS] & _HAS_WEIGHTS) > 0).tolist()
     weight_pieces = (weights.split([n if h else 0 for n, h in zip(counts, has_weights,
                                                                    strict=True)])
                      if weights is not None else [None] * len(counts))
-    pooled = []
-    for (offsets, _), positions, w, h in zip(calls, inverse.split(counts), weight_pieces,
-                                             has_weights, strict=True):
-        pooled.append(F.embedding_bag(positions, rows, offsets, mode=mode,
-                                      per_sample_weights=w if h else None,
-                                      include_last_offset=include_last_offset,
-                                      padding_idx=padding))
-    return pooled, rows, local
+    pooled = [F.embedding_bag(positions, rows, offsets, mode=call.mode,
+                              per_sample_weights=w if h else None,
+                              include_last_offset=call.include_last_offset, padding_idx=padding)
+              for (offsets, _), positions, w, h in zip(sent, inverse.split(counts),
+                                                       weight_pieces, has_weights, strict=True)]
+    return _Owned(pooled, rows, local)
 
 
 def push_pooled(tables: Sequence[PoolingTable]) -> None:
-    """Send the gradients of every pooled call of this step to the tables' owners, which add
-    their rows' gradients to the shard's (collective: every rank's calls in the same order)."""
+    """Send the gradients of every pooled exchange of this step to the owners, one message
+    per exchange, where they are added to the shards' gradients (collective: every rank's
+    exchanges in the same order)."""
+    records: dict[int, PooledExchange] = {}
     for table in tables:
-        calls, table.pooled_calls = table.pooled_calls, []
-        if not calls:
-            continue
-        table.has_gradient = table.has_gradient or any(c.out.grad is not None for c in calls)
-        table.rows_used.append(sum(c.distinct_ids for c in calls))
-        for call in calls:
-            grad = call.out.grad if call.out.grad is not None else torch.zeros_like(call.out)
-            received = call.hop.backward(grad)
-            if call.rows is None or call.local_rows is None:
-                continue  # not the owner
-            bags = [p.shape[0] for p in call.pooled]
-            torch.autograd.backward(call.pooled, list(received.split(bags)))
-            rows_grad = call.rows.grad
-            if rows_grad is None:
-                continue
-            if table.average:
-                rows_grad.div_(table.worker.world_size)
-            table._accumulate(call.local_rows, rows_grad)
+        for record in table.pooled_calls:
+            records.setdefault(id(record), record)
+    for table in tables:
+        mine = [(call, out) for record in records.values()
+                for call, out in zip(record.calls, record.outs, strict=True)
+                if call.table is table]
+        if mine:
+            table.has_gradient = table.has_gradient or any(o.grad is not None for _, o in mine)
+            table.rows_used.append(sum(int(torch.unique(c.ids).numel()) for c, _ in mine))
+    for record in records.values():  # dicts keep insertion order: the same on all ranks
+        grads = {key: out.grad if out.grad is not None else torch.zeros_like(out)
+                 for key, out in zip(record.keys, record.outs, strict=True)}
+        received = record.hop.backward_many(grads)
+        for i, owned in record.owned.items():
+            _backward_at_owner(record.calls[i], owned, received[record.keys[i]])
+        for call in record.calls:
+            call.table.pooled_calls = [r for r in call.table.pooled_calls if r is not record]
+
+
+def _backward_at_owner(call: BagCall, owned: _Owned, grads: Tensor) -> None:
+    """The rows' gradient of every worker's pooled rows' ``grads``, into the shard's."""
+    bags = [p.shape[0] for p in owned.pooled]
+    torch.autograd.backward(owned.pooled, list(grads.split(bags)))
+    rows_grad = owned.rows.grad
+    if rows_grad is None:
+        return
+    table = call.table
+    if table.average:
+        rows_grad.div_(table.worker.world_size)
+    table._accumulate(owned.local_rows, rows_grad)

@@ -161,7 +161,8 @@ class ShardedTable:
         self.has_gradient = False
         self.gradient_anywhere = True
         self.prefetched: _Prefetched | None = None
-        self.pooled_calls: list[pooled.PooledCall] = []  # this step's, until pushed
+        self.pooled_calls: list[pooled.PooledExchange] = []  # this step's, until pushed
+        self.pooled_ahead: list[tuple[pooled.BagCall, Tensor]] = []  # this forward's
         # (shard rows, gradient rows) received this step, summed by `_finish_aggregation`
         self._received: list[tuple[Tensor, Tensor]] = []
         # shard rows that received gradient since the last zero_grad (`touched_rows_by_part`)
@@ -269,8 +270,11 @@ class ShardedTable:
                   mode: str, padding_idx: int | None, include_last_offset: bool) -> Tensor:
         """``F.embedding_bag`` of this table computed on its owner: this rank's pooled rows
         (collective; a table with ``pools`` only, `parallax.engine.tables.pooled`)."""
-        return pooled.pool(self, ids, offsets, per_sample_weights, mode=mode,
-                           padding_idx=padding_idx, include_last_offset=include_last_offset)
+        call = pooled.bag_call(self, ids, offsets, per_sample_weights, mode=mode,
+                               padding_idx=padding_idx, include_last_offset=include_last_offset)
+        if self.pooled_ahead:  # pooled before the forward (`pooled.pool_ahead`)
+            return pooled.serve_ahead(call)
+        return pooled.pool_many([call])[0]
 
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
         """Current values of rows ``ids`` (collective; for export and migration), from the
@@ -295,8 +299,10 @@ class ShardedTable:
             self.has_gradient = False
         for record in self._pending:
             record.lookups[self.name].rows.grad = None
-        for call in self.pooled_calls:
-            call.out.grad = None
+        for exchange in self.pooled_calls:
+            for call, out in zip(exchange.calls, exchange.outs, strict=True):
+                if call.table is self:
+                    out.grad = None
         self.prefetched = None
         self._received.clear()
         self._received_counts.clear()
