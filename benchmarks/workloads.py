@@ -220,6 +220,12 @@ class Workload:
         else:
             raise ValueError(f"unknown workload {name!r}")
 
+    @property
+    def long_bags(self) -> tuple[str, ...]:
+        """The EmbeddingBag tables whose bags are long (the recommender's history): what the
+        ``-pooled`` systems pool on their owners."""
+        return ("history.weight",) if self.name == "recsys" and self.cfg.history else ()
+
     def model_and_optimizer(self, sparse_grad: bool, *, deferred: bool = False):
         """The workload's single-device model and optimizer; ``deferred``: the model built in
         ``parallax.meta_init()`` (for parallax systems: no worker materialises a server-held

@@ -21,6 +21,7 @@ from recsys import (  # noqa: E402
     rec_loss,
     synthetic_batch,
     synthetic_movielens,
+    user_histories,
 )
 
 CFG = RecConfig(num_users=50, num_items=80, emb=8, hidden=16, batch=32)
@@ -42,6 +43,20 @@ def test_make_batch_matches_per_sample_genres():
         item = int(d.items[i])
         expected = d.genre_ids[d.genre_ptr[item]:d.genre_ptr[item + 1]]
         assert torch.equal(genres[offsets[k]:ends[k]], expected)
+
+
+def test_history_bags_hold_items_their_user_rated():
+    d = data()
+    index = torch.tensor([0, 17, 3, 999])
+    history = user_histories(d, index, 6)
+    assert history.shape == (4, 6)
+    for row, i in zip(history, index.tolist(), strict=True):
+        rated = set(d.items[d.users == d.users[i]].tolist())
+        assert set(row.tolist()) <= rated
+    cfg = replace(CFG, history=6, hash_multiplier=10)
+    inputs, _ = make_batch(d, cfg, index)
+    assert torch.equal(inputs[4], hash_ids(history, cfg.item_rows, 10))
+    assert RecModel(cfg)(*inputs).shape == (4,)
 
 
 def test_hash_ids_identity_and_range():
@@ -113,15 +128,16 @@ def test_torchrec_model_equals_rec_model():
     peer = pytest.importorskip("torchrec_peer")
     if not peer.torchrec_available():
         pytest.skip("torchrec / fbgemm-gpu not installed (benchmarks/setup_bench.sh)")
-    torch.manual_seed(0)
-    model = RecModel(CFG)
-    twin = peer.TorchRecModel(CFG)
-    with torch.no_grad():
-        for f in peer.FEATURES:
-            twin.ebc.embedding_bags[f"t_{f}"].weight.copy_(getattr(model, f).weight)
-        twin.mlp.load_state_dict(model.mlp.state_dict())
-    inputs, _ = make_batch(data(), CFG, torch.arange(32))
-    torch.testing.assert_close(twin(peer.to_kjt(inputs)), model(*inputs))
+    for cfg in (CFG, replace(CFG, history=7)):
+        torch.manual_seed(0)
+        model = RecModel(cfg)
+        twin = peer.TorchRecModel(cfg)
+        with torch.no_grad():
+            for f in peer.features(cfg):
+                twin.ebc.embedding_bags[f"t_{f}"].weight.copy_(getattr(model, f).weight)
+            twin.mlp.load_state_dict(model.mlp.state_dict())
+        inputs, _ = make_batch(data(), cfg, torch.arange(32))
+        torch.testing.assert_close(twin(peer.to_kjt(inputs)), model(*inputs))
 
 
 def test_torchrec_step_starts_from_rec_model(tmp_path):
