@@ -90,7 +90,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     ``-eager`` ones the model built as the single-device program builds it (not in
     ``parallax.meta_init()``: every worker materialises every table first),
     ``-late`` ones ``Config(overlap_push=False)`` (gradient rows pushed after the backward);
-    ``-pooled`` ones ``Config(pooled_tables=workload.long_bags)``;
+    ``-pooled`` ones ``Config(pooled_tables=workload.long_bags)``, ``-rows`` ones
+    ``Config(pooled_tables=())`` (no table pooled; by default the hybrid decides);
     ``-plump``, ``-qsgd``, ``-slim`` ones that ``Config.dense_sync`` (defaults of `QSGD` and
     `SlimDP`; plump/slim need the LM's ``momentum`` optimizer: SGD);
     ``torchrec-*`` the recommender as a TorchRec EmbeddingBagCollection, or the LM as an
@@ -134,7 +135,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
                                                         overlap_push=variant != "late",
                                                         pooled_tables=(
                                                             workload.long_bags
-                                                            if variant == "pooled" else ()),
+                                                            if variant == "pooled" else
+                                                            () if variant == "rows" else None),
                                                         dense_sync=DENSE_SYNCS.get(
                                                             variant, "hierarchical"),
                                                         sparsity_warmup_steps=alpha_steps))

@@ -27,7 +27,7 @@ class Case:
     sparse: bool = False
     optimizer: str = "sgd"
     clip: float | None = None
-    pooled: tuple[str, ...] = POOLED
+    pooled: tuple[str, ...] | None = POOLED  # None: the planner decides
     steps: int = 6
 
 
@@ -37,6 +37,8 @@ CASES = [
     Case("max-last-offset-adam", mode="max", last_offset=True, optimizer="adam"),
     Case("sparse-sum-adagrad", sparse=True, optimizer="adagrad", weights=True),
     Case("rows-pulled", mode="mean", padding_idx=0, optimizer="adagrad", pooled=()),
+    # the planner pools what saves bytes (its threshold lowered to 0 bytes by the worker)
+    Case("planner-decides", mode="mean", padding_idx=0, optimizer="adagrad", pooled=None),
 ]
 RESUMED = "mean-padding-adagrad"  # checkpointed halfway, resumed on another shape
 

@@ -245,9 +245,13 @@ class Config:
             bags read and pushing every row's gradient (`parallax.engine.tables.pooled`).
             Fewer bytes for long bags over big tables; exact like the row path. Owners are
             chosen largest table first onto the least loaded server; the plan shows them.
-            Not for tables with ``max_norm`` or ``scale_grad_by_freq``, per-sample weights
-            that require a gradient, ``architecture="allreduce"`` or an asynchronous
-            ``sync``; such a table is never re-partitioned nor moved to AllReduce.
+            ``None`` (default): the hybrid decides after the warm-up, per bag table, from its
+            measured ids and bags per step (`Hybrid.pools_bags`: pooling must save at least
+            ``MIN_POOLING_SAVING_BYTES`` per machine and step and half the rows' bytes);
+            ``()``: never. Not for tables with ``max_norm`` or ``scale_grad_by_freq``,
+            per-sample weights that require a gradient, ``architecture="allreduce"`` or an
+            asynchronous ``sync``; a pooled table is never re-partitioned nor moved to
+            AllReduce.
         server_threads: threads with which a server aggregates and updates its partitions in
             parallel. ``None``: this process's torch thread count.
         partition_search_steps: training steps timed per sample of the partition-count search
@@ -304,7 +308,7 @@ class Config:
     clip_grad_norm: float | None = None
     seed: int = 0
     num_partitions: int | None = None
-    pooled_tables: tuple[str, ...] = ()
+    pooled_tables: tuple[str, ...] | None = None
     server_threads: int | None = None
     partition_search_steps: int = 8
     max_partitions: int | None = None
@@ -377,6 +381,8 @@ class Config:
 
     def _check_pooled_tables(self) -> None:
         names = self.pooled_tables
+        if names is None:
+            return
         ok = (isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names)
               and len(set(names)) == len(names))
         _require(ok, "pooled_tables", names, "a tuple of distinct parameter names")
@@ -511,17 +517,17 @@ class Config:
         _require(isinstance(self.parallelism, str) and self.parallelism in PARALLELISMS,
                  "parallelism", self.parallelism, f"one of {PARALLELISMS}")
         object.__setattr__(self, "parallelism", ParallelismName(self.parallelism))
-        if isinstance(self.mesh, list):  # from JSON
-            object.__setattr__(self, "mesh", tuple(self.mesh))
+        given = self.mesh  # (messages name the value as given: a list, from JSON)
         if self.parallelism == ParallelismName.TWO_D:
-            _require(self.mesh is not None, "parallelism", str(self.parallelism),
+            _require(given is not None, "parallelism", str(self.parallelism),
                      "'data', 'model' or 'auto' unless Config.mesh names the (data, model) grid")
-            ok = (isinstance(self.mesh, tuple) and len(self.mesh) == 2
-                  and all(is_int(d) and d >= 1 for d in self.mesh))
-            _require(ok, "mesh", self.mesh,
+            ok = (isinstance(given, (tuple, list)) and len(given) == 2
+                  and all(is_int(d) and d >= 1 for d in given))
+            _require(ok, "mesh", given,
                      "a (data, model) pair of ints >= 1 with parallelism='2d'")
+            object.__setattr__(self, "mesh", tuple(given))
         else:
-            _require(self.mesh is None, "mesh", self.mesh,
+            _require(given is None, "mesh", given,
                      f"None with parallelism={str(self.parallelism)!r} (a grid is named "
                      f"with parallelism='2d')")
         if self.parallelism == ParallelismName.DATA:

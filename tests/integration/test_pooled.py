@@ -78,6 +78,17 @@ def test_pooling_moves_fewer_bytes_across_machines_than_pulling_rows(runs) -> No
         assert 0 < inter["pooled"] < 0.6 * inter["pulled"], (name, inter)
 
 
+def test_left_to_the_planner_a_table_is_pooled_where_it_saves_half_the_bytes(runs) -> None:
+    """(threshold of bytes lowered to 0 for these tiny tables): the history's bags save
+    more than half of the rows' bytes, the 3-id user bags less."""
+    lines = _plan_rows(runs[0]["planner-decides"]["plan"])
+    assert re.search(r"bags pooled on an owner: predicted [\d,]+ B vs rows [\d,]+ B per step; "
+                     r"owner rank 0", lines["history.weight"][5])
+    assert lines["history.weight"][6] == "PS: 1 partition(s) on server rank(s) 0"
+    assert lines["user.weight"][6] == "PS: 2 partition(s) on server rank(s) 0,2"
+    assert "pooled on an owner: " in lines["user.weight"][5]  # offered, not taken
+
+
 def _plan_rows(plan: str) -> dict[str, list[str]]:
     return {cells[0]: cells for line in plan.splitlines()[3:]
             if len(cells := re.split(r"\s{2,}", line.strip())) > 7}

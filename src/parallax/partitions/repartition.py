@@ -20,14 +20,16 @@ __all__ = ["repartition"]
 
 
 def repartition(table: ShardedTable, num_partitions: int,
-                shard_optimizer: ShardOptimizer) -> None:
-    """Re-partition ``table`` into ``num_partitions`` (collective over all ranks)."""
+                shard_optimizer: ShardOptimizer, *, first_server: int | None = None) -> None:
+    """Re-partition ``table`` into ``num_partitions`` (collective over all ranks); partition
+    0 onto server ``first_server`` (an index into the server ranks; default: where it is)."""
     if not 1 <= num_partitions <= max(table.num_rows, 1):
         raise ArgumentError(f"parameter '{table.name}': num_partitions must be in "
                          f"[1, {table.num_rows}] (its rows), got {num_partitions}")
     worker = table.worker
     new = RowPartitioning(table.num_rows, num_partitions, worker.server_ranks,
-                          table.partitioning.first_server)
+                          table.partitioning.first_server if first_server is None
+                          else first_server)
     mine = (new.rows_of_server(worker.server_ranks.index(worker.rank)) if worker.is_server
             else torch.empty(0, dtype=torch.long)).to(table.device)
     old_shard = table.shard

@@ -105,6 +105,13 @@ class Architecture:
         gradient once its α is measured, and why. Only the hybrid moves tables."""
         return False, ""
 
+    def pools_bags(self, table: Table, use: SparseUse, measured: Sparsity, *, config: Config,
+                   worker: WorkerInfo) -> tuple[bool, str]:
+        """Whether a server-held ``nn.EmbeddingBag`` table pulling its rows should have its
+        bags pooled on one owner instead, once its ids and bags per step are measured, and
+        why. Only the hybrid decides, and only where `Config.pooled_tables` is None."""
+        return False, ""
+
     def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
                                 *, config: Config, worker: WorkerInfo) -> tuple[bool, str]:
         """Whether the sparse exchanges keep going through each machine's leader once α and
@@ -118,6 +125,14 @@ class Architecture:
 # 9 ms a step (41 -> 50 ms). The hybrid keeps it only where it saves at least this fraction
 # of the bytes.
 MIN_AGGREGATION_SAVING = 0.2
+
+
+# Pooling a table's bags on its owner costs an exchange of its own each step (a header, the
+# ids, the pooled rows, their gradients: four collectives, ~1 ms of CPU and wall time each on
+# 2 shared cores, BENCHMARKS.md "Issue 37"); at 1 Gbit/s 1 ms carries 125 kB. The planner
+# pools a table only where that saves at least this many bytes per machine and step, and at
+# least half of the rows' bytes.
+MIN_POOLING_SAVING_BYTES = 4 * 125_000
 
 
 class Hybrid(Architecture):
@@ -153,6 +168,25 @@ class Hybrid(Architecture):
         ar_bytes = cost.allreduce_dense(_row_bytes(table) * table.num_rows, _shape(worker))
         return (ar_bytes < ps_bytes,
                 f"AllReduce predicted {ar_bytes:,.0f} B < PS {ps_bytes:,.0f} B per step")
+
+    def pools_bags(self, table: Table, use: SparseUse, measured: Sparsity, *, config: Config,
+                   worker: WorkerInfo) -> tuple[bool, str]:
+        """With `Config.pooled_tables` None, on the synchronous exchange: pool where the bytes
+        model predicts pooling to save at least `MIN_POOLING_SAVING_BYTES` per machine and
+        step and half the rows' bytes (a table whose lookups renormalise or scale by
+        frequency, or whose per-sample weights need a gradient, keeps its rows)."""
+        if (config.pooled_tables is not None or config.sync != "sync" or table.pools
+                or not table.on_servers or use.kind != "embedding_bag"
+                or use.batch_dependent is not None or measured.weights_need_grad
+                or measured.bags is None or measured.bag_ids is None):
+            return False, ""
+        aggregated = table.local_aggregation and measured.alpha_machine is not None
+        rows = _ps_bytes(table, measured, worker, aggregated=aggregated)
+        pooled = cost.pooled_bags(measured.bag_ids, measured.bags, _row_bytes(table),
+                                  _shape(worker))
+        pool = rows - pooled >= MIN_POOLING_SAVING_BYTES and pooled <= rows / 2
+        return pool, (f"bags pooled on an owner: predicted {pooled:,.0f} B vs rows "
+                      f"{rows:,.0f} B per step")
 
     def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
                                 *, config: Config, worker: WorkerInfo) -> tuple[bool, str]:
@@ -298,7 +332,7 @@ def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parame
     `Config.pooled_tables` whole: largest first, onto the server with the fewest pooled bytes
     so far. Refuses a name that is not an ``nn.EmbeddingBag`` table the owner can pool
     exactly."""
-    for name in config.pooled_tables:
+    for name in config.pooled_tables or ():
         use = sparse_uses.get(name)
         if use is None or use.kind != "embedding_bag":
             what = "not a sparse parameter" if use is None else f"read by {use.kind!r}"
@@ -314,7 +348,7 @@ def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parame
                 f"pooled_tables")
     load = [0] * num_servers
     owners = {}
-    for name in sorted(config.pooled_tables, key=lambda n: (-params[n].nbytes, n)):
+    for name in sorted(config.pooled_tables or (), key=lambda n: (-params[n].nbytes, n)):
         owners[name] = min(range(num_servers), key=lambda s: (load[s], s))
         load[owners[name]] += params[name].nbytes
     return owners

@@ -31,13 +31,15 @@ class Sparsity:
     #: an nn.EmbeddingBag's ids and bags per worker and step (None: no bag calls)
     bag_ids: float | None = None
     bags: float | None = None
+    #: some worker's bag call had per-sample weights that require a gradient
+    weights_need_grad: bool = False
 
 
 def measure(tables: dict[str, Table], worker: WorkerInfo,
             group: dist.ProcessGroup, device: torch.device) -> dict[str, Sparsity]:
     """α and α_m of every table from its recorded usage (collective)."""
     names = sorted(tables)
-    values = torch.zeros(len(names), 4, dtype=torch.float64, device=device)
+    values = torch.zeros(len(names), 5, dtype=torch.float64, device=device)
     for i, name in enumerate(names):
         table = tables[name]
         if table.rows_used:
@@ -45,6 +47,7 @@ def measure(tables: dict[str, Table], worker: WorkerInfo,
             values[i, 0] = sum(table.rows_used) / steps / table.num_rows
             values[i, 2] = table.bag_use.ids / steps
             values[i, 3] = table.bag_use.bags / steps
+        values[i, 4] = float(table.bag_use.weights_need_grad)
         if table.machine_rows_used:
             used = table.machine_rows_used
             values[i, 1] = sum(used) / len(used) / table.num_rows
@@ -58,7 +61,8 @@ def measure(tables: dict[str, Table], worker: WorkerInfo,
         result[name] = Sparsity(
             float(values[i, 0]) / worker.world_size,
             float(values[i, 1]) / machines if aggregated else None,
-            float(values[i, 2]) / worker.world_size if bags else None, bags or None)
+            float(values[i, 2]) / worker.world_size if bags else None, bags or None,
+            bool(values[i, 4] > 0))
     return result
 
 

@@ -144,9 +144,41 @@ class PlanKeeper:
                 worker=self.worker, group=self.group))
             self.replicated.append(self.params[name])
             self.decisions[name] = why
+        self._pool_bags()
         self._start_search()
         self.build()
         self._exit_if_plan_only()
+
+    def _pool_bags(self) -> None:
+        """Hold whole on one server, and pool there, the bag tables the architecture says
+        pool cheaper (`Architecture.pools_bags`; collective): largest first, each onto the
+        server holding the fewest pooled bytes so far."""
+        servers = self.worker.server_ranks
+        load = [0] * len(servers)
+        for name, table in self.layout.sparse.items():
+            if table.pools:
+                load[servers.index(self.layout.placement(name).servers[0])] += \
+                    self.params[name].nbytes
+        chosen = []
+        for name, table in self.layout.sparse.items():
+            use = self.sparse_uses.get(name)
+            if use is None or table.held is None:
+                continue
+            pool, why = self.architecture.pools_bags(table, use, self.sparsity[name],
+                                                     config=self.config, worker=self.worker)
+            if pool:
+                chosen.append((name, why))
+        for name, why in sorted(chosen, key=lambda c: (-self.params[c[0]].nbytes, c[0])):
+            held = self.layout.sparse[name].held
+            if held is None:
+                continue
+            owner = min(range(len(servers)), key=lambda s: (load[s], s))
+            repartition(held, 1, self.shard_optimizer, first_server=owner)
+            held.pools, held.local_aggregation = True, False
+            load[owner] += self.params[name].nbytes
+            self.layout.placements[name] = self.layout.placement(name)._replace(
+                partitions=1, servers=(servers[owner],))
+            self.decisions[name] = f"{why}; owner rank {servers[owner]}"
 
     def _decide_local_aggregation(self) -> None:
         """Keep or drop the leader hop as the architecture says for the measured α and α_m

@@ -17,8 +17,12 @@ class BagUse:
 
     ids: int = 0
     bags: int = 0
+    #: some call's per-sample weights required a gradient (its bags cannot be pooled)
+    weights_need_grad: bool = False
 
-    def add(self, ids: Tensor, offsets: Tensor | None, include_last_offset: bool) -> None:
+    def add(self, ids: Tensor, offsets: Tensor | None, include_last_offset: bool,
+            weights: Tensor | None = None) -> None:
+        self.weights_need_grad |= weights is not None and weights.requires_grad
         self.ids += ids.numel()
         if ids.dim() == 2 or offsets is None:
             self.bags += ids.shape[0] if ids.dim() == 2 else 0
