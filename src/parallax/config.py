@@ -525,7 +525,7 @@ class Config:
                   and all(is_int(d) and d >= 1 for d in given))
             _require(ok, "mesh", given,
                      "a (data, model) pair of ints >= 1 with parallelism='2d'")
-            object.__setattr__(self, "mesh", tuple(given))
+            object.__setattr__(self, "mesh", tuple(given or ()))
         else:
             _require(given is None, "mesh", given,
                      f"None with parallelism={str(self.parallelism)!r} (a grid is named "

@@ -232,3 +232,28 @@ def test_a_forward_pools_all_its_bag_calls_in_one_exchange(monkeypatch) -> None:
     args, _ = cases.worker_slice(case, batch, 0, 1)
     runner._executed.history(*args[:2], per_sample_weights=args[2])  # called on its own
     assert exchanges == [["history.weight"]]
+
+
+@pytest.mark.usefixtures("_shutdown")
+@pytest.mark.parametrize("offsets, mode, weights, message", [
+    ([1, 2], "sum", False, r"offsets\[0\] has to be 0"),
+    ([0, 9], "sum", False, r"offsets\[-1\] can not be greater than input's length 6"),
+    ([0, 4, 2], "sum", False, "offsets must not decrease"),
+    ([0, 3], "mean", True, "per_sample_weights is only supported for mode='sum'"),
+])
+def test_a_call_torch_refuses_is_refused_before_any_exchange(offsets, mode, weights,
+                                                             message) -> None:
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = nn.EmbeddingBag(20, 3, mode=mode)
+
+        def forward(self, ids: Tensor, offsets: Tensor, w: Tensor | None = None) -> Tensor:
+            return self.bag(ids, offsets, per_sample_weights=w)
+
+    runner = _runner(Flat(), ("bag.weight",))
+    ids = torch.arange(6)
+    args = (ids, torch.tensor(offsets), torch.rand(6) if weights else None)
+    with pytest.raises(ValueError, match=r"rank 0: the call of 'bag.weight''s nn.EmbeddingBag "
+                                         rf"is one torch refuses on one device: .*{message}"):
+        runner.forward(args)

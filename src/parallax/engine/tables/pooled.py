@@ -56,6 +56,7 @@ __all__ = ["BagCall", "PoolingTable", "PooledExchange", "bag_call", "owner_of", 
 _BAD_ID = 1
 _HAS_WEIGHTS = 2
 _WEIGHTS_NEED_GRAD = 4
+_REFUSED = 8  # a call torch refuses on one device (`_refusal`)
 # header fields, per sender, receiver and call: ids, offsets, flags, bad id, bags
 _IDS, _OFFSETS, _FLAGS, _BAD, _BAGS = range(5)
 HEADER_BYTES = 5 * 8
@@ -256,6 +257,8 @@ def _exchange_header(calls: Sequence[BagCall], owners: list[int]) -> Tensor:
                 flags, bad = _BAD_ID, low if low < 0 else high
         if call.weights is not None:
             flags |= _HAS_WEIGHTS | (_WEIGHTS_NEED_GRAD if call.weights.requires_grad else 0)
+        refusal = _refusal(call)
+        flags |= _REFUSED if refusal is not None else 0
         message[:, i, _FLAGS], message[:, i, _BAD] = flags, bad
         message[owner, i, _IDS], message[owner, i, _OFFSETS] = (call.ids.numel(),
                                                                 call.offsets.numel())
@@ -269,6 +272,11 @@ def _exchange_header(calls: Sequence[BagCall], owners: list[int]) -> Tensor:
                              HEADER_BYTES * sum(c.table is call.table for c in calls))
     for i, call in enumerate(calls):
         sender_flags = received[:, i, _FLAGS]
+        for peer in (sender_flags & _REFUSED).nonzero().flatten().tolist():
+            mine = _refusal(call) if peer == first.worker.rank else None
+            raise ArgumentError(
+                f"rank {peer}: the call of '{call.table.name}''s nn.EmbeddingBag is one torch "
+                f"refuses on one device: " + (mine or f"see rank {peer}'s error"))
         for peer in (sender_flags & _BAD_ID).nonzero().flatten().tolist():
             machine = first.traffic.machine_of_rank[peer]
             raise SparseIdError(f"parallax: sparse parameter '{call.table.name}' got id "
@@ -281,6 +289,26 @@ def _exchange_header(calls: Sequence[BagCall], owners: list[int]) -> Tensor:
                 "owner-side pooling does not send back; leave the table out of pooled_tables "
                 "(its rows are then pulled to the workers) or detach the weights")
     return received
+
+
+def _refusal(call: BagCall) -> str | None:
+    """What torch says of a call it refuses for its values (its offsets, its weights' mode),
+    found before the exchange so that every rank fails alike; None for a valid call."""
+    offsets, count = call.offsets, call.ids.numel()
+    if call.weights is not None and call.mode != "sum":
+        return (f"embedding_bag: per_sample_weights was not None. per_sample_weights is only "
+                f"supported for mode='sum' (got mode='{call.mode}')")
+    if call.include_last_offset and offsets.numel() == 0:
+        return "include_last_offset: number of offset should be at least 1"
+    if offsets.numel() and int(offsets[0]) != 0:
+        return ("offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to "
+                "start from position 0")
+    if offsets.numel() and int(offsets[-1]) > count:
+        return (f"offsets[-1] can not be greater than input's length {count} but got "
+                f"offsets[-1] of {int(offsets[-1])}")
+    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        return "offsets must not decrease"
+    return None
 
 
 def _hop(table: PoolingTable, send: dict[str, tuple[int, int]], receive: dict[str, Tensor],
