@@ -128,11 +128,12 @@ MIN_AGGREGATION_SAVING = 0.2
 
 
 # Pooling a table's bags on its owner costs an exchange of its own each step (a header, the
-# ids, the pooled rows, their gradients: four collectives, ~1 ms of CPU and wall time each on
-# 2 shared cores, BENCHMARKS.md "Issue 37"); at 1 Gbit/s 1 ms carries 125 kB. The planner
-# pools a table only where that saves at least this many bytes per machine and step, and at
-# least half of the rows' bytes.
-MIN_POOLING_SAVING_BYTES = 4 * 125_000
+# ids, the pooled rows, their gradients: four collectives). Measured on the recommender with
+# history bags (BENCHMARKS.md, "Issue 37: pooling on the owner"; 2 x 2, 1 Gbit/s), pooling
+# was faster wherever it was predicted to move fewer bytes than the rows (0.64x and 0.75x of
+# their bytes: 1.23x and 1.11x faster); below this many bytes of rows per machine and step
+# nothing was measured, and a table keeps its rows.
+MIN_POOLED_ROWS_BYTES = 64_000
 
 
 class Hybrid(Architecture):
@@ -172,9 +173,10 @@ class Hybrid(Architecture):
     def pools_bags(self, table: Table, use: SparseUse, measured: Sparsity, *, config: Config,
                    worker: WorkerInfo) -> tuple[bool, str]:
         """With `Config.pooled_tables` None, on the synchronous exchange: pool where the bytes
-        model predicts pooling to save at least `MIN_POOLING_SAVING_BYTES` per machine and
-        step and half the rows' bytes (a table whose lookups renormalise or scale by
-        frequency, or whose per-sample weights need a gradient, keeps its rows)."""
+        model predicts pooling to move fewer bytes than the rows, for a table whose rows move
+        at least `MIN_POOLED_ROWS_BYTES` per machine and step (a table whose lookups
+        renormalise or scale by frequency, or whose per-sample weights need a gradient,
+        keeps its rows)."""
         if (config.pooled_tables is not None or config.sync != "sync" or table.pools
                 or not table.on_servers or use.kind != "embedding_bag"
                 or use.batch_dependent is not None or measured.weights_need_grad
@@ -184,7 +186,7 @@ class Hybrid(Architecture):
         rows = _ps_bytes(table, measured, worker, aggregated=aggregated)
         pooled = cost.pooled_bags(measured.bag_ids, measured.bags, _row_bytes(table),
                                   _shape(worker))
-        pool = rows - pooled >= MIN_POOLING_SAVING_BYTES and pooled <= rows / 2
+        pool = rows >= MIN_POOLED_ROWS_BYTES and pooled < rows
         return pool, (f"bags pooled on an owner: predicted {pooled:,.0f} B vs rows "
                       f"{rows:,.0f} B per step")
 
