@@ -91,11 +91,13 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # builds it, every table on every worker first (the others build it in parallax.meta_init());
 # "hybrid-pooled": Config(pooled_tables=...) for the workload's long bags (the recommender's
 # history: --workload-options '{"history": 32}'), pooled on their owners; "hybrid-rows":
-# Config(pooled_tables=()), every table's rows pulled (by default the hybrid decides).
+# Config(pooled_tables=()), every table's rows pulled (by default the hybrid decides);
+# "hybrid-tablewise": every EmbeddingBag table pooled on an owner (TorchRec's table-wise).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
                "optps-direct", "hybrid-late", "ps-late", "torchrec-rw", "torchrec-tw",
                "torchrec-plan", "plain", "hybrid-plump", "hybrid-qsgd", "hybrid-slim",
-               "hybrid-flat", "hybrid-eager", "hybrid-pooled", "hybrid-rows"]
+               "hybrid-flat", "hybrid-eager", "hybrid-pooled", "hybrid-rows",
+               "hybrid-tablewise"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 

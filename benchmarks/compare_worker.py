@@ -91,7 +91,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     ``parallax.meta_init()``: every worker materialises every table first),
     ``-late`` ones ``Config(overlap_push=False)`` (gradient rows pushed after the backward);
     ``-pooled`` ones ``Config(pooled_tables=workload.long_bags)``, ``-rows`` ones
-    ``Config(pooled_tables=())`` (no table pooled; by default the hybrid decides);
+    ``Config(pooled_tables=())`` (no table pooled; by default the hybrid decides),
+    ``-tablewise`` ones pool every bag table (``workload.bag_tables``);
     ``-plump``, ``-qsgd``, ``-slim`` ones that ``Config.dense_sync`` (defaults of `QSGD` and
     `SlimDP`; plump/slim need the LM's ``momentum`` optimizer: SGD);
     ``torchrec-*`` the recommender as a TorchRec EmbeddingBagCollection, or the LM as an
@@ -136,6 +137,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
                                                         pooled_tables=(
                                                             workload.long_bags
                                                             if variant == "pooled" else
+                                                            workload.bag_tables
+                                                            if variant == "tablewise" else
                                                             () if variant == "rows" else None),
                                                         dense_sync=DENSE_SYNCS.get(
                                                             variant, "hierarchical"),

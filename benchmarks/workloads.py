@@ -226,6 +226,14 @@ class Workload:
         ``-pooled`` systems pool on their owners."""
         return ("history.weight",) if self.name == "recsys" and self.cfg.history else ()
 
+    @property
+    def bag_tables(self) -> tuple[str, ...]:
+        """Every EmbeddingBag table (what the ``-tablewise`` systems pool on owners, as
+        TorchRec's table-wise sharding does)."""
+        if self.name != "recsys":
+            return ()
+        return ("user.weight", "item.weight", "genre.weight", *self.long_bags)
+
     def model_and_optimizer(self, sparse_grad: bool, *, deferred: bool = False):
         """The workload's single-device model and optimizer; ``deferred``: the model built in
         ``parallax.meta_init()`` (for parallax systems: no worker materialises a server-held

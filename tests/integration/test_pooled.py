@@ -83,8 +83,8 @@ def test_left_to_the_planner_a_table_is_pooled_where_it_saves_bytes(runs) -> Non
     bags move fewer bytes pooled than its rows; the user bags would too, but their rows move
     less than the floor."""
     lines = _plan_rows(runs[0]["planner-decides"]["plan"])
-    assert re.search(r"bags pooled on an owner: predicted [\d,]+ B vs rows [\d,]+ B per step; "
-                     r"owner rank 0", lines["history.weight"][5])
+    assert re.search(r"bags pooled on an owner: predicted [\d,]+ B vs rows [\d,]+ B, "
+                     r"AllReduce [\d,]+ B per step; owner rank 0", lines["history.weight"][5])
     assert lines["history.weight"][6] == "PS: 1 partition(s) on server rank(s) 0"
     assert lines["user.weight"][6] == "PS: 2 partition(s) on server rank(s) 0,2"
     assert "pooled on an owner: " in lines["user.weight"][5]  # offered, not taken

@@ -173,7 +173,8 @@ class Hybrid(Architecture):
     def pools_bags(self, table: Table, use: SparseUse, measured: Sparsity, *, config: Config,
                    worker: WorkerInfo) -> tuple[bool, str]:
         """With `Config.pooled_tables` None, on the synchronous exchange: pool where the bytes
-        model predicts pooling to move fewer bytes than the rows, for a table whose rows move
+        model predicts pooling to move fewer bytes than the rows and than an AllReduce of the
+        whole table, for a table whose rows move
         at least `MIN_POOLED_ROWS_BYTES` per machine and step (a table whose lookups
         renormalise or scale by frequency, or whose per-sample weights need a gradient,
         keeps its rows)."""
@@ -182,13 +183,16 @@ class Hybrid(Architecture):
                 or use.batch_dependent is not None or measured.weights_need_grad
                 or measured.bags is None or measured.bag_ids is None):
             return False, ""
-        aggregated = table.local_aggregation and measured.alpha_machine is not None
-        rows = _ps_bytes(table, measured, worker, aggregated=aggregated)
+        # the rows at their cheapest: through the leader hop or not (decided after this)
+        rows = _ps_bytes(table, measured, worker, aggregated=False)
+        if table.local_aggregation and measured.alpha_machine is not None:
+            rows = min(rows, _ps_bytes(table, measured, worker, aggregated=True))
         pooled = cost.pooled_bags(measured.bag_ids, measured.bags, _row_bytes(table),
                                   _shape(worker))
-        pool = rows >= MIN_POOLED_ROWS_BYTES and pooled < rows
+        replicated = cost.allreduce_dense(_row_bytes(table) * table.num_rows, _shape(worker))
+        pool = rows >= MIN_POOLED_ROWS_BYTES and pooled < min(rows, replicated)
         return pool, (f"bags pooled on an owner: predicted {pooled:,.0f} B vs rows "
-                      f"{rows:,.0f} B per step")
+                      f"{rows:,.0f} B, AllReduce {replicated:,.0f} B per step")
 
     def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
                                 *, config: Config, worker: WorkerInfo) -> tuple[bool, str]:

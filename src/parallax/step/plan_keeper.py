@@ -123,10 +123,13 @@ class PlanKeeper:
             self._start_search()
 
     def _complete(self) -> None:
-        """After the warm-up steps: measure α; move to AllReduce what the architecture says
-        is cheaper there (the hybrid's rule: `Architecture.moves_to_allreduce`; collective)."""
+        """After the warm-up steps: measure α; pool on owners the bag tables the architecture
+        says pool cheapest (`Architecture.pools_bags`), then decide on the leader hop for the
+        tables still pulling rows, and move to AllReduce what is cheaper there (the hybrid's
+        rule: `Architecture.moves_to_allreduce`; collective)."""
         tables = self.layout.sparse
         self.sparsity = measure(tables, self.worker, self.group, self.worker.device)
+        self._pool_bags()
         self._decide_local_aggregation()
         self.sync_mode.after_warmup(self.group)
         for name, table in list(tables.items()):
@@ -144,7 +147,6 @@ class PlanKeeper:
                 worker=self.worker, group=self.group))
             self.replicated.append(self.params[name])
             self.decisions[name] = why
-        self._pool_bags()
         self._start_search()
         self.build()
         self._exit_if_plan_only()
