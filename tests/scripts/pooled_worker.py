@@ -15,12 +15,15 @@ import torch  # noqa: E402
 from pooled_cases import CASES, RESUMED, batches, build, loss_fn, worker_slice  # noqa: E402
 
 import parallax  # noqa: E402
+from parallax.engine.tables import server_table  # noqa: E402
 from parallax.launch.fast_exit import exit_now  # noqa: E402
 from parallax.planning import architectures  # noqa: E402
 
 # these tables are tiny: the planner considers those whose rows move 1,500 B per machine and
 # step (the history's 2,168; the user bags' 1,360 stay below)
 architectures.MIN_POOLED_ROWS_BYTES = 1_500
+# and moving a table onto its owner (the planner's choice) reads its rows in many rounds
+server_table.SCATTER_ROUND_BYTES = 1024
 
 
 def config(case) -> parallax.Config:

@@ -8,13 +8,16 @@ goes on exactly as before: only where rows live has changed.
 
 from __future__ import annotations
 
+import math
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from parallax.collective import agree
 from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, is_per_row
+from parallax.engine.tables import server_table
 from parallax.engine.tables.server_table import RowPartitioning, ShardedTable
-from parallax.errors import ArgumentError
+from parallax.errors import ArgumentError, InternalError
 
 __all__ = ["repartition"]
 
@@ -37,13 +40,32 @@ def repartition(table: ShardedTable, num_partitions: int,
     # Rank 0 is a server: its state's keys (and which are per-row) are everyone's.
     per_row = agree(sorted(key for key, value in state.items() if is_per_row(value, old_shard)),
                     rank=worker.rank, group=table.group)
-    values = table.read_rows(mine)
-    moved = {key: table.read_rows(mine, state.get(key)) for key in per_row}
+    values = _read_in_rounds(table, mine)
+    moved = {key: _read_in_rounds(table, mine, state.get(key)) for key in per_row}
     table.partitioning = new
     table.reservations.reset()  # (on every rank: repartitioning is collective)
     if old_shard is None:
         return
-    table.set_shard(nn.Parameter(values.clone(), requires_grad=old_shard.requires_grad))
+    table.set_shard(nn.Parameter(values, requires_grad=old_shard.requires_grad))
     shard_optimizer.table_repartitioned(table, {
-        key: (moved[key].clone() if key in moved else value) for key, value in state.items()})
+        key: moved.get(key, value) for key, value in state.items()})
     table.zero_grad()
+
+
+def _read_in_rounds(table: ShardedTable, ids: Tensor, source: Tensor | None = None) -> Tensor:
+    """``table.read_rows(ids, source)`` (fresh storage), in rounds of at most
+    `server_table.SCATTER_ROUND_BYTES` of the whole table, received straight into the
+    result: moving a large table onto one owner holds no second copy of it beside the
+    result. Every rank takes as many rounds (counted from the table's size)."""
+    rounds = max(1, math.ceil(table.num_rows * 8 * math.prod(table.row_shape)
+                              / server_table.SCATTER_ROUND_BYTES))
+    out: Tensor | None = None
+    for k in range(rounds):
+        start, stop = ids.numel() * k // rounds, ids.numel() * (k + 1) // rounds
+        piece = table.read_rows(ids[start:stop], source)
+        if out is None:
+            out = piece.new_empty((ids.numel(), *piece.shape[1:]))
+        out[start:stop] = piece
+    if out is None:
+        raise InternalError(f"'{table.name}': no round of its rows was read; please report it")
+    return out
