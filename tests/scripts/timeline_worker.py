@@ -25,11 +25,12 @@ class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embedding = nn.Embedding(1000, 16)
+        self.bag = nn.EmbeddingBag(1000, 16)  # pooled on its owner: the "pool" phase
         self.head = nn.Sequential(nn.Linear(16, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
                                   nn.Linear(512, 1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embedding(ids).mean(dim=1)).squeeze(1)
+        return self.head(self.embedding(ids).mean(dim=1) + self.bag(ids)).squeeze(1)
 
 
 def main() -> None:
@@ -37,7 +38,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = Model()
     config = parallax.Config(clip_grad_norm=1.0, checkpoint_dir=str(out / "checkpoints"),
-                             checkpoint_every_steps=2, partition_cache=None)
+                             checkpoint_every_steps=2, partition_cache=None,
+                             pooled_tables=("bag.weight",))
     runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  nn.functional.mse_loss, config=config)
     generator = torch.Generator().manual_seed(runner.worker.rank)

@@ -35,7 +35,7 @@ __all__ = ["PHASES", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active", "merge
 
 #: the phases of a step, in the order the engine runs them (the progress record: at the
 #: step's start, before its backward and at its end)
-PHASES = ("id look-ahead", "pull", "forward", "backward", "dense sync", "push",
+PHASES = ("id look-ahead", "pull", "pool", "forward", "backward", "dense sync", "push",
           "server aggregation", "clip and check", "server update", "dense update",
           "checkpoint", "progress record")
 STATS_KEY = "step phases"  # where `Runner.stats` holds `PhaseClock.per_step`
