@@ -92,7 +92,8 @@ class Runner:
         self._build_executed(model)
         self.pool = shared_pool(config.server_threads or default_threads())
         self.shard_optimizer = hand_over(self.layout.all_tables(), self._params, self.optimizers,
-                                         self.pool, worker=worker)
+                                         self.pool, worker=worker,
+                                         taken=self.layout.user_state)
         self._build_step()
         self.checkpoints.resume_from_newest()
         self.sync_mode.start(self.shard_optimizer, self.global_step, self.progress)
@@ -110,7 +111,8 @@ class Runner:
         place_on_device(model, server_held, self.optimizers, self.device)
         self._params = dict(model.named_parameters())  # the objects never change
         self.layout = build_layout(model, self.sparse_uses, config=config, worker=self.worker,
-                                   group=self.group, traffic=self.traffic)
+                                   group=self.group, traffic=self.traffic,
+                                   optimizers=self.optimizers)
         self.nonfinite = NonFinitePolicy(config.nonfinite, self.worker.rank)
         # before anything reads the tables: a sync mode may wrap the server-held ones
         self.sync_mode: SyncMode = build_sync_mode(

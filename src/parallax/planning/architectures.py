@@ -18,15 +18,17 @@ rule). `build_layout` creates the tables from those answers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.config import ArchitectureName, Config
+from parallax.engine.optimizers.shard_optimizer import take_user_state
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.handles import release
 from parallax.engine.tables.layout import Layout, Placement
@@ -283,8 +285,12 @@ def server_held(model: nn.Module, sparse_uses: dict[str, SparseUse],
 
 
 def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config: Config,
-                 worker: WorkerInfo, group: dist.ProcessGroup, traffic: Traffic) -> Layout:
-    """Create the tables (collective: initial values come from rank 0)."""
+                 worker: WorkerInfo, group: dist.ProcessGroup, traffic: Traffic,
+                 optimizers: Sequence[torch.optim.Optimizer] = ()) -> Layout:
+    """Create the tables (collective: initial values come from rank 0). Each server-held
+    table's storage in the program's model, and the state ``optimizers`` hold for it, go as
+    soon as the table is scattered (`Layout.user_state` keeps this server's rows of that
+    state for the servers' optimizer): a lower peak for a model built as usual."""
     architecture = architecture_of(config)
     aggregates = architecture.aggregates_locally(config)
     params = dict(model.named_parameters())
@@ -302,7 +308,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
             table.pools = True
             layout.sparse[name] = table
             layout.placements[name] = Placement("ps", 1, (servers[owners[name]],))
-            release(params[name], name=name, device=worker.device, rank=worker.rank)
+            _hand_over_early(layout, table, params[name], optimizers, worker)
         elif not architecture.sparse_on_servers:
             layout.sparse[name] = ReplicatedTable(
                 name, params[name], worker=worker, group=group, traffic=traffic,
@@ -316,9 +322,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 local_aggregation=aggregates, batch_dependent=use.batch_dependent,
                 initial_rows=_initial_rows(params[name]))
             layout.placements[name] = Placement("ps", num_partitions, servers)
-            # the program's whole table is not needed once scattered: its storage goes now,
-            # before the next table's shard is made (a lower peak for a model built as usual)
-            release(params[name], name=name, device=worker.device, rank=worker.rank)
+            _hand_over_early(layout, layout.sparse[name], params[name], optimizers, worker)
     if architecture.dense_on_servers:
         dense = {n: p for n, p in params.items() if p.requires_grad and n not in sparse_uses}
         for name, server in greedy_placement(dense, layout.sparse, len(servers)).items():
@@ -330,6 +334,16 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 first_server=server, initial_rows=_initial_rows(params[name]))
             layout.placements[name] = Placement("ps", 1, (servers[server],))
     return layout
+
+
+def _hand_over_early(layout: Layout, table: Table, param: nn.Parameter,
+                     optimizers: Sequence[torch.optim.Optimizer], worker: WorkerInfo) -> None:
+    """The program's copy of a just-scattered table, and its optimizer state, are not needed
+    any more: they go now, before the next table's shard is made."""
+    held = table.held
+    if held is not None:
+        layout.user_state[table.name] = take_user_state(held, param, optimizers)
+    release(param, name=table.name, device=worker.device, rank=worker.rank)
 
 
 def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parameter],

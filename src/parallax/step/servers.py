@@ -7,6 +7,7 @@ would be stale full tables in every process.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,9 +24,12 @@ __all__ = ["hand_over"]
 
 def hand_over(tables: dict[str, Table], params: dict[str, nn.Parameter],
               optimizers: Sequence[torch.optim.Optimizer], pool: PartitionPool, *,
-              worker: WorkerInfo) -> ShardOptimizer:
+              worker: WorkerInfo, taken: dict[str, dict[str, Any]] | None = None,
+              ) -> ShardOptimizer:
     """The servers' optimizer of ``tables`` (by parameter name), run on ``pool``'s threads,
-    with the user's state adopted and the user's server-held parameters released."""
+    with the user's state adopted (``taken``: what was taken of it already, by name; emptied)
+    and the user's server-held parameters released."""
+    taken = {} if taken is None else taken
     for table in tables.values():
         table.pool = pool
     held = held_tables(tables)
@@ -34,7 +38,7 @@ def hand_over(tables: dict[str, Table], params: dict[str, nn.Parameter],
         pool)
     for name, table in held.items():
         param = params[name]
-        shard_optimizer.adopt_user_state(table, param, optimizers)
+        shard_optimizer.adopt_user_state(table, param, optimizers, taken.pop(name, None))
         release(param, name=name, device=worker.device, rank=worker.rank)
         forget(param)  # a meta_init recipe, replayed by the servers already
     return shard_optimizer

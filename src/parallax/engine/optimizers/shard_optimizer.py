@@ -356,28 +356,12 @@ class ShardOptimizer:
         return state
 
     def adopt_user_state(self, table: ServerTable, param: nn.Parameter,
-                         optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Move the state the user's optimizer holds for ``param`` (loaded from a
-        single-device checkpoint, or made by its constructor, as Adagrad's accumulators) to
-        the servers: rank 0's, each server its own rows; the user's object keeps none (the
-        servers' is the one that trains). Collective over the table's group."""
-        owner = optimizer_of(optimizers, param)
-        mine = dict(owner.state.get(param, {})) if owner is not None else {}
-        if any(_is_meta(value) for value in mine.values()):
-            # made by the constructor for a parameter built in parallax.meta_init: the
-            # servers' optimizers, built with the same arguments, made their own
-            mine = {}
-        rank = table.worker.rank
-        layout = agree({key: ("rows" if is_per_row(value, param) else value)
-                        for key, value in mine.items()}, rank=rank, group=table.group)
-        state: dict[str, Any] = {}
-        for key, kind in layout.items():
-            if isinstance(kind, str) and kind == "rows":
-                state[key] = table.scatter_from_rank0(mine.get(key, param).detach())
-            else:
-                state[key] = kind.clone() if isinstance(kind, Tensor) else kind
-        if owner is not None:
-            owner.state.pop(param, None)
+                         optimizers: Sequence[torch.optim.Optimizer],
+                         taken: dict[str, Any] | None = None) -> None:
+        """Move the state the user's optimizer holds for ``param`` to the servers
+        (`take_user_state`, unless ``taken`` is what it returned earlier). Collective over
+        the table's group unless ``taken`` is given."""
+        state = take_user_state(table, param, optimizers) if taken is None else taken
         if state and table.shard is not None:
             self.set_table_state(table, state)
 
@@ -404,6 +388,33 @@ class ShardOptimizer:
                           else value.clone() if isinstance(value, Tensor) else value)
                     for key, value in state.items()}
         self._rebuild(states)
+
+
+def take_user_state(table: ServerTable, param: nn.Parameter,
+                    optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The state the user's optimizer holds for ``param`` (loaded from a single-device
+    checkpoint, or made by its constructor, as Adagrad's accumulators), rank 0's, as this
+    server's rows (`ShardOptimizer.adopt_user_state` hands it to the servers' optimizer); the
+    user's object keeps none (the servers' is the one that trains), so its memory goes now.
+    Collective over the table's group."""
+    owner = optimizer_of(optimizers, param)
+    mine = dict(owner.state.get(param, {})) if owner is not None else {}
+    if any(_is_meta(value) for value in mine.values()):
+        # made by the constructor for a parameter built in parallax.meta_init: the
+        # servers' optimizers, built with the same arguments, made their own
+        mine = {}
+    rank = table.worker.rank
+    layout = agree({key: ("rows" if is_per_row(value, param) else value)
+                    for key, value in mine.items()}, rank=rank, group=table.group)
+    state: dict[str, Any] = {}
+    for key, kind in layout.items():
+        if isinstance(kind, str) and kind == "rows":
+            state[key] = table.scatter_from_rank0(mine.pop(key, param).detach())
+        else:
+            state[key] = kind.clone() if isinstance(kind, Tensor) else kind
+    if owner is not None:
+        owner.state.pop(param, None)
+    return state
 
 
 def is_per_row(value: object, rows: Tensor | None) -> bool:

@@ -7,7 +7,7 @@ checkpoints and the plan read it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from parallax.engine.tables.table import Table
 
@@ -37,6 +37,10 @@ class Layout:
     sparse: dict[str, Table] = field(default_factory=dict)
     pulled_whole: dict[str, Table] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)
+    #: the user's optimizer state of a server-held table, taken as its rows were scattered
+    #: (this server's rows; `parallax.engine.optimizers.shard_optimizer.take_user_state`)
+    #: until the servers' optimizer adopts it
+    user_state: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def uses_ddp(self) -> bool:
