@@ -366,12 +366,8 @@ def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parame
                 f"{use.batch_dependent.describe()}: that depends on every row the global "
                 f"batch reads, which only the row path applies exactly; leave it out of "
                 f"pooled_tables")
-    load = [0] * num_servers
-    owners = {}
-    for name in sorted(config.pooled_tables or (), key=lambda n: (-params[n].nbytes, n)):
-        owners[name] = min(range(num_servers), key=lambda s: (load[s], s))
-        load[owners[name]] += params[name].nbytes
-    return owners
+    return largest_first({name: params[name].nbytes for name in config.pooled_tables or ()},
+                         [0] * num_servers)
 
 
 def _initial_rows(param: nn.Parameter) -> Callable[[Tensor], Tensor] | None:
@@ -391,10 +387,15 @@ def greedy_placement(dense: dict[str, nn.Parameter], sparse: dict[str, Table],
             row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
             for server, rows in enumerate(held.partitioning.shard_rows):
                 load[server] += rows * row_bytes
+    return largest_first({name: param.nbytes for name, param in dense.items()}, load)
+
+
+def largest_first(sizes: dict[str, int], load: list[int]) -> dict[str, int]:
+    """Each of ``sizes`` (bytes by name) onto one server (an index into ``load``, each
+    server's bytes so far, updated): largest first, onto the server holding the fewest bytes
+    (the lowest index among equals), so every rank places alike."""
     placement = {}
-    by_size = sorted(dense.items(), key=lambda item: (-item[1].nbytes, item[0]))
-    for name, param in by_size:
-        server = min(range(num_servers), key=lambda s: (load[s], s))
-        placement[name] = server
-        load[server] += param.nbytes
+    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        placement[name] = min(range(len(load)), key=lambda s: (load[s], s))
+        load[placement[name]] += size
     return placement

@@ -28,7 +28,7 @@ from parallax.model.stand_ins import TableLookup
 from parallax.parallelism import Parallelism
 from parallax.partitions.repartition import repartition
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
-from parallax.planning.architectures import Architecture
+from parallax.planning.architectures import Architecture, largest_first
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
 from parallax.session import shutdown
@@ -161,7 +161,7 @@ class PlanKeeper:
             if table.pools:
                 load[servers.index(self.layout.placement(name).servers[0])] += \
                     self.params[name].nbytes
-        chosen = []
+        chosen = {}
         for name, table in self.layout.sparse.items():
             use = self.sparse_uses.get(name)
             if use is None or table.held is None:
@@ -169,18 +169,17 @@ class PlanKeeper:
             pool, why = self.architecture.pools_bags(table, use, self.sparsity[name],
                                                      config=self.config, worker=self.worker)
             if pool:
-                chosen.append((name, why))
-        for name, why in sorted(chosen, key=lambda c: (-self.params[c[0]].nbytes, c[0])):
+                chosen[name] = why
+        owners = largest_first({name: self.params[name].nbytes for name in chosen}, load)
+        for name, owner in owners.items():
             held = self.layout.sparse[name].held
             if held is None:
                 continue
-            owner = min(range(len(servers)), key=lambda s: (load[s], s))
             repartition(held, 1, self.shard_optimizer, first_server=owner)
             held.pools, held.local_aggregation = True, False
-            load[owner] += self.params[name].nbytes
             self.layout.placements[name] = self.layout.placement(name)._replace(
                 partitions=1, servers=(servers[owner],))
-            self.decisions[name] = f"{why}; owner rank {servers[owner]}"
+            self.decisions[name] = f"{chosen[name]}; owner rank {servers[owner]}"
 
     def _decide_local_aggregation(self) -> None:
         """Keep or drop the leader hop as the architecture says for the measured α and α_m

@@ -89,7 +89,8 @@ class ShardedTable:
     sync = "ps"
     on_servers = True
     replica = None  # no worker holds the whole parameter
-    #: bags pooled on the owner (`parallax.engine.tables.pooled`): set where the layout is built
+    #: bags pooled on the owner (`parallax.engine.tables.pooled`): set where the layout is
+    #: built (`Config.pooled_tables`) or by the planner after the warm-up
     pools = False
 
     @property
