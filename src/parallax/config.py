@@ -247,7 +247,9 @@ class Config:
             chosen largest table first onto the least loaded server; the plan shows them.
             ``None`` (default): the hybrid decides after the warm-up, per bag table, from its
             measured ids and bags per step (`Hybrid.pools_bags`: pooling must move fewer bytes
-            than the rows, which move at least ``MIN_POOLED_ROWS_BYTES`` per machine and step);
+            than the rows, which move at least ``MIN_POOLED_ROWS_BYTES`` per machine and step,
+            and the whole table with its gradient and optimizer state fits in what its owner
+            may still allocate);
             ``()``: never. Not for tables with ``max_norm`` or ``scale_grad_by_freq``,
             per-sample weights that require a gradient, ``architecture="allreduce"`` or an
             asynchronous ``sync``; a pooled table is never re-partitioned nor moved to

@@ -258,3 +258,34 @@ def test_a_call_torch_refuses_is_refused_before_any_exchange(offsets, mode, weig
     with pytest.raises(ValueError, match=r"rank 0: the call of 'bag.weight''s nn.EmbeddingBag "
                                          rf"is one torch refuses on one device: .*{message}"):
         runner.forward(args)
+
+
+@pytest.mark.usefixtures("_shutdown")
+@pytest.mark.parametrize("free, pooled", [(40_000, False), (2**32, True)])
+def test_the_planner_pools_a_table_only_where_it_fits_one_server(monkeypatch, free,
+                                                                 pooled) -> None:
+    """(one process: the bytes rule is stood in for, the memory rule is the one at test)
+    A table the planner would pool stays partitioned when, whole on one server with its
+    gradient and optimizer state, it would not fit in what that server may still allocate."""
+    from parallax.planning import architectures
+    from parallax.step import plan_keeper
+
+    monkeypatch.setattr(architectures.Hybrid, "pools_bags",
+                        lambda self, table, use, measured, **_: (use.kind == "embedding_bag",
+                                                                 "pooling saves bytes"))
+    monkeypatch.setattr(plan_keeper, "free_bytes", lambda processes: free)
+    case = next(c for c in cases.CASES if c.name == "planner-decides")
+    model, optimizer = cases.build(case)
+    runner = parallax.get_runner(model, optimizer, cases.loss_fn, config=parallax.Config(
+        partition_cache=None, sparsity_warmup_steps=1, num_partitions=2))
+    runner.step(cases.worker_slice(case, cases.batches(case)[0], 0, 1))
+    lines = _plan_rows(runner.plan.table())
+    if pooled:
+        assert lines["history.weight"][6] == "PS: 1 partition(s) on server rank(s) 0"
+        assert "pooling saves bytes; owner rank 0" in lines["history.weight"][5]
+    else:
+        assert lines["history.weight"][6] == "PS: 2 partition(s) on server rank(s) 0"
+        # 300 x 6 float64 values, their gradient and Adagrad's sum: 3 x 14,400 B
+        assert re.search(r"pooling saves bytes, but held whole on one server it would take "
+                         r"43,200 B with its gradient and optimizer state, and 40,000 B are "
+                         r"free there: its rows stay partitioned", lines["history.weight"][5])

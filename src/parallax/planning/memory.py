@@ -14,6 +14,9 @@ add the resident memory measured before the model is built.
 
 from __future__ import annotations
 
+import math
+import os
+import resource
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +33,7 @@ from parallax.engine.optimizers.shard_optimizer import (
 )
 from parallax.engine.tables.table import Table
 
-__all__ = ["MemoryEstimate", "predict_memory", "state_tensors_per_parameter"]
+__all__ = ["MemoryEstimate", "free_bytes", "predict_memory", "state_tensors_per_parameter"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,29 @@ class MemoryEstimate:
                               self.gradients + other.gradients,
                               self.optimizer_state + other.optimizer_state,
                               self.buffers + other.buffers)
+
+
+def free_bytes(processes_per_machine: int) -> float:
+    """What this process may still allocate: its share of the machine's available memory
+    (``MemAvailable`` over the machine's processes) and what its ``RLIMIT_DATA`` leaves above
+    its resident memory, whichever is less (inf where neither can be read)."""
+    free = math.inf
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024 / max(processes_per_machine, 1)
+    except OSError:
+        pass
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    if limit != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/statm") as statm:
+                resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            free = min(free, max(limit - resident, 0))
+        except (OSError, ValueError):
+            pass
+    return free
 
 
 def state_tensors_per_parameter(optimizer: torch.optim.Optimizer) -> int:

@@ -19,7 +19,7 @@ from torch import nn
 
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
-from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
+from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, optimizer_of
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
 from parallax.errors import PlanComplete
@@ -29,6 +29,7 @@ from parallax.parallelism import Parallelism
 from parallax.partitions.repartition import repartition
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
 from parallax.planning.architectures import Architecture, largest_first
+from parallax.planning.memory import free_bytes, state_tensors_per_parameter
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
 from parallax.session import shutdown
@@ -171,15 +172,45 @@ class PlanKeeper:
             if pool:
                 chosen[name] = why
         owners = largest_first({name: self.params[name].nbytes for name in chosen}, load)
+        room = self._room_on_servers() if owners else {}
         for name, owner in owners.items():
             held = self.layout.sparse[name].held
             if held is None:
                 continue
+            needed = self._bytes_held_whole(name)
+            if needed > room[owner]:
+                self.decisions[name] = (f"{chosen[name]}, but held whole on one server it "
+                                        f"would take {needed:,} B with its gradient and "
+                                        f"optimizer state, and {room[owner]:,.0f} B are free "
+                                        f"there: its rows stay partitioned")
+                continue
+            room[owner] -= needed
             repartition(held, 1, self.shard_optimizer, first_server=owner)
             held.pools, held.local_aggregation = True, False
             self.layout.placements[name] = self.layout.placement(name)._replace(
                 partitions=1, servers=(servers[owner],))
             self.decisions[name] = f"{chosen[name]}; owner rank {servers[owner]}"
+
+    def _room_on_servers(self) -> dict[int, float]:
+        """Per server (an index into the server ranks), the bytes the least free of all
+        processes may still allocate (`free_bytes`; one collective: every rank decides
+        alike)."""
+        workers = max(1, self.worker.world_size // len(self.worker.server_ranks))
+        mine = free_bytes(workers)
+        if self.worker.device.type == "cuda":  # the shard lives in the GPU's memory
+            mine = min(mine, torch.cuda.mem_get_info(self.worker.device)[0])
+        free = torch.tensor([min(mine, 2.0**62)], dtype=torch.float64,
+                            device=self.worker.device)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN, group=self.group)
+        return dict.fromkeys(range(len(self.worker.server_ranks)), float(free))
+
+    def _bytes_held_whole(self, name: str) -> int:
+        """What holding parameter ``name`` whole takes: its values, a gradient and the
+        per-row state its optimizer keeps (`state_tensors_per_parameter`)."""
+        param = self.params[name]
+        owner = optimizer_of(list(self.optimizers), param)
+        states = state_tensors_per_parameter(owner) if owner is not None else 0
+        return param.nbytes * (2 + states)
 
     def _decide_local_aggregation(self) -> None:
         """Keep or drop the leader hop as the architecture says for the measured α and α_m
