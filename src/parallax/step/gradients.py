@@ -21,7 +21,8 @@ from parallax.engine.optimizers.shard_optimizer import parameter_ids
 from parallax.engine.tables import reduction
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table, held_tables
-from parallax.errors import UnsupportedProgramError
+from parallax.engine.tables.verdict import Verdict
+from parallax.errors import InternalError, UnsupportedProgramError
 from parallax.parallelism import Parallelism
 
 __all__ = ["StepGradients", "clear_grad"]
@@ -141,6 +142,23 @@ class StepGradients:
         self.tables_squared = found.tables_squared
         return found
 
+    def finite_by(self, verdict: Verdict) -> bool:
+        """Whether the push's ``verdict`` (`parallax.engine.tables.verdict`) proves the step
+        finite: every loss and server-held gradient by the verdict, the replicated gradients
+        here (summed alike on every rank, so every rank answers alike). Split layers' shards
+        are not in the verdict: with them, False (the full check decides)."""
+        return (verdict.finite() and not self.parallelism.norm_parts()
+                and all(p.grad is None or _all_finite(p.grad) for p in self.replicated))
+
+    def agree_by(self, verdict: Verdict) -> None:
+        """`agree_on_tables` from the counts the push's ``verdict`` carried."""
+        counts = dict(zip(verdict.names, verdict.reached().tolist(), strict=True))
+        for table in self.server_held():
+            if table.name not in counts:
+                raise InternalError(f"parallax internal error: table '{table.name}' missing "
+                                    f"from the step's verdict; please report it")
+            table.gradient_anywhere = counts[table.name] > 0
+
     def agree_on_tables(self, summed: Tensor | None = None) -> None:
         """Tell each server-held table whether any worker's backward reached it since its
         gradient was cleared (``summed``: `_reached_flags` summed over the ranks; None: sum
@@ -159,6 +177,11 @@ class StepGradients:
         """Whether a backward reached each server-held table on this worker, 1.0 or 0.0."""
         return torch.tensor([float(t.has_gradient) for t in self.server_held()],
                             dtype=torch.float64, device=self.device)
+
+
+def _all_finite(grad: Tensor) -> bool:
+    values = grad._values() if grad.is_sparse else grad
+    return bool(torch.isfinite(values).all())
 
 
 def clear_grad(param: Tensor, set_to_none: bool) -> None:

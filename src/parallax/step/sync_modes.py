@@ -42,6 +42,7 @@ from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.server_table import ShardedTable, prefetch
 from parallax.engine.tables.table import Table, held_tables, push_all
+from parallax.engine.tables.verdict import Verdict
 from parallax.errors import UnsupportedProgramError
 from parallax.model.detect import SparseUse
 from parallax.session import on_shutdown
@@ -143,28 +144,38 @@ class Synchronous(SyncMode):
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
              step: int) -> bool:
+        verdict = Verdict(loss_finite=loss is None or bool(torch.isfinite(loss.detach()).all()))
         with self.phases.phase("push"):
             if self.early is not None:
                 self.early.flush()  # what Runner.step's backward did not push yet
-            push_all(self.layout.all_tables().values())
+            push_all(self.layout.all_tables().values(), verdict)
         with self.phases.phase("dense sync"):
             gradients.reduce_split_layers()
         with self.phases.phase("clip and check"):
-            if scaled:  # the scaler checks finiteness; which tables have gradients
-                gradients.agree_on_tables()
+            gradients.tables_squared = None
+            if verdict.carried:  # which tables any backward reached: in the verdict
+                gradients.agree_by(verdict)
+            if scaled:  # the scaler checks finiteness
+                if not verdict.carried:
+                    gradients.agree_on_tables()
                 applies = True
             else:
-                applies = self._finite_or_skip(gradients, loss, step)
+                applies = self._finite_or_skip(gradients, loss, step, verdict)
             if applies and self.config.clip_grad_norm is not None:
                 gradients.last_norm = gradients.clip(self.config.clip_grad_norm)
         return applies
 
     def _finite_or_skip(self, gradients: StepGradients, loss: Tensor | None,
-                        step: int) -> bool:
-        """All workers decide alike, before anything is updated, whether the step applies."""
-        gradients.tables_squared = None
+                        step: int, verdict: Verdict) -> bool:
+        """All workers decide alike, before anything is updated, whether the step applies:
+        by the push's verdict where it proves the step finite (and no clipping needs the
+        norm), else by the full check (a collective that names what is not finite)."""
         if not self.nonfinite.checks:
-            gradients.agree_on_tables()
+            if not verdict.carried:
+                gradients.agree_on_tables()
+            return True
+        if (verdict.carried and self.config.clip_grad_norm is None
+                and gradients.finite_by(verdict)):
             return True
         found = gradients.find_nonfinite(loss)
         if self.nonfinite.applies(

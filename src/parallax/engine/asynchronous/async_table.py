@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import unique_ids
 from parallax.engine.tables.server_table import ShardedTable, rows_pulled_ahead
+from parallax.engine.tables.verdict import Verdict
 from parallax.errors import SparseIdError
 
 __all__ = ["AsyncExchange", "AsyncTable"]
@@ -109,8 +110,9 @@ class AsyncTable:
         self.prefetched = None
 
     @staticmethod
-    def push_together(tables: Sequence[AsyncTable]) -> None:
-        """This step's gradient rows of every table, to every server (one push each)."""
+    def push_together(tables: Sequence[AsyncTable], verdict: Verdict | None = None) -> None:
+        """This step's gradient rows of every table, to every server (one push each); no
+        verdict rides (asynchronous servers apply each push as it comes)."""
         if tables:
             tables[0].run.push(tables)
 

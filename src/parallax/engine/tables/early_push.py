@@ -4,9 +4,10 @@
 are final as soon as autograd has accumulated them into the pull's leaf. `EarlyPush` then
 issues their exchange at once (an async ``all_to_all`` on the sparse group) instead of after
 the backward: it overlaps the rest of the backward and DDP's AllReduce of the dense
-gradients. A user's own loop (`parallax.distribute`) keeps pushing in ``optimizer.step()``:
-it may call backward several times per step, and a row pushed early would miss the later
-backwards' gradients.
+gradients. The final item is left to `push_gradients`: its message carries the step's verdict
+(`parallax.engine.tables.verdict`), known only once the backward is over. A user's own loop
+(`parallax.distribute`) keeps pushing in ``optimizer.step()``: it may call backward several
+times per step, and a row pushed early would miss the later backwards' gradients.
 
 Every rank must issue the same collectives in the same order. The *items* (a pull's tables,
 cut into the groups of the schedule) are fixed before the backward, and launched strictly in
@@ -119,7 +120,8 @@ class EarlyPush:
         self._launch(only_ready=True)
 
     def _launch(self, *, only_ready: bool) -> None:
-        while self._next < len(self._items):
+        # the final item waits for `push_gradients`: its message carries the step's verdict
+        while self._next < len(self._items) - 1:
             record, names = self._items[self._next]
             if only_ready and not all((id(record), n) in self._ready for n in names):
                 return
@@ -130,8 +132,9 @@ class EarlyPush:
             self._next += 1
 
     def flush(self) -> None:
-        """At `sync_gradients`: issue the items the backward left (collective), stop
-        watching. A no-op when not armed."""
+        """At `sync_gradients`: issue the items the backward left but the final one (which
+        `push_gradients` sends with the step's verdict; collective), stop watching. A no-op
+        when not armed."""
         self._launch(only_ready=False)
         for handle in self._handles:
             handle.remove()

@@ -163,6 +163,8 @@ class Hop:
     traffic: Traffic
     #: the parameter each payload's bytes are counted for, where its name is not one
     accounts: dict[str, str] | None = None
+    #: payloads that are not a parameter's traffic (a rider such as the step's verdict)
+    unaccounted: frozenset[str] = frozenset()
 
     @classmethod
     def open(cls, send_counts: list[int], *, group: dist.ProcessGroup, traffic: Traffic,
@@ -225,7 +227,17 @@ class Hop:
         their own: every rank must take the same subsets in the same order)."""
         return Hop({n: self.send_counts[n] for n in names},
                    {n: self.recv_counts[n] for n in names}, self.group, self.traffic,
-                   self.accounts)
+                   self.accounts, self.unaccounted)
+
+    def carrying(self, key: str) -> Hop:
+        """This hop with one more payload, ``key``: one row to and from every peer, in the
+        same message (a rider, e.g. the step's verdict: `parallax.engine.tables.verdict`;
+        not counted as any parameter's traffic)."""
+        counts = next(iter(self.send_counts.values()), None)
+        world = len(counts) if counts is not None else dist.get_world_size(self.group)
+        return Hop({**self.send_counts, key: [1] * world},
+                   {**self.recv_counts, key: [1] * world}, self.group, self.traffic,
+                   self.accounts, self.unaccounted | {key})
 
     def _account(self, name: str) -> str:
         return name if self.accounts is None else self.accounts.get(name, name)
@@ -250,7 +262,8 @@ class Hop:
         work = dist.all_to_all_single(out, message, recv_splits, send_splits, group=self.group,
                                       async_op=async_op)
         for name in names:
-            self.traffic.record(self._account(name), send[name], receive[name], item[name])
+            if name not in self.unaccounted:
+                self.traffic.record(self._account(name), send[name], receive[name], item[name])
 
         def finish() -> dict[str, Tensor]:
             if work is not None:
@@ -272,7 +285,8 @@ class Hop:
         work = dist.all_to_all_single(out, payload, receive, send, group=self.group,
                                       async_op=async_op)
         item_bytes = payload.element_size() * math.prod(payload.shape[1:])
-        self.traffic.record(self._account(name), send, receive, item_bytes)
+        if name not in self.unaccounted:
+            self.traffic.record(self._account(name), send, receive, item_bytes)
 
         def finish() -> dict[str, Tensor]:
             if work is not None:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine.tables.exchange import Hop, Traffic
 from parallax.engine.tables.partitioning import RowPartitioning
+from parallax.engine.tables.verdict import Verdict, alight, board
 from parallax.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -49,8 +50,9 @@ from parallax.errors import (
     UnsupportedProgramError,
 )
 
-__all__ = ["BagCall", "PoolingTable", "PooledExchange", "bag_call", "owner_of", "pool_ahead",
-           "pool_many", "push_pooled", "serve_ahead"]
+__all__ = ["BagCall", "PoolingTable", "PooledExchange", "bag_call", "bound_of_exchanges",
+           "owner_of", "pending_exchanges", "pool_ahead", "pool_many", "push_pooled",
+           "serve_ahead"]
 
 # header flags, per sender and call
 _BAD_ID = 1
@@ -378,10 +380,9 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
     return _Owned(pooled, rows, local)
 
 
-def push_pooled(tables: Sequence[PoolingTable]) -> None:
-    """Send the gradients of every pooled exchange of this step to the owners, one message
-    per exchange, where they are added to the shards' gradients (collective: every rank's
-    exchanges in the same order)."""
+def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:
+    """This step's pooled exchanges not yet pushed, in the order `push_pooled` sends them
+    (the same on every rank); records each table's use (`has_gradient`, `rows_used`)."""
     records: dict[int, PooledExchange] = {}
     for table in tables:
         for record in table.pooled_calls:
@@ -393,10 +394,36 @@ def push_pooled(tables: Sequence[PoolingTable]) -> None:
         if mine:
             table.has_gradient = table.has_gradient or any(o.grad is not None for _, o in mine)
             table.rows_used.append(sum(int(torch.unique(c.ids).numel()) for c, _ in mine))
-    for record in records.values():  # dicts keep insertion order: the same on all ranks
+    return list(records.values())  # dicts keep insertion order: the same on all ranks
+
+
+def bound_of_exchanges(exchanges: Sequence[PooledExchange]) -> Tensor:
+    """A bound on what this rank's pooled gradients add to any element of an owner's
+    aggregated gradient (`parallax.engine.tables.verdict`): a row's gradient from one call is
+    a sum over the call's ids of a bag's gradient times its weight (divided by the bag's size
+    under ``mean``), so at most ids x largest gradient x max(1, largest weight)."""
+    bound = torch.zeros((), dtype=torch.float64)
+    for record in exchanges:
+        for call, out in zip(record.calls, record.outs, strict=True):
+            if out.grad is None or not out.grad.numel() or not call.ids.numel():
+                continue
+            top = out.grad.detach().abs().max().to(torch.float64).cpu()
+            if call.weights is not None and call.weights.numel():
+                top = top * call.weights.detach().abs().max().to(torch.float64).cpu().clamp(
+                    min=1.0)
+            bound = bound + top * call.ids.numel()
+    return bound
+
+
+def push_pooled(exchanges: Sequence[PooledExchange], verdict: Verdict | None = None) -> None:
+    """Send the gradients of ``exchanges`` (`pending_exchanges`) to the owners, one message
+    per exchange, where they are added to the shards' gradients (collective: every rank's
+    exchanges in the same order). ``verdict``: rides in the first message."""
+    for record in exchanges:
         grads = {key: out.grad if out.grad is not None else torch.zeros_like(out)
                  for key, out in zip(record.keys, record.outs, strict=True)}
-        received = record.hop.backward_many(grads)
+        hop, payloads = board(verdict, record.hop, grads)
+        received = alight(verdict, hop.backward_many(payloads))
         for i, owned in record.owned.items():
             _backward_at_owner(record.calls[i], owned, received[record.keys[i]])
         for call in record.calls:

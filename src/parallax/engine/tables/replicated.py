@@ -25,6 +25,7 @@ from parallax.engine.tables import lookup_options, reduction
 from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.pool import SERIAL, PartitionPool
+from parallax.engine.tables.verdict import Verdict
 from parallax.errors import InternalError
 
 
@@ -116,8 +117,9 @@ class ReplicatedTable:
         self.param.grad = None
 
     @staticmethod
-    def push_together(tables: Sequence[ReplicatedTable]) -> None:
-        """One exchange per table (each has its own sync)."""
+    def push_together(tables: Sequence[ReplicatedTable],
+                      verdict: Verdict | None = None) -> None:
+        """One exchange per table (each has its own sync); the verdict rides elsewhere."""
         for table in tables:
             table.push_gradients()
 

@@ -30,6 +30,7 @@ from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.reservations import Reservations, open_carrying
+from parallax.engine.tables.verdict import Verdict, alight, board, bound_of
 from parallax.errors import ArgumentError, InternalError, SparseIdError
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
@@ -334,9 +335,10 @@ class ShardedTable:
                 part.grad = grad[start:stop]
 
     @staticmethod
-    def push_together(tables: Sequence[ShardedTable]) -> None:
-        """All server-held tables' gradient rows in one exchange (`push_gradients`)."""
-        push_gradients(tables)
+    def push_together(tables: Sequence[ShardedTable], verdict: Verdict | None = None) -> None:
+        """All server-held tables' gradient rows in one exchange (`push_gradients`), the
+        step's ``verdict`` riding in the first message."""
+        push_gradients(tables, verdict)
 
     def push_gradients(self) -> None:
         """`push_gradients` of this table alone."""
@@ -621,41 +623,63 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
     return rows, hop, lookups
 
 
-def push_gradients(tables: Sequence[ShardedTable]) -> None:
+def push_gradients(tables: Sequence[ShardedTable], verdict: Verdict | None = None) -> None:
     """Send the gradient rows of every pull of this step to their servers (collective, in pull
-    order, one exchange per pull for all its tables, unless `start_push` sent them already);
+    order, one exchange per pull for all its tables, unless `start_push` sent some already);
     servers sum the rows of all workers and, by default, divide by the worker count.
-    ``tables`` must hold every table of those pulls."""
-    pooled.push_pooled(tables)
+    ``tables`` must hold every table of those pulls. ``verdict``: the step's verdict rides
+    in the first message sent here (`parallax.engine.tables.verdict`)."""
     by_name = {table.name: table for table in tables}
     for table in tables:
         table._record_usage()
-    for record in pending_pulls(tables):
+    exchanges = pooled.pending_exchanges(tables)
+    records = pending_pulls(tables)
+    if verdict is not None and tables:
+        _prepare_verdict(verdict, tables, records, exchanges)
+    pooled.push_pooled(exchanges, verdict)
+    for record in records:
+        rest = [name for name in record.lookups if name not in record.launched]
         if record.in_flight:
-            if sorted(record.launched) != sorted(record.lookups):
-                raise InternalError(
-                    f"parallax internal error: rank {record.direct.traffic.rank} pushed "
-                    f"{record.launched} of a pull of {sorted(record.lookups)}; please report it")
+            if rest:  # the part `EarlyPush` left for here
+                start_push(record, rest, verdict)
             for finish in record.in_flight:
-                _deliver(record, finish(), by_name)
+                _deliver(record, alight(verdict, finish()), by_name)
             continue
         grads = _gradients_to_push(record, list(record.lookups))
         if record.to_leader is not None:
-            pieces = record.to_leader.forward_many(grads)
+            hop, payloads = board(verdict, record.to_leader, grads)
+            pieces = alight(verdict, hop.forward_many(payloads))
             for name, lookup in record.lookups.items():
                 merged = pieces[name].new_zeros((lookup.merged_count, *pieces[name].shape[1:]))
                 if lookup.merged_inverse is None:
                     raise InternalError(f"'{name}': a leader's push without its pull's merge")
                 grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
-        _deliver(record, record.direct.forward_many(
-            {name: grads[name][lookup.order] for name, lookup in record.lookups.items()}),
-            by_name)
+        hop, payloads = board(verdict, record.direct, {
+            name: grads[name][lookup.order] for name, lookup in record.lookups.items()})
+        _deliver(record, alight(verdict, hop.forward_many(payloads)), by_name)
     with phases.phase("server aggregation"):
         for table in tables:
             table._pending.clear()
             table._finish_aggregation()
             if table.scales_by_freq:
                 table._divide_by_counts()
+
+
+def _prepare_verdict(verdict: Verdict, tables: Sequence[ShardedTable], records: list[_Pull],
+                     exchanges: list[pooled.PooledExchange]) -> None:
+    """This rank's verdict (before the push's first message): the tables a backward reached,
+    the shards holding gradient from before, and a bound on what this rank adds to any
+    aggregated element (each pull's rows are distinct: one row per element and message)."""
+    rows = bound_of([lookup.rows.grad for record in records
+                     for lookup in record.lookups.values() if lookup.rows.grad is not None])
+    first = tables[0]
+    verdict.prepare(
+        names=[table.name for table in tables],
+        reached=[table.has_gradient for table in tables],
+        stale=sum(bool(table._touched) for table in tables),
+        bound=rows + pooled.bound_of_exchanges(exchanges),
+        limit=min(torch.finfo(table.dtype).max for table in tables) / 2,
+        world=first.worker.world_size)
 
 
 def pending_pulls(tables: Sequence[ShardedTable]) -> list[_Pull]:
@@ -674,18 +698,19 @@ def can_push_early(record: _Pull) -> bool:
     return record.to_leader is None
 
 
-def start_push(record: _Pull, names: Sequence[str]) -> None:
+def start_push(record: _Pull, names: Sequence[str], verdict: Verdict | None = None) -> None:
     """Issue now, without waiting, the exchange of the gradient rows that ``record`` holds
     for the tables ``names`` (their backward must be complete); `push_gradients` waits for
     it and hands the rows to the servers. Every rank must start the same groups of the
-    same pulls in the same order (collective)."""
+    same pulls in the same order (collective). ``verdict``: rides along if still waiting."""
     if not can_push_early(record):
         raise InternalError("parallax internal error: an early push through the leader hop")
     names = list(names)
     grads = _gradients_to_push(record, names)
     hop = record.direct if len(names) == len(record.lookups) else record.direct.subset(names)
-    record.in_flight.append(hop.start_forward_many(
-        {name: grads[name][record.lookups[name].order] for name in names}))
+    hop, payloads = board(verdict, hop, {name: grads[name][record.lookups[name].order]
+                                         for name in names})
+    record.in_flight.append(hop.start_forward_many(payloads))
     record.launched.extend(names)
 
 

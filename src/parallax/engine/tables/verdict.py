@@ -1,0 +1,124 @@
+"""The step's verdict, riding in its push: whether the update applies, without a collective
+of its own.
+
+One device skips (or refuses) a step whose loss or aggregated gradient is NaN or infinite, and
+skips a parameter no backward reached. Here that needs every rank's word: each worker's loss,
+and the servers' sums of every worker's gradient rows. The check used to be a collective after
+the push (`parallax.engine.optimizers.grad_norm.find_nonfinite`); on a CPU cluster each
+collective costs a few milliseconds of waiting (BENCHMARKS.md, issue 37), so the verdict now
+travels *in* the push's first message (`Hop.carrying`), which every rank sends to every rank:
+
+* whether this rank's loss is finite;
+* a bound on what this rank adds to any aggregated gradient element: the sum over its pushed
+  messages of their largest magnitude (pooled bags: ids x largest pooled gradient x largest
+  weight). The servers' sum of all ranks' rows is at most the sum of the bounds, so when that
+  is below half the dtype's largest value the aggregated gradient is finite (NaN or infinity
+  anywhere makes the bound NaN or infinite);
+* how many of this rank's shards held gradient from before this step (no ``zero_grad``
+  since): their old values are not in the bound;
+* whether a backward reached each server-held table on this rank (`Table.has_gradient`).
+
+Every rank adds the ranks' verdicts in rank order (the same sum, bit for bit, everywhere), so
+all decide alike. The verdict only ever says "finite" when the aggregated gradient is finite;
+when it cannot say so (a non-finite loss or row, a bound too large, stale gradients) every
+rank runs the full check, which names what is not finite. Clipping needs the aggregated
+norm, so under `Config.clip_grad_norm` the full check runs as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from parallax.engine.tables.exchange import Hop
+from parallax.errors import InternalError
+
+__all__ = ["VERDICT_KEY", "Verdict", "alight", "board", "bound_of"]
+
+#: the rider's name in a hop's message (not a parameter name: names have no parentheses)
+VERDICT_KEY = "(verdict)"
+
+_LOSS, _STALE, _BOUND, _REACHED = 0, 1, 2, 3  # fields of a rank's verdict
+
+
+class Verdict:
+    """One step's verdict: this rank's (`payload`), then all ranks' summed (`receive`)."""
+
+    def __init__(self, *, loss_finite: bool) -> None:
+        self.loss_finite = loss_finite
+        #: the server-held tables whose reached flags ride, in the push's (agreed) order
+        self.names: list[str] = []
+        self.limit = 0.0
+        #: this rank's verdict, until a message takes it (`board`)
+        self.waiting: Tensor | None = None
+        #: every rank's verdict added in rank order, once the push carried it
+        self.summed: Tensor | None = None
+
+    def prepare(self, *, names: Sequence[str], reached: Sequence[bool], stale: int,
+                bound: Tensor, limit: float, world: int) -> None:
+        """This rank's verdict, one row per peer (float64; see the module), waiting for the
+        push's first message."""
+        self.names, self.limit = list(names), limit
+        head = torch.tensor([0.0 if self.loss_finite else 1.0, float(stale)],
+                            dtype=torch.float64, device=bound.device)
+        flags = torch.tensor([float(r) for r in reached], dtype=torch.float64,
+                             device=bound.device)
+        row = torch.cat([head, bound.reshape(1).to(torch.float64), flags])
+        self.waiting = row.expand(world, row.numel()).contiguous()
+
+    def receive(self, received: Tensor) -> None:
+        """Every rank's verdict (``[world, fields]``), added in rank order."""
+        total = received[0].clone()
+        for row in received[1:]:
+            total += row
+        self.summed = total.cpu()
+
+    @property
+    def carried(self) -> bool:
+        """Whether a push carried it (else the full check decides)."""
+        return self.summed is not None
+
+    def finite(self) -> bool:
+        """Every loss is finite and every aggregated gradient provably so."""
+        summed = self._summed()
+        return (float(summed[_LOSS]) == 0.0 and float(summed[_STALE]) == 0.0
+                and float(summed[_BOUND]) < self.limit)
+
+    def reached(self) -> Tensor:
+        """Per table of `names`: on how many ranks a backward reached it."""
+        return self._summed()[_REACHED:]
+
+    def _summed(self) -> Tensor:
+        if self.summed is None:
+            raise InternalError("parallax internal error: a verdict read before a push "
+                                "carried it; please report it")
+        return self.summed
+
+
+def bound_of(grads: Sequence[Tensor]) -> Tensor:
+    """The sum of the largest magnitudes of ``grads`` (float64; 0 for none): a bound on what
+    they add to any one aggregated element when each row is summed in once."""
+    tops = [grad.detach().abs().max().to(torch.float64) for grad in grads if grad.numel()]
+    if not tops:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(tops).sum()
+
+
+def board(verdict: Verdict | None, hop: Hop, payloads: dict[str, Tensor],
+          ) -> tuple[Hop, dict[str, Tensor]]:
+    """``hop`` and ``payloads`` with the verdict riding along, if it is still waiting for a
+    message (the first one a push sends takes it); else both unchanged."""
+    if verdict is None or verdict.waiting is None:
+        return hop, payloads
+    riding, verdict.waiting = verdict.waiting, None
+    return hop.carrying(VERDICT_KEY), {**payloads, VERDICT_KEY: riding}
+
+
+def alight(verdict: Verdict | None, received: dict[str, Tensor]) -> dict[str, Tensor]:
+    """What a message brought, the verdict (if it rode) taken out and summed."""
+    riding = received.pop(VERDICT_KEY, None)
+    if riding is not None and verdict is not None:
+        verdict.receive(riding)
+    return received

@@ -1,0 +1,130 @@
+"""The step's verdict riding in the push (`parallax.engine.tables.verdict`): it says "finite"
+only where the aggregated gradient provably is, and the full check decides everywhere else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import parallax
+from parallax.engine.tables.verdict import VERDICT_KEY, Verdict, alight, board
+from parallax.step import gradients as step_gradients
+
+
+def _verdict(*, loss_finite: bool = True, stale: int = 0, bound: float = 1.0,
+             reached: tuple[bool, ...] = (True, False)) -> Verdict:
+    verdict = Verdict(loss_finite=loss_finite)
+    verdict.prepare(names=["a", "b"][:len(reached)], reached=reached, stale=stale,
+                    bound=torch.tensor(bound, dtype=torch.float64), limit=10.0, world=3)
+    return verdict
+
+
+def test_every_rank_adds_the_ranks_verdicts_in_rank_order() -> None:
+    verdict = _verdict()
+    assert verdict.waiting is not None and verdict.waiting.shape == (3, 5)
+    others = [_verdict(bound=2.0, reached=(False, True)), _verdict(bound=3.0)]
+    received = torch.stack([verdict.waiting[0], *[v.waiting[0] for v in others]])
+    verdict.receive(received)
+    assert verdict.finite()  # 1 + 2 + 3 < 10
+    assert verdict.reached().tolist() == [2.0, 1.0]
+
+
+@pytest.mark.parametrize("rank_verdict", [
+    {"loss_finite": False}, {"stale": 1}, {"bound": 9.5}, {"bound": float("nan")},
+    {"bound": float("inf")}])
+def test_it_cannot_say_finite_for_a_bad_loss_stale_rows_or_a_large_bound(rank_verdict) -> None:
+    verdict = _verdict(bound=0.5)
+    bad = _verdict(**rank_verdict)
+    assert verdict.waiting is not None and bad.waiting is not None
+    verdict.receive(torch.stack([verdict.waiting[0], bad.waiting[0], verdict.waiting[0]]))
+    assert not verdict.finite()
+
+
+def test_only_the_first_message_carries_it() -> None:
+    verdict = _verdict()
+    hop = parallax.engine.tables.exchange.Hop({"t": [1, 0, 2]}, {"t": [0, 1, 1]}, None,
+                                              None)  # type: ignore[arg-type]
+    carrying, payloads = board(verdict, hop, {"t": torch.zeros(3)})
+    assert set(payloads) == {"t", VERDICT_KEY} and verdict.waiting is None
+    assert carrying.send_counts[VERDICT_KEY] == [1, 1, 1]
+    assert VERDICT_KEY in carrying.unaccounted  # not a parameter's traffic
+    again, more = board(verdict, hop, {"t": torch.zeros(3)})
+    assert again is hop and set(more) == {"t"}
+    got = alight(verdict, {"t": torch.ones(1), VERDICT_KEY: torch.ones(3, 5)})
+    assert set(got) == {"t"} and verdict.carried
+
+
+class _Table(nn.Module):
+    """One float32 table whose rows start at zero: the loss stays 0 while its gradient rows
+    are ``scale`` each (each id once per batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(30, 4)
+        nn.init.zeros_(self.embedding.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids)
+
+
+def _own_loop(monkeypatch, steps: list[list[float]], *, zero_grad: bool = True):
+    """Train ``_Table`` in the own-loop door and on one device: each step one backward per
+    scale; returns (full checks run, distributed weight, single-device weight, error)."""
+    calls = []
+    original = step_gradients.find_nonfinite
+    monkeypatch.setattr(step_gradients, "find_nonfinite",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    model, reference = _Table(), _Table()
+    distributed, optimizer = parallax.distribute(
+        model, torch.optim.SGD(model.parameters(), lr=1.0),
+        config=parallax.Config(partition_cache=None))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
+    ids = torch.arange(6)
+    error = None
+    try:
+        for scales in steps:
+            for net, opt in ((distributed, optimizer), (reference, reference_optimizer)):
+                if zero_grad:
+                    opt.zero_grad()
+                for scale in scales:
+                    (net(ids) * scale).sum().backward()
+                opt.step()
+    except FloatingPointError as caught:
+        error = caught
+    return (len(calls), distributed.state_dict()["embedding.weight"],
+            reference.embedding.weight.detach(), error)
+
+
+def test_a_finite_step_needs_no_check_of_its_own(monkeypatch, single_process) -> None:
+    checks, weight, single, error = _own_loop(monkeypatch, [[1.0], [1e38], [2.0, 3.0]])
+    assert error is None and checks == 0
+    torch.testing.assert_close(weight, single, rtol=0, atol=0)
+
+
+def test_rows_too_large_to_prove_finite_go_to_the_full_check(monkeypatch,
+                                                             single_process) -> None:
+    # 2e38 is over half of float32's largest value: the bound cannot prove the sum finite,
+    # the full check finds it finite, the step applies as on one device
+    checks, weight, single, error = _own_loop(monkeypatch, [[2e38]])
+    assert error is None and checks == 1
+    torch.testing.assert_close(weight, single, rtol=0, atol=0)
+
+
+def test_finite_rows_whose_sum_overflows_are_refused_like_one_device(monkeypatch,
+                                                                     single_process) -> None:
+    # two backwards of finite 2e38 rows: the servers' sum is infinite, as one device's .grad
+    checks, _, single, error = _own_loop(monkeypatch, [[1.0], [2e38, 2e38]])
+    assert checks == 1 and error is not None
+    assert "aggregated gradient of ['embedding.weight']" in str(error)
+
+
+def test_gradient_kept_from_an_earlier_step_goes_to_the_full_check(monkeypatch,
+                                                                   single_process) -> None:
+    # no zero_grad: the servers' gradient still holds the last step's rows, which the
+    # verdict's bound does not cover
+    checks, weight, single, error = _own_loop(monkeypatch, [[1.0], [1.0], [1.0]],
+                                              zero_grad=False)
+    assert error is None and checks == 2
+    torch.testing.assert_close(weight, single, rtol=0, atol=0)
