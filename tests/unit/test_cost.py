@@ -88,3 +88,22 @@ def test_small_sums_on_cpu_cost_a_copy_to_every_other_machines_worker() -> None:
     assert cost.allreduce_dense(large, shape) == 2 * large
     assert cost.allreduce_dense(small, shape, payload=large) == 2 * small
     assert not reduction.small(small, 1)  # one rank sums nothing
+
+
+def test_largest_first_places_on_the_least_loaded_server_that_fits() -> None:
+    from parallax.planning.architectures import largest_first
+
+    sizes = {"a": 50, "b": 40, "c": 30, "d": 10}
+    assert largest_first(dict(sizes), [0, 0]) == {"a": 0, "b": 1, "c": 1, "d": 0}
+    room = [60, 45]
+
+    def fits(name: str, server: int) -> bool:
+        if sizes[name] > room[server]:
+            return False
+        room[server] -= sizes[name]
+        return True
+
+    load = [0, 0]
+    # "c" fits neither server once "a" and "b" are placed: left out, and adds no load
+    assert largest_first(dict(sizes), load, fits=fits) == {"a": 0, "b": 1, "d": 0}
+    assert load == [60, 40] and room == [0, 5]

@@ -390,12 +390,18 @@ def greedy_placement(dense: dict[str, nn.Parameter], sparse: dict[str, Table],
     return largest_first({name: param.nbytes for name, param in dense.items()}, load)
 
 
-def largest_first(sizes: dict[str, int], load: list[int]) -> dict[str, int]:
+def largest_first(sizes: dict[str, int], load: list[int], *,
+                  fits: Callable[[str, int], bool] | None = None) -> dict[str, int]:
     """Each of ``sizes`` (bytes by name) onto one server (an index into ``load``, each
     server's bytes so far, updated): largest first, onto the server holding the fewest bytes
-    (the lowest index among equals), so every rank places alike."""
+    (the lowest index among equals), so every rank places alike. ``fits(name, server)``:
+    whether a server can take it, asked of the servers in that order (the first that says
+    yes takes it; a name no server can take is left out and adds no load)."""
     placement = {}
     for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
-        placement[name] = min(range(len(load)), key=lambda s: (load[s], s))
-        load[placement[name]] += size
+        for server in sorted(range(len(load)), key=lambda s: (load[s], s)):
+            if fits is None or fits(name, server):
+                placement[name] = server
+                load[server] += size
+                break
     return placement

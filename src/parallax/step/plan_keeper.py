@@ -171,30 +171,40 @@ class PlanKeeper:
                                                      config=self.config, worker=self.worker)
             if pool:
                 chosen[name] = why
-        owners = largest_first({name: self.params[name].nbytes for name in chosen}, load)
-        room = self._room_on_servers() if owners else {}
-        for name, owner in owners.items():
+        room = self._room_on_servers() if chosen else {}
+        needed = {name: self._bytes_held_whole(name) for name in chosen}
+        most_free: dict[str, float] = {}
+
+        def fits(name: str, server: int) -> bool:  # and takes the room when it does
+            most_free[name] = max(most_free.get(name, 0.0), room[server])
+            if needed[name] > room[server]:
+                return False
+            room[server] -= needed[name]
+            return True
+
+        owners = largest_first({name: self.params[name].nbytes for name in chosen}, load,
+                               fits=fits)
+        for name, why in chosen.items():
             held = self.layout.sparse[name].held
             if held is None:
                 continue
-            needed = self._bytes_held_whole(name)
-            if needed > room[owner]:
-                self.decisions[name] = (f"{chosen[name]}, but held whole on one server it "
-                                        f"would take {needed:,} B with its gradient and "
-                                        f"optimizer state, and {room[owner]:,.0f} B are free "
-                                        f"there: its rows stay partitioned")
+            if name not in owners:
+                self.decisions[name] = (f"{why}, but held whole on one server it would take "
+                                        f"{needed[name]:,} B with its gradient and optimizer "
+                                        f"state, and at most {most_free[name]:,.0f} B are free "
+                                        f"on any: its rows stay partitioned")
                 continue
-            room[owner] -= needed
+            owner = owners[name]
             repartition(held, 1, self.shard_optimizer, first_server=owner)
             held.pools, held.local_aggregation = True, False
             self.layout.placements[name] = self.layout.placement(name)._replace(
                 partitions=1, servers=(servers[owner],))
-            self.decisions[name] = f"{chosen[name]}; owner rank {servers[owner]}"
+            self.decisions[name] = f"{why}; owner rank {servers[owner]}"
 
     def _room_on_servers(self) -> dict[int, float]:
         """Per server (an index into the server ranks), the bytes the least free of all
-        processes may still allocate (`free_bytes`; one collective: every rank decides
-        alike)."""
+        processes may still allocate (`free_bytes`; one MIN all-reduce for all servers:
+        every rank decides alike)."""
         workers = max(1, self.worker.world_size // len(self.worker.server_ranks))
         mine = free_bytes(workers)
         if self.worker.device.type == "cuda":  # the shard lives in the GPU's memory
