@@ -241,6 +241,8 @@ class Runner:
                     with self.phases.phase("progress record"):
                         self.progress.phase(self.global_step + 1, "backward")
                 self.sync_mode.before_backward()
+                if self.sync_mode.carries_riders:  # nothing of the user's before the push
+                    self.dense.defer_backward()
                 with self.phases.phase("backward"):
                     loss.backward()
             self.reporting.note(float(loss.detach()),

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import parallax
-from parallax.engine.tables.verdict import VERDICT_KEY, Verdict, alight, board
+from parallax.engine.tables.riders import alight, board
+from parallax.engine.tables.verdict import VERDICT_KEY, Verdict
 from parallax.step import gradients as step_gradients
 
 
@@ -45,13 +46,13 @@ def test_only_the_first_message_carries_it() -> None:
     verdict = _verdict()
     hop = parallax.engine.tables.exchange.Hop({"t": [1, 0, 2]}, {"t": [0, 1, 1]}, None,
                                               None)  # type: ignore[arg-type]
-    carrying, payloads = board(verdict, hop, {"t": torch.zeros(3)})
+    carrying, payloads = board([verdict], hop, {"t": torch.zeros(3)})
     assert set(payloads) == {"t", VERDICT_KEY} and verdict.waiting is None
     assert carrying.send_counts[VERDICT_KEY] == [1, 1, 1]
     assert VERDICT_KEY in carrying.unaccounted  # not a parameter's traffic
-    again, more = board(verdict, hop, {"t": torch.zeros(3)})
+    again, more = board([verdict], hop, {"t": torch.zeros(3)})
     assert again is hop and set(more) == {"t"}
-    got = alight(verdict, {"t": torch.ones(1), VERDICT_KEY: torch.ones(3, 5)})
+    got = alight([verdict], {"t": torch.ones(1), VERDICT_KEY: torch.ones(3, 5)})
     assert set(got) == {"t"} and verdict.carried
 
 

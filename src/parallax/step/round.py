@@ -95,7 +95,8 @@ class StepRound:
         with self.explained():
             self.order.check(Call.UPDATE, self.global_step + 1)
             self._applies = self.sync_mode.push(self.gradients, loss, scaled=scaled,
-                                                step=self.global_step + 1)
+                                                step=self.global_step + 1,
+                                                riders=self.dense.riders())
             self._synced = True
         return self._applies
 

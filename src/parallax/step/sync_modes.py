@@ -40,6 +40,7 @@ from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
 from parallax.engine.tables.early_push import EarlyPush
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.layout import Layout
+from parallax.engine.tables.riders import Rider, settle
 from parallax.engine.tables.server_table import ShardedTable, prefetch
 from parallax.engine.tables.table import Table, held_tables, push_all
 from parallax.engine.tables.verdict import Verdict
@@ -57,6 +58,9 @@ class SyncMode:
 
     #: every worker is in the same step (see the module)
     aligned: ClassVar[bool] = True
+    #: the push is one message to every rank after the backward, which riders can take
+    #: (`parallax.engine.tables.riders`; `Runner.step` then defers the dense sum to it)
+    carries_riders: ClassVar[bool] = False
 
     def __init__(self, config: Config, worker: WorkerInfo, phases: PhaseClock,
                  nonfinite: NonFinitePolicy, layout: Layout, *,
@@ -76,10 +80,11 @@ class SyncMode:
         raise NotImplementedError
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
-             step: int) -> bool:
+             step: int, riders: Sequence[Rider] = ()) -> bool:
         """Send this step's gradient rows to the servers and check them (`Config.nonfinite`,
         `Config.clip_grad_norm`); whether the step's update applies. ``scaled``: a loss
-        scaler's gradients (the scaler checks them)."""
+        scaler's gradients (the scaler checks them). ``riders``: to every rank, in the
+        push's messages where the mode has them (`parallax.engine.tables.riders`)."""
         raise NotImplementedError
 
     def update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -128,6 +133,8 @@ class SyncMode:
 class Synchronous(SyncMode):
     """``Config.sync="sync"``: see the module."""
 
+    carries_riders = True
+
     def __init__(self, config: Config, worker: WorkerInfo, phases: PhaseClock,
                  nonfinite: NonFinitePolicy, layout: Layout, *,
                  sparse_uses: dict[str, SparseUse], traffic: Traffic) -> None:
@@ -143,12 +150,13 @@ class Synchronous(SyncMode):
         return _serving_pulled(held)
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
-             step: int) -> bool:
+             step: int, riders: Sequence[Rider] = ()) -> bool:
         verdict = Verdict(loss_finite=loss is None or bool(torch.isfinite(loss.detach()).all()))
         with self.phases.phase("push"):
             if self.early is not None:
                 self.early.flush()  # what Runner.step's backward did not push yet
-            push_all(self.layout.all_tables().values(), verdict)
+            push_all(self.layout.all_tables().values(), verdict, riders)
+            settle(riders, None)  # those no message took (no server-held table was used)
         with self.phases.phase("dense sync"):
             gradients.reduce_split_layers()
         with self.phases.phase("clip and check"):
@@ -230,7 +238,7 @@ class Asynchronous(SyncMode):
         return _serving_pulled(wrappers)
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
-             step: int) -> bool:
+             step: int, riders: Sequence[Rider] = ()) -> bool:
         """This worker's own checks, then its push (returns once every server applied it).
         The non-finite check needs no collective: the dense gradient is the same on every
         worker (AllReduced, or none under "async"), the pushed rows are this worker's own, so
@@ -241,6 +249,7 @@ class Asynchronous(SyncMode):
                 f"rank {self.worker.rank}: a loss scaler (parallax.GradScaler) under sync="
                 f"{str(self.config.sync)!r}: its overflow check needs every worker's scaled "
                 f"gradient of the same step; asynchronous servers apply each push on its own")
+        settle(riders, None)  # (none come: `carries_riders` is False)
         tables = list(self.training.tables.values())
         with self.phases.phase("clip and check"):
             dense_ok = self._check_and_clip(gradients, loss, tables, step)

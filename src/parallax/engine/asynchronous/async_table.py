@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import unique_ids
+from parallax.engine.tables.riders import Rider
 from parallax.engine.tables.server_table import ShardedTable, rows_pulled_ahead
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import SparseIdError
@@ -110,7 +111,8 @@ class AsyncTable:
         self.prefetched = None
 
     @staticmethod
-    def push_together(tables: Sequence[AsyncTable], verdict: Verdict | None = None) -> None:
+    def push_together(tables: Sequence[AsyncTable], verdict: Verdict | None = None,
+                      riders: Sequence[Rider] = ()) -> None:
         """This step's gradient rows of every table, to every server (one push each); no
         verdict rides (asynchronous servers apply each push as it comes)."""
         if tables:

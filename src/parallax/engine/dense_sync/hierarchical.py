@@ -2,7 +2,8 @@
 machines' leaders, broadcast back (`parallax.engine.tables.hierarchy`): Table 3's ``4 w (N-1) / N``
 bytes on each machine's link, which the plan predicts. When all dense gradients together are
 small, each bucket is summed by one all_to_all instead (`parallax.engine.tables.reduction`: there
-three collectives cost more than the bytes; chosen once for the model, as the plan predicts).
+three collectives cost more than the bytes; chosen once for the model, as the plan predicts),
+or, under `Runner.step`, left for the push to sum (`parallax.engine.dense_sync.deferred`).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations are real types.
@@ -22,6 +23,11 @@ def hierarchical_allreduce(state: DenseSyncState, bucket: GradBucket,
     """DDP comm hook: AllReduce the bucket machine by machine and count its bytes per
     parameter. The three collectives run before the hook returns: the backward waits for them
     (on CPU there is little compute to overlap with)."""
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if state.deferring:  # summed in the push (`parallax.engine.dense_sync.deferred`)
+        state.deferred = True
+        done.set_result(bucket.buffer())
+        return done
     with phases.phase("dense sync"):
         began = time.perf_counter()
         buffer = bucket.buffer()
@@ -29,7 +35,6 @@ def hierarchical_allreduce(state: DenseSyncState, bucket: GradBucket,
             reduction.account(piece, traffic=state.traffic, name=name,
                               all_to_all=state.small_sums)
         reduction.all_reduce(buffer, all_to_all=state.small_sums)
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(state.finish(buffer))
         state.seconds += time.perf_counter() - began
     return done

@@ -32,6 +32,10 @@ class DenseSyncState:
     #: sum the buckets by one all_to_all (`parallax.engine.tables.reduction.small`: the dense
     #: gradients together are small), else ring by ring
     small_sums: bool = False
+    #: the coming backward's buckets are left as they are, their sum rides in the push
+    #: (`parallax.engine.dense_sync.deferred`); ``deferred``: a hook did leave one
+    deferring: bool = False
+    deferred: bool = False
 
     def pieces(self, bucket: GradBucket) -> list[tuple[str, torch.Tensor]]:
         """Each parameter's slice of the bucket's flat buffer, with its name."""

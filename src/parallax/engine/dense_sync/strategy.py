@@ -8,6 +8,8 @@ and only calls the contract:
 
 * ``module``: what the forward runs (the DDP wrapper, or the executed copy itself);
 * ``end_step(step)``: after a step's updates (the server kinds' rounds);
+* ``defer_backward()`` / ``riders()``: `Runner.step`'s backward may leave the dense sum to
+  the push (`parallax.engine.dense_sync.deferred`), which carries the kind's riders;
 * ``serving_global()``: while inside, the model holds the values training produced (the
   servers' under the server kinds, for evaluation and export);
 * ``require_aggregated(what)``: refuse what needs one aggregated dense gradient;
@@ -29,9 +31,11 @@ from torch import nn
 from parallax.cluster import WorkerInfo
 from parallax.config import Config, DenseSyncName
 from parallax.engine.dense_sync import codec_of, wrap_dense
+from parallax.engine.dense_sync.deferred import DenseRider, can_defer
 from parallax.engine.dense_sync.server_sync import ServerSync, build_server_sync
 from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.riders import Rider
 from parallax.errors import UnsupportedProgramError
 
 __all__ = ["DENSE_SYNCS", "DenseSync", "HookSync", "ServerDenseSync", "build_dense_sync"]
@@ -58,6 +62,15 @@ class DenseSync:
 
     def end_step(self, step: int) -> None:
         """Step ``step``'s updates are done."""
+
+    def defer_backward(self) -> None:
+        """`Runner.step`'s backward comes, its push right after it: sum the dense gradients
+        in the push where that is exact and saves a collective
+        (`parallax.engine.dense_sync.deferred`)."""
+
+    def riders(self) -> list[Rider]:
+        """What the push carries for this kind (`parallax.engine.tables.riders`)."""
+        return []
 
     def serving_global(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -92,6 +105,35 @@ class HookSync(DenseSync):
             executed, device=worker.device, sync=config.dense_sync,
             average=config.average_dense, find_unused_parameters=config.find_unused_parameters,
             traffic=traffic, qsgd=config.qsgd, seed=config.seed)
+
+        dense = [p for p in executed.parameters() if p.requires_grad]
+        self._deferrable = (
+            self.state is not None and config.dense_sync == DenseSyncName.HIERARCHICAL
+            and can_defer(dense, small_sums=self.state.small_sums,
+                          find_unused_parameters=config.find_unused_parameters))
+        self._dense = dense
+        self._traffic = traffic
+        self._world = worker.world_size
+        #: steps whose dense sum rode in the push
+        self.ridden = 0
+
+    def defer_backward(self) -> None:
+        if self._deferrable and self.state is not None:
+            self.state.deferring = True
+
+    def riders(self) -> list[Rider]:
+        """The dense gradients the backward left for the push, if it left them."""
+        state = self.state
+        if state is None or not state.deferred:
+            return []
+        state.deferring = state.deferred = False
+        self.ridden += 1
+        return [DenseRider(self._dense, state.names, world=self._world,
+                           average=self.config.average_dense, traffic=self._traffic)]
+
+    def end_step(self, step: int) -> None:
+        if self.state is not None:  # (a step whose backward raised leaves nothing armed)
+            self.state.deferring = self.state.deferred = False
 
     @property
     def seconds(self) -> float:

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine.tables.exchange import Hop, Traffic
 from parallax.engine.tables.partitioning import RowPartitioning
-from parallax.engine.tables.verdict import Verdict, alight, board
+from parallax.engine.tables.riders import Rider, alight, board
 from parallax.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -415,15 +415,16 @@ def bound_of_exchanges(exchanges: Sequence[PooledExchange]) -> Tensor:
     return bound
 
 
-def push_pooled(exchanges: Sequence[PooledExchange], verdict: Verdict | None = None) -> None:
+def push_pooled(exchanges: Sequence[PooledExchange], riders: Sequence[Rider] = ()) -> None:
     """Send the gradients of ``exchanges`` (`pending_exchanges`) to the owners, one message
     per exchange, where they are added to the shards' gradients (collective: every rank's
-    exchanges in the same order). ``verdict``: rides in the first message."""
+    exchanges in the same order). ``riders``: those still waiting ride in the first message
+    (`parallax.engine.tables.riders`)."""
     for record in exchanges:
         grads = {key: out.grad if out.grad is not None else torch.zeros_like(out)
                  for key, out in zip(record.keys, record.outs, strict=True)}
-        hop, payloads = board(verdict, record.hop, grads)
-        received = alight(verdict, hop.backward_many(payloads))
+        hop, payloads = board(riders, record.hop, grads)
+        received = alight(riders, hop.backward_many(payloads))
         for i, owned in record.owned.items():
             _backward_at_owner(record.calls[i], owned, received[record.keys[i]])
         for call in record.calls:

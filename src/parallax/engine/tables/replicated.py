@@ -25,6 +25,7 @@ from parallax.engine.tables import lookup_options, reduction
 from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.pool import SERIAL, PartitionPool
+from parallax.engine.tables.riders import Rider
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import InternalError
 
@@ -118,7 +119,8 @@ class ReplicatedTable:
 
     @staticmethod
     def push_together(tables: Sequence[ReplicatedTable],
-                      verdict: Verdict | None = None) -> None:
+                      verdict: Verdict | None = None,
+                      riders: Sequence[Rider] = ()) -> None:
         """One exchange per table (each has its own sync); the verdict rides elsewhere."""
         for table in tables:
             table.push_gradients()

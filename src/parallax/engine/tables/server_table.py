@@ -30,7 +30,8 @@ from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.reservations import Reservations, open_carrying
-from parallax.engine.tables.verdict import Verdict, alight, board, bound_of
+from parallax.engine.tables.riders import Rider, alight, board
+from parallax.engine.tables.verdict import Verdict, bound_of
 from parallax.errors import ArgumentError, InternalError, SparseIdError
 
 __all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
@@ -335,10 +336,11 @@ class ShardedTable:
                 part.grad = grad[start:stop]
 
     @staticmethod
-    def push_together(tables: Sequence[ShardedTable], verdict: Verdict | None = None) -> None:
+    def push_together(tables: Sequence[ShardedTable], verdict: Verdict | None = None,
+                      riders: Sequence[Rider] = ()) -> None:
         """All server-held tables' gradient rows in one exchange (`push_gradients`), the
-        step's ``verdict`` riding in the first message."""
-        push_gradients(tables, verdict)
+        step's ``verdict`` and ``riders`` in the first message."""
+        push_gradients(tables, verdict, riders)
 
     def push_gradients(self) -> None:
         """`push_gradients` of this table alone."""
@@ -623,12 +625,14 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
     return rows, hop, lookups
 
 
-def push_gradients(tables: Sequence[ShardedTable], verdict: Verdict | None = None) -> None:
+def push_gradients(tables: Sequence[ShardedTable], verdict: Verdict | None = None,
+                   riders: Sequence[Rider] = ()) -> None:
     """Send the gradient rows of every pull of this step to their servers (collective, in pull
     order, one exchange per pull for all its tables, unless `start_push` sent some already);
     servers sum the rows of all workers and, by default, divide by the worker count.
-    ``tables`` must hold every table of those pulls. ``verdict``: the step's verdict rides
-    in the first message sent here (`parallax.engine.tables.verdict`)."""
+    ``tables`` must hold every table of those pulls. The step's ``verdict``
+    (`parallax.engine.tables.verdict`, prepared here) and the other ``riders`` travel in the
+    first message sent here (`parallax.engine.tables.riders`)."""
     by_name = {table.name: table for table in tables}
     for table in tables:
         table._record_usage()
@@ -636,27 +640,28 @@ def push_gradients(tables: Sequence[ShardedTable], verdict: Verdict | None = Non
     records = pending_pulls(tables)
     if verdict is not None and tables:
         _prepare_verdict(verdict, tables, records, exchanges)
-    pooled.push_pooled(exchanges, verdict)
+    aboard = [*([verdict] if verdict is not None else []), *riders]
+    pooled.push_pooled(exchanges, aboard)
     for record in records:
         rest = [name for name in record.lookups if name not in record.launched]
         if record.in_flight:
             if rest:  # the part `EarlyPush` left for here
-                start_push(record, rest, verdict)
+                start_push(record, rest, aboard)
             for finish in record.in_flight:
-                _deliver(record, alight(verdict, finish()), by_name)
+                _deliver(record, alight(aboard, finish()), by_name)
             continue
         grads = _gradients_to_push(record, list(record.lookups))
         if record.to_leader is not None:
-            hop, payloads = board(verdict, record.to_leader, grads)
-            pieces = alight(verdict, hop.forward_many(payloads))
+            hop, payloads = board(aboard, record.to_leader, grads)
+            pieces = alight(aboard, hop.forward_many(payloads))
             for name, lookup in record.lookups.items():
                 merged = pieces[name].new_zeros((lookup.merged_count, *pieces[name].shape[1:]))
                 if lookup.merged_inverse is None:
                     raise InternalError(f"'{name}': a leader's push without its pull's merge")
                 grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
-        hop, payloads = board(verdict, record.direct, {
+        hop, payloads = board(aboard, record.direct, {
             name: grads[name][lookup.order] for name, lookup in record.lookups.items()})
-        _deliver(record, alight(verdict, hop.forward_many(payloads)), by_name)
+        _deliver(record, alight(aboard, hop.forward_many(payloads)), by_name)
     with phases.phase("server aggregation"):
         for table in tables:
             table._pending.clear()
@@ -698,18 +703,18 @@ def can_push_early(record: _Pull) -> bool:
     return record.to_leader is None
 
 
-def start_push(record: _Pull, names: Sequence[str], verdict: Verdict | None = None) -> None:
+def start_push(record: _Pull, names: Sequence[str], riders: Sequence[Rider] = ()) -> None:
     """Issue now, without waiting, the exchange of the gradient rows that ``record`` holds
     for the tables ``names`` (their backward must be complete); `push_gradients` waits for
     it and hands the rows to the servers. Every rank must start the same groups of the
-    same pulls in the same order (collective). ``verdict``: rides along if still waiting."""
+    same pulls in the same order (collective). ``riders``: those still waiting ride along."""
     if not can_push_early(record):
         raise InternalError("parallax internal error: an early push through the leader hop")
     names = list(names)
     grads = _gradients_to_push(record, names)
     hop = record.direct if len(names) == len(record.lookups) else record.direct.subset(names)
-    hop, payloads = board(verdict, hop, {name: grads[name][record.lookups[name].order]
-                                         for name in names})
+    hop, payloads = board(riders, hop, {name: grads[name][record.lookups[name].order]
+                                        for name in names})
     record.in_flight.append(hop.start_forward_many(payloads))
     record.launched.extend(names)
 

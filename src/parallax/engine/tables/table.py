@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from parallax.engine.tables.bag_use import BagUse
+from parallax.engine.tables.riders import Rider
 from parallax.engine.tables.verdict import Verdict
 
 if TYPE_CHECKING:
@@ -95,9 +96,11 @@ class Table(Protocol):
         """Set the whole parameter's values (every rank passes the same ``weight``)."""
 
     @staticmethod
-    def push_together(tables: Sequence[Any], verdict: Verdict | None = None) -> None:
+    def push_together(tables: Sequence[Any], verdict: Verdict | None = None,
+                      riders: Sequence[Rider] = ()) -> None:
         """Push all ``tables`` of this kind (in one exchange where the kind can); a kind
-        that can carries the step's ``verdict`` (`parallax.engine.tables.verdict`)."""
+        that can carries the step's ``verdict`` (`parallax.engine.tables.verdict`) and the
+        ``riders`` (`parallax.engine.tables.riders`)."""
 
 
 def held_tables(tables: Mapping[str, Table]) -> dict[str, ShardedTable]:
@@ -106,12 +109,14 @@ def held_tables(tables: Mapping[str, Table]) -> dict[str, ShardedTable]:
     return {name: held for name, table in tables.items() if (held := table.held) is not None}
 
 
-def push_all(tables: Iterable[Table], verdict: Verdict | None = None) -> None:
+def push_all(tables: Iterable[Table], verdict: Verdict | None = None,
+             riders: Sequence[Rider] = ()) -> None:
     """Push every table's gradients: each kind pushes its tables together (collective; every
     rank holds the same tables in the same order, so the kinds go in the same order); the
-    step's ``verdict`` rides with the server-held tables' push."""
+    step's ``verdict`` and ``riders`` ride with the server-held tables' push
+    (`parallax.engine.tables.riders`: those no message took wait for `settle`)."""
     by_kind: dict[type[Table], list[Table]] = {}
     for table in tables:
         by_kind.setdefault(type(table), []).append(table)
     for kind, members in by_kind.items():
-        kind.push_together(members, verdict)
+        kind.push_together(members, verdict, riders)

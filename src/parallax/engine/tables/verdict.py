@@ -32,10 +32,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from parallax.engine.tables.exchange import Hop
+from parallax.engine.tables.riders import rank_order_sum
 from parallax.errors import InternalError
 
-__all__ = ["VERDICT_KEY", "Verdict", "alight", "board", "bound_of"]
+__all__ = ["VERDICT_KEY", "Verdict", "bound_of"]
 
 #: the rider's name in a hop's message (not a parameter name: names have no parentheses)
 VERDICT_KEY = "(verdict)"
@@ -44,7 +44,10 @@ _LOSS, _STALE, _BOUND, _REACHED = 0, 1, 2, 3  # fields of a rank's verdict
 
 
 class Verdict:
-    """One step's verdict: this rank's (`payload`), then all ranks' summed (`receive`)."""
+    """One step's verdict, a rider (`parallax.engine.tables.riders`): this rank's
+    (`prepare`), then all ranks' summed (`receive`)."""
+
+    key = VERDICT_KEY
 
     def __init__(self, *, loss_finite: bool) -> None:
         self.loss_finite = loss_finite
@@ -70,10 +73,7 @@ class Verdict:
 
     def receive(self, received: Tensor) -> None:
         """Every rank's verdict (``[world, fields]``), added in rank order."""
-        total = received[0].clone()
-        for row in received[1:]:
-            total += row
-        self.summed = total.cpu()
+        self.summed = rank_order_sum(received).cpu()
 
     @property
     def carried(self) -> bool:
@@ -105,20 +105,3 @@ def bound_of(grads: Sequence[Tensor]) -> Tensor:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack(tops).sum()
 
-
-def board(verdict: Verdict | None, hop: Hop, payloads: dict[str, Tensor],
-          ) -> tuple[Hop, dict[str, Tensor]]:
-    """``hop`` and ``payloads`` with the verdict riding along, if it is still waiting for a
-    message (the first one a push sends takes it); else both unchanged."""
-    if verdict is None or verdict.waiting is None:
-        return hop, payloads
-    riding, verdict.waiting = verdict.waiting, None
-    return hop.carrying(VERDICT_KEY), {**payloads, VERDICT_KEY: riding}
-
-
-def alight(verdict: Verdict | None, received: dict[str, Tensor]) -> dict[str, Tensor]:
-    """What a message brought, the verdict (if it rode) taken out and summed."""
-    riding = received.pop(VERDICT_KEY, None)
-    if riding is not None and verdict is not None:
-        verdict.receive(riding)
-    return received

@@ -1,0 +1,81 @@
+"""Riders: small per-rank payloads that travel in a message the push sends anyway, instead of
+in a collective of their own.
+
+A step's push is one all_to_all in which every rank sends to every rank (`Hop`), so whatever
+every rank must tell every other rank once the backward is over can ride in it: one row per
+peer, appended to the message (`Hop.carrying`), added up by each rank in rank order (the same
+sum, bit for bit, everywhere). Two ride today: the step's verdict
+(`parallax.engine.tables.verdict`) and, under `Runner.step`, small dense gradients
+(`parallax.engine.dense_sync.deferred`). A collective costs a few milliseconds of waiting on
+this CPU cluster whatever its size (BENCHMARKS.md, issue 37); a rider costs its bytes.
+
+The first message the push sends takes every rider waiting; a rider no message took (a step
+without a push message: no server-held table was used) is sent by `settle`, its own
+collective, so the result never depends on whether it rode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch.distributed as dist
+from torch import Tensor
+
+from parallax.engine.tables.exchange import Hop
+
+__all__ = ["Rider", "alight", "board", "rank_order_sum", "settle"]
+
+
+class Rider(Protocol):
+    """A payload for every peer (``waiting``: ``[world, n]``, one dtype) under a name of its
+    own (``key``: not a parameter name), and what to do with every rank's (`receive`)."""
+
+    key: str
+    #: this rank's rows, until a message takes them
+    waiting: Tensor | None
+
+    def receive(self, received: Tensor) -> None:
+        """Every rank's row (``[world, n]``, in rank order)."""
+
+
+def board(riders: Sequence[Rider], hop: Hop, payloads: dict[str, Tensor],
+          ) -> tuple[Hop, dict[str, Tensor]]:
+    """``hop`` and ``payloads`` with every rider still waiting aboard (the first message a
+    push sends takes them all); unchanged when none waits."""
+    for rider in riders:
+        if rider.waiting is not None:
+            hop = hop.carrying(rider.key)
+            payloads = {**payloads, rider.key: rider.waiting}
+            rider.waiting = None
+    return hop, payloads
+
+
+def alight(riders: Sequence[Rider], received: dict[str, Tensor]) -> dict[str, Tensor]:
+    """What a message brought, each rider that came with it taken out and received."""
+    for rider in riders:
+        came = received.pop(rider.key, None)
+        if came is not None:
+            rider.receive(came)
+    return received
+
+
+def settle(riders: Sequence[Rider], group: dist.ProcessGroup | None) -> None:
+    """Send, in one all_to_all each, the riders no message took (collective: every rank's
+    riders wait alike, since the push's messages are the same on every rank)."""
+    for rider in riders:
+        if rider.waiting is None:
+            continue
+        copies, rider.waiting = rider.waiting, None
+        received = copies.new_empty(copies.shape)
+        dist.all_to_all_single(received, copies, group=group)
+        rider.receive(received)
+
+
+def rank_order_sum(received: Tensor) -> Tensor:
+    """The rows of ``received`` added in rank order (elementwise, so every rank gets the same
+    bits; a reduction over the first dimension may vectorise differently on another CPU)."""
+    total = received[0].clone()
+    for row in received[1:]:
+        total += row
+    return total
