@@ -289,3 +289,40 @@ def test_the_planner_pools_a_table_only_where_it_fits_one_server(monkeypatch, fr
         assert re.search(r"pooling saves bytes, but held whole on one server it would take "
                          r"43,200 B with its gradient and optimizer state, and at most 40,000 B "
                          r"are free on any: its rows stay partitioned", lines["history.weight"][5])
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_a_pooled_exchange_sends_its_ids_with_its_header_once_the_rooms_hold(
+        monkeypatch) -> None:
+    """The header and the ids go in one all_to_all where the rooms reserved from earlier
+    exchanges hold them: the first exchange (no room yet) needs a second one, a later
+    exchange of the same calls does not; the pooled rows come back in one more."""
+    from parallax.engine.tables import pooled
+
+    inside, sent = [False], []
+    real_all_to_all, real_pool = pooled.dist.all_to_all_single, pooled.pool_many
+
+    def counted(*args, **kwargs):
+        sent.append(inside[0])
+        return real_all_to_all(*args, **kwargs)
+
+    def pooling(calls):
+        inside[0] = True
+        try:
+            return real_pool(calls)
+        finally:
+            inside[0] = False
+
+    case = next(c for c in cases.CASES if not c.weights and c.pooled)
+    model, optimizer = cases.build(case)
+    runner = parallax.get_runner(model, optimizer, cases.loss_fn, config=parallax.Config(
+        pooled_tables=case.pooled, partition_cache=None))
+    batch = cases.worker_slice(case, cases.batches(case)[0], 0, 1)
+    monkeypatch.setattr(pooled.dist, "all_to_all_single", counted)
+    monkeypatch.setattr(pooled, "pool_many", pooling)
+    per_step = []
+    for _ in range(3):
+        sent.clear()
+        runner.step(batch)
+        per_step.append(sum(sent))
+    assert per_step == [3, 2, 2]

@@ -44,6 +44,7 @@ def repartition(table: ShardedTable, num_partitions: int,
     moved = {key: _read_in_rounds(table, mine, state.get(key)) for key in per_row}
     table.partitioning = new
     table.reservations.reset()  # (on every rank: repartitioning is collective)
+    table.pooled_reservations.clear()
     if old_shard is None:
         return
     table.set_shard(nn.Parameter(values, requires_grad=old_shard.requires_grad))

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine.tables.exchange import Hop, Traffic
 from parallax.engine.tables.partitioning import RowPartitioning
+from parallax.engine.tables.reservations import Reservations, cut_rooms, merge_rest
 from parallax.engine.tables.riders import Rider, alight, board
 from parallax.errors import (
     ArgumentError,
@@ -59,9 +60,11 @@ _BAD_ID = 1
 _HAS_WEIGHTS = 2
 _WEIGHTS_NEED_GRAD = 4
 _REFUSED = 8  # a call torch refuses on one device (`_refusal`)
+_OVERFLOWED = 16  # the sender's offsets and ids did not all fit the rooms reserved
 # header fields, per sender, receiver and call: ids, offsets, flags, bad id, bags
 _IDS, _OFFSETS, _FLAGS, _BAD, _BAGS = range(5)
-HEADER_BYTES = 5 * 8
+_FIELDS = 5
+HEADER_BYTES = _FIELDS * 8
 
 
 class PoolingTable(Protocol):
@@ -81,6 +84,8 @@ class PoolingTable(Protocol):
     rows_used: list[int]
     pooled_calls: list[PooledExchange]
     pooled_ahead: list[tuple[BagCall, Tensor]]
+    #: the rooms `pool_many` reserves for each call's offsets and ids, per exchange key
+    pooled_reservations: dict[str, Reservations]
     before_read: Callable[[Tensor | None], None] | None
 
     def server_shard(self) -> nn.Parameter: ...
@@ -211,15 +216,9 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     first = calls[0].table
     rank, world = first.worker.rank, first.worker.world_size
     owners = [owner_of(call.table) for call in calls]
-    header = _exchange_header(calls, owners)
     keys = [f"{call.table.name}#{i}" for i, call in enumerate(calls)]
     accounts = {key: call.table.name for key, call in zip(keys, calls, strict=True)}
-    received = _hop(first, {k: (o, c.ids.numel() + c.offsets.numel())
-                            for k, o, c in zip(keys, owners, calls, strict=True)},
-                    {k: header[:, i, _IDS] + header[:, i, _OFFSETS] for i, k in enumerate(keys)},
-                    accounts).forward_many(
-        {k: torch.cat([c.offsets.long(), c.ids.long()]) for k, c in zip(keys, calls,
-                                                                       strict=True)})
+    header, received = _open(calls, owners, keys)
     weights = _send_weights(calls, owners, header, keys, accounts)
     grad = torch.is_grad_enabled()
     owned = {i: _pool_at_owner(call, header[:, i], received[keys[i]], weights.get(keys[i]),
@@ -244,34 +243,97 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     return result
 
 
-def _exchange_header(calls: Sequence[BagCall], owners: list[int]) -> Tensor:
-    """Every sender's counts (to each call's owner) and flags (to every rank), as
-    ``[sender, call, field]``; raises on every rank alike for a bad id or weights that need a
-    gradient, naming the rank."""
+def _open(calls: Sequence[BagCall], owners: list[int], keys: list[str],
+          ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The header (every sender's counts to each call's owner and flags to every rank, as
+    ``[sender, call, field]``) and, at the owners, every sender's offsets and ids per call
+    (``key``), in one all_to_all where the rooms reserved hold them
+    (`parallax.engine.tables.reservations`: the most sent over the last exchanges of the same
+    calls; a second all_to_all only when some rank overflowed, which every header says).
+    Raises on every rank alike for a bad id, weights that need a gradient or a call torch
+    refuses, naming the rank."""
     first = calls[0].table
     world = first.worker.world_size
-    message = torch.zeros(world, len(calls), 5, dtype=torch.long)
+    rooms = [first.pooled_reservations.setdefault(key, Reservations(world)) for key in keys]
+    payloads = {k: torch.cat([c.offsets.long(), c.ids.long()]).to(first.device)
+                for k, c in zip(keys, calls, strict=True)}
+    sends = {k: [payloads[k].numel() if peer == owner else 0 for peer in range(world)]
+             for k, owner in zip(keys, owners, strict=True)}
+    room_to = {k: [room.to(p) for p in range(world)] for k, room in zip(keys, rooms, strict=True)}
+    room_from = {k: [room.from_(p) for p in range(world)]
+                 for k, room in zip(keys, rooms, strict=True)}
+    overflowed = any(sends[k][p] > room_to[k][p] for k in keys for p in range(world))
+    header = _header(calls, owners, overflowed).to(first.device)
+    fields = len(calls) * _FIELDS
+    parts = []
+    for peer in range(world):
+        parts.append(header[peer].reshape(-1))
+        for key in keys:
+            size = room_to[key][peer]
+            sent = payloads[key][:size] if sends[key][peer] else payloads[key][:0]
+            parts += [sent, sent.new_zeros(size - sent.numel())]
+    send_splits = [fields + sum(room_to[k][p] for k in keys) for p in range(world)]
+    recv_splits = [fields + sum(room_from[k][p] for k in keys) for p in range(world)]
+    out = header.new_empty(sum(recv_splits))
+    dist.all_to_all_single(out, torch.cat(parts), recv_splits, send_splits, group=first.group)
+    chunks = out.split(recv_splits)
+    received = torch.stack([chunk[:fields].view(len(calls), _FIELDS) for chunk in chunks]).cpu()
+    _record_open(calls, keys, room_to, room_from)
+    _raise_flagged(calls, received)
+    counts = {k: (received[:, i, _IDS] + received[:, i, _OFFSETS]).tolist()
+              for i, k in enumerate(keys)}
+    pieces = cut_rooms(chunks, keys, room_from, counts, header=fields)
+    if bool((received[:, :, _FLAGS] & _OVERFLOWED).any()):
+        rest = Hop({k: [max(0, c - r) for c, r in zip(sends[k], room_to[k], strict=True)]
+                    for k in keys},
+                   {k: [max(0, c - r) for c, r in zip(counts[k], room_from[k], strict=True)]
+                    for k in keys}, first.group, first.traffic,
+                   {k: c.table.name for k, c in zip(keys, calls, strict=True)})
+        more = rest.forward_many({k: payloads[k][room_to[k][owner]:]
+                                  if sends[k][owner] else payloads[k][:0]
+                                  for k, owner in zip(keys, owners, strict=True)})
+        pieces = {k: merge_rest(pieces[k], more[k].split(rest.recv_counts[k])) for k in keys}
+    for key, reserved in zip(keys, rooms, strict=True):
+        reserved.note(sends[key], counts[key])
+    return received, {k: torch.cat(pieces[k]) for k in keys}
+
+
+def _header(calls: Sequence[BagCall], owners: list[int], overflowed: bool) -> Tensor:
+    """This rank's header to every peer, ``[peer, call, field]``: counts to each call's
+    owner, flags and bad ids to every rank."""
+    world = calls[0].table.worker.world_size
+    message = torch.zeros(world, len(calls), _FIELDS, dtype=torch.long)
     for i, (call, owner) in enumerate(zip(calls, owners, strict=True)):
-        flags, bad = 0, 0
+        flags, bad = _OVERFLOWED if overflowed else 0, 0
         if call.ids.numel():
             low, high = (int(v) for v in torch.aminmax(call.ids))
             if low < 0 or high >= call.table.num_rows:
-                flags, bad = _BAD_ID, low if low < 0 else high
+                flags, bad = flags | _BAD_ID, low if low < 0 else high
         if call.weights is not None:
             flags |= _HAS_WEIGHTS | (_WEIGHTS_NEED_GRAD if call.weights.requires_grad else 0)
-        refusal = _refusal(call)
-        flags |= _REFUSED if refusal is not None else 0
+        flags |= _REFUSED if _refusal(call) is not None else 0
         message[:, i, _FLAGS], message[:, i, _BAD] = flags, bad
         message[owner, i, _IDS], message[owner, i, _OFFSETS] = (call.ids.numel(),
                                                                 call.offsets.numel())
         message[owner, i, _BAGS] = call.bags
-    received = torch.empty_like(message)
-    dist.all_to_all_single(received.view(world, -1), message.view(world, -1).to(first.device),
-                           group=first.group)
-    received = received.cpu()
+    return message
+
+
+def _record_open(calls: Sequence[BagCall], keys: list[str], room_to: dict[str, list[int]],
+                 room_from: dict[str, list[int]]) -> None:
+    """The opening message's bytes, per table: its header to every rank, the rooms."""
+    first = calls[0].table
+    world = first.worker.world_size
     for call in {c.table.name: c for c in calls}.values():
         first.traffic.record(call.table.name, [1] * world, [1] * world,
                              HEADER_BYTES * sum(c.table is call.table for c in calls))
+    for key, call in zip(keys, calls, strict=True):
+        first.traffic.record(call.table.name, room_to[key], room_from[key], 8)
+
+
+def _raise_flagged(calls: Sequence[BagCall], received: Tensor) -> None:
+    """Raise, on every rank alike, what any sender's header flags (``[sender, call, field]``)."""
+    first = calls[0].table
     for i, call in enumerate(calls):
         sender_flags = received[:, i, _FLAGS]
         for peer in (sender_flags & _REFUSED).nonzero().flatten().tolist():
@@ -290,7 +352,6 @@ def _exchange_header(calls: Sequence[BagCall], owners: list[int]) -> Tensor:
                 "(Config.pooled_tables), but its per_sample_weights require a gradient, which "
                 "owner-side pooling does not send back; leave the table out of pooled_tables "
                 "(its rows are then pulled to the workers) or detach the weights")
-    return received
 
 
 def _refusal(call: BagCall) -> str | None:

@@ -35,7 +35,7 @@ from parallax.engine.tables.exchange import (
     raise_bad_ids,
 )
 
-__all__ = ["HISTORY", "Reservations", "open_carrying"]
+__all__ = ["HISTORY", "OVERFLOWED", "Reservations", "cut_rooms", "merge_rest", "open_carrying"]
 
 HISTORY = 16  # pulls whose counts a reservation covers
 OVERFLOWED = 2  # a count message's flag: the sender's ids did not all fit
@@ -107,7 +107,7 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
         traffic.record(name, room_to[name], room_from[name], 8)
     raise_bad_ids(headers, names, traffic=traffic, num_rows=num_rows)
     recv_counts = {name: headers[:, t, 0].tolist() for t, name in enumerate(names)}
-    received = _cut(chunks, names, room_from, recv_counts)
+    received = cut_rooms(chunks, names, room_from, recv_counts, header=len(names) * _HEADER)
     if bool((headers[:, :, 1] & OVERFLOWED).any()):  # every rank sees every sender's flag
         rest = Hop({n: [max(0, c - r) for c, r in zip(send_counts[n], room_to[n], strict=True)]
                     for n in names},
@@ -116,7 +116,7 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
         more = rest.forward_many({n: torch.cat([piece[room_to[n][p]:]
                                                 for p, piece in enumerate(pieces[n])])
                                   for n in names})
-        received = {n: _merge(received[n], more[n].split(rest.recv_counts[n]))
+        received = {n: merge_rest(received[n], more[n].split(rest.recv_counts[n]))
                     for n in names}
     for name in names:
         reservations[name].note(send_counts[name], recv_counts[name])
@@ -144,12 +144,13 @@ def _to_peer(peer: int, names: list[str], pieces: dict[str, tuple[Tensor, ...]],
     return [part.to(device) for part in parts]
 
 
-def _cut(chunks: Sequence[Tensor], names: list[str], room_from: dict[str, list[int]],
-         recv_counts: dict[str, list[int]]) -> dict[str, list[Tensor]]:
-    """Per table, per peer, the ids that arrived in the reserved room (padding dropped)."""
+def cut_rooms(chunks: Sequence[Tensor], names: list[str], room_from: dict[str, list[int]],
+              recv_counts: dict[str, list[int]], *, header: int) -> dict[str, list[Tensor]]:
+    """Per table, per peer, the ids that arrived in the reserved room (padding dropped);
+    each peer's chunk opens with ``header`` values."""
     out: dict[str, list[Tensor]] = {n: [] for n in names}
     for peer, chunk in enumerate(chunks):
-        offset = len(names) * _HEADER
+        offset = header
         for name in names:
             room = room_from[name][peer]
             out[name].append(chunk[offset:offset + min(room, recv_counts[name][peer])])
@@ -157,6 +158,6 @@ def _cut(chunks: Sequence[Tensor], names: list[str], room_from: dict[str, list[i
     return out
 
 
-def _merge(first: list[Tensor], rest: Sequence[Tensor]) -> list[Tensor]:
+def merge_rest(first: list[Tensor], rest: Sequence[Tensor]) -> list[Tensor]:
     """Per peer, the ids that fit followed by those of the second all_to_all."""
     return [torch.cat([a, b]) for a, b in zip(first, rest, strict=True)]

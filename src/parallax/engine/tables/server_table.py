@@ -166,6 +166,8 @@ class ShardedTable:
         self.prefetched: _Prefetched | None = None
         self.pooled_calls: list[pooled.PooledExchange] = []  # this step's, until pushed
         self.pooled_ahead: list[tuple[pooled.BagCall, Tensor]] = []  # this forward's
+        # the rooms reserved for pooled calls' ids, per exchange key (`pooled.pool_many`)
+        self.pooled_reservations: dict[str, Reservations] = {}
         # (shard rows, gradient rows) received this step, summed by `_finish_aggregation`
         self._received: list[tuple[Tensor, Tensor]] = []
         # shard rows that received gradient since the last zero_grad (`touched_rows_by_part`)
