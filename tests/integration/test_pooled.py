@@ -326,3 +326,51 @@ def test_a_pooled_exchange_sends_its_ids_with_its_header_once_the_rooms_hold(
         runner.step(batch)
         per_step.append(sum(sent))
     assert per_step == [3, 2, 2]
+
+
+class _AllBags(torch.nn.Module):
+    """Long history bags and one-id user bags: every table can pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history = torch.nn.EmbeddingBag(300, 6, mode="mean")
+        self.user = torch.nn.EmbeddingBag(50, 6, mode="sum")
+        self.out = torch.nn.Linear(12, 3)
+
+    def forward(self, history: torch.Tensor, users: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.cat([self.history(history), self.user(users)], dim=1))
+
+
+@pytest.mark.usefixtures("_shutdown")
+@pytest.mark.parametrize("model_class, user_pooled", [(_AllBags, True), (None, False)])
+def test_once_a_table_pools_the_planner_pools_the_rest_where_no_row_exchange_is_left(
+        monkeypatch, model_class, user_pooled) -> None:
+    """(one process: the bytes rule pools the history, stood in for) With every other table
+    able to pool, pooling them too leaves no row exchange (3 collectives a step); with a
+    table that cannot pool (the cases' nn.Embedding of items) the rest keep their rows."""
+    from parallax.planning import architectures
+
+    monkeypatch.setattr(architectures.Hybrid, "pools_bags",
+                        lambda self, table, use, measured, **_: (table.name == "history.weight",
+                                                                 "pooling saves bytes"))
+    config = parallax.Config(partition_cache=None, sparsity_warmup_steps=1, num_partitions=2)
+    if model_class is None:
+        case = next(c for c in cases.CASES if c.name == "planner-decides")
+        model, optimizer = cases.build(case)
+        batch = cases.worker_slice(case, cases.batches(case)[0], 0, 1)
+    else:
+        torch.manual_seed(0)
+        model = model_class().double()
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        batch = ((torch.randint(300, (16, 8)), torch.randint(50, (16, 1))),
+                 torch.randint(3, (16,)))
+    runner = parallax.get_runner(model, optimizer, cases.loss_fn, config=config)
+    runner.step(batch)
+    lines = _plan_rows(runner.plan.table())
+    assert lines["history.weight"][6] == "PS: 1 partition(s) on server rank(s) 0"
+    if user_pooled:
+        assert lines["user.weight"][6] == "PS: 1 partition(s) on server rank(s) 0"
+        assert "bags pooled with the other tables'" in lines["user.weight"][5]
+    else:
+        assert lines["user.weight"][6] == "PS: 2 partition(s) on server rank(s) 0"
+        assert "pooled with the other" not in lines["user.weight"][5]

@@ -107,3 +107,13 @@ def test_largest_first_places_on_the_least_loaded_server_that_fits() -> None:
     # "c" fits neither server once "a" and "b" are placed: left out, and adds no load
     assert largest_first(dict(sizes), load, fits=fits) == {"a": 0, "b": 1, "d": 0}
     assert load == [60, 40] and room == [0, 5]
+
+
+def test_the_rest_pools_only_where_every_table_can_and_bytes_stay_near() -> None:
+    from parallax.planning.architectures import MAX_POOLED_REST_EXTRA, pool_the_rest
+
+    assert pool_the_rest({"a": (100.0, 120.0), "b": (50.0, 40.0)})[0]
+    assert not pool_the_rest({"a": (100.0, 120.0), "b": None})[0]  # b would still pull rows
+    assert not pool_the_rest({})[0]  # nothing left to pool
+    too_many = 150.0 * (1 + MAX_POOLED_REST_EXTRA) + 1
+    assert not pool_the_rest({"a": (100.0, too_many - 40.0), "b": (50.0, 40.0)})[0]

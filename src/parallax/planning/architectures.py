@@ -41,8 +41,9 @@ from parallax.model.meta_init import recipe_of
 from parallax.planning import cost
 from parallax.planning.sparsity import Sparsity
 
-__all__ = ["ARCHITECTURES", "MIN_AGGREGATION_SAVING", "Architecture", "Layout", "ParameterCost",
-           "architecture_of", "build_layout", "server_held"]
+__all__ = ["ARCHITECTURES", "MAX_POOLED_REST_EXTRA", "MIN_AGGREGATION_SAVING", "Architecture",
+           "Layout", "ParameterCost", "architecture_of", "build_layout", "largest_first",
+           "pool_the_rest", "server_held"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,13 @@ class Architecture:
         why. Only the hybrid decides, and only where `Config.pooled_tables` is None."""
         return False, ""
 
+    def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
+                      config: Config, worker: WorkerInfo) -> tuple[float, float] | None:
+        """``(rows, pooled)``: the predicted bytes per machine and step of ``table``'s rows
+        (at their cheapest) and of its bags pooled on an owner; None where the architecture
+        would not pool it (see `pools_bags`)."""
+        return None
+
     def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
                                 *, config: Config, worker: WorkerInfo) -> tuple[bool, str]:
         """Whether the sparse exchanges keep going through each machine's leader once α and
@@ -136,6 +144,28 @@ MIN_AGGREGATION_SAVING = 0.2
 # their bytes: 1.23x and 1.11x faster); below this many bytes of rows per machine and step
 # nothing was measured, and a table keeps its rows.
 MIN_POOLED_ROWS_BYTES = 64_000
+
+# A step that pulls some tables' rows and pools other tables' bags pays both exchanges: 3
+# collectives more than one that pools every table (the pull's two and a push message).
+# Measured on the recommender with history bags (BENCHMARKS.md, issue 37's riders section;
+# 2 x 2, 1 Gbit/s): the history pooled alone 37-38 ms a step, every bag table pooled 32, for
+# 19 % more bytes. Once a table pools, the hybrid pools every other server-held table too
+# where each can (no row exchange is left) and that adds at most this fraction to their bytes.
+MAX_POOLED_REST_EXTRA = 0.5
+
+
+def pool_the_rest(rest: dict[str, tuple[float, float] | None]) -> tuple[bool, str]:
+    """Whether, with some tables pooled, the other server-held tables (``rest``: each one's
+    ``(rows, pooled)`` predicted bytes, None where it cannot pool) should pool too, and why
+    (`MAX_POOLED_REST_EXTRA`)."""
+    if not rest or any(predicted is None for predicted in rest.values()):
+        return False, ""
+    rows = sum(p[0] for p in rest.values() if p is not None)
+    pooled = sum(p[1] for p in rest.values() if p is not None)
+    return (pooled <= (1 + MAX_POOLED_REST_EXTRA) * rows,
+            f"bags pooled with the other tables' (no table left pulling rows: 3 collectives "
+            f"fewer a step): predicted {pooled:,.0f} B vs rows {rows:,.0f} B per step for the "
+            f"tables pooled so")
 
 
 class Hybrid(Architecture):
@@ -180,21 +210,28 @@ class Hybrid(Architecture):
         at least `MIN_POOLED_ROWS_BYTES` per machine and step (a table whose lookups
         renormalise or scale by frequency, or whose per-sample weights need a gradient,
         keeps its rows)."""
-        if (config.pooled_tables is not None or config.sync != "sync" or table.pools
-                or not table.on_servers or use.kind != "embedding_bag"
-                or use.batch_dependent is not None or measured.weights_need_grad
-                or measured.bags is None or measured.bag_ids is None):
+        predicted = self.pooling_bytes(table, use, measured, config=config, worker=worker)
+        if predicted is None:
             return False, ""
-        # the rows at their cheapest: through the leader hop or not (decided after this)
-        rows = _ps_bytes(table, measured, worker, aggregated=False)
-        if table.local_aggregation and measured.alpha_machine is not None:
-            rows = min(rows, _ps_bytes(table, measured, worker, aggregated=True))
-        pooled = cost.pooled_bags(measured.bag_ids, measured.bags, _row_bytes(table),
-                                  _shape(worker))
+        rows, pooled = predicted
         replicated = cost.allreduce_dense(_row_bytes(table) * table.num_rows, _shape(worker))
         pool = rows >= MIN_POOLED_ROWS_BYTES and pooled < min(rows, replicated)
         return pool, (f"bags pooled on an owner: predicted {pooled:,.0f} B vs rows "
                       f"{rows:,.0f} B, AllReduce {replicated:,.0f} B per step")
+
+    def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
+                      config: Config, worker: WorkerInfo) -> tuple[float, float] | None:
+        if (config.pooled_tables is not None or config.sync != "sync" or table.pools
+                or not table.on_servers or use.kind != "embedding_bag"
+                or use.batch_dependent is not None or measured.weights_need_grad
+                or measured.bags is None or measured.bag_ids is None):
+            return None
+        # the rows at their cheapest: through the leader hop or not (decided after this)
+        rows = _ps_bytes(table, measured, worker, aggregated=False)
+        if table.local_aggregation and measured.alpha_machine is not None:
+            rows = min(rows, _ps_bytes(table, measured, worker, aggregated=True))
+        return rows, cost.pooled_bags(measured.bag_ids, measured.bags, _row_bytes(table),
+                                      _shape(worker))
 
     def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
                                 *, config: Config, worker: WorkerInfo) -> tuple[bool, str]:

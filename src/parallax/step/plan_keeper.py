@@ -28,7 +28,7 @@ from parallax.model.stand_ins import TableLookup
 from parallax.parallelism import Parallelism
 from parallax.partitions.repartition import repartition
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
-from parallax.planning.architectures import Architecture, largest_first
+from parallax.planning.architectures import Architecture, largest_first, pool_the_rest
 from parallax.planning.memory import free_bytes, state_tensors_per_parameter
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
@@ -171,6 +171,8 @@ class PlanKeeper:
                                                      config=self.config, worker=self.worker)
             if pool:
                 chosen[name] = why
+        if chosen:
+            chosen.update(self._pooled_with_them(chosen))
         room = self._room_on_servers() if chosen else {}
         needed = {name: self._bytes_held_whole(name) for name in chosen}
         most_free: dict[str, float] = {}
@@ -200,6 +202,19 @@ class PlanKeeper:
             self.layout.placements[name] = self.layout.placement(name)._replace(
                 partitions=1, servers=(servers[owner],))
             self.decisions[name] = f"{why}; owner rank {servers[owner]}"
+
+    def _pooled_with_them(self, chosen: dict[str, str]) -> dict[str, str]:
+        """The other server-held tables, with why, where pooling them too leaves no table
+        pulling rows (`pool_the_rest`); none otherwise."""
+        rest: dict[str, tuple[float, float] | None] = {}
+        for name, table in self.layout.sparse.items():
+            if name in chosen or table.pools or table.held is None or not table.on_servers:
+                continue
+            use = self.sparse_uses.get(name)
+            rest[name] = None if use is None else self.architecture.pooling_bytes(
+                table, use, self.sparsity[name], config=self.config, worker=self.worker)
+        take, why = pool_the_rest(rest)
+        return dict.fromkeys(rest, why) if take else {}
 
     def _room_on_servers(self) -> dict[int, float]:
         """Per server (an index into the server ranks), the bytes the least free of all
