@@ -110,10 +110,11 @@ def test_largest_first_places_on_the_least_loaded_server_that_fits() -> None:
 
 
 def test_the_rest_pools_only_where_every_table_can_and_bytes_stay_near() -> None:
-    from parallax.planning.architectures import MAX_POOLED_REST_EXTRA, pool_the_rest
+    from parallax.planning.architectures import MAX_POOLED_REST_EXTRA_BYTES, pool_the_rest
 
     assert pool_the_rest({"a": (100.0, 120.0), "b": (50.0, 40.0)})[0]
     assert not pool_the_rest({"a": (100.0, 120.0), "b": None})[0]  # b would still pull rows
     assert not pool_the_rest({})[0]  # nothing left to pool
-    too_many = 150.0 * (1 + MAX_POOLED_REST_EXTRA) + 1
-    assert not pool_the_rest({"a": (100.0, too_many - 40.0), "b": (50.0, 40.0)})[0]
+    extra = MAX_POOLED_REST_EXTRA_BYTES
+    assert pool_the_rest({"a": (100.0, 100.0 + extra)})[0]
+    assert not pool_the_rest({"a": (100.0, 101.0 + extra)})[0]

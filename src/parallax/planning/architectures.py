@@ -41,7 +41,7 @@ from parallax.model.meta_init import recipe_of
 from parallax.planning import cost
 from parallax.planning.sparsity import Sparsity
 
-__all__ = ["ARCHITECTURES", "MAX_POOLED_REST_EXTRA", "MIN_AGGREGATION_SAVING", "Architecture",
+__all__ = ["ARCHITECTURES", "MAX_POOLED_REST_EXTRA_BYTES", "MIN_AGGREGATION_SAVING", "Architecture",
            "Layout", "ParameterCost", "architecture_of", "build_layout", "largest_first",
            "pool_the_rest", "server_held"]
 
@@ -148,21 +148,24 @@ MIN_POOLED_ROWS_BYTES = 64_000
 # A step that pulls some tables' rows and pools other tables' bags pays both exchanges: 3
 # collectives more than one that pools every table (the pull's two and a push message).
 # Measured on the recommender with history bags (BENCHMARKS.md, issue 37's riders section;
-# 2 x 2, 1 Gbit/s): the history pooled alone 37-38 ms a step, every bag table pooled 32, for
-# 19 % more bytes. Once a table pools, the hybrid pools every other server-held table too
-# where each can (no row exchange is left) and that adds at most this fraction to their bytes.
-MAX_POOLED_REST_EXTRA = 0.5
+# 2 x 2, 1 Gbit/s): the history pooled alone 37-38 ms a step, every bag table pooled 27-32,
+# although pooling the one-id user, item and genre bags too moves 180 kB more per machine and
+# step. Once a table pools, the hybrid pools every other server-held table too where each can
+# (no row exchange is left) and that adds at most this many bytes per machine and step: 2 ms
+# at 1 Gbit/s, less than the 3 collectives cost on any cluster measured here (at 100 Mbit/s
+# it would be 20 ms, more than they cost: pin `Config.pooled_tables` there).
+MAX_POOLED_REST_EXTRA_BYTES = 256_000
 
 
 def pool_the_rest(rest: dict[str, tuple[float, float] | None]) -> tuple[bool, str]:
     """Whether, with some tables pooled, the other server-held tables (``rest``: each one's
     ``(rows, pooled)`` predicted bytes, None where it cannot pool) should pool too, and why
-    (`MAX_POOLED_REST_EXTRA`)."""
+    (`MAX_POOLED_REST_EXTRA_BYTES`)."""
     if not rest or any(predicted is None for predicted in rest.values()):
         return False, ""
     rows = sum(p[0] for p in rest.values() if p is not None)
     pooled = sum(p[1] for p in rest.values() if p is not None)
-    return (pooled <= (1 + MAX_POOLED_REST_EXTRA) * rows,
+    return (pooled - rows <= MAX_POOLED_REST_EXTRA_BYTES,
             f"bags pooled with the other tables' (no table left pulling rows: 3 collectives "
             f"fewer a step): predicted {pooled:,.0f} B vs rows {rows:,.0f} B per step for the "
             f"tables pooled so")
