@@ -31,6 +31,20 @@ torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-pooled hybrid-tablewise hybrid-rows ddp-sparse torchrec-rw torchrec-tw \
 torchrec-plan --steps 10 --isolate --out $results/compare-recsys-history32-2x2-1gbit.json"
+  [recsys-riders]="$py benchmarks/compare.py --workload recsys --machines 2 \
+--nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --systems hybrid hybrid-tablewise \
+torchrec-tw torchrec-plan --steps 20 --isolate \
+--out $results/compare-recsys-2x2-1gbit-pooled-open.json"
+  [recsys-history-rest]="$py benchmarks/compare.py --workload recsys --machines 2 \
+--nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
+--systems hybrid hybrid-tablewise hybrid-pooled torchrec-plan --steps 10 --isolate \
+--out $results/compare-recsys-history32-2x2-1gbit-rest.json"
+  [lm-riders]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --systems hybrid torchrec-rw --steps 30 --isolate \
+--out $results/compare-lm-2x2-1gbit-riders.json"
+  [lm-4x1-riders]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
+--rate 1gbit --systems hybrid torchrec-rw --steps 30 --isolate \
+--out $results/compare-lm-4x1-1gbit-riders.json"
   [cnn]="$py benchmarks/compare.py --workload cnn --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --systems ddp-dense hybrid allreduce ps --steps 30 --isolate"
   [table1]="$py benchmarks/table1.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
@@ -73,11 +87,13 @@ torchrec-plan --steps 10 --isolate --out $results/compare-recsys-history32-2x2-1
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
-ORDER=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history cnn table1 table4 scaling extrapolate sparsity bandwidth alpha small-sums
+ORDER=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest lm-riders
+       lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases launch)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
-TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history cnn table1 table4 scaling sparsity bandwidth slim-dp
+TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
+               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity bandwidth slim-dp
                slim-sweep lm-dense-sync lm-dense-sync-100mbit async)
 
 if [ "${1:-}" = "--list" ]; then
