@@ -7,25 +7,23 @@ LM's sampled softmax does, so its gradient arrives first and the input embedding
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "scripts" / "early_push_worker.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from launching import run_worker  # noqa: E402
+
 RUNS = ["hybrid-direct", "hybrid", "ps", "optps"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("early") / "early.pt"
-    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "2",
-           "--nproc-per-machine", "2", str(WORKER), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker("early_push_worker.py", str(out))
     return torch.load(out)
 
 

@@ -5,24 +5,21 @@ both train the single-device program, and to the same bits (the same sums in the
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "scripts" / "riders_worker.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from launching import run_worker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("riders") / "riders.pt"
-    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "1",
-           "--nproc-per-machine", "2", str(WORKER), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker("riders_worker.py", str(out), machines=1)
     return torch.load(out)
 
 

@@ -18,16 +18,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "scripts" / "traffic_worker.py"
+sys.path.insert(0, str(ROOT / "tests"))
+
+from launching import run_worker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def traffic(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("traffic") / "traffic.json"
-    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "2",
-           "--nproc-per-machine", "2", str(WORKER), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker("traffic_worker.py", str(out))
     return json.loads(out.read_text())
 
 
