@@ -174,8 +174,8 @@ class _Owned:
     """At the owner, one call of every worker, with the graph of its pooling."""
 
     pooled: list[Tensor]   # each worker's pooled rows
-    rows: Tensor           # the leaf the pooling read: the unique ids' rows, or the shard
-    local_rows: Tensor | None  # where the unique ids' rows are in the shard (None: the shard)
+    rows: Tensor           # leaf rows of all workers' unique ids
+    local_rows: Tensor     # where they are in the shard
 
 
 @dataclass
@@ -417,12 +417,6 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
     pieces = received.split((header[:, _IDS] + header[:, _OFFSETS]).tolist())
     sent = [(piece[:int(m)], piece[int(m):]) for piece, m in
             zip(pieces, header[:, _OFFSETS], strict=True)]
-    has_weights = ((header[:, _FLAGS] & _HAS_WEIGHTS) > 0).tolist()
-    weight_pieces = (weights.split([n if h else 0 for n, h in zip(counts, has_weights,
-                                                                   strict=True)])
-                     if weights is not None else [None] * len(counts))
-    if table.before_read is None and (call.mode != "max" or not grad):
-        return _pool_on_shard(call, sent, weight_pieces, has_weights, grad=grad)
     unique, inverse = torch.unique(torch.cat([ids for _, ids in sent]), return_inverse=True)
     local = table.partitioning.local_row(unique)
     if table.before_read is not None:
@@ -435,37 +429,16 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
         target = call.padding_idx + table.num_rows if call.padding_idx < 0 else call.padding_idx
         hits = (unique == target).nonzero()
         padding = int(hits[0, 0]) if hits.numel() else None
+    has_weights = ((header[:, _FLAGS] & _HAS_WEIGHTS) > 0).tolist()
+    weight_pieces = (weights.split([n if h else 0 for n, h in zip(counts, has_weights,
+                                                                   strict=True)])
+                     if weights is not None else [None] * len(counts))
     pooled = [F.embedding_bag(positions, rows, offsets, mode=call.mode,
                               per_sample_weights=w if h else None,
                               include_last_offset=call.include_last_offset, padding_idx=padding)
               for (offsets, _), positions, w, h in zip(sent, inverse.split(counts),
                                                        weight_pieces, has_weights, strict=True)]
     return _Owned(pooled, rows, local)
-
-
-def _pool_on_shard(call: BagCall, sent: list[tuple[Tensor, Tensor]],
-                   weight_pieces: Sequence[Tensor | None], has_weights: list[bool], *,
-                   grad: bool) -> _Owned:
-    """`_pool_at_owner` reading the owner's shard itself, with a sparse gradient (one row
-    per id, added into the shard's gradient like pushed rows): no unique over all workers'
-    ids and no dense backward over their rows, the owner's largest costs on long bags (on
-    4 x 256 bags of 32 ids, 6-7 ms against 14-15). Not for ``max`` under a gradient (torch has
-    no sparse gradient for it) nor for deferred row updates (their rows are read once each,
-    `before_read`)."""
-    table = call.table
-    shard = table.server_shard().detach()
-    if grad:
-        shard.requires_grad_(True)  # a leaf on the shard's storage, no copy
-    padding = None
-    if call.padding_idx is not None:
-        target = call.padding_idx + table.num_rows if call.padding_idx < 0 else call.padding_idx
-        padding = int(table.partitioning.local_row(torch.tensor([target]))[0])
-    pooled = [F.embedding_bag(table.partitioning.local_row(ids), shard, offsets,
-                              mode=call.mode, per_sample_weights=w if h else None,
-                              include_last_offset=call.include_last_offset,
-                              padding_idx=padding, sparse=grad)
-              for (offsets, ids), w, h in zip(sent, weight_pieces, has_weights, strict=True)]
-    return _Owned(pooled, shard, None)
 
 
 def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:
@@ -526,11 +499,7 @@ def _backward_at_owner(call: BagCall, owned: _Owned, grads: Tensor) -> None:
     rows_grad = owned.rows.grad
     if rows_grad is None:
         return
-    if owned.local_rows is None:  # pooled on the shard itself: one gradient row per id
-        local_rows, rows_grad = rows_grad._indices()[0], rows_grad._values()
-    else:
-        local_rows = owned.local_rows
     table = call.table
     if table.average:
         rows_grad.div_(table.worker.world_size)
-    table._accumulate(local_rows, rows_grad)
+    table._accumulate(owned.local_rows, rows_grad)
