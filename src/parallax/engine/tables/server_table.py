@@ -684,7 +684,8 @@ def _prepare_verdict(verdict: Verdict, tables: Sequence[ShardedTable], records: 
         names=[table.name for table in tables],
         reached=[table.has_gradient for table in tables],
         stale=sum(bool(table._touched) for table in tables),
-        bound=rows + pooled.bound_of_exchanges(exchanges),
+        # (on the exchange's device: the verdict travels in its messages)
+        bound=(rows.to(first.device) + pooled.bound_of_exchanges(exchanges).to(first.device)),
         limit=min(torch.finfo(table.dtype).max for table in tables) / 2,
         world=first.worker.world_size)
 
