@@ -16,7 +16,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.optimizers.grad_norm import NonFinite, clip_by_global_norm, find_nonfinite
+from parallax.engine.optimizers.grad_norm import (
+    NonFinite,
+    all_finite,
+    clip_by_global_norm,
+    find_nonfinite,
+)
 from parallax.engine.optimizers.shard_optimizer import parameter_ids
 from parallax.engine.tables import reduction
 from parallax.engine.tables.server_table import ShardedTable
@@ -148,7 +153,7 @@ class StepGradients:
         here (summed alike on every rank, so every rank answers alike). Split layers' shards
         are not in the verdict: with them, False (the full check decides)."""
         return (verdict.finite() and not self.parallelism.norm_parts()
-                and all(p.grad is None or _all_finite(p.grad) for p in self.replicated))
+                and all(p.grad is None or all_finite(p.grad) for p in self.replicated))
 
     def agree_by(self, verdict: Verdict) -> None:
         """`agree_on_tables` from the counts the push's ``verdict`` carried."""
@@ -177,11 +182,6 @@ class StepGradients:
         """Whether a backward reached each server-held table on this worker, 1.0 or 0.0."""
         return torch.tensor([float(t.has_gradient) for t in self.server_held()],
                             dtype=torch.float64, device=self.device)
-
-
-def _all_finite(grad: Tensor) -> bool:
-    values = grad._values() if grad.is_sparse else grad
-    return bool(torch.isfinite(values).all())
 
 
 def clear_grad(param: Tensor, set_to_none: bool) -> None:

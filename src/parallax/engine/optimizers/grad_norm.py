@@ -18,7 +18,7 @@ from torch import Tensor
 from parallax.engine.tables import reduction
 from parallax.engine.tables.table import Table
 
-__all__ = ["NonFinite", "clip_by_global_norm", "find_nonfinite"]
+__all__ = ["NonFinite", "all_finite", "clip_by_global_norm", "find_nonfinite"]
 
 
 class NonFinite:
@@ -60,7 +60,7 @@ def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
     reduction.all_reduce(values, group=group)
     bad = [name for i, (name, _) in enumerate(named)
            if not torch.isfinite(values[world + i])]
-    bad += [name for name, grad in dense if grad is not None and not _all_finite(grad)]
+    bad += [name for name, grad in dense if grad is not None and not all_finite(grad)]
     return NonFinite([r for r in range(world) if values[r] > 0], bad,
                      values[world:world + len(named)].sum(),
                      None if flags is None else values[world + len(named):])
@@ -92,6 +92,7 @@ def clip_by_global_norm(max_norm: float, dense_grads: Sequence[Tensor], tables: 
     return float(total)
 
 
-def _all_finite(grad: Tensor) -> bool:
+def all_finite(grad: Tensor) -> bool:
+    """Whether every value of ``grad`` (dense, or a sparse COO tensor's values) is finite."""
     values = grad._values() if grad.is_sparse else grad
     return bool(torch.isfinite(values).all())

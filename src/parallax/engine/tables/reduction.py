@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from parallax.engine.tables import hierarchy
 from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.riders import rank_order_sum
 
 __all__ = ["ALL_TO_ALL_MAX_SENT_BYTES", "account", "all_reduce", "by_all_to_all", "small"]
 
@@ -70,10 +71,7 @@ def _sum_by_all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None) ->
     copies = flat.expand(world, -1).contiguous()
     received = torch.empty_like(copies)
     dist.all_to_all_single(received, copies, group=group)
-    total = received[0].clone()
-    for piece in received[1:]:  # rank order on every rank: the same sum everywhere
-        total += piece
-    tensor.copy_(total.view_as(tensor))
+    tensor.copy_(rank_order_sum(received).view_as(tensor))  # the same sum on every rank
 
 
 def account(tensor: torch.Tensor, *, traffic: Traffic, name: str, all_to_all: bool) -> None:
