@@ -18,12 +18,12 @@ def test_table3_with_one_worker_per_machine(machines: int) -> None:
     assert cost.allreduce_dense(W, shape) == pytest.approx(4 * W * (n - 1) / n)
     alpha = 0.1
     rows = alpha * W / ROW
-    # PS sparse: 4αw(N-1)/N plus the ids (8 bytes each, sent once).
+    # PS sparse: 4αw(N-1)/N plus the ids (int32 on the wire, sent once).
     want = 4 * alpha * W * (n - 1) / n + 2 * rows * (n - 1) / n * cost.ID_BYTES
     assert cost.ps_rows(rows, ROW, shape, local_aggregation=False) == pytest.approx(
         want + overhead)
     # AllGatherv: 2αw(N-1) plus the ids.
-    want = 2 * alpha * W * (n - 1) + 2 * rows * (n - 1) * cost.ID_BYTES
+    want = 2 * alpha * W * (n - 1) + 2 * rows * (n - 1) * cost.REPLICA_ID_BYTES
     assert cost.allgatherv_rows(rows, ROW, shape) == pytest.approx(
         want + cost.count_messages(shape, 2))
 

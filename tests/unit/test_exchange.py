@@ -8,7 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallax.engine.tables.exchange import COUNT_MESSAGE_BYTES, Hop, Traffic, unique_ids
+from parallax.engine.tables.exchange import (
+    COUNT_MESSAGE_BYTES,
+    INT32_ROWS,
+    Hop,
+    Traffic,
+    unique_ids,
+    wire_id_dtype,
+)
+from parallax.engine.tables.reservations import Reservations, open_carrying
 from parallax.errors import SparseIdError
 
 # ---- unique_ids -------------------------------------------------------------------------------
@@ -165,3 +173,39 @@ def test_bad_id_of_one_table_among_several_names_that_table(group: dist.ProcessG
     with pytest.raises(SparseIdError, match=r"'second' got id 12 .* \[0, 12\)"):
         Hop.open_many({"first": [1], "second": [1]}, group=group, traffic=Traffic(0, (0,)),
                       num_rows={"first": 4, "second": 12}, bad_ids={"first": None, "second": 12})
+
+
+# ---- ids on the wire --------------------------------------------------------------------------
+
+
+def test_ids_travel_as_int32_only_where_every_table_fits() -> None:
+    assert wire_id_dtype([10, INT32_ROWS]) == torch.int32
+    assert wire_id_dtype([10, INT32_ROWS + 1]) == torch.int64
+
+
+def _open_carrying(group: dist.ProcessGroup, ids: dict[str, list[int]], num_rows: dict[str, int],
+                   bad_ids: dict[str, int | None], traffic: Traffic,
+                   ) -> tuple[Hop, dict[str, torch.Tensor]]:
+    return open_carrying({n: torch.tensor(v, dtype=torch.int64) for n, v in ids.items()},
+                         {n: [len(v)] for n, v in ids.items()},
+                         reservations={n: Reservations(1) for n in ids}, group=group,
+                         traffic=traffic, num_rows=num_rows, bad_ids=bad_ids)
+
+
+def test_ids_sent_as_int32_arrive_as_the_same_int64_ids(group: dist.ProcessGroup) -> None:
+    """A message of int32 ids (the header viewed in that dtype) gives back every table's ids,
+    int64, with the exact counts; a table too large for int32 makes the message int64."""
+    for rows, ids in ((1000, [3, 999, 0]), (INT32_ROWS + 5, [INT32_ROWS + 4, 7])):
+        for _ in range(3):  # the first opening overflows its empty rooms; later ones fit
+            hop, received = _open_carrying(group, {"a": ids, "b": [1, 2]},
+                                           {"a": rows, "b": 4}, {}, Traffic(0, (0,)))
+            assert hop.recv_counts == {"a": [len(ids)], "b": [2]}
+            assert received["a"].dtype == torch.int64 and received["a"].tolist() == ids
+            assert received["b"].tolist() == [1, 2]
+
+
+def test_a_bad_id_beyond_int32_is_named_exactly(group: dist.ProcessGroup) -> None:
+    """The bad id travels in the int64 header, not among the int32 ids it would wrap in."""
+    with pytest.raises(SparseIdError, match=rf"got id {2**40} on rank 0 .* \[0, 10\)"):
+        _open_carrying(group, {"emb": [1, 2**40]}, {"emb": 10}, {"emb": 2**40},
+                       Traffic(0, (0,)))

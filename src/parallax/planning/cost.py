@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from parallax.engine.tables import reduction
 from parallax.engine.tables.exchange import COUNT_MESSAGE_BYTES
 
-ID_BYTES = 8
+ID_BYTES = 4  # pulled and pooled ids travel as int32 (`exchange.wire_id_dtype`)
+REPLICA_ID_BYTES = 8  # the allgatherv's ids, int64
 POOLED_HEADER_BYTES = 5 * 8  # `parallax.engine.tables.pooled`'s header, to every rank
 
 
@@ -94,5 +95,5 @@ def pooled_bags(ids: float, bags: float, row_bytes: float, shape: Shape) -> floa
 
 def allgatherv_rows(rows: float, row_bytes: float, shape: Shape) -> float:
     k = shape.workers_per_machine
-    traffic = 2 * k * (shape.world - k) * rows * (ID_BYTES + row_bytes)
+    traffic = 2 * k * (shape.world - k) * rows * (REPLICA_ID_BYTES + row_bytes)
     return traffic + count_messages(shape, 2)

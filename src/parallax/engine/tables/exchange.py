@@ -26,6 +26,31 @@ from torch import Tensor
 from parallax.errors import ArgumentTypeError, SparseIdError
 
 COUNT_MESSAGE_BYTES = 3 * 8  # count, error flag, bad id: int64 each
+#: ids travel as int32 where every table of a message has at most this many rows
+INT32_ROWS = 2**31
+
+
+def wire_id_dtype(num_rows: Sequence[int]) -> torch.dtype:
+    """The dtype ids travel in for tables of ``num_rows`` rows: int32 where all fit (half
+    the bytes of int64, the dtype ids are kept in), int64 otherwise. Out-of-range ids may
+    wrap on the way; they are flagged in the same message and refused on every rank before
+    anyone reads them."""
+    return torch.int32 if all(n <= INT32_ROWS for n in num_rows) else torch.int64
+
+
+def with_header(header: Tensor, ids_dtype: torch.dtype) -> Tensor:
+    """An int64 ``header`` as ``ids_dtype`` values, to open a message of such ids (two int32
+    values per int64 where the ids are int32; `header_of` reads it back)."""
+    return header.contiguous().view(ids_dtype).reshape(-1)
+
+
+def header_of(parts: Sequence[Tensor], fields: int) -> Tensor:
+    """The int64 headers of ``fields`` values each that open ``parts`` (one per sender, in
+    the message's dtype), as ``[sender, fields]`` on CPU."""
+    if not parts:
+        return torch.empty(0, fields, dtype=torch.int64)
+    width = fields * 8 // parts[0].element_size()
+    return torch.stack([part[:width] for part in parts]).cpu().view(torch.int64)
 
 
 def unique_ids(ids: Tensor, num_rows: int, name: str, rank: int,

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.tables.exchange import Hop, Traffic
+from parallax.engine.tables.exchange import Hop, Traffic, header_of, wire_id_dtype, with_header
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.reservations import Reservations, cut_rooms, merge_rest
 from parallax.engine.tables.riders import Rider, alight, board
@@ -171,9 +171,10 @@ def owner_of(table: PoolingTable) -> int:
 
 @dataclass
 class _Owned:
-    """At the owner, one call of every worker, with the graph of its pooling."""
+    """At the owner, one call of every worker, pooled in one ``embedding_bag`` with its graph."""
 
-    pooled: list[Tensor]   # each worker's pooled rows
+    pooled: Tensor         # every worker's pooled rows, in worker order
+    bags: list[int]        # how many of them are each worker's
     rows: Tensor           # leaf rows of all workers' unique ids
     local_rows: Tensor     # where they are in the shard
 
@@ -224,9 +225,8 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     owned = {i: _pool_at_owner(call, header[:, i], received[keys[i]], weights.get(keys[i]),
                                grad=grad)
              for i, call in enumerate(calls) if owners[i] == rank}
-    payloads = {k: (torch.cat([p.detach() for p in owned[i].pooled]) if i in owned
-                    else c.table._rows(0)) for i, (k, c) in enumerate(zip(keys, calls,
-                                                                         strict=True))}
+    payloads = {k: owned[i].pooled.detach() if i in owned else c.table._rows(0)
+                for i, (k, c) in enumerate(zip(keys, calls, strict=True))}
     sends = {k: header[:, i, _BAGS].tolist() if owners[i] == rank else [0] * world
              for i, k in enumerate(keys)}
     receives = {k: [c.bags if peer == owners[i] else 0 for peer in range(world)]
@@ -254,8 +254,9 @@ def _open(calls: Sequence[BagCall], owners: list[int], keys: list[str],
     refuses, naming the rank."""
     first = calls[0].table
     world = first.worker.world_size
+    wire = wire_id_dtype([c.table.num_rows for c in calls])
     rooms = [first.pooled_reservations.setdefault(key, Reservations(world)) for key in keys]
-    payloads = {k: torch.cat([c.offsets.long(), c.ids.long()]).to(first.device)
+    payloads = {k: torch.cat([c.offsets.to(wire), c.ids.to(wire)]).to(first.device)
                 for k, c in zip(keys, calls, strict=True)}
     sends = {k: [payloads[k].numel() if peer == owner else 0 for peer in range(world)]
              for k, owner in zip(keys, owners, strict=True)}
@@ -263,22 +264,23 @@ def _open(calls: Sequence[BagCall], owners: list[int], keys: list[str],
     room_from = {k: [room.from_(p) for p in range(world)]
                  for k, room in zip(keys, rooms, strict=True)}
     overflowed = any(sends[k][p] > room_to[k][p] for k in keys for p in range(world))
-    header = _header(calls, owners, overflowed).to(first.device)
-    fields = len(calls) * _FIELDS
+    header = _header(calls, owners, overflowed)
+    fields = len(calls) * _FIELDS * 8 // wire.itemsize  # the header's values, as ``wire``
     parts = []
     for peer in range(world):
-        parts.append(header[peer].reshape(-1))
+        parts.append(with_header(header[peer], wire).to(first.device))
         for key in keys:
             size = room_to[key][peer]
             sent = payloads[key][:size] if sends[key][peer] else payloads[key][:0]
             parts += [sent, sent.new_zeros(size - sent.numel())]
     send_splits = [fields + sum(room_to[k][p] for k in keys) for p in range(world)]
     recv_splits = [fields + sum(room_from[k][p] for k in keys) for p in range(world)]
-    out = header.new_empty(sum(recv_splits))
-    dist.all_to_all_single(out, torch.cat(parts), recv_splits, send_splits, group=first.group)
+    message = torch.cat(parts)
+    out = message.new_empty(sum(recv_splits))
+    dist.all_to_all_single(out, message, recv_splits, send_splits, group=first.group)
     chunks = out.split(recv_splits)
-    received = torch.stack([chunk[:fields].view(len(calls), _FIELDS) for chunk in chunks]).cpu()
-    _record_open(calls, keys, room_to, room_from)
+    received = header_of(chunks, len(calls) * _FIELDS).view(world, len(calls), _FIELDS)
+    _record_open(calls, keys, room_to, room_from, wire.itemsize)
     _raise_flagged(calls, received)
     counts = {k: (received[:, i, _IDS] + received[:, i, _OFFSETS]).tolist()
               for i, k in enumerate(keys)}
@@ -295,7 +297,7 @@ def _open(calls: Sequence[BagCall], owners: list[int], keys: list[str],
         pieces = {k: merge_rest(pieces[k], more[k].split(rest.recv_counts[k])) for k in keys}
     for key, reserved in zip(keys, rooms, strict=True):
         reserved.note(sends[key], counts[key])
-    return received, {k: torch.cat(pieces[k]) for k in keys}
+    return received, {k: torch.cat(pieces[k]).long() for k in keys}
 
 
 def _header(calls: Sequence[BagCall], owners: list[int], overflowed: bool) -> Tensor:
@@ -320,7 +322,7 @@ def _header(calls: Sequence[BagCall], owners: list[int], overflowed: bool) -> Te
 
 
 def _record_open(calls: Sequence[BagCall], keys: list[str], room_to: dict[str, list[int]],
-                 room_from: dict[str, list[int]]) -> None:
+                 room_from: dict[str, list[int]], id_bytes: int) -> None:
     """The opening message's bytes, per table: its header to every rank, the rooms."""
     first = calls[0].table
     world = first.worker.world_size
@@ -328,7 +330,7 @@ def _record_open(calls: Sequence[BagCall], keys: list[str], room_to: dict[str, l
         first.traffic.record(call.table.name, [1] * world, [1] * world,
                              HEADER_BYTES * sum(c.table is call.table for c in calls))
     for key, call in zip(keys, calls, strict=True):
-        first.traffic.record(call.table.name, room_to[key], room_from[key], 8)
+        first.traffic.record(call.table.name, room_to[key], room_from[key], id_bytes)
 
 
 def _raise_flagged(calls: Sequence[BagCall], received: Tensor) -> None:
@@ -363,6 +365,10 @@ def _refusal(call: BagCall) -> str | None:
                 f"supported for mode='sum' (got mode='{call.mode}')")
     if call.include_last_offset and offsets.numel() == 0:
         return "include_last_offset: number of offset should be at least 1"
+    if count and not call.bags:
+        return (f"{count} ids but no bags (offsets {offsets.tolist()}"
+                f"{', include_last_offset' if call.include_last_offset else ''}): torch "
+                f"{torch.__version__}'s embedding_bag crashes on such a call (SIGSEGV)")
     if offsets.numel() and int(offsets[0]) != 0:
         return ("offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to "
                 "start from position 0")
@@ -410,14 +416,17 @@ def _weights_of(call: BagCall) -> Tensor:
 
 def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Tensor | None,
                    *, grad: bool) -> _Owned:
-    """Every worker's ``call`` computed on the unique rows of all of them (with its graph);
+    """Every worker's ``call`` computed on the unique rows of all of them (with its graph), in
+    one ``embedding_bag`` whose bags are every worker's in worker order: each bag is pooled
+    as the worker's own call pools it (the same ids, weights and mode, in the same order),
+    and the rows' gradient is the backward of the global batch's call, as on one device.
     ``header``: this call's ``[sender, field]``."""
     table = call.table
     counts = header[:, _IDS].tolist()
-    pieces = received.split((header[:, _IDS] + header[:, _OFFSETS]).tolist())
-    sent = [(piece[:int(m)], piece[int(m):]) for piece, m in
-            zip(pieces, header[:, _OFFSETS], strict=True)]
-    unique, inverse = torch.unique(torch.cat([ids for _, ids in sent]), return_inverse=True)
+    sizes = header[:, _OFFSETS].tolist()
+    pieces = received.split([n + m for n, m in zip(counts, sizes, strict=True)])
+    unique, inverse = torch.unique(torch.cat([p[m:] for p, m in zip(pieces, sizes, strict=True)]),
+                                   return_inverse=True)
     local = table.partitioning.local_row(unique)
     if table.before_read is not None:
         table.before_read(local)  # deferred steps first (values and optimizer state)
@@ -430,15 +439,34 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
         hits = (unique == target).nonzero()
         padding = int(hits[0, 0]) if hits.numel() else None
     has_weights = ((header[:, _FLAGS] & _HAS_WEIGHTS) > 0).tolist()
-    weight_pieces = (weights.split([n if h else 0 for n, h in zip(counts, has_weights,
-                                                                   strict=True)])
-                     if weights is not None else [None] * len(counts))
-    pooled = [F.embedding_bag(positions, rows, offsets, mode=call.mode,
-                              per_sample_weights=w if h else None,
-                              include_last_offset=call.include_last_offset, padding_idx=padding)
-              for (offsets, _), positions, w, h in zip(sent, inverse.split(counts),
-                                                       weight_pieces, has_weights, strict=True)]
-    return _Owned(pooled, rows, local)
+    sent_weights = (list(weights.split([n if h else 0 for n, h in zip(counts, has_weights,
+                                                                       strict=True)]))
+                    if weights is not None else None)
+    positions, offsets, weight_parts, bags = [], [], [], []
+    start = 0
+    for w, (piece, m, ids) in enumerate(zip(pieces, sizes, inverse.split(counts), strict=True)):
+        bag_starts, used = _bags_of(piece[:m], ids.numel(), call.include_last_offset)
+        positions.append(ids[:used])
+        offsets.append(bag_starts + start)
+        bags.append(bag_starts.numel())
+        start += used
+        if sent_weights is not None:  # a worker without weights weighs each id 1, exactly
+            weight_parts.append(sent_weights[w][:used] if has_weights[w]
+                                else rows.new_ones(used))
+    pooled = F.embedding_bag(torch.cat(positions), rows, torch.cat(offsets), mode=call.mode,
+                             per_sample_weights=torch.cat(weight_parts) if weight_parts else None,
+                             padding_idx=padding)
+    return _Owned(pooled, bags, rows, local)
+
+
+def _bags_of(offsets: Tensor, ids: int, include_last_offset: bool) -> tuple[Tensor, int]:
+    """One worker's bags as starts (``include_last_offset`` off) and how many of its ``ids``
+    they hold. Torch's CPU kernel ends the last bag at the end of the ids whatever the last
+    offset says (torch documents the last offset as the ids' count; the CUDA kernel is not
+    checked here, issue 41); with no bags, no id is used."""
+    if include_last_offset:
+        return offsets[:-1], ids
+    return offsets, ids if offsets.numel() else 0
 
 
 def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:
@@ -493,9 +521,9 @@ def push_pooled(exchanges: Sequence[PooledExchange], riders: Sequence[Rider] = (
 
 
 def _backward_at_owner(call: BagCall, owned: _Owned, grads: Tensor) -> None:
-    """The rows' gradient of every worker's pooled rows' ``grads``, into the shard's."""
-    bags = [p.shape[0] for p in owned.pooled]
-    torch.autograd.backward(owned.pooled, list(grads.split(bags)))
+    """The rows' gradient of every worker's pooled rows' ``grads`` (in worker order), into the
+    shard's."""
+    owned.pooled.backward(grads)
     rows_grad = owned.rows.grad
     if rows_grad is None:
         return

@@ -15,7 +15,9 @@ second all_to_all comes.
 
 Ids are padded, never dropped: the result is the same ids as `Hop.open_many` then
 `Hop.forward_many` give, in the same order. The padding is counted as traffic; with steady
-counts (as many ids per owner every step) there is none.
+counts (as many ids per owner every step) there is none. Ids travel as int32 where every
+table of the message fits (`parallax.engine.tables.exchange.wire_id_dtype`), the count
+messages as int64 viewed in that dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from parallax.engine.tables.exchange import (
     COUNT_MESSAGE_BYTES,
     Hop,
     Traffic,
+    header_of,
     raise_bad_ids,
+    wire_id_dtype,
+    with_header,
 )
 
 __all__ = ["HISTORY", "OVERFLOWED", "Reservations", "cut_rooms", "merge_rest", "open_carrying"]
@@ -82,32 +87,31 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
                   traffic: Traffic, num_rows: dict[str, int],
                   bad_ids: dict[str, int | None]) -> tuple[Hop, dict[str, Tensor]]:
     """`Hop.open_many` and `Hop.forward_many` of the id ``payloads`` (1-D int64, sorted by
-    peer, ``send_counts`` per peer), in one all_to_all where the reservations hold them.
-    Returns the hop (exact counts, for the rows back and the gradients) and the ids each
-    table received, in peer order."""
+    peer, ``send_counts`` per peer), in one all_to_all where the reservations hold them,
+    as int32 where the tables fit (`wire_id_dtype`). Returns the hop (exact counts, for the
+    rows back and the gradients) and the ids each table received (int64), in peer order."""
     names = list(payloads)
     world = len(send_counts[names[0]])
+    wire = wire_id_dtype([num_rows[n] for n in names])
+    header_width = len(names) * _HEADER * 8 // wire.itemsize
     room_to = {n: [reservations[n].to(p) for p in range(world)] for n in names}
     room_from = {n: [reservations[n].from_(p) for p in range(world)] for n in names}
-    pieces = {n: payloads[n].split(send_counts[n]) for n in names}
+    pieces = {n: payloads[n].to(wire).split(send_counts[n]) for n in names}
     overflowed = any(send_counts[n][p] > room_to[n][p] for n in names for p in range(world))
     message = torch.cat([part for peer in range(world) for part in _to_peer(
         peer, names, pieces, send_counts, room_to, bad_ids, overflowed)])
-    send_splits = [len(names) * _HEADER + sum(room_to[n][p] for n in names)
-                   for p in range(world)]
-    recv_splits = [len(names) * _HEADER + sum(room_from[n][p] for n in names)
-                   for p in range(world)]
+    send_splits = [header_width + sum(room_to[n][p] for n in names) for p in range(world)]
+    recv_splits = [header_width + sum(room_from[n][p] for n in names) for p in range(world)]
     out = message.new_empty(sum(recv_splits))
     dist.all_to_all_single(out, message, recv_splits, send_splits, group=group)
     chunks = out.split(recv_splits)
-    headers = torch.stack([chunk[:len(names) * _HEADER].view(len(names), _HEADER)
-                           for chunk in chunks]).cpu()
+    headers = header_of(chunks, len(names) * _HEADER).view(world, len(names), _HEADER)
     for name in names:
         traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
-        traffic.record(name, room_to[name], room_from[name], 8)
+        traffic.record(name, room_to[name], room_from[name], wire.itemsize)
     raise_bad_ids(headers, names, traffic=traffic, num_rows=num_rows)
     recv_counts = {name: headers[:, t, 0].tolist() for t, name in enumerate(names)}
-    received = cut_rooms(chunks, names, room_from, recv_counts, header=len(names) * _HEADER)
+    received = cut_rooms(chunks, names, room_from, recv_counts, header=header_width)
     if bool((headers[:, :, 1] & OVERFLOWED).any()):  # every rank sees every sender's flag
         rest = Hop({n: [max(0, c - r) for c, r in zip(send_counts[n], room_to[n], strict=True)]
                     for n in names},
@@ -120,17 +124,18 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
                     for n in names}
     for name in names:
         reservations[name].note(send_counts[name], recv_counts[name])
-    ids = {n: torch.cat(received[n]) for n in names}
+    ids = {n: torch.cat(received[n]).long() for n in names}
     return Hop(dict(send_counts), recv_counts, group, traffic), ids
 
 
 def _to_peer(peer: int, names: list[str], pieces: dict[str, tuple[Tensor, ...]],
              send_counts: dict[str, list[int]], room_to: dict[str, list[int]],
              bad_ids: dict[str, int | None], overflowed: bool) -> list[Tensor]:
-    """The message to ``peer``: a count message per table, then each table's ids padded to
-    the room reserved for them (cut to it when they overflow)."""
+    """The message to ``peer``: a count message per table (int64, in the ids' dtype:
+    `with_header`), then each table's ids padded to the room reserved for them (cut to it
+    when they overflow)."""
     header = torch.zeros(len(names), _HEADER, dtype=torch.long)
-    parts = [header.reshape(-1)]
+    parts = []
     for t, name in enumerate(names):
         bad = bad_ids.get(name)
         header[t, 0] = send_counts[name][peer]
@@ -140,8 +145,8 @@ def _to_peer(peer: int, names: list[str], pieces: dict[str, tuple[Tensor, ...]],
         parts.append(ids[:room])
         if ids.numel() < room:
             parts.append(ids.new_zeros(room - ids.numel()))
-    device = pieces[names[0]][0].device
-    return [part.to(device) for part in parts]
+    first = pieces[names[0]][0]
+    return [part.to(first.device) for part in [with_header(header, first.dtype), *parts]]
 
 
 def cut_rooms(chunks: Sequence[Tensor], names: list[str], room_from: dict[str, list[int]],
