@@ -11,10 +11,10 @@ gradient like any pushed rows (averaged, clipped and updated by the servers' opt
 before). A bag of L ids costs one vector each way instead of up to L rows: the win of long bags
 over big tables (a user's history); one-id bags gain nothing.
 
-Exact: the owner computes what the layer computes on one device, for each worker's own call
-(its offsets, ``mode``, ``padding_idx``, ``include_last_offset``, weights), on the rows of the
-unique ids of all workers together, so the sum over workers of the rows' gradients is the
-single-device gradient of the global batch. What depends on the whole batch (``max_norm``,
+Exact: the owner computes what the layer computes on one device, every worker's bags of a
+call in one ``embedding_bag`` (each bag with its worker's ids, offsets, ``mode``,
+``padding_idx`` and weights), on the rows of the unique ids of all workers together: the
+global batch's call, so its backward is the single-device gradient of the rows. What depends on the whole batch (``max_norm``,
 ``scale_grad_by_freq``) and per-sample weights that require a gradient are not pooled
 (refused where the table is pinned, see `parallax.planning.architectures`).
 
@@ -23,8 +23,9 @@ the inputs are pooled in one exchange before it (`pool_ahead`), all tables and o
 together, and served to the layers in order; any other call is an exchange of its own
 (`pool_many` of one call). An exchange is collective: a header (counts and flags, to every
 rank, so a bad id or refused weights fail every rank alike), the ids and offsets to the
-owners, the weights if any rank has some, the pooled rows back: three all_to_alls (four with
-weights); and one with all its gradients in the push.
+owners (in one all_to_all with the header where the rooms reserved hold them, ids as int32
+where the table fits), the weights if any rank has some, the pooled rows back: two
+all_to_alls (three with weights); and one with all its gradients in the push.
 """
 
 from __future__ import annotations
