@@ -3,6 +3,7 @@ multi-process cases are in test_errors.py)."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
@@ -68,3 +69,45 @@ def test_a_rank_without_any_record_is_named() -> None:
     zero.begin(1)
     error = zero.explain(RuntimeError("Timed out"), 1)
     assert str(error).startswith("rank 1 did not arrive") and "no record at all" in str(error)
+
+
+class _HeldStore(dist.Store):
+    """A store whose writes wait until the test lets them through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = dist.HashStore()
+        self.open = threading.Event()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.open.wait(10)
+        self.inner.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self.inner.multi_get(keys)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+
+def test_records_are_written_behind_the_step_and_land_before_anyone_reads() -> None:
+    """The step does not wait for the store's round trips (a thread sends them, in order);
+    reading the records first lets this process's queued writes land; finishing sends the
+    last record before the mark that others check."""
+    store = _HeldStore()
+    zero, one = ranks(store, 2)
+    for p in (zero, one):
+        p.begin(1)  # returns although no write has landed yet
+        p.phase(1, "backward")
+    assert not store.inner.check([f"parallax/progress/rank{r}" for r in (0, 1)])
+    store.open.set()
+    records = zero.records()
+    assert (records[0].step, records[0].phase) == (1, "backward") == (records[1].step,
+                                                                      records[1].phase)
+    one.finish()
+    assert not one.writer.thread.is_alive() or one.writer.closed
+    with pytest.raises(UnevenInputsError, match="rank 1 ended its training after 0 step"):
+        zero.begin(2)

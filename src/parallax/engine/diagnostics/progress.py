@@ -9,15 +9,20 @@ that no rank has ended (uneven inputs fail at once, before any collective); a st
 collective fails reads every rank's record and raises an error that names the rank that did
 not arrive, with its last known step and phase.
 
-Cost: three store writes and one check per step, 57 us per step on localhost (BENCHMARKS.md,
-``benchmarks/progress_overhead.py``); nothing when the job has one worker.
+Cost: one check per step on the step's path, and three store writes that a thread of this
+rank sends behind it (`_Writer`: on a host whose cores the ranks share, each round trip to the
+launcher's store waits for that process to be scheduled, 0.4-1.8 ms per rank and step in the
+recommender's profile when the step waited for them). Reading the records first lets this
+process's queued writes land. Nothing when the job has one worker.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import queue
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +63,49 @@ class Record:
         return f"{where}, {max(0.0, now - self.time):.1f} s ago"
 
 
+_FLUSH_TIMEOUT_S = 5.0  # waiting for queued writes must not hang either
+
+
+class _Writer:
+    """Store writes sent in order by one daemon thread, so that the step does not wait for
+    the round trips (c10d's TCPStore serialises its clients' operations, so the step's own
+    check may run meanwhile). A write that fails is dropped: the store outlives the workers
+    only while the launcher does, and a record is a diagnosis, not the training's state."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.pending: queue.SimpleQueue[tuple[str, str] | threading.Event | None] = (
+            queue.SimpleQueue())
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="parallax-progress", daemon=True)
+        self.thread.start()
+
+    def set(self, key: str, value: str) -> None:
+        self.pending.put((key, value))
+
+    def flush(self) -> None:
+        """Wait (at most `_FLUSH_TIMEOUT_S`) until every write queued so far was sent."""
+        if self.closed:
+            return
+        landed = threading.Event()
+        self.pending.put(landed)
+        landed.wait(_FLUSH_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Send what is queued, then end the thread."""
+        self.flush()
+        self.closed = True
+        self.pending.put(None)
+
+    def _run(self) -> None:
+        while (item := self.pending.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            with contextlib.suppress(Exception):
+                self.store.set(*item)
+
+
 class Progress:
     """This rank's records in the job's store (collective-free: each rank writes its own key)."""
 
@@ -68,6 +116,7 @@ class Progress:
         self.timeout_s = timeout_s
         base = store if store is not None else distributed_c10d._get_default_store()
         self.store: Store | None = PrefixStore(_PREFIX, base)
+        self.writer = _Writer(self.store)
         self.steps = 0
         self.ended = False
         self.current = "done"
@@ -80,7 +129,7 @@ class Progress:
         if self.store is None:
             raise UsageError(f"rank {self.rank}: parallax was shut down (parallax.shutdown) "
                                "and cannot step any more")
-        self.store.set(f"rank{self.rank}", f"{step}|{phase}|{time.time()!r}")
+        self.writer.set(f"rank{self.rank}", f"{step}|{phase}|{time.time()!r}")
 
     def phase(self, step: int, phase: str) -> None:
         """Step ``step`` reached ``phase`` (a key of `PHASES`)."""
@@ -106,6 +155,7 @@ class Progress:
         self.ended = True
         try:
             self._write(self.steps, _ENDED)
+            self.writer.close()  # the record before the mark others check
             if self.store is not None:
                 self.store.set(_ENDED, str(self.rank))
         except Exception:  # the launcher's store may already be gone at interpreter exit
@@ -119,6 +169,8 @@ class Progress:
         keys = [f"rank{r}" for r in range(self.world_size)]
         if self.store is None:
             return {}
+        for progress in _active:  # this process's records first (tests run several ranks)
+            progress.writer.flush()
         try:
             self.store.set_timeout(_READ_TIMEOUT)
             present = [k for k in keys if self.store.check([k])]

@@ -14,9 +14,10 @@ over big tables (a user's history); one-id bags gain nothing.
 Exact: the owner computes what the layer computes on one device, every worker's bags of a
 call in one ``embedding_bag`` (each bag with its worker's ids, offsets, ``mode``,
 ``padding_idx`` and weights), on the rows of the unique ids of all workers together: the
-global batch's call, so its backward is the single-device gradient of the rows. What depends on the whole batch (``max_norm``,
-``scale_grad_by_freq``) and per-sample weights that require a gradient are not pooled
-(refused where the table is pinned, see `parallax.planning.architectures`).
+global batch's call, so its backward is the single-device gradient of the rows. What
+depends on the whole batch (``max_norm``, ``scale_grad_by_freq``) and per-sample weights
+that require a gradient are not pooled (refused where the table is pinned, see
+`parallax.planning.architectures`).
 
 All the bag calls of a forward that the id program (`parallax.model.lookahead`) computes from
 the inputs are pooled in one exchange before it (`pool_ahead`), all tables and owners
