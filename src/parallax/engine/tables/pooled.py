@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -173,12 +174,13 @@ def owner_of(table: PoolingTable) -> int:
 
 @dataclass
 class _Owned:
-    """At the owner, one call of every worker, pooled in one ``embedding_bag`` with its graph."""
+    """At the owner, one call of every worker, pooled in one ``embedding_bag``."""
 
     pooled: Tensor         # every worker's pooled rows, in worker order
     bags: list[int]        # how many of them are each worker's
-    rows: Tensor           # leaf rows of all workers' unique ids
-    local_rows: Tensor     # where they are in the shard
+    local_rows: Tensor     # where the unique ids' rows are in the shard
+    #: the unique rows' gradient for the pooled rows' gradient (None: no row has one)
+    backward: Callable[[Tensor], Tensor | None]
 
 
 @dataclass
@@ -418,11 +420,12 @@ def _weights_of(call: BagCall) -> Tensor:
 
 def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Tensor | None,
                    *, grad: bool) -> _Owned:
-    """Every worker's ``call`` computed on the unique rows of all of them (with its graph), in
-    one ``embedding_bag`` whose bags are every worker's in worker order: each bag is pooled
-    as the worker's own call pools it (the same ids, weights and mode, in the same order),
-    and the rows' gradient is the backward of the global batch's call, as on one device.
-    ``header``: this call's ``[sender, field]``."""
+    """Every worker's ``call`` computed on the unique rows of all of them, in one
+    ``embedding_bag`` whose bags are every worker's in worker order: each bag is pooled as
+    the worker's own call pools it (the same ids, weights and mode, in the same order), and
+    the rows' gradient is the backward of the global batch's call, as on one device
+    (`_Merged.rows_gradient`; torch's own backward under ``max``, with the graph kept when
+    ``grad``). ``header``: this call's ``[sender, field]``."""
     table = call.table
     counts = header[:, _IDS].tolist()
     sizes = header[:, _OFFSETS].tolist()
@@ -433,8 +436,6 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
     if table.before_read is not None:
         table.before_read(local)  # deferred steps first (values and optimizer state)
     rows = table.server_shard().detach()[local]
-    if grad:
-        rows.requires_grad_(True)
     padding = None
     if call.padding_idx is not None:
         target = call.padding_idx + table.num_rows if call.padding_idx < 0 else call.padding_idx
@@ -455,10 +456,64 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
         if sent_weights is not None:  # a worker without weights weighs each id 1, exactly
             weight_parts.append(sent_weights[w][:used] if has_weights[w]
                                 else rows.new_ones(used))
-    pooled = F.embedding_bag(torch.cat(positions), rows, torch.cat(offsets), mode=call.mode,
-                             per_sample_weights=torch.cat(weight_parts) if weight_parts else None,
-                             padding_idx=padding)
-    return _Owned(pooled, bags, rows, local)
+    merged = _Merged(torch.cat(positions), torch.cat(offsets),
+                     torch.cat(weight_parts) if weight_parts else None, padding, call.mode)
+    if call.mode == "max":  # the gradient goes to each bag's largest: torch's backward finds it
+        if grad:
+            rows.requires_grad_(True)
+        pooled = merged.pool(rows)
+        return _Owned(pooled, bags, local, _autograd_backward(pooled, rows))
+    with torch.no_grad():
+        pooled = merged.pool(rows)
+    return _Owned(pooled, bags, local, partial(merged.rows_gradient, rows))
+
+
+@dataclass
+class _Merged:
+    """Every worker's bags of one call as one ``embedding_bag`` over the unique rows: each id
+    a position among them, the bags' starts, the weights (or None), the padding position."""
+
+    ids: Tensor
+    offsets: Tensor
+    weights: Tensor | None
+    padding: int | None
+    mode: str
+
+    def pool(self, rows: Tensor) -> Tensor:
+        return F.embedding_bag(self.ids, rows, self.offsets, mode=self.mode,
+                               per_sample_weights=self.weights, padding_idx=self.padding)
+
+    def rows_gradient(self, rows: Tensor, grads: Tensor) -> Tensor | None:
+        """The rows' gradient of a sum or mean for the bags' gradient ``grads``: each id
+        adds its bag's gradient (times its weight; divided by the bag's count of ids other
+        than the padding under ``mean``) to its row, as torch's backward does. Written out:
+        torch's ``embedding_bag`` backward over many unique rows costs several times the
+        forward (6.2 ms against 0.8 ms for 4 x 256 bags of 32 ids over 16k rows)."""
+        if not self.ids.numel():
+            return None
+        lengths = torch.diff(self.offsets, append=self.offsets.new_tensor([self.ids.numel()]))
+        bag = torch.repeat_interleave(torch.arange(self.offsets.numel(),
+                                                   device=self.ids.device), lengths)
+        ids, per_id = self.ids, grads[bag]
+        if self.weights is not None:
+            per_id = per_id * self.weights.unsqueeze(1)
+        kept = None if self.padding is None else self.ids != self.padding
+        if self.mode == "mean":
+            counts = torch.bincount(bag if kept is None else bag[kept],
+                                    minlength=self.offsets.numel()).clamp(min=1)
+            per_id = per_id / counts[bag].unsqueeze(1).to(per_id.dtype)
+        if kept is not None:
+            ids, per_id = ids[kept], per_id[kept]
+        return torch.zeros_like(rows).index_add_(0, ids, per_id)
+
+
+def _autograd_backward(pooled: Tensor, rows: Tensor) -> Callable[[Tensor], Tensor | None]:
+    def backward(grads: Tensor) -> Tensor | None:
+        if not pooled.requires_grad:
+            return None
+        pooled.backward(grads)
+        return rows.grad
+    return backward
 
 
 def _bags_of(offsets: Tensor, ids: int, include_last_offset: bool) -> tuple[Tensor, int]:
@@ -525,8 +580,7 @@ def push_pooled(exchanges: Sequence[PooledExchange], riders: Sequence[Rider] = (
 def _backward_at_owner(call: BagCall, owned: _Owned, grads: Tensor) -> None:
     """The rows' gradient of every worker's pooled rows' ``grads`` (in worker order), into the
     shard's."""
-    owned.pooled.backward(grads)
-    rows_grad = owned.rows.grad
+    rows_grad = owned.backward(grads)
     if rows_grad is None:
         return
     table = call.table
