@@ -1,5 +1,5 @@
-"""Cases of owner-side pooling (`Config.pooled_tables`), shared by the worker
-(tests/scripts/pooled_worker.py) and the single-device reference (tests/integration/
+"""Cases of owner-side pooling (`Config.pooled_tables`, `Config.pooled_by_rows`), shared by the
+worker (tests/scripts/pooled_worker.py) and the single-device reference (tests/integration/
 test_pooled.py): an EmbeddingBag over variable-length bags with every option the owner must
 reproduce (mode, per-sample weights, padding_idx, include_last_offset, sparse gradients), one
 over fixed-length 2-D bags, a row-path nn.Embedding beside them, an MLP on top."""
@@ -28,6 +28,7 @@ class Case:
     optimizer: str = "sgd"
     clip: float | None = None
     pooled: tuple[str, ...] | None = POOLED  # None: the planner decides
+    by_rows: tuple[str, ...] = ()  # Config.pooled_by_rows
     steps: int = 6
 
 
@@ -37,10 +38,16 @@ CASES = [
     Case("max-last-offset-adam", mode="max", last_offset=True, optimizer="adam"),
     Case("sparse-sum-adagrad", sparse=True, optimizer="adagrad", weights=True),
     Case("rows-pulled", mode="mean", padding_idx=0, optimizer="adagrad", pooled=()),
+    # pooled by rows: each server its rows' share of every bag, added by the worker
+    Case("by-rows-sum-weights-adagrad", weights=True, optimizer="adagrad",
+         pooled=("user.weight",), by_rows=("history.weight",)),
+    Case("by-rows-mean-padding-last-offset-adam", mode="mean", padding_idx=0, last_offset=True,
+         optimizer="adam", pooled=(), by_rows=POOLED),
     # the planner pools what saves bytes (its threshold lowered to 0 bytes by the worker)
     Case("planner-decides", mode="mean", padding_idx=0, optimizer="adagrad", pooled=None),
 ]
 RESUMED = "mean-padding-adagrad"  # checkpointed halfway, resumed on another shape
+RESUMED_BY_ROWS = "by-rows-mean-padding-last-offset-adam"  # the same, into ckpt-by-rows
 
 
 class BagModel(nn.Module):

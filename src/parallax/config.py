@@ -254,6 +254,15 @@ class Config:
             per-sample weights that require a gradient, ``architecture="allreduce"`` or an
             asynchronous ``sync``; a pooled table is never re-partitioned nor moved to
             AllReduce.
+        pooled_by_rows: parameter names of ``nn.EmbeddingBag`` tables pooled where their rows
+            live, partitioned over every server as on the row path (TorchRec's row-wise
+            sharding): a worker sends each server the ids of its rows, each server pools its
+            share of every bag (a sum) and sends it back, and the worker adds the shares (and
+            divides by the bag's size under ``mode="mean"``); the shares' gradients go back
+            after the backward. One big table's pooling is spread over every server, for one
+            pooled vector per server and bag; equal to one device up to the order in
+            which a bag's rows are added. Not with ``mode="max"`` nor where `pooled_tables`
+            would refuse; distinct from `pooled_tables`' names.
         server_threads: threads with which a server aggregates and updates its partitions in
             parallel. ``None``: this process's torch thread count.
         partition_search_steps: training steps timed per sample of the partition-count search
@@ -311,6 +320,7 @@ class Config:
     seed: int = 0
     num_partitions: int | None = None
     pooled_tables: tuple[str, ...] | None = None
+    pooled_by_rows: tuple[str, ...] = ()
     server_threads: int | None = None
     partition_search_steps: int = 8
     max_partitions: int | None = None
@@ -383,10 +393,9 @@ class Config:
 
     def _check_pooled_tables(self) -> None:
         names = self.pooled_tables
-        if names is None:
-            return
-        ok = (isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names)
-              and len(set(names)) == len(names))
+        ok = names is None or (isinstance(names, (tuple, list))
+                               and all(isinstance(n, str) for n in names)
+                               and len(set(names)) == len(names))
         _require(ok, "pooled_tables", names, "a tuple of distinct parameter names")
         if names:
             _require(self.architecture != ArchitectureName.ALLREDUCE, "pooled_tables", names,
@@ -394,7 +403,20 @@ class Config:
             _require(self.sync == SyncName.SYNC, "pooled_tables", names,
                      f"() with sync={str(self.sync)!r} (bags are pooled in the step of the "
                      f"synchronous exchange)")
-        object.__setattr__(self, "pooled_tables", tuple(names))
+        if names is not None:
+            object.__setattr__(self, "pooled_tables", tuple(names))
+        rows = self.pooled_by_rows
+        ok = (isinstance(rows, (tuple, list)) and all(isinstance(n, str) for n in rows)
+              and len(set(rows)) == len(rows) and not set(rows) & set(names or ()))
+        _require(ok, "pooled_by_rows", rows, "a tuple of distinct parameter names, none of "
+                 "them in pooled_tables")
+        if rows:
+            _require(self.architecture != ArchitectureName.ALLREDUCE, "pooled_by_rows", rows,
+                     "() with architecture='allreduce' (no server holds rows to pool)")
+            _require(self.sync == SyncName.SYNC, "pooled_by_rows", rows,
+                     f"() with sync={str(self.sync)!r} (bags are pooled in the step of the "
+                     f"synchronous exchange)")
+        object.__setattr__(self, "pooled_by_rows", tuple(rows))
 
     def _check_checkpoints(self) -> None:
         """Where checkpoints go, how often, how many are kept, and resuming."""

@@ -1,4 +1,5 @@
-"""Owner-side pooling (`Config.pooled_tables`, `parallax.engine.tables.pooled`).
+"""Owner-side pooling (`Config.pooled_tables`, `Config.pooled_by_rows`,
+`parallax.engine.tables.pooled`).
 
 On 2 machines x 2 workers (tests/scripts/pooled_worker.py): EmbeddingBag tables pooled on their
 owners train to the single-device parameters (float64, every bag option the owner reproduces,
@@ -69,6 +70,18 @@ def test_each_pooled_table_lives_whole_on_its_own_owner_as_the_plan_says(runs) -
     assert "pooled" not in lines["item.weight"]  # an nn.Embedding pulls its rows
 
 
+def test_a_table_pooled_by_rows_stays_partitioned_over_the_servers_as_the_plan_says(
+        runs) -> None:
+    trained, _ = runs
+    plan = _plan_rows(trained["by-rows-sum-weights-adagrad"]["plan"])
+    assert "bags pooled by rows, each server rank of 0,2 its rows' share" in " ".join(
+        plan["history.weight"])
+    assert "PS: 2 partition(s) on server rank(s) 0,2" in plan["history.weight"]
+    assert "bags pooled on owner rank" in " ".join(plan["user.weight"])
+    moved = trained["by-rows-sum-weights-adagrad"]["bytes"]["history.weight"]
+    assert moved["inter_sent"] > 0 and moved["inter_received"] > 0
+
+
 def test_pooling_moves_fewer_bytes_across_machines_than_pulling_rows(runs) -> None:
     trained, _ = runs
     pooled, pulled = trained[cases.RESUMED]["bytes"], trained["rows-pulled"]["bytes"]
@@ -114,14 +127,18 @@ def _bytes(text: str) -> float:
 
 
 @pytest.mark.usefixtures("_shutdown")
-def test_a_checkpoint_resumes_on_another_shape(runs) -> None:
-    """Saved halfway by 4 workers on 2 machines, resumed by this one process."""
+@pytest.mark.parametrize("name, folder", [(cases.RESUMED, "ckpt"),
+                                          (cases.RESUMED_BY_ROWS, "ckpt-by-rows")])
+def test_a_checkpoint_resumes_on_another_shape(runs, name: str, folder: str) -> None:
+    """Saved halfway by 4 workers on 2 machines, resumed by this one process (by rows: one
+    server, so one share: the owner pools the whole call)."""
     _, checkpoint = runs
-    case = next(c for c in cases.CASES if c.name == cases.RESUMED)
+    case = next(c for c in cases.CASES if c.name == name)
     model, optimizer = cases.build(case)
     runner = parallax.get_runner(model, optimizer, cases.loss_fn, config=parallax.Config(
-        pooled_tables=case.pooled, sparsity_warmup_steps=2, partition_cache=None))
-    runner.load(checkpoint)
+        pooled_tables=case.pooled, pooled_by_rows=case.by_rows, sparsity_warmup_steps=2,
+        partition_cache=None))
+    runner.load(checkpoint.parent / folder)
     for batch in cases.batches(case)[case.steps // 2:]:
         runner.step(cases.worker_slice(case, batch, 0, 1))
     assert _max_error(runner.state_dict(), cases.single_device(case)) <= 1e-9
@@ -177,6 +194,25 @@ def test_a_bag_with_max_norm_is_refused() -> None:
 def test_configurations_that_cannot_pool_are_refused(config: dict, why: str) -> None:
     with pytest.raises(ValueError, match=rf"pooled_tables.*{why}"):
         parallax.Config(**{"pooled_tables": ("bag.weight",), **config})
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"pooled_by_rows": ("bag.weight",), "pooled_tables": ("bag.weight",)},
+     "none of them in pooled_tables"),
+    ({"pooled_by_rows": "bag.weight"}, "a tuple of distinct parameter names"),
+    ({"pooled_by_rows": ("bag.weight",), "architecture": "allreduce"},
+     "architecture='allreduce'"),
+])
+def test_configurations_that_cannot_pool_by_rows_are_refused(config: dict, why: str) -> None:
+    with pytest.raises(ValueError, match=rf"pooled_by_rows.*{why}"):
+        parallax.Config(**config)
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_a_name_pooled_by_rows_that_is_no_embedding_bag_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"Config.pooled_by_rows names 'embedding.weight', "
+                                         r"which is read by 'embedding'"):
+        _runner(Bags(), (), pooled_by_rows=("embedding.weight",))
 
 
 @pytest.mark.usefixtures("_shutdown")

@@ -12,7 +12,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from pooled_cases import CASES, RESUMED, batches, build, loss_fn, worker_slice  # noqa: E402
+from pooled_cases import (  # noqa: E402
+    CASES,
+    RESUMED,
+    RESUMED_BY_ROWS,
+    batches,
+    build,
+    loss_fn,
+    worker_slice,
+)
 
 import parallax  # noqa: E402
 from parallax.engine.tables import server_table  # noqa: E402
@@ -27,7 +35,8 @@ server_table.SCATTER_ROUND_BYTES = 1024
 
 
 def config(case) -> parallax.Config:
-    return parallax.Config(pooled_tables=case.pooled, clip_grad_norm=case.clip,
+    return parallax.Config(pooled_tables=case.pooled, pooled_by_rows=case.by_rows,
+                           clip_grad_norm=case.clip,
                            sparsity_warmup_steps=2, partition_cache=None,
                            collective_timeout_s=60)
 
@@ -39,8 +48,8 @@ def train(out: Path) -> None:
         runner = parallax.get_runner(model, optimizer, loss_fn, config=config(case))
         worker = runner.worker
         for step, batch in enumerate(batches(case), 1):
-            if case.name == RESUMED and step == case.steps // 2 + 1:
-                runner.save(out / "ckpt")
+            if case.name in (RESUMED, RESUMED_BY_ROWS) and step == case.steps // 2 + 1:
+                runner.save(out / ("ckpt" if case.name == RESUMED else "ckpt-by-rows"))
             runner.step(worker_slice(case, batch, worker.rank, worker.world_size))
         moved = {name: dict(counts) for name, counts in runner.traffic.bytes.items()}
         state = runner.state_dict()

@@ -65,6 +65,9 @@ class ParameterCost:
     bag_ids: float | None = None
     bags: float | None = None
     pooled: bool = False
+    #: the ranks that pool each bag: 1 (`Config.pooled_tables`), the servers holding its
+    #: rows (`Config.pooled_by_rows`)
+    pooled_owners: int = 1
 
     @property
     def total(self) -> float:
@@ -181,7 +184,8 @@ class Hybrid(Architecture):
             return cost.allreduce_dense(param.total, shape, payload=param.payload)
         if param.pooled:
             return (None if param.bags is None or param.bag_ids is None
-                    else cost.pooled_bags(param.bag_ids, param.bags, param.row_bytes, shape))
+                    else cost.pooled_bags(param.bag_ids, param.bags, param.row_bytes, shape,
+                                          owners=param.pooled_owners))
         aggregated = self.aggregates_by_default if local_aggregation is None else local_aggregation
         used = param.used_machine if aggregated else param.used
         if used is None:
@@ -338,6 +342,9 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
     servers = worker.server_ranks
     num_partitions = config.num_partitions or len(servers)
     owners = pooled_owners(sparse_uses, params, config, len(servers))
+    by_rows = set(config.pooled_by_rows)
+    for name in sorted(by_rows):
+        _check_poolable(name, sparse_uses.get(name), sparse_uses, "pooled_by_rows")
     for name, use in sorted(sparse_uses.items()):
         sparse_grad = use.sparse_grad or config.lazy_sparse_updates
         if name in owners:
@@ -356,11 +363,13 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 batch_dependent=use.batch_dependent)
             layout.placements[name] = Placement("allgatherv", 0, ())
         else:
-            layout.sparse[name] = ShardedTable(
+            table = ShardedTable(
                 name, params[name], num_partitions=num_partitions, worker=worker, group=group,
                 traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
-                local_aggregation=aggregates, batch_dependent=use.batch_dependent,
-                initial_rows=_initial_rows(params[name]))
+                local_aggregation=aggregates and name not in by_rows,
+                batch_dependent=use.batch_dependent, initial_rows=_initial_rows(params[name]))
+            table.pools = table.pools_by_rows = name in by_rows
+            layout.sparse[name] = table
             layout.placements[name] = Placement("ps", num_partitions, servers)
             _hand_over_early(layout, layout.sparse[name], params[name], optimizers, worker)
     if architecture.dense_on_servers:
@@ -393,21 +402,26 @@ def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parame
     so far. Refuses a name that is not an ``nn.EmbeddingBag`` table the owner can pool
     exactly."""
     for name in config.pooled_tables or ():
-        use = sparse_uses.get(name)
-        if use is None or use.kind != "embedding_bag":
-            what = "not a sparse parameter" if use is None else f"read by {use.kind!r}"
-            raise ArgumentError(
-                f"Config.pooled_tables names {name!r}, which is {what}; it takes the "
-                f"parameter names of nn.EmbeddingBag tables: "
-                f"{sorted(n for n, u in sparse_uses.items() if u.kind == 'embedding_bag')}")
-        if use.batch_dependent is not None:
-            raise UnsupportedProgramError(
-                f"Config.pooled_tables names {name!r}, whose layer has "
-                f"{use.batch_dependent.describe()}: that depends on every row the global "
-                f"batch reads, which only the row path applies exactly; leave it out of "
-                f"pooled_tables")
+        _check_poolable(name, sparse_uses.get(name), sparse_uses, "pooled_tables")
     return largest_first({name: params[name].nbytes for name in config.pooled_tables or ()},
                          [0] * num_servers)
+
+
+def _check_poolable(name: str, use: SparseUse | None, sparse_uses: dict[str, SparseUse],
+                    field: str) -> None:
+    """Refuse a name of ``Config.<field>`` that is not an ``nn.EmbeddingBag`` table whose bags
+    an owner can pool exactly."""
+    if use is None or use.kind != "embedding_bag":
+        what = "not a sparse parameter" if use is None else f"read by {use.kind!r}"
+        raise ArgumentError(
+            f"Config.{field} names {name!r}, which is {what}; it takes the parameter names "
+            f"of nn.EmbeddingBag tables: "
+            f"{sorted(n for n, u in sparse_uses.items() if u.kind == 'embedding_bag')}")
+    if use.batch_dependent is not None:
+        raise UnsupportedProgramError(
+            f"Config.{field} names {name!r}, whose layer has "
+            f"{use.batch_dependent.describe()}: that depends on every row the global batch "
+            f"reads, which only the row path applies exactly; leave it out of {field}")
 
 
 def _initial_rows(param: nn.Parameter) -> Callable[[Tensor], Tensor] | None:

@@ -67,9 +67,13 @@ class PlanKeeper:
             dict.fromkeys(sparse_uses, "lazy: touched rows only")
             if config.lazy_sparse_updates else {})
         for name, table in layout.sparse.items():
-            if table.pools:  # (their own word in the plan: where their bags are pooled)
-                self.decisions[name] = (f"bags pooled on owner rank "
-                                        f"{layout.placement(name).servers[0]} "
+            servers = layout.placement(name).servers
+            if table.pools and table.held is not None and table.held.pools_by_rows:
+                self.decisions[name] = (f"bags pooled by rows, each server rank of "
+                                        f"{','.join(map(str, servers))} its rows' share "
+                                        f"(Config.pooled_by_rows)")
+            elif table.pools:  # (their own word in the plan: where their bags are pooled)
+                self.decisions[name] = (f"bags pooled on owner rank {servers[0]} "
                                         f"(Config.pooled_tables)")
         #: the shapes of `Runner.step`'s batch (what a search's cache entry is valid for)
         self.batch_signature: Any = None
@@ -106,6 +110,7 @@ class PlanKeeper:
                                small_sums=self.worker.device.type == "cpu",
                                pooled=frozenset(n for n, t in self.layout.sparse.items()
                                                 if t.pools),
+                               pooled_by_rows=frozenset(self.config.pooled_by_rows),
                                reasons=self.decisions,
                                local_aggregation=self.local_aggregation,
                                searches=tuple(self.searches.values()))

@@ -55,7 +55,7 @@ from parallax.errors import (
 )
 
 __all__ = ["BagCall", "PoolingTable", "PooledExchange", "bag_call", "bound_of_exchanges",
-           "owner_of", "pending_exchanges", "pool_ahead", "pool_many", "push_pooled",
+           "owners_of", "pending_exchanges", "pool_ahead", "pool_many", "push_pooled",
            "serve_ahead"]
 
 # header flags, per sender and call
@@ -82,6 +82,8 @@ class PoolingTable(Protocol):
     group: dist.ProcessGroup
     traffic: Traffic
     partitioning: RowPartitioning
+    #: pooled where its rows live, every server its share (`Config.pooled_by_rows`)
+    pools_by_rows: bool
     average: bool
     has_gradient: bool
     rows_used: list[int]
@@ -137,6 +139,12 @@ def bag_call(table: PoolingTable, ids: Tensor, offsets: Tensor | None,
     ``F.embedding_bag`` itself turns a 2-D batch of fixed-length bags into one (same checks,
     same messages: raised here, on the rank that made the call, before any exchange)."""
     name, rank = table.name, table.worker.rank
+    if table.pools_by_rows and mode == "max":
+        raise UnsupportedProgramError(
+            f"rank {rank}: parameter '{name}' is pooled by rows (Config.pooled_by_rows), but "
+            f"its nn.EmbeddingBag has mode='max': pooling by rows adds every server's share "
+            f"of a bag, which gives a sum or a mean, not a max; name it in "
+            f"Config.pooled_tables (pooled whole on one owner) or leave it to the row path")
     if ids.dtype not in (torch.int64, torch.int32):
         raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an integer "
                                 f"tensor, got {ids.dtype}")
@@ -166,10 +174,66 @@ def bag_call(table: PoolingTable, ids: Tensor, offsets: Tensor | None,
     return BagCall(table, ids, offsets, weights, mode, padding_idx, include_last_offset)
 
 
-def owner_of(table: PoolingTable) -> int:
-    """The rank holding a pooled table (one partition, on one server)."""
+def owners_of(table: PoolingTable) -> list[int]:
+    """The ranks that pool a table's bags, in rank order: the one server holding it whole
+    (`Config.pooled_tables`), or every server holding some of its rows
+    (`Config.pooled_by_rows`: each pools its rows' share of every bag)."""
     partitioning = table.partitioning
-    return partitioning.server_ranks[partitioning.server_of_partition(0)]
+    if not table.pools_by_rows:
+        return [partitioning.server_ranks[partitioning.server_of_partition(0)]]
+    return sorted({partitioning.server_ranks[partitioning.server_of_partition(p)]
+                   for p in range(partitioning.num_partitions)})
+
+
+@dataclass
+class _Share:
+    """What one owner pools of a call: its ids in bag order, where each of the call's bags
+    starts among them, and their weights."""
+
+    starts: Tensor
+    ids: Tensor
+    weights: Tensor | None
+
+
+def _shares(call: BagCall, owners: list[int]) -> dict[int, _Share]:
+    """Each owner's share of ``call``. Offsets become bag starts: torch's CPU kernel ends the
+    last bag at the ids' end whatever the last offset says under ``include_last_offset``
+    (torch documents that offset as the ids' count; the CUDA kernel is not checked here,
+    issue 41). A call torch refuses (`_refusal`) sends nothing: every rank raises for it once
+    the headers are in."""
+    starts = call.offsets[:-1] if call.include_last_offset else call.offsets
+    if len(owners) == 1:
+        return {owners[0]: _Share(starts, call.ids, call.weights)}
+    if _refusal(call) is not None:
+        return {o: _Share(starts[:0], call.ids[:0], None) for o in owners}
+    lengths = torch.diff(starts, append=starts.new_tensor([call.ids.numel()]))
+    bag = torch.repeat_interleave(torch.arange(starts.numel(), device=starts.device), lengths)
+    owner = call.table.partitioning.owner_rank(call.ids)
+    shares = {}
+    for rank in owners:
+        mine = owner == rank
+        counts = torch.bincount(bag[mine], minlength=starts.numel())
+        shares[rank] = _Share(counts.cumsum(0) - counts, call.ids[mine],
+                              None if call.weights is None else call.weights[mine])
+    return shares
+
+
+def _added(call: BagCall, shares: Tensor, owners: int) -> Tensor:
+    """The call's pooled rows from its ``owners``' shares (``[owner, bag, ...]`` flattened,
+    in rank order): their sum, divided by each bag's count of ids other than the padding
+    under ``mean`` (an empty bag stays zero, as torch pools it)."""
+    if owners == 1:
+        return shares
+    total = shares.view(owners, call.bags, *shares.shape[1:]).sum(0)
+    if call.mode != "mean":
+        return total
+    starts = call.offsets[:-1] if call.include_last_offset else call.offsets
+    lengths = torch.diff(starts, append=starts.new_tensor([call.ids.numel()]))
+    if call.padding_idx is not None:
+        padding = call.padding_idx % call.table.num_rows
+        bag = torch.repeat_interleave(torch.arange(call.bags, device=starts.device), lengths)
+        lengths = torch.bincount(bag[call.ids != padding], minlength=call.bags)
+    return total / lengths.clamp(min=1).unsqueeze(1).to(total.dtype)
 
 
 @dataclass
@@ -220,38 +284,42 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     (collective: every rank passes the same tables' calls in the same order)."""
     first = calls[0].table
     rank, world = first.worker.rank, first.worker.world_size
-    owners = [owner_of(call.table) for call in calls]
+    owners = [owners_of(call.table) for call in calls]
+    shares = [_shares(call, mine) for call, mine in zip(calls, owners, strict=True)]
     keys = [f"{call.table.name}#{i}" for i, call in enumerate(calls)]
     accounts = {key: call.table.name for key, call in zip(keys, calls, strict=True)}
-    header, received = _open(calls, owners, keys)
-    weights = _send_weights(calls, owners, header, keys, accounts)
+    header, received = _open(calls, shares, keys)
+    weights = _send_weights(calls, shares, header, keys, accounts)
     grad = torch.is_grad_enabled()
     owned = {i: _pool_at_owner(call, header[:, i], received[keys[i]], weights.get(keys[i]),
                                grad=grad)
-             for i, call in enumerate(calls) if owners[i] == rank}
+             for i, call in enumerate(calls) if rank in owners[i]}
     payloads = {k: owned[i].pooled.detach() if i in owned else c.table._rows(0)
                 for i, (k, c) in enumerate(zip(keys, calls, strict=True))}
-    sends = {k: header[:, i, _BAGS].tolist() if owners[i] == rank else [0] * world
+    sends = {k: header[:, i, _BAGS].tolist() if rank in owners[i] else [0] * world
              for i, k in enumerate(keys)}
-    receives = {k: [c.bags if peer == owners[i] else 0 for peer in range(world)]
+    receives = {k: [c.bags if peer in owners[i] else 0 for peer in range(world)]
                 for i, (k, c) in enumerate(zip(keys, calls, strict=True))}
     hop = Hop(sends, receives, first.group, first.traffic, accounts)
     outs = hop.forward_many(payloads)
-    result = [outs[k] for k in keys]
+    leaves = [outs[k] for k in keys]  # the owners' shares: their gradients are pushed
     if grad:
-        for out in result:
-            out.requires_grad_(True)
-        record = PooledExchange(list(calls), result, keys, hop, owned)
+        for leaf in leaves:
+            leaf.requires_grad_(True)
+    result = [_added(call, leaf, len(mine))
+              for call, leaf, mine in zip(calls, leaves, owners, strict=True)]
+    if grad:
+        record = PooledExchange(list(calls), leaves, keys, hop, owned)
         for table in {id(c.table): c.table for c in calls}.values():
             table.pooled_calls.append(record)
     return result
 
 
-def _open(calls: Sequence[BagCall], owners: list[int], keys: list[str],
+def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], keys: list[str],
           ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The header (every sender's counts to each call's owner and flags to every rank, as
-    ``[sender, call, field]``) and, at the owners, every sender's offsets and ids per call
-    (``key``), in one all_to_all where the rooms reserved hold them
+    """The header (every sender's counts to each of a call's owners and flags to every rank,
+    as ``[sender, call, field]``) and, at the owners, every sender's share of each call
+    (``key``: bag starts, then ids), in one all_to_all where the rooms reserved hold them
     (`parallax.engine.tables.reservations`: the most sent over the last exchanges of the same
     calls; a second all_to_all only when some rank overflowed, which every header says).
     Raises on every rank alike for a bad id, weights that need a gradient or a call torch
@@ -260,23 +328,25 @@ def _open(calls: Sequence[BagCall], owners: list[int], keys: list[str],
     world = first.worker.world_size
     wire = wire_id_dtype([c.table.num_rows for c in calls])
     rooms = [first.pooled_reservations.setdefault(key, Reservations(world)) for key in keys]
-    payloads = {k: torch.cat([c.offsets.to(wire), c.ids.to(wire)]).to(first.device)
-                for k, c in zip(keys, calls, strict=True)}
-    sends = {k: [payloads[k].numel() if peer == owner else 0 for peer in range(world)]
-             for k, owner in zip(keys, owners, strict=True)}
+    empty = torch.empty(0, dtype=wire, device=first.device)
+    payloads = [[empty] * world for _ in keys]
+    for payload, mine in zip(payloads, shares, strict=True):
+        for owner, share in mine.items():
+            payload[owner] = torch.cat([share.starts.to(wire), share.ids.to(wire)]).to(
+                first.device)
+    sends = {k: [p.numel() for p in payload] for k, payload in zip(keys, payloads, strict=True)}
     room_to = {k: [room.to(p) for p in range(world)] for k, room in zip(keys, rooms, strict=True)}
     room_from = {k: [room.from_(p) for p in range(world)]
                  for k, room in zip(keys, rooms, strict=True)}
     overflowed = any(sends[k][p] > room_to[k][p] for k in keys for p in range(world))
-    header = _header(calls, owners, overflowed)
+    header = _header(calls, shares, overflowed)
     fields = len(calls) * _FIELDS * 8 // wire.itemsize  # the header's values, as ``wire``
     parts = []
     for peer in range(world):
         parts.append(with_header(header[peer], wire).to(first.device))
-        for key in keys:
-            size = room_to[key][peer]
-            sent = payloads[key][:size] if sends[key][peer] else payloads[key][:0]
-            parts += [sent, sent.new_zeros(size - sent.numel())]
+        for key, payload in zip(keys, payloads, strict=True):
+            sent = payload[peer][:room_to[key][peer]]
+            parts += [sent, sent.new_zeros(room_to[key][peer] - sent.numel())]
     send_splits = [fields + sum(room_to[k][p] for k in keys) for p in range(world)]
     recv_splits = [fields + sum(room_from[k][p] for k in keys) for p in range(world)]
     message = torch.cat(parts)
@@ -295,21 +365,22 @@ def _open(calls: Sequence[BagCall], owners: list[int], keys: list[str],
                    {k: [max(0, c - r) for c, r in zip(counts[k], room_from[k], strict=True)]
                     for k in keys}, first.group, first.traffic,
                    {k: c.table.name for k, c in zip(keys, calls, strict=True)})
-        more = rest.forward_many({k: payloads[k][room_to[k][owner]:]
-                                  if sends[k][owner] else payloads[k][:0]
-                                  for k, owner in zip(keys, owners, strict=True)})
+        more = rest.forward_many({k: torch.cat([part[room_to[k][p]:]
+                                                for p, part in enumerate(payload)])
+                                  for k, payload in zip(keys, payloads, strict=True)})
         pieces = {k: merge_rest(pieces[k], more[k].split(rest.recv_counts[k])) for k in keys}
     for key, reserved in zip(keys, rooms, strict=True):
         reserved.note(sends[key], counts[key])
     return received, {k: torch.cat(pieces[k]).long() for k in keys}
 
 
-def _header(calls: Sequence[BagCall], owners: list[int], overflowed: bool) -> Tensor:
-    """This rank's header to every peer, ``[peer, call, field]``: counts to each call's
-    owner, flags and bad ids to every rank."""
+def _header(calls: Sequence[BagCall], shares: list[dict[int, _Share]],
+            overflowed: bool) -> Tensor:
+    """This rank's header to every peer, ``[peer, call, field]``: counts to each of a call's
+    owners, flags and bad ids to every rank."""
     world = calls[0].table.worker.world_size
     message = torch.zeros(world, len(calls), _FIELDS, dtype=torch.long)
-    for i, (call, owner) in enumerate(zip(calls, owners, strict=True)):
+    for i, (call, mine) in enumerate(zip(calls, shares, strict=True)):
         flags, bad = _OVERFLOWED if overflowed else 0, 0
         if call.ids.numel():
             low, high = (int(v) for v in torch.aminmax(call.ids))
@@ -319,9 +390,10 @@ def _header(calls: Sequence[BagCall], owners: list[int], overflowed: bool) -> Te
             flags |= _HAS_WEIGHTS | (_WEIGHTS_NEED_GRAD if call.weights.requires_grad else 0)
         flags |= _REFUSED if _refusal(call) is not None else 0
         message[:, i, _FLAGS], message[:, i, _BAD] = flags, bad
-        message[owner, i, _IDS], message[owner, i, _OFFSETS] = (call.ids.numel(),
-                                                                call.offsets.numel())
-        message[owner, i, _BAGS] = call.bags
+        for owner, share in mine.items():
+            message[owner, i, _IDS] = share.ids.numel()
+            message[owner, i, _OFFSETS] = share.starts.numel()
+            message[owner, i, _BAGS] = call.bags
     return message
 
 
@@ -384,38 +456,32 @@ def _refusal(call: BagCall) -> str | None:
     return None
 
 
-def _hop(table: PoolingTable, send: dict[str, tuple[int, int]], receive: dict[str, Tensor],
-         accounts: dict[str, str]) -> Hop:
-    """A hop sending each key's ``(owner, count)`` and receiving ``receive[key]`` per peer."""
-    world = table.worker.world_size
-    counts = {}
-    for key, (owner, count) in send.items():
-        counts[key] = [0] * world
-        counts[key][owner] = count
-    return Hop(counts, {k: [int(c) for c in v] for k, v in receive.items()}, table.group,
-               table.traffic, accounts)
-
-
-def _send_weights(calls: Sequence[BagCall], owners: list[int], header: Tensor,
+def _send_weights(calls: Sequence[BagCall], shares: list[dict[int, _Share]], header: Tensor,
                   keys: list[str], accounts: dict[str, str]) -> dict[str, Tensor]:
-    """The per-sample weights of the calls for which any rank has some, at their owners."""
+    """The per-sample weights of the calls for which any rank has some, at their owners (each
+    owner the weights of its share of the ids)."""
     weighted = [i for i in range(len(calls)) if bool((header[:, i, _FLAGS] & _HAS_WEIGHTS)
                                                      .any())]
     if not weighted:
         return {}
-    mine = {keys[i]: _weights_of(calls[i]) for i in weighted}
-    receive = {keys[i]: header[:, i, _IDS] * ((header[:, i, _FLAGS] & _HAS_WEIGHTS) > 0)
+    first = calls[0].table
+    world = first.worker.world_size
+    mine, send = {}, {}
+    for i in weighted:
+        parts = {owner: _weights_of(calls[i], share) for owner, share in shares[i].items()}
+        mine[keys[i]] = torch.cat([parts[owner] for owner in sorted(parts)])
+        send[keys[i]] = [parts[peer].numel() if peer in parts else 0 for peer in range(world)]
+    receive = {keys[i]: [int(n) for n in header[:, i, _IDS] * ((header[:, i, _FLAGS]
+                                                               & _HAS_WEIGHTS) > 0)]
                for i in weighted}
-    hop = _hop(calls[0].table, {keys[i]: (owners[i], mine[keys[i]].numel()) for i in weighted},
-               receive, accounts)
-    return hop.forward_many(mine)
+    return Hop(send, receive, first.group, first.traffic, accounts).forward_many(mine)
 
 
-def _weights_of(call: BagCall) -> Tensor:
-    """The call's weights as sent (an empty tensor of the table's dtype for none)."""
-    if call.weights is None:
+def _weights_of(call: BagCall, share: _Share) -> Tensor:
+    """A share's weights as sent (an empty tensor of the table's dtype for none)."""
+    if share.weights is None:
         return call.table._rows(0).new_empty(0)
-    return call.weights.detach()
+    return share.weights.detach()
 
 
 def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Tensor | None,
@@ -445,20 +511,19 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
     sent_weights = (list(weights.split([n if h else 0 for n, h in zip(counts, has_weights,
                                                                        strict=True)]))
                     if weights is not None else None)
-    positions, offsets, weight_parts, bags = [], [], [], []
+    offsets, weight_parts, bags = [], [], []
     start = 0
-    for w, (piece, m, ids) in enumerate(zip(pieces, sizes, inverse.split(counts), strict=True)):
-        bag_starts, used = _bags_of(piece[:m], ids.numel(), call.include_last_offset)
-        positions.append(ids[:used])
-        offsets.append(bag_starts + start)
-        bags.append(bag_starts.numel())
-        start += used
+    for w, (piece, m, n) in enumerate(zip(pieces, sizes, counts, strict=True)):
+        offsets.append(piece[:m] + start)  # each worker's bag starts, past the ids before
+        bags.append(m)
+        start += n
         if sent_weights is not None:  # a worker without weights weighs each id 1, exactly
-            weight_parts.append(sent_weights[w][:used] if has_weights[w]
-                                else rows.new_ones(used))
-    merged = _Merged(torch.cat(positions), torch.cat(offsets),
-                     torch.cat(weight_parts) if weight_parts else None, padding, call.mode)
-    if call.mode == "max":  # the gradient goes to each bag's largest: torch's backward finds it
+            weight_parts.append(sent_weights[w] if has_weights[w] else rows.new_ones(n))
+    # one share of several is a sum: the worker adds the shares, then divides under mean
+    mode = "sum" if len(owners_of(table)) > 1 else call.mode
+    merged = _Merged(inverse, torch.cat(offsets),
+                     torch.cat(weight_parts) if weight_parts else None, padding, mode)
+    if mode == "max":  # the gradient goes to each bag's largest: torch's backward finds it
         if grad:
             rows.requires_grad_(True)
         pooled = merged.pool(rows)
@@ -514,16 +579,6 @@ def _autograd_backward(pooled: Tensor, rows: Tensor) -> Callable[[Tensor], Tenso
         pooled.backward(grads)
         return rows.grad
     return backward
-
-
-def _bags_of(offsets: Tensor, ids: int, include_last_offset: bool) -> tuple[Tensor, int]:
-    """One worker's bags as starts (``include_last_offset`` off) and how many of its ``ids``
-    they hold. Torch's CPU kernel ends the last bag at the end of the ids whatever the last
-    offset says (torch documents the last offset as the ids' count; the CUDA kernel is not
-    checked here, issue 41); with no bags, no id is used."""
-    if include_last_offset:
-        return offsets[:-1], ids
-    return offsets, ids if offsets.numel() else 0
 
 
 def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:

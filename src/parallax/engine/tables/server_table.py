@@ -94,6 +94,8 @@ class ShardedTable:
     #: bags pooled on the owner (`parallax.engine.tables.pooled`): set where the layout is
     #: built (`Config.pooled_tables`) or by the planner after the warm-up
     pools = False
+    #: pooled where its rows live, every server its share (`Config.pooled_by_rows`)
+    pools_by_rows = False
 
     @property
     def held(self) -> ShardedTable:
