@@ -92,12 +92,14 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # "hybrid-pooled": Config(pooled_tables=...) for the workload's long bags (the recommender's
 # history: --workload-options '{"history": 32}'), pooled on their owners; "hybrid-rows":
 # Config(pooled_tables=()), every table's rows pulled (by default the hybrid decides);
-# "hybrid-tablewise": every EmbeddingBag table pooled on an owner (TorchRec's table-wise).
+# "hybrid-tablewise": every EmbeddingBag table pooled on an owner (TorchRec's table-wise);
+# "hybrid-byrows": the long bags pooled by rows (Config.pooled_by_rows: every server its rows'
+# share, TorchRec's row-wise), the other bag tables table-wise.
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
                "optps-direct", "hybrid-late", "ps-late", "torchrec-rw", "torchrec-tw",
                "torchrec-plan", "plain", "hybrid-plump", "hybrid-qsgd", "hybrid-slim",
                "hybrid-flat", "hybrid-eager", "hybrid-pooled", "hybrid-rows",
-               "hybrid-tablewise"]
+               "hybrid-tablewise", "hybrid-byrows"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 

@@ -92,7 +92,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     ``-late`` ones ``Config(overlap_push=False)`` (gradient rows pushed after the backward);
     ``-pooled`` ones ``Config(pooled_tables=workload.long_bags)``, ``-rows`` ones
     ``Config(pooled_tables=())`` (no table pooled; by default the hybrid decides),
-    ``-tablewise`` ones pool every bag table (``workload.bag_tables``);
+    ``-tablewise`` ones pool every bag table (``workload.bag_tables``), ``-byrows`` ones
+    the long bags by rows (``Config.pooled_by_rows``) and the other bag tables table-wise;
     ``-plump``, ``-qsgd``, ``-slim`` ones that ``Config.dense_sync`` (defaults of `QSGD` and
     `SlimDP`; plump/slim need the LM's ``momentum`` optimizer: SGD);
     ``torchrec-*`` the recommender as a TorchRec EmbeddingBagCollection, or the LM as an
@@ -139,7 +140,13 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
                                                             if variant == "pooled" else
                                                             workload.bag_tables
                                                             if variant == "tablewise" else
+                                                            tuple(n for n in workload.bag_tables
+                                                                  if n not in workload.long_bags)
+                                                            if variant == "byrows" else
                                                             () if variant == "rows" else None),
+                                                        pooled_by_rows=(
+                                                            workload.long_bags
+                                                            if variant == "byrows" else ()),
                                                         dense_sync=DENSE_SYNCS.get(
                                                             variant, "hierarchical"),
                                                         sparsity_warmup_steps=alpha_steps))

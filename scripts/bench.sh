@@ -43,6 +43,10 @@ torchrec-tw torchrec-plan --steps 20 --isolate \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-tablewise torchrec-plan --steps 100 --isolate \
 --out $results/compare-recsys-history32-2x2-1gbit-rest-100steps.json"
+  [recsys-history-byrows]="$py benchmarks/compare.py --workload recsys --machines 2 \
+--nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
+--systems hybrid hybrid-tablewise hybrid-byrows torchrec-plan --steps 30 --isolate \
+--out $results/compare-recsys-history32-2x2-1gbit-byrows.json"
   [recsys-riders-100]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --systems hybrid hybrid-tablewise \
 torchrec-tw torchrec-plan --steps 100 --isolate \
@@ -102,13 +106,13 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 --rate 1gbit --steps 150"
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
-       recsys-history-100 recsys-riders-100 lm-riders-100 lm-4x1-riders-100 lm-riders
-       lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity bandwidth alpha small-sums
+       recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
+       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases launch)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
-               recsys-history-100 recsys-riders-100 lm-riders-100 lm-4x1-riders-100
+               recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
                lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity bandwidth slim-dp
                slim-sweep lm-dense-sync lm-dense-sync-100mbit async)
 

@@ -216,6 +216,18 @@ def test_a_name_pooled_by_rows_that_is_no_embedding_bag_is_refused() -> None:
 
 
 @pytest.mark.usefixtures("_shutdown")
+def test_a_max_bag_pooled_by_rows_is_refused_when_the_runner_is_built() -> None:
+    class MaxBags(Bags):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = nn.EmbeddingBag(20, 3, mode="max")
+
+    with pytest.raises(UnsupportedProgramError, match=r"pooled_by_rows names 'bag.weight', "
+                                                      r"whose nn.EmbeddingBag has mode='max'"):
+        _runner(MaxBags(), (), pooled_by_rows=("bag.weight",))
+
+
+@pytest.mark.usefixtures("_shutdown")
 def test_weights_that_need_a_gradient_and_bad_ids_are_refused_naming_the_rank() -> None:
     runner = _runner(Bags(), ("bag.weight",))
     ids, target = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([0, 1])
@@ -297,34 +309,45 @@ def test_a_call_torch_refuses_is_refused_before_any_exchange(offsets, mode, weig
 
 
 @pytest.mark.usefixtures("_shutdown")
-@pytest.mark.parametrize("free, pooled", [(40_000, False), (2**32, True)])
-def test_the_planner_pools_a_table_only_where_it_fits_one_server(monkeypatch, free,
-                                                                 pooled) -> None:
-    """(one process: the bytes rule is stood in for, the memory rule is the one at test)
+@pytest.mark.parametrize("free, by_rows, pooled", [(40_000, False, "no"),
+                                                   (40_000, True, "by rows"),
+                                                   (2**32, True, "whole")])
+def test_the_planner_pools_a_table_whole_only_where_it_fits_one_server(
+        monkeypatch, free, by_rows, pooled) -> None:
+    """(one process: the bytes rules are stood in for, the memory rule is the one at test)
     A table the planner would pool stays partitioned when, whole on one server with its
-    gradient and optimizer state, it would not fit in what that server may still allocate."""
+    gradient and optimizer state, it would not fit in what that server may still allocate;
+    there it is pooled by rows where that saves bytes, and trains on exactly."""
     from parallax.planning import architectures
     from parallax.step import plan_keeper
 
     monkeypatch.setattr(architectures.Hybrid, "pools_bags",
                         lambda self, table, use, measured, **_: (use.kind == "embedding_bag",
                                                                  "pooling saves bytes"))
+    monkeypatch.setattr(architectures.Hybrid, "pools_by_rows",
+                        lambda self, table, use, measured, **_: (by_rows, "by rows saves too"))
     monkeypatch.setattr(plan_keeper, "free_bytes", lambda processes: free)
     case = next(c for c in cases.CASES if c.name == "planner-decides")
     model, optimizer = cases.build(case)
     runner = parallax.get_runner(model, optimizer, cases.loss_fn, config=parallax.Config(
         partition_cache=None, sparsity_warmup_steps=1, num_partitions=2))
-    runner.step(cases.worker_slice(case, cases.batches(case)[0], 0, 1))
+    for batch in cases.batches(case):
+        runner.step(cases.worker_slice(case, batch, 0, 1))
     lines = _plan_rows(runner.plan.table())
-    if pooled:
+    # 300 x 6 float64 values, their gradient and Adagrad's sum: 3 x 14,400 B
+    too_large = (r"pooling saves bytes, but held whole on one server it would take 43,200 B "
+                 r"with its gradient and optimizer state, and at most 40,000 B are free on any")
+    if pooled == "whole":
         assert lines["history.weight"][6] == "PS: 1 partition(s) on server rank(s) 0"
         assert "pooling saves bytes; owner rank 0" in lines["history.weight"][5]
+    elif pooled == "by rows":
+        assert lines["history.weight"][6] == "PS: 2 partition(s) on server rank(s) 0"
+        assert re.search(rf"{too_large}: by rows saves too", lines["history.weight"][5])
+        assert runner.layout.sparse["history.weight"].held.pools_by_rows
     else:
         assert lines["history.weight"][6] == "PS: 2 partition(s) on server rank(s) 0"
-        # 300 x 6 float64 values, their gradient and Adagrad's sum: 3 x 14,400 B
-        assert re.search(r"pooling saves bytes, but held whole on one server it would take "
-                         r"43,200 B with its gradient and optimizer state, and at most 40,000 B "
-                         r"are free on any: its rows stay partitioned", lines["history.weight"][5])
+        assert re.search(rf"{too_large}: its rows stay partitioned", lines["history.weight"][5])
+    assert _max_error(runner.state_dict(), cases.single_device(case)) <= 1e-9
 
 
 @pytest.mark.usefixtures("_shutdown")

@@ -118,8 +118,22 @@ class Architecture:
         why. Only the hybrid decides, and only where `Config.pooled_tables` is None."""
         return False, ""
 
+    def pools_by_rows(self, table: Table, use: SparseUse, measured: Sparsity, *,
+                      config: Config, worker: WorkerInfo) -> tuple[bool, str]:
+        """For a table `pools_bags` would pool but no server can hold whole: pool it by rows
+        (every server its rows' share, `Config.pooled_by_rows`) where the bytes model
+        predicts that to move fewer bytes than the rows."""
+        predicted = self.pooling_bytes(table, use, measured, config=config, worker=worker,
+                                       owners=len(worker.server_ranks))
+        if predicted is None:
+            return False, ""
+        rows, pooled = predicted
+        return pooled < rows, (f"pooled by rows instead, each server its rows' share: "
+                               f"predicted {pooled:,.0f} B vs rows {rows:,.0f} B per step")
+
     def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
-                      config: Config, worker: WorkerInfo) -> tuple[float, float] | None:
+                      config: Config, worker: WorkerInfo,
+                      owners: int = 1) -> tuple[float, float] | None:
         """``(rows, pooled)``: the predicted bytes per machine and step of ``table``'s rows
         (at their cheapest) and of its bags pooled on an owner; None where the architecture
         would not pool it (see `pools_bags`)."""
@@ -226,8 +240,22 @@ class Hybrid(Architecture):
         return pool, (f"bags pooled on an owner: predicted {pooled:,.0f} B vs rows "
                       f"{rows:,.0f} B, AllReduce {replicated:,.0f} B per step")
 
+    def pools_by_rows(self, table: Table, use: SparseUse, measured: Sparsity, *,
+                      config: Config, worker: WorkerInfo) -> tuple[bool, str]:
+        """For a table `pools_bags` would pool but no server can hold whole: pool it by rows
+        (every server its rows' share, `Config.pooled_by_rows`) where the bytes model
+        predicts that to move fewer bytes than the rows."""
+        predicted = self.pooling_bytes(table, use, measured, config=config, worker=worker,
+                                       owners=len(worker.server_ranks))
+        if predicted is None:
+            return False, ""
+        rows, pooled = predicted
+        return pooled < rows, (f"pooled by rows instead, each server its rows' share: "
+                               f"predicted {pooled:,.0f} B vs rows {rows:,.0f} B per step")
+
     def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
-                      config: Config, worker: WorkerInfo) -> tuple[float, float] | None:
+                      config: Config, worker: WorkerInfo,
+                      owners: int = 1) -> tuple[float, float] | None:
         if (config.pooled_tables is not None or config.sync != "sync" or table.pools
                 or not table.on_servers or use.kind != "embedding_bag"
                 or use.batch_dependent is not None or measured.weights_need_grad
@@ -238,7 +266,7 @@ class Hybrid(Architecture):
         if table.local_aggregation and measured.alpha_machine is not None:
             rows = min(rows, _ps_bytes(table, measured, worker, aggregated=True))
         return rows, cost.pooled_bags(measured.bag_ids, measured.bags, _row_bytes(table),
-                                      _shape(worker))
+                                      _shape(worker), owners=owners)
 
     def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
                                 *, config: Config, worker: WorkerInfo) -> tuple[bool, str]:
@@ -344,7 +372,15 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
     owners = pooled_owners(sparse_uses, params, config, len(servers))
     by_rows = set(config.pooled_by_rows)
     for name in sorted(by_rows):
-        _check_poolable(name, sparse_uses.get(name), sparse_uses, "pooled_by_rows")
+        use = sparse_uses.get(name)
+        _check_poolable(name, use, sparse_uses, "pooled_by_rows")
+        layer = model.get_submodule(use.module_path) if use and use.module_path else None
+        if getattr(layer, "mode", None) == "max":
+            raise UnsupportedProgramError(
+                f"Config.pooled_by_rows names {name!r}, whose nn.EmbeddingBag has "
+                f"mode='max': pooling by rows adds every server's share of a bag, which gives "
+                f"a sum or a mean, not a max; name it in Config.pooled_tables (pooled whole "
+                f"on one owner) or leave it to the row path")
     for name, use in sorted(sparse_uses.items()):
         sparse_grad = use.sparse_grad or config.lazy_sparse_updates
         if name in owners:

@@ -68,7 +68,7 @@ class PlanKeeper:
             if config.lazy_sparse_updates else {})
         for name, table in layout.sparse.items():
             servers = layout.placement(name).servers
-            if table.pools and table.held is not None and table.held.pools_by_rows:
+            if table.held is not None and table.held.pools_by_rows:
                 self.decisions[name] = (f"bags pooled by rows, each server rank of "
                                         f"{','.join(map(str, servers))} its rows' share "
                                         f"(Config.pooled_by_rows)")
@@ -110,7 +110,9 @@ class PlanKeeper:
                                small_sums=self.worker.device.type == "cpu",
                                pooled=frozenset(n for n, t in self.layout.sparse.items()
                                                 if t.pools),
-                               pooled_by_rows=frozenset(self.config.pooled_by_rows),
+                               pooled_by_rows=frozenset(
+                                   n for n, t in self.layout.sparse.items()
+                                   if t.held is not None and t.held.pools_by_rows),
                                reasons=self.decisions,
                                local_aggregation=self.local_aggregation,
                                searches=tuple(self.searches.values()))
@@ -164,7 +166,7 @@ class PlanKeeper:
         servers = self.worker.server_ranks
         load = [0] * len(servers)
         for name, table in self.layout.sparse.items():
-            if table.pools:
+            if table.pools and len(self.layout.placement(name).servers) == 1:
                 load[servers.index(self.layout.placement(name).servers[0])] += \
                     self.params[name].nbytes
         chosen = {}
@@ -196,10 +198,16 @@ class PlanKeeper:
             if held is None:
                 continue
             if name not in owners:
-                self.decisions[name] = (f"{why}, but held whole on one server it would take "
-                                        f"{needed[name]:,} B with its gradient and optimizer "
-                                        f"state, and at most {most_free[name]:,.0f} B are free "
-                                        f"on any: its rows stay partitioned")
+                too_large = (f"{why}, but held whole on one server it would take "
+                             f"{needed[name]:,} B with its gradient and optimizer state, and "
+                             f"at most {most_free[name]:,.0f} B are free on any")
+                by_rows, because = self._by_rows(name)
+                if by_rows:  # the rows stay where they are: every server pools its share
+                    held.pools = held.pools_by_rows = True
+                    held.local_aggregation = False
+                    self.decisions[name] = f"{too_large}: {because}"
+                else:
+                    self.decisions[name] = f"{too_large}: its rows stay partitioned"
                 continue
             owner = owners[name]
             repartition(held, 1, self.shard_optimizer, first_server=owner)
@@ -207,6 +215,18 @@ class PlanKeeper:
             self.layout.placements[name] = self.layout.placement(name)._replace(
                 partitions=1, servers=(servers[owner],))
             self.decisions[name] = f"{why}; owner rank {servers[owner]}"
+
+    def _by_rows(self, name: str) -> tuple[bool, str]:
+        """Whether to pool ``name`` by rows (`Architecture.pools_by_rows`): not a layer whose
+        ``mode`` is ``"max"`` (the shares are sums)."""
+        use = self.sparse_uses[name]
+        layer = (self.model.get_submodule(use.module_path) if use.module_path is not None
+                 else None)
+        if getattr(layer, "mode", None) not in ("sum", "mean"):
+            return False, ""
+        return self.architecture.pools_by_rows(self.layout.sparse[name], use,
+                                               self.sparsity[name], config=self.config,
+                                               worker=self.worker)
 
     def _pooled_with_them(self, chosen: dict[str, str]) -> dict[str, str]:
         """The other server-held tables, with why, where pooling them too leaves no table
