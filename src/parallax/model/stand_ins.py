@@ -154,7 +154,7 @@ class ShardedEmbeddingBag(TableLookup):
 
     def forward(self, ids: Tensor, offsets: Tensor | None = None,
                 per_sample_weights: Tensor | None = None) -> Tensor:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.table.measuring:
             self.table.bag_use.add(ids, offsets, self.include_last_offset, per_sample_weights)
         if self.table.pools:  # pooled where the table lives (Config.pooled_tables)
             return self.table.pool_bags(ids, offsets, per_sample_weights, mode=self.mode,

@@ -78,6 +78,8 @@ class PlanKeeper:
         #: the shapes of `Runner.step`'s batch (what a search's cache entry is valid for)
         self.batch_signature: Any = None
         self.tuner: PartitionTuner | None = None
+        if warmup_steps == 0:  # α is never measured here
+            self._stop_measuring()
         self.build()
 
     def attach(self, executed: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -137,6 +139,7 @@ class PlanKeeper:
         rule: `Architecture.moves_to_allreduce`; collective)."""
         tables = self.layout.sparse
         self.sparsity = measure(tables, self.worker, self.group, self.worker.device)
+        self._stop_measuring()
         self._pool_bags()
         self._decide_local_aggregation()
         self.sync_mode.after_warmup(self.group)
@@ -276,7 +279,13 @@ class PlanKeeper:
                 if name in self.sparse_uses and why:
                     self.decisions[name] = why
 
+    def _stop_measuring(self) -> None:
+        """α is measured (or never will be): the tables stop counting their use."""
+        for table in self.layout.sparse.values():
+            table.measuring = False
+
     def _replace_table(self, old: Table, new: Table) -> None:
+        new.measuring = old.measuring
         self.layout.replace(new)
         for module in self.executed.modules():
             if isinstance(module, TableLookup) and module.table is old:

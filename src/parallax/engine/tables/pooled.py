@@ -87,6 +87,7 @@ class PoolingTable(Protocol):
     average: bool
     has_gradient: bool
     rows_used: list[int]
+    measuring: bool
     pooled_calls: list[PooledExchange]
     pooled_ahead: list[tuple[BagCall, Tensor]]
     #: the rooms `pool_many` reserves for each call's offsets and ids, per exchange key
@@ -594,7 +595,9 @@ def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:
                 if call.table is table]
         if mine:
             table.has_gradient = table.has_gradient or any(o.grad is not None for _, o in mine)
-            table.rows_used.append(sum(int(torch.unique(c.ids).numel()) for c, _ in mine))
+            if table.measuring:
+                table.rows_used.append(sum(int(torch.unique(c.ids).numel())
+                                           for c, _ in mine))
     return list(records.values())  # dicts keep insertion order: the same on all ranks
 
 

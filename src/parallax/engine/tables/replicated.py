@@ -42,6 +42,7 @@ class ReplicatedTable:
     on_servers = False
     local_aggregation = False  # replicas exchange directly
     pools = False  # every worker pools its own bags from its replica
+    measuring = True  # `Table.measuring`
     pool: PartitionPool = SERIAL  # (no per-partition work)
 
     @property
@@ -138,7 +139,7 @@ class ReplicatedTable:
     def push_gradients(self) -> None:
         """AllGatherv of every lookup's (ids, rows); each replica sums them into its grad."""
         world = self.worker.world_size
-        if self._pending:
+        if self._pending and self.measuring:
             used = torch.unique(torch.cat([unique for unique, _, _ in self._pending]))
             self.rows_used.append(int(used.numel()))
         if self.sync == "allreduce":

@@ -96,6 +96,7 @@ class ShardedTable:
     pools = False
     #: pooled where its rows live, every server its share (`Config.pooled_by_rows`)
     pools_by_rows = False
+    measuring = True  # `Table.measuring`
 
     @property
     def held(self) -> ShardedTable:
@@ -356,6 +357,8 @@ class ShardedTable:
         lookups = [pull.lookups[self.name] for pull in self._pending]
         self.has_gradient = self.has_gradient or any(
             lookup.rows.grad is not None for lookup in lookups)
+        if not self.measuring:
+            return
         ids = torch.cat([lookup.ids for lookup in lookups])
         self.rows_used.append(int(torch.unique(ids).numel()))
         if self.local_aggregation and self.worker.rank == self._leader:

@@ -46,6 +46,9 @@ class Table(Protocol):
     rows_used: list[int]  # per training step, the rows this worker read (α's measurement)
     machine_rows_used: list[int]
     bag_use: BagUse  # its nn.EmbeddingBag calls' ids and bags over those steps
+    #: whether those are counted: until α is measured (`PlanKeeper` turns it off, so that a
+    #: long run neither pays for counting nor keeps a list that grows every step)
+    measuring: bool
     dtype: torch.dtype
     #: lookups with dense-gradient (False) or sparse-gradient (True) semantics
     sparse_grad: bool
