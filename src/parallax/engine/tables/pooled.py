@@ -11,6 +11,14 @@ gradient like any pushed rows (averaged, clipped and updated by the servers' opt
 before). A bag of L ids costs one vector each way instead of up to L rows: the win of long bags
 over big tables (a user's history); one-id bags gain nothing.
 
+A table named in `Config.pooled_by_rows` (TorchRec's row-wise sharding) keeps its rows
+partitioned over the servers: each worker sends every server the ids of its rows with each
+bag's start among them (`_shares`), each server pools its share of every bag as a sum, and the
+worker adds the shares in rank order, dividing by the bag's size under ``mean`` (`_added`);
+the shares' gradients go back to each server. One table's pooling is spread over the servers,
+for one pooled vector per server and bag; the result differs from one device only in the order
+of a bag's sums. ``max`` is refused (a share's sum is no max).
+
 Exact: the owner computes what the layer computes on one device, every worker's bags of a
 call in one ``embedding_bag`` (each bag with its worker's ids, offsets, ``mode``,
 ``padding_idx`` and weights), on the rows of the unique ids of all workers together: the
