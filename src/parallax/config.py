@@ -397,12 +397,7 @@ class Config:
                                and all(isinstance(n, str) for n in names)
                                and len(set(names)) == len(names))
         _require(ok, "pooled_tables", names, "a tuple of distinct parameter names")
-        if names:
-            _require(self.architecture != ArchitectureName.ALLREDUCE, "pooled_tables", names,
-                     "() with architecture='allreduce' (no server holds a table to pool on)")
-            _require(self.sync == SyncName.SYNC, "pooled_tables", names,
-                     f"() with sync={str(self.sync)!r} (bags are pooled in the step of the "
-                     f"synchronous exchange)")
+        self._check_pooling_setup("pooled_tables", names)
         if names is not None:
             object.__setattr__(self, "pooled_tables", tuple(names))
         rows = self.pooled_by_rows
@@ -410,13 +405,17 @@ class Config:
               and len(set(rows)) == len(rows) and not set(rows) & set(names or ()))
         _require(ok, "pooled_by_rows", rows, "a tuple of distinct parameter names, none of "
                  "them in pooled_tables")
-        if rows:
-            _require(self.architecture != ArchitectureName.ALLREDUCE, "pooled_by_rows", rows,
-                     "() with architecture='allreduce' (no server holds rows to pool)")
-            _require(self.sync == SyncName.SYNC, "pooled_by_rows", rows,
+        self._check_pooling_setup("pooled_by_rows", rows)
+        object.__setattr__(self, "pooled_by_rows", tuple(rows))
+
+    def _check_pooling_setup(self, field: str, names: Any) -> None:
+        """Tables named in ``field`` are pooled by servers, in the synchronous step."""
+        if names:
+            _require(self.architecture != ArchitectureName.ALLREDUCE, field, names,
+                     "() with architecture='allreduce' (no server holds a table to pool on)")
+            _require(self.sync == SyncName.SYNC, field, names,
                      f"() with sync={str(self.sync)!r} (bags are pooled in the step of the "
                      f"synchronous exchange)")
-        object.__setattr__(self, "pooled_by_rows", tuple(rows))
 
     def _check_checkpoints(self) -> None:
         """Where checkpoints go, how often, how many are kept, and resuming."""

@@ -89,7 +89,8 @@ def _pool(table: _Table, calls: list[_Call], mode: str, last: bool,
     owners = pooled.owners_of(table)  # type: ignore[arg-type]
     bag_calls = [pooled.BagCall(table, c.ids, c.offsets, c.weights, mode, padding,  # type: ignore[arg-type]
                                 last) for c in calls]
-    shares = [pooled._shares(call, owners) for call in bag_calls]
+    shares = [pooled._shares(call, owners, pooled._refusal(call) is not None)
+              for call in bag_calls]
     owned = {}
     for owner in owners:
         header = torch.zeros(len(calls), pooled._FIELDS, dtype=torch.long)

@@ -240,19 +240,6 @@ class Hybrid(Architecture):
         return pool, (f"bags pooled on an owner: predicted {pooled:,.0f} B vs rows "
                       f"{rows:,.0f} B, AllReduce {replicated:,.0f} B per step")
 
-    def pools_by_rows(self, table: Table, use: SparseUse, measured: Sparsity, *,
-                      config: Config, worker: WorkerInfo) -> tuple[bool, str]:
-        """For a table `pools_bags` would pool but no server can hold whole: pool it by rows
-        (every server its rows' share, `Config.pooled_by_rows`) where the bytes model
-        predicts that to move fewer bytes than the rows."""
-        predicted = self.pooling_bytes(table, use, measured, config=config, worker=worker,
-                                       owners=len(worker.server_ranks))
-        if predicted is None:
-            return False, ""
-        rows, pooled = predicted
-        return pooled < rows, (f"pooled by rows instead, each server its rows' share: "
-                               f"predicted {pooled:,.0f} B vs rows {rows:,.0f} B per step")
-
     def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
                       config: Config, worker: WorkerInfo,
                       owners: int = 1) -> tuple[float, float] | None:

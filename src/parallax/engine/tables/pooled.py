@@ -204,16 +204,16 @@ class _Share:
     weights: Tensor | None
 
 
-def _shares(call: BagCall, owners: list[int]) -> dict[int, _Share]:
+def _shares(call: BagCall, owners: list[int], refused: bool) -> dict[int, _Share]:
     """Each owner's share of ``call``. Offsets become bag starts: torch's CPU kernel ends the
     last bag at the ids' end whatever the last offset says under ``include_last_offset``
     (torch documents that offset as the ids' count; the CUDA kernel is not checked here,
-    issue 41). A call torch refuses (`_refusal`) sends nothing: every rank raises for it once
-    the headers are in."""
+    issue 41). A call torch refuses (``refused``: `_refusal`) sends nothing to several owners:
+    every rank raises for it once the headers are in."""
     starts = call.offsets[:-1] if call.include_last_offset else call.offsets
     if len(owners) == 1:
         return {owners[0]: _Share(starts, call.ids, call.weights)}
-    if _refusal(call) is not None:
+    if refused:
         return {o: _Share(starts[:0], call.ids[:0], None) for o in owners}
     lengths = torch.diff(starts, append=starts.new_tensor([call.ids.numel()]))
     bag = torch.repeat_interleave(torch.arange(starts.numel(), device=starts.device), lengths)
@@ -294,10 +294,12 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     first = calls[0].table
     rank, world = first.worker.rank, first.worker.world_size
     owners = [owners_of(call.table) for call in calls]
-    shares = [_shares(call, mine) for call, mine in zip(calls, owners, strict=True)]
+    refused = [_refusal(call) is not None for call in calls]
+    shares = [_shares(call, mine, no) for call, mine, no in zip(calls, owners, refused,
+                                                                   strict=True)]
     keys = [f"{call.table.name}#{i}" for i, call in enumerate(calls)]
     accounts = {key: call.table.name for key, call in zip(keys, calls, strict=True)}
-    header, received = _open(calls, shares, keys)
+    header, received = _open(calls, shares, refused, keys)
     weights = _send_weights(calls, shares, header, keys, accounts)
     grad = torch.is_grad_enabled()
     owned = {i: _pool_at_owner(call, header[:, i], received[keys[i]], weights.get(keys[i]),
@@ -324,8 +326,8 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     return result
 
 
-def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], keys: list[str],
-          ) -> tuple[Tensor, dict[str, Tensor]]:
+def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: list[bool],
+          keys: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
     """The header (every sender's counts to each of a call's owners and flags to every rank,
     as ``[sender, call, field]``) and, at the owners, every sender's share of each call
     (``key``: bag starts, then ids), in one all_to_all where the rooms reserved hold them
@@ -348,7 +350,7 @@ def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], keys: list[
     room_from = {k: [room.from_(p) for p in range(world)]
                  for k, room in zip(keys, rooms, strict=True)}
     overflowed = any(sends[k][p] > room_to[k][p] for k in keys for p in range(world))
-    header = _header(calls, shares, overflowed)
+    header = _header(calls, shares, refused, overflowed)
     fields = len(calls) * _FIELDS * 8 // wire.itemsize  # the header's values, as ``wire``
     parts = []
     for peer in range(world):
@@ -383,13 +385,13 @@ def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], keys: list[
     return received, {k: torch.cat(pieces[k]).long() for k in keys}
 
 
-def _header(calls: Sequence[BagCall], shares: list[dict[int, _Share]],
+def _header(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: list[bool],
             overflowed: bool) -> Tensor:
     """This rank's header to every peer, ``[peer, call, field]``: counts to each of a call's
     owners, flags and bad ids to every rank."""
     world = calls[0].table.worker.world_size
     message = torch.zeros(world, len(calls), _FIELDS, dtype=torch.long)
-    for i, (call, mine) in enumerate(zip(calls, shares, strict=True)):
+    for i, (call, mine, no) in enumerate(zip(calls, shares, refused, strict=True)):
         flags, bad = _OVERFLOWED if overflowed else 0, 0
         if call.ids.numel():
             low, high = (int(v) for v in torch.aminmax(call.ids))
@@ -397,7 +399,7 @@ def _header(calls: Sequence[BagCall], shares: list[dict[int, _Share]],
                 flags, bad = flags | _BAD_ID, low if low < 0 else high
         if call.weights is not None:
             flags |= _HAS_WEIGHTS | (_WEIGHTS_NEED_GRAD if call.weights.requires_grad else 0)
-        flags |= _REFUSED if _refusal(call) is not None else 0
+        flags |= _REFUSED if no else 0
         message[:, i, _FLAGS], message[:, i, _BAD] = flags, bad
         for owner, share in mine.items():
             message[owner, i, _IDS] = share.ids.numel()
