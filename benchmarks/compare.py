@@ -108,7 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--machines", type=int, default=2)
     parser.add_argument("--nproc-per-machine", type=int, default=2)
-    parser.add_argument("--rate", default="1gbit", help="link rate (tc syntax)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="link rate (tc syntax); 'none': no emulated network (one "
+                             "machine, or a host without network namespaces)")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=ALL_SYSTEMS)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=3,
@@ -266,7 +268,8 @@ def launch(args: argparse.Namespace, systems: list[str], out: Path) -> None:
                    "workload": workload_options(args), "isolated": args.isolate,
                    "profile_dir": str(args.profile.resolve()) if args.profile else None}
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
-           "--nproc-per-machine", str(args.nproc_per_machine), "--emulate-network", args.rate,
+           "--nproc-per-machine", str(args.nproc_per_machine),
+           *(["--emulate-network", args.rate] if args.rate != "none" else []),
            str(HERE / "compare_worker.py"), json.dumps(worker_args)]
     out.unlink(missing_ok=True)
     proc = subprocess.run(cmd)

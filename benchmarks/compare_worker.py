@@ -33,8 +33,10 @@ from workloads import Workload  # noqa: E402
 
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
+from parallax.engine.optimizers.shard_optimizer import state_to_params_device  # noqa: E402
 from parallax.launch.fast_exit import exit_now  # noqa: E402
 from parallax.planning.memory import predict_memory  # noqa: E402
+from parallax.step.forward import to_device  # noqa: E402
 
 PARALLAX_ARCHITECTURES = ("hybrid", "optps", "ps", "allreduce")
 MAX_ALPHA_STEPS = 5  # Config's default warm-up: more steps only delay the plan
@@ -113,10 +115,15 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     if baseline:
         if system == "plain" and current_worker().world_size != 1:
             raise ValueError("system 'plain' (the single-device loop) runs on one worker only")
-        ddp = model if system == "plain" else DistributedDataParallel(model)
+        # the baselines run where parallax's worker runs: its GPU where it has one
+        device = current_worker().device
+        model.to(device)
+        state_to_params_device([optimizer])
+        ddp = model if system == "plain" else DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None)
 
         def step(batch):
-            inputs, targets = batch
+            inputs, targets = to_device(batch, device)
             inputs = inputs if isinstance(inputs, tuple) else (inputs,)
             optimizer.zero_grad(set_to_none=True)
             loss = workload.loss(ddp(*inputs), targets)
@@ -221,6 +228,10 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     # move of dense-enough tables to AllReduce, happen at its end); with none, in step 1.
     alpha_steps = max(1, min(warmup, MAX_ALPHA_STEPS))
     gc.collect()
+    cuda = worker.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(worker.device)
     rss_scoped = reset_peak_rss()
     baseline = rss_mib()  # what the process holds before this system exists
     try:
@@ -241,6 +252,8 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         batch = workload.batch(generator)
         start = time.perf_counter()
         loss = step(batch)
+        if cuda:  # kernels run after the call returns: the step ends when they have
+            torch.cuda.synchronize(worker.device)
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
     cpu_ms = (time.process_time() - cpu_before) * 1e3 / steps
@@ -295,6 +308,9 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         # than processes, the step is bounded by the ranks' CPU time together
         "cpu_ms_per_step_per_rank": [round(c, 2) for c in cpu.tolist()],
     }
+    if cuda:  # this rank's peak of tensors allocated on its GPU while this system ran
+        result["peak_gpu_mib_rank0"] = torch.cuda.max_memory_allocated(worker.device) / 2**20
+        result["device"] = torch.cuda.get_device_name(worker.device)
     if runner is not None:
         result.update(plan_fields(runner, system, wire))
         result["phases_ms_per_rank"] = phases_per_rank(runner, world)
@@ -308,7 +324,11 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
 def main() -> None:
     args = json.loads(sys.argv[1])
     worker = current_worker()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    # gloo for the harness's own CPU reductions; NCCL for the CUDA tensors of DDP's buckets
+    backend = "cpu:gloo,cuda:nccl" if worker.device.type == "cuda" else "gloo"
+    if worker.device.type == "cuda":
+        torch.cuda.set_device(worker.device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=600))
     workload = Workload(args.get("workload_name", "lm"), args["workload"])
     results = []
     for system in args["systems"]:

@@ -3,7 +3,9 @@ check, run on a machine with CUDA (and 16 CPU cores), written to one JSON record
 report.
 
 Checks, each a subprocess with its own timeout (a failure is recorded with the end of its
-output, and the next check runs):
+output, and the next check runs; ``--deadline-s`` caps them all, for a lease of device time):
+
+* ``pytest-gpu``: the tests marked ``gpu`` (skipped where CUDA is not: CI);
 
 * ``equivalence-cuda-1x1``: the equivalence matrix's sampled cases (``sample:3``) trained by one
   worker on ``cuda:0`` (process groups on NCCL), each compared with the single-device CPU
@@ -32,7 +34,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,11 @@ def checks(out: Path, gpus: int) -> list[Check]:
     worker = str(ROOT / "tests" / "scripts" / "equivalence_worker.py")
     cpu_only = {"CUDA_VISIBLE_DEVICES": ""}
     return [
+        # the gpu-marked files alone: collecting the whole suite would import what the GPU
+        # machine may lack (the dev extras)
+        Check("pytest-gpu",
+              [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+               *map(str, sorted((ROOT / "tests").glob("*/test_cuda_*.py")))], 180),
         Check("equivalence-cuda-1x1",
               [py, "-m", "parallax.cli", "run", "--machines", "1", "--nproc-per-machine", "1",
                worker, str(out / "equivalence-cuda-1x1.pt"), "sample:3"], 420),
@@ -85,7 +92,8 @@ def checks(out: Path, gpus: int) -> list[Check]:
               "the host lacks (WorkerInfo.device), so no multi-process CUDA run here"),
         Check("lm-cuda-1x1",
               [py, str(ROOT / "benchmarks" / "compare.py"), "--workload", "lm", "--machines",
-               "1", "--nproc-per-machine", "1", "--systems", "plain", "hybrid", "ddp-sparse",
+               "1", "--nproc-per-machine", "1", "--rate", "none",
+               "--systems", "plain", "hybrid", "ddp-sparse",
                "--isolate", "--repeats", "3", "--steps", "20", "--no-plot",
                "--out", str(out / "lm-cuda-1x1.json")], 420),
         Check("partitions-cpu-4x1",
@@ -99,9 +107,14 @@ def checks(out: Path, gpus: int) -> list[Check]:
     ]
 
 
-def run_check(check: Check) -> dict[str, Any]:
+def run_check(check: Check, deadline: float = float("inf")) -> dict[str, Any]:
+    """Run ``check`` within its own limit and what is left before ``deadline`` (monotonic)."""
     if check.skip:
         return {"status": "not run", "why": check.skip}
+    timeout = min(check.timeout_s, int(deadline - time.monotonic()))
+    if timeout < 30:
+        return {"status": "not run", "why": "out of time (--deadline-s)"}
+    check = replace(check, timeout_s=timeout)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}"
            f"{os.environ.get('PYTHONPATH', '')}", **check.env}
     began = time.monotonic()
@@ -169,6 +182,9 @@ def main() -> int:
     parser.add_argument("--plan", action="store_true",
                         help="print the checks' commands and exit")
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks")
+    parser.add_argument("--deadline-s", type=float, default=float("inf"),
+                        help="end every check within this many seconds of the start (a check "
+                             "left with under 30 s is not run); for a lease of device time")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
@@ -186,11 +202,14 @@ def main() -> int:
               f"with a GPU", file=sys.stderr)
         (args.out / "gpu-check.json").write_text(json.dumps(record, indent=1))
         return 2
+    deadline = time.monotonic() + args.deadline_s
     for check in planned:
         if args.only is not None and check.name not in args.only:
             continue
         print(f"gpu_check: {check.name} ...", flush=True)
-        result = run_check(check)
+        result = run_check(check, deadline)
+        print(f"gpu_check: {check.name} {result['status']} "
+              f"({result.get('seconds', 0)} s)", flush=True)
         results_file = args.out / f"{check.name}.pt"
         if result["status"] == "ok" and results_file.exists():
             world = 1 if check.name.endswith("1x1") else len(env["gpus"])

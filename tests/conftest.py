@@ -45,6 +45,8 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(tests/equivalence)")
     config.addinivalue_line("markers", "benchmarks: workloads and the harness "
                                        "(tests/benchmarks)")
+    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it; run by "
+                                       "scripts/gpu_check.sh on a GPU machine)")
     config.addinivalue_line("markers", "fast: part of the fast tier (scripts/test.sh --fast) "
                                        "outside tests/unit")
 

@@ -33,8 +33,8 @@ def test_without_cuda_it_says_so_and_exits_2(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "gpu-check.json").read_text())
     assert record["environment"]["cuda_available"] is False and record["checks"] == {}
     assert [c["name"] for c in record["plan"]] == [
-        "equivalence-cuda-1x1", "equivalence-cuda-1xN", "lm-cuda-1x1", "partitions-cpu-4x1",
-        "local-aggregation-cpu-2x4"]
+        "pytest-gpu", "equivalence-cuda-1x1", "equivalence-cuda-1xN", "lm-cuda-1x1",
+        "partitions-cpu-4x1", "local-aggregation-cpu-2x4"]
 
 
 def test_the_plan_runs_scripts_that_exist(tmp_path: Path) -> None:
@@ -46,7 +46,14 @@ def test_the_plan_runs_scripts_that_exist(tmp_path: Path) -> None:
         assert check.name in proc.stdout
     one_gpu = {c.name: c.skip for c in gpu_check.checks(tmp_path, gpus=1)}
     assert "NCCL refuses two ranks on one GPU" in one_gpu["equivalence-cuda-1xN"]
-    assert not gpu_check.checks(tmp_path, gpus=2)[1].skip
+    assert not {c.name: c for c in gpu_check.checks(tmp_path, gpus=2)}[
+        "equivalence-cuda-1xN"].skip
+
+
+def test_a_check_left_without_time_is_not_run(tmp_path: Path) -> None:
+    check = gpu_check.checks(tmp_path, gpus=1)[0]
+    result = gpu_check.run_check(check, deadline=0.0)
+    assert result == {"status": "not run", "why": "out of time (--deadline-s)"}
 
 
 def test_the_comparison_passes_an_equal_run_and_flags_a_different_one(tmp_path: Path) -> None:

@@ -41,7 +41,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallax.engine.optimizers.shard_optimizer import rebuild_constructor_state
+from parallax.engine.optimizers.shard_optimizer import (
+    rebuild_constructor_state,
+    state_to_params_device,
+)
 from parallax.engine.tables.handles import restore
 from parallax.errors import ArgumentError, UnsupportedProgramError
 
@@ -178,6 +181,7 @@ def place_on_device(model: nn.Module, server_held: Iterable[str],
     for param in materialise_kept(model, server_held):
         rebuild_constructor_state(optimizers, param)
     model._apply(lambda t: t if t.device.type == "meta" else t.to(device))
+    state_to_params_device(optimizers)  # Adagrad's sums were made where the model was built
 
 
 def materialise_kept(model: nn.Module, deferred_ok: Iterable[str]) -> list[nn.Parameter]:

@@ -482,6 +482,26 @@ def rebuild_constructor_state(optimizers: Sequence[torch.optim.Optimizer],
         owner.state[param] = fresh.state[param]
 
 
+def state_to_params_device(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Move each optimizer's state to its parameter's device, after the model moved (a
+    program builds its model and optimizer on the CPU; Adagrad's constructor already made its
+    sums there). The rule is `torch.optim.Optimizer.load_state_dict`'s: a ``step`` count
+    stays where it is unless the group is ``capturable`` or ``fused`` (torch's non-capturable
+    kernels want it on the CPU); every other tensor follows the parameter."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            keep_step = not (group.get("capturable") or group.get("fused"))
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                if not state or param.device.type == "meta":
+                    continue
+                for key, value in state.items():
+                    if (isinstance(value, Tensor) and value.device != param.device
+                            and value.device.type != "meta"
+                            and not (key == "step" and keep_step)):
+                        state[key] = value.to(param.device)
+
+
 def _is_meta(value: object) -> bool:
     return isinstance(value, Tensor) and value.device.type == "meta"
 
