@@ -14,11 +14,13 @@ output, and the next check runs; ``--deadline-s`` caps them all, for a lease of 
   one GPU it is not run and the record says why (NCCL refuses two ranks on one GPU, and
   parallax refuses a GPU index the host lacks);
 * ``lm-cuda-1x1``: the benchmark LM, one worker on CUDA, `plain` PyTorch against parallax
-  (`hybrid`) and DDP (`ddp-sparse`): step times and peak memory (``benchmarks/compare.py``);
+  (`hybrid`) and DDP (`ddp-dense`: dense gradients: NCCL cannot AllReduce sparse ones): step times
+  and peak memory (``benchmarks/compare.py``);
 * ``partitions-cpu-4x1``: the partition-count search against brute force on 4 emulated
   machines (``benchmarks/partitions.py``, CPU workers: ``CUDA_VISIBLE_DEVICES=``), and
   ``local-aggregation-cpu-2x4``: 4 workers per machine, hybrid/optps/ps
-  (``benchmarks/compare.py``) — both need network namespaces (root, iproute2).
+  (``benchmarks/compare.py``) — on an emulated 1 Gbit/s link where network namespaces can be
+  made (root, iproute2), else with none (``--rate none``: CPU-bound figures).
 
 Without CUDA it says so, writes the record (``cuda_available: false``) and exits 2. ``--plan``
 prints the checks' commands and exits 0 (``tests/unit/test_gpu_check.py`` runs both on the
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -71,8 +74,15 @@ def environment() -> dict[str, Any]:
             "host": platform.node()}
 
 
+def emulated_rate() -> str:
+    """The 16-core checks' link: 1 Gbit/s emulated where network namespaces can be made
+    (root, iproute2), else ``none`` (no emulated link: what they show is then CPU-bound)."""
+    return "1gbit" if shutil.which("ip") and os.geteuid() == 0 else "none"
+
+
 def checks(out: Path, gpus: int) -> list[Check]:
     py = sys.executable
+    rate = emulated_rate()
     worker = str(ROOT / "tests" / "scripts" / "equivalence_worker.py")
     cpu_only = {"CUDA_VISIBLE_DEVICES": ""}
     return [
@@ -93,17 +103,18 @@ def checks(out: Path, gpus: int) -> list[Check]:
         Check("lm-cuda-1x1",
               [py, str(ROOT / "benchmarks" / "compare.py"), "--workload", "lm", "--machines",
                "1", "--nproc-per-machine", "1", "--rate", "none",
-               "--systems", "plain", "hybrid", "ddp-sparse",
+               # DDP with dense gradients: NCCL has no AllReduce of sparse tensors
+               "--systems", "plain", "hybrid", "ddp-dense",
                "--isolate", "--repeats", "3", "--steps", "20", "--no-plot",
                "--out", str(out / "lm-cuda-1x1.json")], 420),
-        Check("partitions-cpu-4x1",
-              [py, str(ROOT / "benchmarks" / "partitions.py"), "--machines", "4",
-               "--nproc-per-machine", "1", "--rate", "1gbit"], 540, env=cpu_only),
         Check("local-aggregation-cpu-2x4",
               [py, str(ROOT / "benchmarks" / "compare.py"), "--workload", "lm", "--machines",
-               "2", "--nproc-per-machine", "4", "--rate", "1gbit", "--systems", "hybrid",
+               "2", "--nproc-per-machine", "4", "--rate", rate, "--systems", "hybrid",
                "optps", "ps", "--isolate", "--repeats", "3", "--no-plot",
                "--out", str(out / "local-aggregation-cpu-2x4.json")], 540, env=cpu_only),
+        Check("partitions-cpu-4x1",
+              [py, str(ROOT / "benchmarks" / "partitions.py"), "--machines", "4",
+               "--nproc-per-machine", "1", "--rate", rate], 540, env=cpu_only),
     ]
 
 

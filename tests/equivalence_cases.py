@@ -162,7 +162,8 @@ class BagOptions(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1)
-        offsets = torch.arange(0, flat.numel() + 1, ids.shape[1])  # one more: the last end
+        offsets = torch.arange(0, flat.numel() + 1, ids.shape[1],
+                               device=ids.device)  # one more: the last end
         weights = 0.5 + (flat % 3).to(self.out.weight.dtype) * 0.5
         summed = self.sum_bag(flat, offsets, per_sample_weights=weights)
         maxed = self.max_bag(ids % (VOCAB // 2))
