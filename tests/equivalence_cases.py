@@ -617,7 +617,7 @@ def micro_batches(batch: tuple[Tensor, Tensor], case: Case, world: int,
 def loop_loss(case: Case, model: nn.Module, output: Tensor, y: Tensor, parts: int) -> Tensor:
     """The loss a loop case backpropagates (``model``: whose dense ``hidden`` weight the
     extra term reads; the user's module or the distributed one)."""
-    loss = loss_fn(output, y) / parts
+    loss = loss_fn(output, y.to(output.device)) / parts  # as a GPU program moves its targets
     if case.loop == "scaler":  # x 256: scales near 2**120 overflow float32 now and then
         loss = loss * 256
     if case.loop == "extra":

@@ -113,7 +113,8 @@ def _train_own_loop(case: Case, model: torch.nn.Module, optimizers: list,
                (micro_batches(worker_slice(batch, worker.rank, worker.world_size), case, 1)
                 for batch in global_batches(case)),
                clip=parallax.clip_grad_norm_,
-               scaler=parallax.GradScaler("cpu", **SCALER) if case.loop == "scaler" else None)
+               scaler=parallax.GradScaler(model.runner.device.type, **SCALER)
+               if case.loop == "scaler" else None)
     return model.runner
 
 
