@@ -160,6 +160,7 @@ def compare_equivalence(results_file: Path, world: int) -> dict[str, Any]:
     got_all = torch.load(results_file, map_location="cpu", weights_only=False)
     by_key = {case.key: case for case in all_cases()}
     worst: dict[str, float] = {}
+    by_dtype: dict[str, float] = {}
     failed = []
     for key, state in got_all.items():
         case = by_key[key]
@@ -169,10 +170,12 @@ def compare_equivalence(results_file: Path, world: int) -> dict[str, Any]:
                                / want[k].double().abs().max().clamp_min(1e-300))
                          for k in want)
         worst[key] = difference
+        by_dtype[case.dtype] = max(by_dtype.get(case.dtype, 0.0), difference)
         if difference > TOLERANCE[case.dtype]:
             failed.append(key)
     return {"cases": len(worst), "failed": failed,
-            "largest_relative_difference": max(worst.values(), default=0.0)}
+            "largest_relative_difference": max(worst.values(), default=0.0),
+            "largest_by_dtype": by_dtype}
 
 
 def report(record: dict[str, Any]) -> str:
@@ -183,8 +186,10 @@ def report(record: dict[str, Any]) -> str:
         extra = result.get("why") or ""
         if "equivalence" in result:
             eq = result["equivalence"]
+            largest = ", ".join(f"{dtype} {value:.3g}"
+                                for dtype, value in sorted(eq["largest_by_dtype"].items()))
             extra = (f"{eq['cases']} cases, {len(eq['failed'])} above tolerance, largest "
-                     f"relative difference {eq['largest_relative_difference']:.3g}")
+                     f"relative difference {largest}")
         lines.append(f"  {name:28s} {result['status']:10s} {extra}")
     return "\n".join(lines)
 

@@ -62,9 +62,11 @@ def test_the_comparison_passes_an_equal_run_and_flags_a_different_one(tmp_path: 
     results = tmp_path / "run.pt"
     torch.save({case.key: {**want, "__plan__": "{}"}}, results)
     equal = gpu_check.compare_equivalence(results, world=1)
-    assert equal == {"cases": 1, "failed": [], "largest_relative_difference": 0.0}
+    assert equal == {"cases": 1, "failed": [], "largest_relative_difference": 0.0,
+                     "largest_by_dtype": {"float64": 0.0}}
     name = next(iter(want))
     torch.save({case.key: {**want, name: want[name] * (1 + 1e-6)}}, results)
     different = gpu_check.compare_equivalence(results, world=1)
     assert different["failed"] == [case.key]
     assert 1e-7 < different["largest_relative_difference"] < 1e-5
+    assert different["largest_by_dtype"]["float64"] == different["largest_relative_difference"]
