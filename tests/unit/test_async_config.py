@@ -104,3 +104,12 @@ def test_clipping_scales_each_push_by_its_own_norm(single_process) -> None:
         assert norm > 0.05  # clipping acted
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(runner.state_dict()[name], value, rtol=0, atol=1e-12)
+
+
+def test_a_gpu_worker_is_refused_with_the_way_out() -> None:
+    from parallax.step.sync_modes import refuse_off_cpu
+
+    config = parallax.Config(sync="async-sparse")
+    refuse_off_cpu(torch.device("cpu"), config)  # the CPU path is the one that runs
+    with pytest.raises(ConfigError, match=r"CPU workers only.*cuda:0.*sync='sync'"):
+        refuse_off_cpu(torch.device("cuda", 0), config)

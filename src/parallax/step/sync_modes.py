@@ -44,7 +44,7 @@ from parallax.engine.tables.riders import Rider, settle
 from parallax.engine.tables.server_table import ShardedTable, prefetch
 from parallax.engine.tables.table import Table, held_tables, push_all
 from parallax.engine.tables.verdict import Verdict
-from parallax.errors import UnsupportedProgramError
+from parallax.errors import ConfigError, UnsupportedProgramError
 from parallax.model.detect import SparseUse
 from parallax.session import on_shutdown
 from parallax.step.gradients import StepGradients
@@ -223,6 +223,7 @@ class Asynchronous(SyncMode):
         super().__init__(config, worker, phases, nonfinite, layout, sparse_uses=sparse_uses,
                          traffic=traffic)
         _refuse_batch_dependent(sparse_uses, config)
+        refuse_off_cpu(worker.device, config)
         self.training = AsyncTraining(
             held_tables(layout.all_tables()),
             worker=worker, max_staleness=config.max_staleness,
@@ -339,6 +340,18 @@ def _refuse_batch_dependent(sparse_uses: dict[str, SparseUse], config: Config) -
                 f"whose result depends on every worker's ids of the same step; under "
                 f"sync={str(config.sync)!r} the workers' steps are not aligned. Use "
                 f"sync='sync' for this model, or drop the option.")
+
+
+def refuse_off_cpu(device: torch.device, config: Config) -> None:
+    """Refuse an asynchronous mode on a GPU worker. Its point-to-point channel is a gloo
+    group that carries CPU tensors, and the rows it receives are placed in CPU buffers; no
+    path stages them through the host yet, and none has run on a GPU (issue 41)."""
+    if device.type != "cpu":
+        raise ConfigError(
+            f"sync={str(config.sync)!r} runs on CPU workers only: its parameter servers talk "
+            f"over gloo point-to-point, which has not been made to carry this worker's "
+            f"{device} tensors. Use sync='sync' on GPUs, or run the workers on the CPU "
+            f"(CUDA_VISIBLE_DEVICES=).")
 
 
 #: every sync mode, by its `Config.sync` names
