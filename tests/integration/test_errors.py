@@ -149,7 +149,7 @@ def test_a_staleness_wait_names_the_worker_that_hangs(tmp_path: Path) -> None:
     assert_no_worker_left(tmp_path)
 
 
-FAULT_TIMEOUT_S = 20  # faulty_worker.py's collective timeout in mode uneven (10 s in hang*)
+FAULT_TIMEOUT_S = 20  # faulty_worker.py's collective timeout in mode uneven (8 s in hang*)
 
 
 @pytest.mark.parametrize("machines", [1, 2])
@@ -168,9 +168,9 @@ def test_uneven_inputs_name_the_rank_that_ended_and_fail_at_once(tmp_path: Path,
 
 
 @pytest.mark.parametrize("mode, where", [
-    ("hang", "finished step 3, 1[0-9].[0-9] s ago — it has not called step 4"),
-    ("hang-loss", r"step 4 \(forward\), 1[0-9].[0-9] s ago — it has not finished the forward "
-                  "of step 4"),
+    ("hang", r"finished step 3, (?:[89]|1[0-9])\.[0-9] s ago — it has not called step 4"),
+    ("hang-loss", r"step 4 \(forward\), (?:[89]|1[0-9])\.[0-9] s ago — it has not finished the "
+                  "forward of step 4"),
 ])
 def test_a_hung_rank_is_named_not_the_rank_whose_wait_expired(tmp_path: Path, mode: str,
                                                               where: str) -> None:
