@@ -24,6 +24,7 @@ from parallax.errors import (
     CheckpointError,
     ConfigError,
     InternalError,
+    LostRankError,
     NetemError,
     NonFiniteError,
     OptimizerError,
@@ -46,7 +47,7 @@ from parallax.session import shutdown
 __all__ = ["ArgumentError", "ArgumentTypeError", "AsyncServerError", "CheckpointError", "Config",
            "ConfigError", "GradScaler", "InternalError", "NetemError", "NonFiniteError",
            "OptimizerError", "ParallaxError", "PlanComplete", "QSGD", "ResourceError", "Runner",
-           "SlimDP", "SparseIdError", "StalledRankError", "UnevenInputsError",
+           "SlimDP", "SparseIdError", "StalledRankError", "LostRankError", "UnevenInputsError",
            "UnsupportedProgramError", "UsageError", "VerifyComplete", "clip_grad_norm_",
            "distribute", "get_runner", "meta_init", "partition", "partitioner", "shard", "shutdown"]
 __version__ = "0.1.0"

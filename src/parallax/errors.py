@@ -75,6 +75,11 @@ class StalledRankError(ParallaxError, RuntimeError):
     """A collective failed because a rank did not arrive; the message names it."""
 
 
+class LostRankError(StalledRankError):
+    """A collective failed because a peer's connection closed: that rank crashed or was
+    killed (not a hang); the message names it and its last known step and phase."""
+
+
 class AsyncServerError(ParallaxError, RuntimeError):
     """Asynchronous training (`Config.sync`): a server thread failed, or a wait for a server
     or for the slowest worker ran out of time; names the ranks involved."""

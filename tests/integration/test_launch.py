@@ -95,6 +95,24 @@ def test_report_puts_root_cause_first_and_summarises_stopped_ranks(tmp_path, cap
     ]
 
 
+def test_report_a_killed_rank_once_and_its_peers_as_consequences(tmp_path, capsys):
+    """A SIGKILLed rank is the root cause; a peer whose wait saw its connection close failed
+    after it (never "stopped responding"); the status is the signal's, whatever the order."""
+    lost = ("LostRankError: rank 1 is lost: its connection closed while rank 0 waited in step "
+            "3 (backward) — it crashed or was killed")
+    failures = {0: _failure(tmp_path, 0, 1, lost), 1: _failure(tmp_path, 1, -signal.SIGKILL, None)}
+    assert launch_mod._report_failures(failures, local_spec(1, 2)) == 128 + signal.SIGKILL
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("parallax: rank 1 (machine 0) failed: exit code -9 (SIGKILL)")
+    assert lines[1].startswith("parallax: rank 0 (machine 0) failed after rank 1 (machine 0) "
+                               "was lost: LostRankError: rank 1 is lost")
+    # seen from another machine, whose agent did not see the kill: lost, not stalled
+    assert launch_mod._waited_for(0, 1, "LostRankError", local_spec(1, 2), set()) == (
+        "rank 1 (machine 0) was lost (crashed or killed); rank 0 saw its connection close")
+    assert "stopped responding" in launch_mod._waited_for(0, 1, "StalledRankError",
+                                                          local_spec(1, 2), set())
+
+
 def test_report_killed_worker_without_error_file(tmp_path, capsys):
     failures = {1: _failure(tmp_path, 1, -signal.SIGKILL, None)}
     assert launch_mod._report_failures(failures, local_spec(1, 2)) == 128 + signal.SIGKILL

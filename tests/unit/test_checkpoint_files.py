@@ -399,3 +399,49 @@ def test_kill_before_the_manifest_is_renamed_keeps_the_previous_checkpoint(tmp_p
     prune(tmp_path, keep=1)
     assert previous.is_dir() and directory.is_dir()
     verify(previous)
+
+
+def test_a_full_disk_is_named_with_the_path_and_the_bytes(tmp_path, monkeypatch):
+    """torch.save reports a short write as "unexpected pos" (no OS error): the free space
+    tells, and the error says "No space left on device", the file and the bytes; no partial
+    file stays behind."""
+    import shutil
+    from collections import namedtuple
+
+    import parallax.checkpoint.files as files
+
+    def short_write(obj, out):
+        out.write(b"x" * 100)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 100")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(files.torch, "save", short_write)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1000, 1000, 0))
+    target = tmp_path / "shard.pt"
+    with pytest.raises(CheckpointError, match=r"shard.pt: No space left on device: about 8,000 "
+                                              r"bytes to write, 100 written when the write"):
+        save_object(target, {"values": torch.zeros(1000, dtype=torch.float64)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_os_out_of_space_error_is_named_and_other_errors_pass_through(tmp_path, monkeypatch):
+    import errno
+
+    def no_space(view):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointError, match="No space left on device: about 4 bytes"):
+        files_write_with(tmp_path / "a.bin", no_space, needed=4)
+
+    def broken(view):
+        raise ValueError("not a space problem")
+
+    with pytest.raises(ValueError, match="not a space problem"):
+        files_write_with(tmp_path / "b.bin", broken, needed=4)
+    assert list(tmp_path.iterdir()) == []
+
+
+def files_write_with(path, raise_it, needed):
+    import parallax.checkpoint.files as files
+
+    return files._write_atomic_with(path, lambda out: raise_it(out), needed=needed)

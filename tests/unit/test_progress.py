@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from parallax.engine.diagnostics.progress import (
     CULPRIT,
+    LostRankError,
     Progress,
     StalledRankError,
     UnevenInputsError,
@@ -46,6 +47,22 @@ def test_rank_behind_in_steps_or_phases_is_named(store: dist.Store) -> None:
     original = RuntimeError("something else")
     assert zero.explain(original, 2) is original
     assert CULPRIT.match(f"{type(error).__name__}: {error}").group(2) == "1"
+
+
+def test_a_closed_connection_names_the_rank_as_lost_not_hung(store: dist.Store) -> None:
+    """gloo's "Connection reset by peer" means the peer process is gone (killed, crashed):
+    said so, whatever its last record (a SIGKILL leaves it current)."""
+    zero, one = ranks(store, 2)
+    for p in (zero, one):
+        p.begin(1)
+    zero.phase(1, "backward")
+    error = zero.explain(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:60628: Connection "
+                                      "reset by peer. This is typically caused by..."), 1)
+    assert isinstance(error, LostRankError) and isinstance(error, StalledRankError)
+    assert str(error).startswith("rank 1 is lost: its connection closed while rank 0 waited "
+                                 "in step 1 (backward) — it crashed or was killed, it did not "
+                                 "hang (its last record: step 1 (forward)")
+    assert CULPRIT.match(f"LostRankError: {error}").group(2) == "1"
 
 
 def test_ended_rank_fails_the_next_step_at_once(store: dist.Store) -> None:

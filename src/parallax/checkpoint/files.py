@@ -17,6 +17,7 @@ runner's business.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -117,12 +118,15 @@ def write_atomic(path: Path, data: bytes | bytearray | memoryview) -> FileRecord
     rename survives a power loss. Missing parent directories are created (durably).
     """
     view = memoryview(data).cast("B")
-    return _write_atomic_with(path, lambda out: out.write(view))
+    return _write_atomic_with(path, lambda out: out.write(view), needed=view.nbytes)
 
 
-def _write_atomic_with(path: Path, write: Callable[[BinaryIO], object]) -> FileRecord:
-    """`write_atomic` with the bytes written by ``write(file)``; the record is read back from
-    the written file in chunks (a large object is never held twice in memory)."""
+def _write_atomic_with(path: Path, write: Callable[[BinaryIO], object], *,
+                       needed: int) -> FileRecord:
+    """`write_atomic` with the bytes written by ``write(file)`` (about ``needed`` of them);
+    the record is read back from the written file in chunks (a large object is never held
+    twice in memory). A write that fails for want of space raises `CheckpointError` saying
+    so, with the path and the bytes (`_out_of_space`)."""
     path = Path(path)
     if is_temp_name(path.name):
         raise CheckpointError(f"{path}: file names starting with {TMP_PREFIX!r} are reserved")
@@ -135,11 +139,49 @@ def _write_atomic_with(path: Path, write: Callable[[BinaryIO], object]) -> FileR
             os.fsync(out.fileno())
         record = _record_of(tmp)
         os.replace(tmp, path)
+    except Exception as error:
+        written = tmp.stat().st_size if tmp.exists() else 0
+        full = _out_of_space(error, path, needed - written)
+        tmp.unlink(missing_ok=True)
+        if full:
+            raise CheckpointError(f"{path}: No space left on device: about {needed:,} bytes "
+                                  f"to write, {written:,} written when the write failed, "
+                                  f"{shutil.disk_usage(path.parent).free:,} free on its file "
+                                  f"system now that the partial file is removed ({error})"
+                                  ) from error
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
     return record
+
+
+def _out_of_space(error: Exception, path: Path, still_needed: int) -> bool:
+    """Whether a failed write ran out of space: an ENOSPC/EDQUOT anywhere in the error's
+    chain, or (torch.save reports a short write as "unexpected pos", without the OS error)
+    less room left on the file system than the write still needed."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    try:
+        return shutil.disk_usage(path.parent).free < max(still_needed, 1)
+    except OSError:
+        return False
+
+
+def _nbytes(obj: object) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists and tuples searched): about what
+    ``torch.save`` writes of it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
 
 
 def _record_of(path: Path) -> FileRecord:
@@ -155,7 +197,7 @@ def _record_of(path: Path) -> FileRecord:
 def save_object(path: Path, obj: object) -> FileRecord:
     """``torch.save`` ``obj`` to ``path`` atomically, streamed to the file (no in-memory
     copy of the serialised bytes)."""
-    return _write_atomic_with(path, lambda out: torch.save(obj, out))
+    return _write_atomic_with(path, lambda out: torch.save(obj, out), needed=_nbytes(obj))
 
 
 def load_object(path: Path, record: FileRecord, *, weights_only: bool = True) -> object:

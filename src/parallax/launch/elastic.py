@@ -25,6 +25,7 @@ from typing import cast
 
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ErrorHandler,
@@ -266,6 +267,7 @@ def launch(
         tempfile.TemporaryDirectory(prefix="parallax-") as log_dir,
         _quiet_elastic_logs(),
         _announced_restarts(),
+        _stopped_workers_continued(),
         _restored_signal_handlers(),
         # The agent also writes TORCHELASTIC_SIGNALS_TO_HANDLE into os.environ: undo that too.
         EnvironmentPatch(worker_env, restoring=["TORCHELASTIC_SIGNALS_TO_HANDLE"]),
@@ -283,6 +285,28 @@ def launch(
             print(f"parallax: launcher got {err.sigval.name}; workers stopped", file=sys.stderr)
             return 128 + int(err.sigval)
     return 0
+
+
+@contextlib.contextmanager
+def _stopped_workers_continued() -> Iterator[None]:
+    """When the agent stops the workers (a failure, a restart, the end), continue any that is
+    stopped (SIGSTOP, a debugger, a suspended job) before torch's ``PContext.close`` sends its
+    SIGTERM: a stopped process cannot act on it, so torch waited its whole 30 s grace for
+    one before the SIGKILL, and a stalled job took the collective timeout + 30 s to end."""
+    original = PContext.close
+
+    def close(self: PContext, death_sig: signal.Signals | None = None,
+              timeout: int = 30) -> None:
+        for pid in self.pids().values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGCONT)
+        original(self, death_sig, timeout)
+
+    PContext.close = close  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PContext.close = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -363,26 +387,39 @@ def _announced_restarts() -> Iterator[None]:
 def _report_failures(failures: Mapping[int, ProcessFailure], spec: ResourceSpec) -> int:
     """Print a line per failed rank (root cause first); return the root cause's status."""
     own, stopped = _split_stopped(failures)
+    reported: set[int] = set()  # ranks whose own failure is printed
     for rank in own:
         failure = failures[rank]
         summary = _failure_summary(failure)
-        stalled = CULPRIT.match(summary)
-        if stalled and stalled.group(1) == "StalledRankError":
-            # The rank whose wait expired found who did not arrive: name that one first.
-            culprit = int(stalled.group(2))
-            print(f"parallax: rank {culprit} (machine {spec.machine_of_rank[culprit]}) "
-                  f"stopped responding; rank {rank} timed out waiting for it: {summary}",
-                  file=sys.stderr)
+        waited = CULPRIT.match(summary)
+        if waited and waited.group(1) in ("StalledRankError", "LostRankError"):
+            # The rank whose wait failed found who did not arrive: name that one first.
+            line = _waited_for(rank, int(waited.group(2)), waited.group(1), spec, reported)
+            print(f"parallax: {line}: {summary}", file=sys.stderr)
             continue
         print(
             f"parallax: rank {rank} (machine {spec.machine_of_rank[rank]}) failed: "
             f"exit code {_describe_exit(failure.exitcode)}: {summary}",
             file=sys.stderr,
         )
+        reported.add(rank)
     if stopped:
         ranks = ", ".join(map(str, stopped))
         print(f"parallax: stopped rank(s) {ranks} after the failure", file=sys.stderr)
     return _exit_status(failures[own[0]].exitcode)
+
+
+def _waited_for(rank: int, culprit: int, error: str, spec: ResourceSpec,
+                reported: set[int]) -> str:
+    """How ``rank``'s failed wait for ``culprit`` reads: after a crash already reported (a
+    consequence), a lost peer (its connection closed: crashed or killed), or a stalled one."""
+    where = f"rank {culprit} (machine {spec.machine_of_rank[culprit]})"
+    if culprit in reported:
+        return (f"rank {rank} (machine {spec.machine_of_rank[rank]}) failed after {where} "
+                "was lost")
+    if error == "LostRankError":
+        return f"{where} was lost (crashed or killed); rank {rank} saw its connection close"
+    return f"{where} stopped responding; rank {rank} timed out waiting for it"
 
 
 def _split_stopped(failures: Mapping[int, ProcessFailure]) -> tuple[list[int], list[int]]:
@@ -394,10 +431,19 @@ def _split_stopped(failures: Mapping[int, ProcessFailure]) -> tuple[list[int], l
     stopped = [r for r, f in failures.items() if _was_stopped(f)]
     own = [r for r in failures if r not in stopped] or list(failures)
     # A worker killed by a signal leaves no error file, and the others' errors (connection
-    # closed by peer) follow from its death: within a second, it comes first.
-    own.sort(key=lambda r: (failures[r].timestamp, not _killed(failures[r]),
-                            _error_file_mtime(failures[r]), r))
+    # closed by peer) follow from its death: within a second, it comes first. A rank whose
+    # wait saw a failed rank's connection close (LostRankError naming it) comes after that
+    # rank whatever the clocks say: the agent may notice the death after the peer recorded it.
+    own.sort(key=lambda r: (_lost_with(failures, r), failures[r].timestamp,
+                            not _killed(failures[r]), _error_file_mtime(failures[r]), r))
     return own, sorted(set(stopped) - set(own))
+
+
+def _lost_with(failures: Mapping[int, ProcessFailure], rank: int) -> bool:
+    """Whether ``rank`` failed because another failed rank's connection closed."""
+    named = CULPRIT.match(_failure_summary(failures[rank]))
+    return (named is not None and named.group(1) == "LostRankError"
+            and int(named.group(2)) in failures and int(named.group(2)) != rank)
 
 
 def _was_stopped(failure: ProcessFailure) -> bool:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallax.checkpoint import sharded
+from parallax.checkpoint.files import newest_complete
 from parallax.collective import agree
 from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.errors import ArgumentError
@@ -75,9 +76,13 @@ class Checkpoints:
         if root is None or not self.config.resume:
             return
         worker = self.run.worker
-        found = sharded.find(root) is not None if worker.rank == 0 else None
-        if agree(found, rank=worker.rank, group=self.run.group):
-            self.load(root)
+        # Rank 0 reads every file of the candidate (sizes and checksums) before choosing it:
+        # a checkpoint damaged since it was written is skipped with a warning naming the file,
+        # and the run resumes from the newest intact one instead of failing at every restart.
+        found = (str(newest_complete(root, verify=True) or "") if worker.rank == 0 else None)
+        found = agree(found, rank=worker.rank, group=self.run.group)
+        if found:
+            self.load(found)
             if worker.rank == 0:
                 print(f"parallax: resumed from step {self.run.global_step} ({root})",
                       file=sys.stderr, flush=True)

@@ -32,9 +32,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import distributed_c10d
 
-from parallax.errors import StalledRankError, UnevenInputsError, UsageError
+from parallax.errors import LostRankError, StalledRankError, UnevenInputsError, UsageError
 
-__all__ = ["CULPRIT", "Explainer", "Progress", "StalledRankError", "UnevenInputsError",
+__all__ = ["CULPRIT", "Explainer", "LostRankError", "Progress", "StalledRankError",
+           "UnevenInputsError",
            "finish_all", "is_collective_failure"]
 
 _PREFIX = "parallax/progress/"
@@ -44,7 +45,7 @@ PHASES = {"forward": 0, "backward": 1, "done": 2}
 _READ_TIMEOUT = timedelta(seconds=5)  # reading records after a failure must not hang either
 
 
-CULPRIT = re.compile(r"^(StalledRankError|UnevenInputsError): rank (\d+) ")
+CULPRIT = re.compile(r"^(StalledRankError|LostRankError|UnevenInputsError): rank (\d+) ")
 """How the launcher recognises, in a failed worker's error, the rank that caused it."""
 
 
@@ -206,6 +207,11 @@ class Progress:
         others = (f" (also behind: rank(s) {', '.join(map(str, culprits[1:]))})"
                   if len(culprits) > 1 else "")
         cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if is_connection_lost(error):
+            return LostRankError(
+                f"rank {first} is lost: its connection closed while rank {self.rank} waited in "
+                f"step {step} ({self.current}) — it crashed or was killed, it did not hang "
+                f"(its last record: {last}){others}. The wait ended with: {cause}")
         where = (f"has not called step {step} (a hang or slow work outside parallax, e.g. in "
                  "the training loop or the data loader)"
                  if first not in records or records[first].step < step else
@@ -241,6 +247,17 @@ def finish_all() -> None:
 
 
 atexit.register(finish_all)
+
+
+#: what gloo and NCCL say when the process at the other end is gone
+_CONNECTION_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                    "Connection refused", "remote process exited")
+
+
+def is_connection_lost(error: BaseException) -> bool:
+    """Whether a collective failed because a peer's connection closed (it crashed or was
+    killed) rather than because the wait ran out of time (a hang, or slow work)."""
+    return any(mark in str(error) for mark in _CONNECTION_LOST)
 
 
 def is_collective_failure(error: BaseException) -> bool:

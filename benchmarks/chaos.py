@@ -1,0 +1,371 @@
+"""Faults at random moments, counted: a chaos soak of training under ``parallax run``.
+
+    python benchmarks/chaos.py --trials 50 --kinds kill kill-save stop kill-norestart \\
+        corrupt full-disk --machines 1 --nproc-per-machine 2
+
+Each trial trains `chaos_worker.py` (EmbeddingBag + MLP, float64, Adagrad, a checkpoint every
+``--checkpoint-every`` steps) and plants one fault, drawn by the trial's seed (``--seed`` +
+trial index: ``--replay SEED --kinds KIND`` reruns one trial) at a random step and a random
+moment inside it:
+
+* ``kill``: SIGKILL of a random rank, ``--max-restarts 3``: the job must resume from the
+  newest complete checkpoint and end with parameters equal to the bit to an uninterrupted run;
+* ``kill-save``: SIGKILL of a random rank while it writes a checkpoint file (saves are slowed
+  by the worker's ``save_pause_s`` so that the kill lands inside one), restarts as ``kill``;
+* ``kill-norestart``: SIGKILL of a random rank, no restarts: the job must fail at once, the
+  launcher's summary naming that rank and its signal;
+* ``stop``: SIGSTOP of a random rank, no restarts: the job must fail at the collective
+  timeout, naming that rank as stalled, every process gone within the timeout + 30 s;
+* ``corrupt``: between two runs, a random file of the newest checkpoint truncated or one byte
+  flipped: the second run must resume from an intact checkpoint and end equal to the bit;
+* ``full-disk``: the checkpoint folder on a tmpfs too small for the run's checkpoints (root):
+  the job must fail saying "No space left on device" and the path, the newest complete
+  checkpoint still verifying.
+
+Every trial also checks that no worker process is left behind and that the run ended within
+its limit (else it counts as hung, and the harness kills it). The record (``--out``): each
+trial's kind, seed, rank, step, outcome and the end of the launcher's output; a table of
+kind x trials x survived x lost x hung x culprit named is printed and written beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = HERE / "chaos_worker.py"
+SURVIVABLE = {"kill", "kill-save", "corrupt"}  # must end equal to the uninterrupted run
+KINDS = ("kill", "kill-save", "kill-norestart", "stop", "corrupt", "full-disk")
+
+
+@dataclass
+class Trial:
+    """One trial's fault and what came of it."""
+
+    kind: str
+    seed: int
+    rank: int | None = None
+    step: int | None = None
+    outcome: str = ""  # survived | failed-clearly | lost | hung
+    checks: dict[str, bool] = field(default_factory=dict)
+    seconds: float = 0.0
+    after_fault_s: float | None = None  # from the fault to the launcher's exit
+    exit_code: int | None = None
+    detail: str = ""
+    output_tail: str = ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=50, help="trials per fault kind")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--seed", type=int, default=0, help="trial i of a kind uses seed+i")
+    parser.add_argument("--replay", type=int, help="run the one trial with this seed per kind")
+    parser.add_argument("--machines", type=int, default=1)
+    parser.add_argument("--nproc-per-machine", type=int, default=2)
+    parser.add_argument("--rate", default="none",
+                        help="emulated link (tc syntax; root), or none: one host's loopback")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=20.0,
+                        help="Config.collective_timeout_s of the workers")
+    parser.add_argument("--step-sleep", type=float, default=0.1,
+                        help="seconds of 'compute' in every step (faults land inside steps)")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
+    args = parser.parse_args(argv)
+    if args.replay is not None:
+        args.seed, args.trials = args.replay, 1
+    return args
+
+
+def launch(args: argparse.Namespace, out: Path, checkpoint_dir: Path, *, restarts: int,
+           steps: int | None = None, save_pause: float = 0.0) -> subprocess.Popen:
+    options = {"steps": steps or args.steps, "checkpoint_every": args.checkpoint_every,
+               "timeout_s": args.timeout, "step_sleep_s": args.step_sleep,
+               "checkpoint_dir": str(checkpoint_dir), "save_pause_s": save_pause}
+    network = [] if args.rate == "none" else ["--emulate-network", args.rate]
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
+           "--nproc-per-machine", str(args.nproc_per_machine), *network,
+           "--max-restarts", str(restarts), str(WORKER), str(out), json.dumps(options)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}"
+                                       f"{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, limit: float) -> tuple[int | None, str, bool]:
+    """Wait for the launcher at most ``limit`` seconds: (exit code, output, hung)."""
+    try:
+        output, _ = proc.communicate(timeout=limit)
+        return proc.returncode, output, False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output, True
+
+
+def reference(args: argparse.Namespace, work: Path) -> dict[str, torch.Tensor]:
+    """The uninterrupted run's final parameters."""
+    out = work / "reference"
+    out.mkdir()
+    proc = launch(args, out, out / "checkpoints", restarts=0)
+    code, output, hung = finish(proc, 600)
+    if code != 0 or hung:
+        sys.exit(f"chaos: the uninterrupted run failed (exit {code}):\n{output[-3000:]}")
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def alive_pids(out: Path) -> list[int]:
+    """Worker processes of this trial still running (zombies excepted)."""
+    alive = []
+    for marker in out.glob("pid-*-*"):
+        pid = int(marker.name.rsplit("-", 1)[1])
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def live_pid_of(out: Path, rank: int) -> int | None:
+    pids = [int(m.name.rsplit("-", 1)[1]) for m in out.glob(f"pid-{rank}-*")]
+    live = [pid for pid in pids if pid in alive_pids(out)]
+    return max(live) if live else None
+
+
+def step_of(out: Path) -> int:
+    steps = []
+    for marker in out.glob("step-*"):
+        try:
+            steps.append(int(marker.read_text() or 0))
+        except ValueError:  # being written
+            continue
+    return max(steps, default=0)
+
+
+def wait_for(predicate: Any, proc: subprocess.Popen, limit: float) -> bool:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.01)
+    return False
+
+
+def equal(got_path: Path, want: dict[str, torch.Tensor]) -> bool:
+    if not got_path.exists():
+        return False
+    got = torch.load(got_path, weights_only=True)
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def run_trial(args: argparse.Namespace, kind: str, seed: int, work: Path,
+              want: dict[str, torch.Tensor], checkpoint_bytes: int) -> Trial:
+    rng = random.Random(f"{kind}:{seed}")  # each kind its own draws for the same seed
+    trial = Trial(kind, seed)
+    out = work / f"{kind}-{seed}"
+    out.mkdir()
+    checkpoints = out / "checkpoints"
+    world = args.machines * args.nproc_per_machine
+    trial.rank = rng.randrange(world)
+    trial.step = rng.randint(2, args.steps - 3)
+    began = time.monotonic()
+    limit = args.timeout + 30 + 4 * args.steps * (args.step_sleep + 0.2) + 30
+    mounted = False
+    try:
+        if kind == "corrupt":
+            return _corrupt_trial(args, trial, rng, out, checkpoints, want, limit)
+        if kind == "full-disk":
+            checkpoints.mkdir()
+            size = int(checkpoint_bytes * rng.uniform(1.2, 2.8))
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                            str(checkpoints)], check=True)
+            mounted = True
+            proc = launch(args, out, checkpoints, restarts=0)
+        else:
+            restarts = 3 if kind in SURVIVABLE else 0
+            proc = launch(args, out, checkpoints, restarts=restarts,
+                          save_pause=1.0 if kind == "kill-save" else 0.0)
+            fault_at = _plant(kind, trial, rng, out, proc, args)
+        code, output, hung = finish(proc, limit - (time.monotonic() - began))
+        trial.seconds = round(time.monotonic() - began, 2)
+        if fault_at is not None:
+            trial.after_fault_s = round(time.monotonic() - fault_at, 2)
+        _judge(trial, code, output, hung, out, want, checkpoints, args.timeout)
+    finally:
+        for pid in alive_pids(out):  # the harness's own cleanup, after the count
+            os.kill(pid, signal.SIGKILL)
+        if mounted:
+            subprocess.run(["umount", "-l", str(checkpoints)], check=False)
+    return trial
+
+
+def _plant(kind: str, trial: Trial, rng: random.Random, out: Path, proc: subprocess.Popen,
+           args: argparse.Namespace) -> float | None:
+    """Wait for the trial's moment, then send its signal to its rank; returns when (None:
+    the moment never came)."""
+    if kind == "kill-save":  # the first save that rank begins from the trial's step on
+        marker = out / f"saving-{trial.rank}"
+        if not wait_for(lambda: step_of(out) >= trial.step, proc, 120):
+            trial.detail = f"step {trial.step} never reached"
+            return None
+        since = time.time()
+        if not wait_for(lambda: marker.exists() and marker.stat().st_mtime >= since, proc, 120):
+            trial.detail = "no save began"
+            return None
+        time.sleep(rng.uniform(0.05, 0.9))  # inside the 1 s pause before the file's write
+        trial.step = step_of(out)
+    else:
+        if not wait_for(lambda: step_of(out) >= trial.step, proc, 120):
+            trial.detail = f"step {trial.step} never reached"
+            return None
+        time.sleep(rng.uniform(0, args.step_sleep))
+    pid = live_pid_of(out, trial.rank)
+    if pid is None:
+        trial.detail = f"rank {trial.rank} not running"
+        return None
+    os.kill(pid, signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
+    return time.monotonic()
+
+
+def _corrupt_trial(args: argparse.Namespace, trial: Trial, rng: random.Random, out: Path,
+                   checkpoints: Path, want: dict[str, torch.Tensor], limit: float) -> Trial:
+    """Train to the trial's step rounded up to a checkpoint, damage the newest checkpoint,
+    then train to the end from what is left."""
+    began = time.monotonic()
+    first = -(-trial.step // args.checkpoint_every) * args.checkpoint_every
+    code, output, hung = finish(launch(args, out, checkpoints, restarts=0, steps=first), limit)
+    if code != 0 or hung:
+        trial.outcome, trial.detail = "lost", f"the first run failed (exit {code})"
+        trial.output_tail = output[-2000:]
+        return trial
+    (out / "final.pt").unlink()
+    newest = max(checkpoints.glob("step-*"))
+    victim = rng.choice(sorted(p for p in newest.iterdir() if p.is_file()))
+    data = bytearray(victim.read_bytes())
+    if rng.random() < 0.5 and len(data) > 1:
+        cut = rng.randrange(len(data))
+        victim.write_bytes(bytes(data[:cut]))
+        trial.detail = f"{victim.relative_to(checkpoints)} truncated to {cut} bytes"
+    else:
+        at = rng.randrange(len(data))
+        data[at] ^= 1 << rng.randrange(8)
+        victim.write_bytes(bytes(data))
+        trial.detail = f"{victim.relative_to(checkpoints)}: a bit of byte {at} flipped"
+    code, output, hung = finish(launch(args, out, checkpoints, restarts=0), limit)
+    trial.seconds = round(time.monotonic() - began, 2)
+    detail, trial.detail = trial.detail, ""
+    _judge(trial, code, output, hung, out, want, checkpoints, args.timeout)
+    trial.detail = f"{detail}; {trial.detail}".strip("; ")
+    return trial
+
+
+def _judge(trial: Trial, code: int | None, output: str, hung: bool, out: Path,
+           want: dict[str, torch.Tensor], checkpoints: Path, timeout: float = 0.0) -> None:
+    from parallax.checkpoint.files import newest_complete
+
+    trial.exit_code = code
+    trial.output_tail = output[-2500:]
+    time.sleep(0.5)  # the launcher is gone: its workers must be too
+    left = alive_pids(out)
+    summary = [line for line in output.splitlines() if line.startswith("parallax: rank")]
+    culprit = f"parallax: rank {trial.rank} "
+    checks = {"no process left": not left, "not hung": not hung}
+    if trial.kind in SURVIVABLE:
+        checks["equal to the bit"] = code == 0 and equal(out / "final.pt", want)
+    elif trial.kind == "kill-norestart":
+        checks["exit status of SIGKILL (137)"] = code == 128 + signal.SIGKILL
+        checks["culprit named"] = bool(summary) and summary[0].startswith(culprit) and (
+            "signal 9" in summary[0] or "SIGKILL" in summary[0])
+        checks["said crashed, not hung"] = "stopped responding" not in output
+    elif trial.kind == "stop":
+        checks["failed"] = code not in (0, None)
+        checks["ended within timeout + 30 s"] = (trial.after_fault_s is not None
+                                                and trial.after_fault_s <= timeout + 30)
+        checks["culprit named"] = bool(summary) and summary[0].startswith(culprit) and (
+            "stopped responding" in summary[0])
+    elif trial.kind == "full-disk":
+        checks["failed"] = code not in (0, None)
+        checks["culprit named"] = ("No space left on device" in output
+                                   and str(checkpoints) in output)
+        newest = newest_complete(checkpoints)
+        checks["newest complete checkpoint verifies"] = (
+            newest is None or newest_complete(checkpoints, verify=True) == newest)
+    trial.checks = checks
+    if hung:
+        trial.outcome = "hung"
+    elif all(checks.values()):
+        trial.outcome = "survived" if trial.kind in SURVIVABLE else "failed-clearly"
+    else:
+        trial.outcome = "lost"
+        trial.detail = ", ".join(name for name, ok in checks.items() if not ok) + " failed"
+    if left:
+        trial.detail += f"; left behind: pids {left}"
+
+
+def table(trials: list[Trial]) -> str:
+    lines = ["| fault | trials | survived | failed clearly | lost | hung | culprit named |",
+             "|---|---|---|---|---|---|---|"]
+    for kind in dict.fromkeys(t.kind for t in trials):
+        mine = [t for t in trials if t.kind == kind]
+        count = {o: sum(t.outcome == o for t in mine)
+                 for o in ("survived", "failed-clearly", "lost", "hung")}
+        named = [t for t in mine if "culprit named" in t.checks]
+        culprit = (f"{sum(t.checks['culprit named'] for t in named)}/{len(named)}"
+                   if named else "–")
+        lines.append(f"| {kind} | {len(mine)} | {count['survived']} | "
+                     f"{count['failed-clearly']} | {count['lost']} | {count['hung']} | "
+                     f"{culprit} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "full-disk" in args.kinds and os.geteuid() != 0:
+        sys.exit("chaos: the full-disk fault mounts a tmpfs: run as root, or leave it out")
+    work = Path(tempfile.mkdtemp(prefix="parallax-chaos-"))
+    trials: list[Trial] = []
+    try:
+        want = reference(args, work)
+        checkpoint_bytes = sum(f.stat().st_size for f in
+                               max((work / "reference" / "checkpoints").glob("step-*")).iterdir())
+        for i in range(args.trials):
+            for kind in args.kinds:
+                trial = run_trial(args, kind, args.seed + i, work, want, checkpoint_bytes)
+                trials.append(trial)
+                print(f"chaos: {kind} seed {trial.seed} rank {trial.rank} step {trial.step}: "
+                      f"{trial.outcome} in {trial.seconds:.1f} s {trial.detail}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = table(trials)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"settings": {k: str(v) if isinstance(v, Path) else v
+                           for k, v in vars(args).items()},
+              "trials": [asdict(t) for t in trials]}
+    args.out.write_text(json.dumps(record, indent=1))
+    args.out.with_suffix(".md").write_text(text + "\n")
+    return 0 if all(t.outcome in ("survived", "failed-clearly") for t in trials) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
