@@ -9,9 +9,15 @@ trial index: ``--replay SEED --kinds KIND`` reruns one trial) at a random step a
 moment inside it:
 
 * ``kill``: SIGKILL of a random rank, ``--max-restarts 3``: the job must resume from the
-  newest complete checkpoint and end with parameters equal to the bit to an uninterrupted run;
+  newest complete checkpoint and end with parameters equal to an uninterrupted run's (to the
+  bit, or within 1e-12 of the largest value where a searched partition count changed);
 * ``kill-save``: SIGKILL of a random rank while it writes a checkpoint file (saves are slowed
   by the worker's ``save_pause_s`` so that the kill lands inside one), restarts as ``kill``;
+* ``kill-plan``: as ``kill``, in the first steps, while the hybrid measures α and plans
+  (and, with ``--search``, while the partition count is searched: re-partitioning);
+* ``link-cut``: a random machine's link down for 1 s to 0.8 x the collective timeout
+  (``--machines`` >= 2 and an emulated ``--rate``), restarts as ``kill``: the job must end
+  equal to the bit;
 * ``kill-norestart``: SIGKILL of a random rank, no restarts: the job must fail at once, the
   launcher's summary naming that rank and its signal;
 * ``stop``: SIGSTOP of a random rank, no restarts: the job must fail at the collective
@@ -22,7 +28,8 @@ moment inside it:
   the job must fail saying "No space left on device" and the path, the newest complete
   checkpoint still verifying.
 
-Every trial also checks that no worker process is left behind and that the run ended within
+Every trial also checks that no worker process (and no network namespace) is left behind
+and that the run ended within
 its limit (else it counts as hung, and the harness kills it). The record (``--out``): each
 trial's kind, seed, rank, step, outcome and the end of the launcher's output; a table of
 kind x trials x survived x lost x hung x culprit named is printed and written beside it.
@@ -34,11 +41,13 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,8 +58,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "chaos_worker.py"
-SURVIVABLE = {"kill", "kill-save", "corrupt"}  # must end equal to the uninterrupted run
-KINDS = ("kill", "kill-save", "kill-norestart", "stop", "corrupt", "full-disk")
+#: must end equal to the uninterrupted run
+SURVIVABLE = {"kill", "kill-save", "kill-plan", "corrupt", "link-cut"}
+KINDS = ("kill", "kill-save", "kill-plan", "kill-norestart", "stop", "corrupt", "full-disk",
+         "link-cut")
 
 
 @dataclass
@@ -68,6 +79,7 @@ class Trial:
     exit_code: int | None = None
     detail: str = ""
     output_tail: str = ""
+    namespaces_before: set[str] | None = field(default=None, repr=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,8 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Config.collective_timeout_s of the workers")
     parser.add_argument("--step-sleep", type=float, default=0.1,
                         help="seconds of 'compute' in every step (faults land inside steps)")
+    parser.add_argument("--search", action="store_true",
+                        help="the worker searches its partition count while training")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
     args = parser.parse_args(argv)
+    if "link-cut" in args.kinds and (args.machines < 2 or args.rate == "none"):
+        parser.error("link-cut needs --machines >= 2 and an emulated --rate")
     if args.replay is not None:
         args.seed, args.trials = args.replay, 1
     return args
@@ -97,7 +113,8 @@ def launch(args: argparse.Namespace, out: Path, checkpoint_dir: Path, *, restart
            steps: int | None = None, save_pause: float = 0.0) -> subprocess.Popen:
     options = {"steps": steps or args.steps, "checkpoint_every": args.checkpoint_every,
                "timeout_s": args.timeout, "step_sleep_s": args.step_sleep,
-               "checkpoint_dir": str(checkpoint_dir), "save_pause_s": save_pause}
+               "checkpoint_dir": str(checkpoint_dir), "save_pause_s": save_pause,
+               "search": args.search}
     network = [] if args.rate == "none" else ["--emulate-network", args.rate]
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
            "--nproc-per-machine", str(args.nproc_per_machine), *network,
@@ -172,10 +189,14 @@ def wait_for(predicate: Any, proc: subprocess.Popen, limit: float) -> bool:
 
 
 def equal(got_path: Path, want: dict[str, torch.Tensor]) -> bool:
+    """Equal to the bit, or within 1e-12 of the largest value (float64): a partition count
+    searched again after a restart sums a row's gradients in another order."""
     if not got_path.exists():
         return False
     got = torch.load(got_path, weights_only=True)
-    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    return got.keys() == want.keys() and all(
+        torch.equal(got[k], want[k]) or float((got[k] - want[k]).abs().max())
+        <= 1e-12 * max(1.0, float(want[k].abs().max())) for k in want)
 
 
 def run_trial(args: argparse.Namespace, kind: str, seed: int, work: Path,
@@ -187,10 +208,13 @@ def run_trial(args: argparse.Namespace, kind: str, seed: int, work: Path,
     checkpoints = out / "checkpoints"
     world = args.machines * args.nproc_per_machine
     trial.rank = rng.randrange(world)
-    trial.step = rng.randint(2, args.steps - 3)
+    trial.step = (rng.randint(1, 4) if kind == "kill-plan"
+                  else rng.randint(2, args.steps - 3))
     began = time.monotonic()
     limit = args.timeout + 30 + 4 * args.steps * (args.step_sleep + 0.2) + 30
-    mounted = False
+    mounted, fault_at = False, None
+    if args.rate != "none":
+        trial.namespaces_before = _namespaces()
     try:
         if kind == "corrupt":
             return _corrupt_trial(args, trial, rng, out, checkpoints, want, limit)
@@ -239,12 +263,44 @@ def _plant(kind: str, trial: Trial, rng: random.Random, out: Path, proc: subproc
             trial.detail = f"step {trial.step} never reached"
             return None
         time.sleep(rng.uniform(0, args.step_sleep))
+    if kind == "link-cut":
+        return _cut_link(trial, rng, args)
     pid = live_pid_of(out, trial.rank)
     if pid is None:
         trial.detail = f"rank {trial.rank} not running"
         return None
     os.kill(pid, signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
     return time.monotonic()
+
+
+def _cut_link(trial: Trial, rng: random.Random, args: argparse.Namespace) -> float | None:
+    """Take the trial's rank's machine link down (its host-side veth) for a while, in a
+    thread, so that the launcher is watched meanwhile."""
+    machine = trial.rank // args.nproc_per_machine
+    links = [name for name in _links() if re.fullmatch(rf"px[0-9a-f]{{6}}v{machine}", name)]
+    if len(links) != 1:
+        trial.detail = f"no single emulated link of machine {machine}: {links}"
+        return None
+    seconds = rng.uniform(1.0, 0.8 * args.timeout)
+    trial.detail = f"machine {machine}'s link down {seconds:.1f} s"
+
+    def cut() -> None:
+        subprocess.run(["ip", "link", "set", links[0], "down"], check=False)
+        time.sleep(seconds)
+        subprocess.run(["ip", "link", "set", links[0], "up"], check=False)
+
+    threading.Thread(target=cut, daemon=True).start()
+    return time.monotonic()
+
+
+def _links() -> list[str]:
+    listing = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
+    return [line.split(":")[1].strip().split("@")[0] for line in listing.stdout.splitlines()]
+
+
+def _namespaces() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return {line.split()[0] for line in listing.stdout.splitlines() if line.startswith("px")}
 
 
 def _corrupt_trial(args: argparse.Namespace, trial: Trial, rng: random.Random, out: Path,
@@ -290,8 +346,10 @@ def _judge(trial: Trial, code: int | None, output: str, hung: bool, out: Path,
     summary = [line for line in output.splitlines() if line.startswith("parallax: rank")]
     culprit = f"parallax: rank {trial.rank} "
     checks = {"no process left": not left, "not hung": not hung}
+    if trial.namespaces_before is not None:
+        checks["no namespace left"] = not (_namespaces() - trial.namespaces_before)
     if trial.kind in SURVIVABLE:
-        checks["equal to the bit"] = code == 0 and equal(out / "final.pt", want)
+        checks["equal to the uninterrupted run"] = code == 0 and equal(out / "final.pt", want)
     elif trial.kind == "kill-norestart":
         checks["exit status of SIGKILL (137)"] = code == 128 + signal.SIGKILL
         checks["culprit named"] = bool(summary) and summary[0].startswith(culprit) and (
@@ -361,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"settings": {k: str(v) if isinstance(v, Path) else v
                            for k, v in vars(args).items()},
-              "trials": [asdict(t) for t in trials]}
+              "trials": [{k: v for k, v in asdict(t).items() if k != "namespaces_before"}
+                         for t in trials]}
     args.out.write_text(json.dumps(record, indent=1))
     args.out.with_suffix(".md").write_text(text + "\n")
     return 0 if all(t.outcome in ("survived", "failed-clearly") for t in trials) else 1

@@ -5,7 +5,8 @@ random moments can be checked against an uninterrupted run.
 Usage (under ``parallax run``): chaos_worker.py OUT_DIR JSON_OPTIONS. Options: ``steps``,
 ``checkpoint_every``, ``timeout_s`` (Config.collective_timeout_s), ``sync``, ``step_sleep_s``
 (a pause inside every step's loss, so that a step lasts long enough for a fault to land in
-it), ``checkpoint_dir``, ``save_pause_s`` (each checkpoint file written that long after
+it), ``checkpoint_dir``, ``search`` (the partition count searched while training:
+re-partitioning in the first steps), ``save_pause_s`` (each checkpoint file written that long after
 ``OUT_DIR/saving-<rank>`` is touched: a save the harness can interrupt). Each batch is a
 function of the global step alone, so a resumed run sees the batches the uninterrupted one
 saw. Every process writes ``OUT_DIR/pid-<rank>-<pid>`` (the harness checks none is left
@@ -75,6 +76,8 @@ def main() -> None:
     model = Model().double()
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
     sleep = float(options.get("step_sleep_s", 0.0))
+    if options.get("search"):  # the partition count searched in the first steps
+        parallax.partition(model, max_partitions=4)
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         time.sleep(sleep)  # the step's "compute": faults land inside steps, not only between
@@ -85,7 +88,8 @@ def main() -> None:
     config = parallax.Config(
         checkpoint_dir=options["checkpoint_dir"],
         checkpoint_every_steps=options["checkpoint_every"],
-        collective_timeout_s=options["timeout_s"], sync=options.get("sync", "sync"))
+        collective_timeout_s=options["timeout_s"], sync=options.get("sync", "sync"),
+        partition_cache=None)  # every run searches: no count remembered from an earlier one
     runner = parallax.get_runner(model, optimizer, loss, config=config)
     progress = out / f"step-{worker.rank}"
     while runner.global_step < options["steps"]:

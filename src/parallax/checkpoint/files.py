@@ -144,8 +144,8 @@ def _write_atomic_with(path: Path, write: Callable[[BinaryIO], object], *,
         full = _out_of_space(error, path, needed - written)
         tmp.unlink(missing_ok=True)
         if full:
-            raise CheckpointError(f"{path}: No space left on device: about {needed:,} bytes "
-                                  f"to write, {written:,} written when the write failed, "
+            raise CheckpointError(f"No space left on device for {path}: about {needed:,} "
+                                  f"bytes to write, {written:,} written when the write failed, "
                                   f"{shutil.disk_usage(path.parent).free:,} free on its file "
                                   f"system now that the partial file is removed ({error})"
                                   ) from error

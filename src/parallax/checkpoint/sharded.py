@@ -91,13 +91,15 @@ def save(runner: Run, root: str | os.PathLike[str], *, keep: int | None = None,
     try:
         records.update(_save_rank_files(runner, directory, extra))
     except Exception as failure:  # reported on every rank below, not left to hang them
-        error = f"rank {worker.rank}: {type(failure).__name__}: {failure}"
+        # the cause first: the launcher's one-line summary of a long message keeps its start
+        kind = "" if isinstance(failure, CheckpointError) else f"{type(failure).__name__}: "
+        error = f"rank {worker.rank}: {kind}{failure}"
     gathered: list[Any] = [None] * worker.world_size
     dist.all_gather_object(gathered, (records, error), group=runner.group)
     errors = [e for _, e in gathered if e]
     if errors:
-        raise CheckpointError(f"saving step {runner.global_step} to {directory} failed "
-                              f"({'; '.join(errors)}); the previous checkpoint is intact")
+        raise CheckpointError(f"saving step {runner.global_step} failed ({'; '.join(errors)}); "
+                              f"the previous checkpoint is intact ({directory} not completed)")
     outcome = ""
     if worker.rank == 0:
         try:
@@ -116,8 +118,8 @@ def save(runner: Run, root: str | os.PathLike[str], *, keep: int | None = None,
     # Complete (or failed) on every rank's return.
     outcome = agree(outcome, rank=worker.rank, group=runner.group)
     if outcome:
-        raise CheckpointError(f"saving step {runner.global_step} to {directory} failed "
-                              f"({outcome}); the previous checkpoint is intact")
+        raise CheckpointError(f"saving step {runner.global_step} failed ({outcome}); "
+                              f"the previous checkpoint is intact ({directory} not completed)")
     return directory
 
 
