@@ -4,11 +4,9 @@ count, with the data stream and optimizer state; bad checkpoints named, never ha
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -51,14 +49,6 @@ def assert_same(got: dict, want: dict) -> None:
     for name, value in want.items():
         difference = float((got[name] - value).abs().max() / value.abs().max())
         assert difference < 1e-9, (name, difference)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # zombies are gone too
-    except (ProcessLookupError, FileNotFoundError):
-        return False
 
 
 def run(shape: tuple[int, int], *args: str, restarts: int = 0, timeout: int = 300,
@@ -112,17 +102,11 @@ def test_resume_under_another_architecture(tmp_path: Path) -> None:
         assert_same(torch.load(out), want)
 
 
-def test_killed_worker_stops_the_job_and_restarts_resume_it(tmp_path: Path) -> None:
-    """SIGKILL of rank 1 in step 5: without restarts every process is gone quickly and the
-    launcher names the rank; with one restart the job resumes from step 4 and ends exactly
-    where an uninterrupted run does."""
-    began = time.monotonic()
-    proc = run((2, 1), str(tmp_path / "no-restart"), "10", "-", "--kill-at", "5")
-    assert proc.returncode != 0
-    assert time.monotonic() - began < 120
-    assert "rank 1" in proc.stderr and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
-    pids = [int(p.read_text()) for p in (tmp_path / "no-restart").glob("pid-*")]
-    assert len(pids) == 2 and not [pid for pid in pids if alive(pid)]
+def test_a_restart_resumes_a_killed_worker_and_its_data_position(tmp_path: Path) -> None:
+    """SIGKILL of rank 1 in step 5, one restart: the job resumes from step 4 (the sharded
+    loader's position too) and ends exactly where an uninterrupted run does. Without restarts
+    (the rank named, exit 137, nothing left behind): benchmarks/chaos.py's kill-norestart,
+    tests/benchmarks/test_benchmarks.py::test_chaos_smoke."""
     out = tmp_path / "out.pt"
     proc = run((2, 1), str(tmp_path / "restart"), "10", str(out), "--kill-at", "5",
                restarts=1)
