@@ -60,6 +60,7 @@ ROOT = HERE.parent
 WORKER = HERE / "chaos_worker.py"
 #: must end equal to the uninterrupted run
 SURVIVABLE = {"kill", "kill-save", "kill-plan", "corrupt", "link-cut"}
+SAVE_PAUSE_S = 0.4  # kill-save: each checkpoint file written this long after its marker
 KINDS = ("kill", "kill-save", "kill-plan", "kill-norestart", "stop", "corrupt", "full-disk",
          "link-cut")
 
@@ -228,7 +229,7 @@ def run_trial(args: argparse.Namespace, kind: str, seed: int, work: Path,
         else:
             restarts = 3 if kind in SURVIVABLE else 0
             proc = launch(args, out, checkpoints, restarts=restarts,
-                          save_pause=1.0 if kind == "kill-save" else 0.0)
+                          save_pause=SAVE_PAUSE_S if kind == "kill-save" else 0.0)
             fault_at = _plant(kind, trial, rng, out, proc, args)
         code, output, hung = finish(proc, limit - (time.monotonic() - began))
         trial.seconds = round(time.monotonic() - began, 2)
@@ -256,7 +257,7 @@ def _plant(kind: str, trial: Trial, rng: random.Random, out: Path, proc: subproc
         if not wait_for(lambda: marker.exists() and marker.stat().st_mtime >= since, proc, 120):
             trial.detail = "no save began"
             return None
-        time.sleep(rng.uniform(0.05, 0.9))  # inside the 1 s pause before the file's write
+        time.sleep(rng.uniform(0.02, 0.9 * SAVE_PAUSE_S))  # inside the pause before a write
         trial.step = step_of(out)
     else:
         if not wait_for(lambda: step_of(out) >= trial.step, proc, 120):
