@@ -102,6 +102,10 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 --processes 1 2 4 --rate 100mbit --steps 40"
   [phases]="$py benchmarks/phase_overhead.py"
   [launch]="$py benchmarks/launch_overhead.py"
+  [chaos]="$py benchmarks/chaos.py --trials 50 --kinds kill kill-save kill-plan \
+kill-norestart stop corrupt full-disk --timeout 10 --seed 0 --out $results/chaos-1x2.json"
+  [chaos-link]="$py benchmarks/chaos.py --trials 50 --kinds link-cut kill --machines 2 \
+--nproc-per-machine 1 --rate 1gbit --timeout 10 --seed 0 --out $results/chaos-link-2x1.json"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
@@ -109,7 +113,7 @@ ORDER=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-r
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep lm-dense-sync
-       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases launch)
+       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases launch chaos chaos-link)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
