@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Config.collective_timeout_s of the workers")
     parser.add_argument("--step-sleep", type=float, default=0.1,
                         help="seconds of 'compute' in every step (faults land inside steps)")
+    parser.add_argument("--sync", choices=["sync", "async-sparse"], default="sync",
+                        help="Config.sync; async-sparse runs with max_staleness=0 (each step "
+                             "applied once every worker pushed it: equal to sync)")
     parser.add_argument("--search", action="store_true",
                         help="the worker searches its partition count while training")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
@@ -115,7 +118,7 @@ def launch(args: argparse.Namespace, out: Path, checkpoint_dir: Path, *, restart
     options = {"steps": steps or args.steps, "checkpoint_every": args.checkpoint_every,
                "timeout_s": args.timeout, "step_sleep_s": args.step_sleep,
                "checkpoint_dir": str(checkpoint_dir), "save_pause_s": save_pause,
-               "search": args.search}
+               "search": args.search, "sync": args.sync}
     network = [] if args.rate == "none" else ["--emulate-network", args.rate]
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
            "--nproc-per-machine", str(args.nproc_per_machine), *network,

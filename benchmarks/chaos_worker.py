@@ -3,10 +3,11 @@ MLP, float64, Adagrad) trained under parallax with checkpoints, so that faults p
 random moments can be checked against an uninterrupted run.
 
 Usage (under ``parallax run``): chaos_worker.py OUT_DIR JSON_OPTIONS. Options: ``steps``,
-``checkpoint_every``, ``timeout_s`` (Config.collective_timeout_s), ``sync``, ``step_sleep_s``
-(a pause inside every step's loss, so that a step lasts long enough for a fault to land in
-it), ``checkpoint_dir``, ``search`` (the partition count searched while training:
-re-partitioning in the first steps), ``save_pause_s`` (each checkpoint file written that long after
+``checkpoint_every``, ``timeout_s`` (Config.collective_timeout_s), ``sync`` (an asynchronous
+one with ``max_staleness=0``: equal to ``sync``), ``step_sleep_s`` (a pause inside every
+step's loss, so that a step lasts long enough for a fault to land in it),
+``checkpoint_dir``, ``search`` (the partition count searched while training: re-partitioning
+in the first steps), ``save_pause_s`` (each checkpoint file written that long after
 ``OUT_DIR/saving-<rank>`` is touched: a save the harness can interrupt). Each batch is a
 function of the global step alone, so a resumed run sees the batches the uninterrupted one
 saw. Every process writes ``OUT_DIR/pid-<rank>-<pid>`` (the harness checks none is left
@@ -89,6 +90,7 @@ def main() -> None:
         checkpoint_dir=options["checkpoint_dir"],
         checkpoint_every_steps=options["checkpoint_every"],
         collective_timeout_s=options["timeout_s"], sync=options.get("sync", "sync"),
+        max_staleness=0 if options.get("sync", "sync") != "sync" else None,
         partition_cache=None)  # every run searches: no count remembered from an earlier one
     runner = parallax.get_runner(model, optimizer, loss, config=config)
     progress = out / f"step-{worker.rank}"

@@ -194,16 +194,28 @@ def plan_fields(runner: parallax.Runner, system: str, wire: float) -> dict[str, 
 def profile(step: Callable[[Any], Any], workload: Workload, generator: torch.Generator,
             system: str, directory: Path, steps: int = 5) -> None:
     """``steps`` more steps under torch.profiler (after the timed ones, so the timing is not
-    the profiler's): each rank writes its operators by self CPU time, and rank 0 a Chrome
-    trace, to ``directory``."""
-    rank = current_worker().rank
+    the profiler's): each rank writes its operators by self CPU time, then the host
+    synchronisations (``.item()``/``.tolist()``: ``aten::_local_scalar_dense``, stream
+    synchronisations) by the Python lines that asked for them, and rank 0 a Chrome trace, to
+    ``directory``. On a GPU worker the CUDA kernels are recorded too."""
+    worker = current_worker()
+    rank = worker.rank
     directory.mkdir(parents=True, exist_ok=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if worker.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
         for _ in range(steps):
             step(workload.batch(generator))
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+    syncs = [event for event in prof.key_averages(group_by_stack_n=6)
+             if event.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize",
+                              "cudaDeviceSynchronize", "aten::item")]
+    lines = [f"{event.count:6d}  {event.key}  <- {' <- '.join(event.stack[:6])}"
+             for event in sorted(syncs, key=lambda e: -e.count)]
     (directory / f"{system}-rank{rank}.txt").write_text(
-        f"{system}, rank {rank}: {steps} steps under torch.profiler\n{table}\n")
+        f"{system}, rank {rank}: {steps} steps under torch.profiler\n{table}\n"
+        f"host synchronisations by caller ({steps} steps):\n" + "\n".join(lines) + "\n")
     if rank == 0:
         prof.export_chrome_trace(str(directory / f"{system}-rank0-trace.json"))
     dist.barrier()

@@ -16,6 +16,9 @@ output, and the next check runs; ``--deadline-s`` caps them all, for a lease of 
 * ``lm-cuda-1x1``: the benchmark LM, one worker on CUDA, `plain` PyTorch against parallax
   (`hybrid`) and DDP (`ddp-dense`: dense gradients: NCCL cannot AllReduce sparse ones): step times
   and peak memory (``benchmarks/compare.py``);
+* ``profile-lm-cuda-1x1``: parallax's step on that GPU under torch.profiler: operators by
+  self CPU time and the host synchronisations by the Python lines that ask for them
+  (``out/profile/hybrid-rank0.txt``);
 * ``partitions-cpu-4x1``: the partition-count search against brute force on 4 emulated
   machines (``benchmarks/partitions.py``, CPU workers: ``CUDA_VISIBLE_DEVICES=``), and
   ``local-aggregation-cpu-2x4``: 4 workers per machine, hybrid/optps/ps
@@ -107,6 +110,13 @@ def checks(out: Path, gpus: int) -> list[Check]:
                "--systems", "plain", "hybrid", "ddp-dense",
                "--isolate", "--repeats", "3", "--steps", "20", "--no-plot",
                "--out", str(out / "lm-cuda-1x1.json")], 420),
+        # where parallax's one-worker step spends the host's time, and which lines make it
+        # wait for the GPU (the H200 run: 214 launches and 45 synchronisations per step)
+        Check("profile-lm-cuda-1x1",
+              [py, str(ROOT / "benchmarks" / "compare.py"), "--workload", "lm", "--machines",
+               "1", "--nproc-per-machine", "1", "--rate", "none", "--systems", "hybrid",
+               "--repeats", "1", "--steps", "10", "--no-plot",
+               "--profile", str(out / "profile"), "--out", str(out / "profile-lm.json")], 180),
         Check("local-aggregation-cpu-2x4",
               [py, str(ROOT / "benchmarks" / "compare.py"), "--workload", "lm", "--machines",
                "2", "--nproc-per-machine", "4", "--rate", rate, "--systems", "hybrid",

@@ -34,7 +34,7 @@ def test_without_cuda_it_says_so_and_exits_2(tmp_path: Path) -> None:
     assert record["environment"]["cuda_available"] is False and record["checks"] == {}
     assert [c["name"] for c in record["plan"]] == [
         "pytest-gpu", "equivalence-cuda-1x1", "equivalence-cuda-1xN", "lm-cuda-1x1",
-        "local-aggregation-cpu-2x4", "partitions-cpu-4x1"]
+        "profile-lm-cuda-1x1", "local-aggregation-cpu-2x4", "partitions-cpu-4x1"]
 
 
 def test_the_plan_runs_scripts_that_exist(tmp_path: Path) -> None:
