@@ -113,6 +113,18 @@ def test_report_a_killed_rank_once_and_its_peers_as_consequences(tmp_path, capsy
                                                           local_spec(1, 2), set())
 
 
+def test_a_rank_terminated_while_failing_is_not_the_root_cause(tmp_path, capsys):
+    """Both ranks raise the same error; the agent's SIGTERM reaches one after it recorded
+    it: the status is the other's own (1), not 143, whichever the agent saw first."""
+    error = "CheckpointError: saving step 5 failed (rank 0: No space left on device for F)"
+    failures = {0: _failure(tmp_path, 0, -signal.SIGTERM, error),
+                1: _failure(tmp_path, 1, 1, error)}
+    os.utime(tmp_path / "error0.json", (0, 0))  # recorded first, too
+    assert launch_mod._report_failures(failures, local_spec(1, 2)) == 1
+    assert capsys.readouterr().err.splitlines()[0].startswith(
+        "parallax: rank 1 (machine 0) failed: exit code 1: CheckpointError")
+
+
 def test_report_killed_worker_without_error_file(tmp_path, capsys):
     failures = {1: _failure(tmp_path, 1, -signal.SIGKILL, None)}
     assert launch_mod._report_failures(failures, local_spec(1, 2)) == 128 + signal.SIGKILL

@@ -434,8 +434,11 @@ def _split_stopped(failures: Mapping[int, ProcessFailure]) -> tuple[list[int], l
     # closed by peer) follow from its death: within a second, it comes first. A rank whose
     # wait saw a failed rank's connection close (LostRankError naming it) comes after that
     # rank whatever the clocks say: the agent may notice the death after the peer recorded it.
-    own.sort(key=lambda r: (_lost_with(failures, r), failures[r].timestamp,
-                            not _killed(failures[r]), _error_file_mtime(failures[r]), r))
+    # A rank the agent's SIGTERM ended while it was already failing (its error recorded,
+    # say the same error as another rank's) is not the root cause while another failure is.
+    own.sort(key=lambda r: (_lost_with(failures, r), failures[r].exitcode in _STOP_SIGNALS,
+                            failures[r].timestamp, not _killed(failures[r]),
+                            _error_file_mtime(failures[r]), r))
     return own, sorted(set(stopped) - set(own))
 
 
