@@ -18,6 +18,7 @@ import resource
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -208,17 +209,31 @@ def profile(step: Callable[[Any], Any], workload: Workload, generator: torch.Gen
         for _ in range(steps):
             step(workload.batch(generator))
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
-    syncs = [event for event in prof.key_averages(group_by_stack_n=6)
-             if event.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize",
-                              "cudaDeviceSynchronize", "aten::item")]
-    lines = [f"{event.count:6d}  {event.key}  <- {' <- '.join(event.stack[:6])}"
-             for event in sorted(syncs, key=lambda e: -e.count)]
+    syncs = Counter((event.name, _python_callers(event)) for event in prof.events()
+                    if event.name in HOST_SYNCS)
+    lines = [f"{count:6d}  {name}  <- {callers}" for (name, callers), count in
+             syncs.most_common()]
     (directory / f"{system}-rank{rank}.txt").write_text(
         f"{system}, rank {rank}: {steps} steps under torch.profiler\n{table}\n"
         f"host synchronisations by caller ({steps} steps):\n" + "\n".join(lines) + "\n")
     if rank == 0:
         prof.export_chrome_trace(str(directory / f"{system}-rank0-trace.json"))
     dist.barrier()
+
+
+#: the operators that make the host wait for the device
+HOST_SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def _python_callers(event: Any, depth: int = 6) -> str:
+    """The Python frames above a profiler event (its ``cpu_parent`` chain: with_stack records
+    each Python call as an event of its own), innermost first."""
+    frames, parent = [], event.cpu_parent
+    while parent is not None and len(frames) < depth:
+        if ".py(" in parent.name:
+            frames.append(parent.name)
+        parent = parent.cpu_parent
+    return " <- ".join(frames)
 
 
 def phases_per_rank(runner: Any, world: int) -> dict[str, list[float]]:
