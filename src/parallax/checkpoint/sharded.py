@@ -73,7 +73,7 @@ class Run(Protocol):
     group: dist.ProcessGroup
     parallelism: Parallelism
 
-__all__ = ["CheckpointError", "find", "load", "save"]
+__all__ = ["CheckpointError", "load", "save"]
 
 log = logging.getLogger("parallax")
 FORMAT = "parallax-checkpoint"
@@ -187,10 +187,7 @@ def _meta(runner: Run, files: dict[str, FileRecord], has_extra: bool) -> dict[st
     }
 
 
-# ---- finding and loading ----------------------------------------------------------------------
-#: ``find(path)``: ``path`` itself when it is a checkpoint (holds a manifest), else the newest
-#: complete checkpoint under it; None when there is none (`files.find_checkpoint`).
-find = find_checkpoint
+# ---- loading ---------------------------------------------------------------------------------
 
 
 def load(runner: Run, path: str | os.PathLike[str]) -> Any:
