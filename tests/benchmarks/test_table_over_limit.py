@@ -1,6 +1,7 @@
-"""A server-held table twice what one worker process may hold trains on 4 machines under
-parallax (built in parallax.meta_init: each server makes and keeps its quarter), while plain DDP,
-which needs the whole table in every worker, runs out of memory. The limit is RLIMIT_DATA on
+"""A server-held table 1.5 times what one worker process may hold (the benchmark's is twice:
+1.5 keeps the suite short) trains on 4 machines under parallax (built in parallax.meta_init:
+each server makes and keeps its quarter), while plain DDP, which needs the whole table in every
+worker, runs out of memory. The limit is RLIMIT_DATA on
 every worker process (benchmarks/table_over_limit.py, which BENCHMARKS.md quotes)."""
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import parallax as parallax_module  # noqa: E402
 from parallax.model.meta_init import recipe_of  # noqa: E402
 
 LIMIT_MIB = 1024
-SHAPE = {"limit_mib": LIMIT_MIB, "ratio": 2.0, "machines": 4, "dim": 64, "steps": 3}
+SHAPE = {"limit_mib": LIMIT_MIB, "ratio": 1.5, "machines": 4, "dim": 64, "steps": 3}
 
 
-def test_parallax_trains_a_table_twice_the_limit_where_ddp_runs_out_of_memory(
+def test_parallax_trains_a_table_over_the_limit_where_ddp_runs_out_of_memory(
         tmp_path: Path) -> None:
     """...and exports it, streamed, under the same limit: rows no worker looked up keep the
     single-device initial values (replayed here from the recipe), looked-up ones moved."""
@@ -29,7 +30,7 @@ def test_parallax_trains_a_table_twice_the_limit_where_ddp_runs_out_of_memory(
     assert parallax.returncode == 0, parallax.output[-4000:]
     assert [r["rank"] for r in parallax.ranks] == [0, 1, 2, 3]
     for rank in parallax.ranks:
-        assert rank["table_mib"] == 2 * LIMIT_MIB
+        assert rank["table_mib"] == SHAPE["ratio"] * LIMIT_MIB
         assert rank["peak_rss_mib_after_export"] < LIMIT_MIB, rank
         assert len(rank["losses"]) == 3 and all(math.isfinite(x) for x in rank["losses"])
     rows = table_rows(LIMIT_MIB, SHAPE["ratio"], SHAPE["dim"])
