@@ -18,6 +18,9 @@ moment inside it:
 * ``link-cut``: a random machine's link down for 1 s to 0.8 x the collective timeout
   (``--machines`` >= 2 and an emulated ``--rate``), restarts as ``kill``: the job must end
   equal to the bit;
+* ``kill-launcher``: SIGKILL of ``parallax run`` itself (no restarts): every worker on every
+  machine must be gone within the timeout + 30 s (nothing trains on alone), and running the same
+  command again must resume from the newest complete checkpoint and end equal to the bit;
 * ``kill-norestart``: SIGKILL of a random rank, no restarts: the job must fail at once, the
   launcher's summary naming that rank and its signal;
 * ``stop``: SIGSTOP of a random rank, no restarts: the job must fail at the collective
@@ -59,10 +62,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "chaos_worker.py"
 #: must end equal to the uninterrupted run
-SURVIVABLE = {"kill", "kill-save", "kill-plan", "corrupt", "link-cut"}
+SURVIVABLE = {"kill", "kill-save", "kill-plan", "kill-launcher", "corrupt", "link-cut"}
 SAVE_PAUSE_S = 0.4  # kill-save: each checkpoint file written this long after its marker
-KINDS = ("kill", "kill-save", "kill-plan", "kill-norestart", "stop", "corrupt", "full-disk",
-         "link-cut")
+KINDS = ("kill", "kill-save", "kill-plan", "kill-launcher", "kill-norestart", "stop", "corrupt",
+         "full-disk", "link-cut")
 
 
 @dataclass
@@ -104,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "applied once every worker pushed it: equal to sync)")
     parser.add_argument("--search", action="store_true",
                         help="the worker searches its partition count while training")
+    parser.add_argument("--local-aggregation", action="store_true",
+                        help="Config.local_aggregation=True: a machine's workers merge their "
+                             "rows on its leader (more than one worker per machine)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
     args = parser.parse_args(argv)
     if "link-cut" in args.kinds and (args.machines < 2 or args.rate == "none"):
@@ -118,7 +124,8 @@ def launch(args: argparse.Namespace, out: Path, checkpoint_dir: Path, *, restart
     options = {"steps": steps or args.steps, "checkpoint_every": args.checkpoint_every,
                "timeout_s": args.timeout, "step_sleep_s": args.step_sleep,
                "checkpoint_dir": str(checkpoint_dir), "save_pause_s": save_pause,
-               "search": args.search, "sync": args.sync}
+               "search": args.search, "sync": args.sync,
+               "local_aggregation": args.local_aggregation}
     network = [] if args.rate == "none" else ["--emulate-network", args.rate]
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
            "--nproc-per-machine", str(args.nproc_per_machine), *network,
@@ -181,12 +188,15 @@ def step_of(out: Path) -> int:
     return max(steps, default=0)
 
 
-def wait_for(predicate: Any, proc: subprocess.Popen, limit: float) -> bool:
+def wait_for(predicate: Any, proc: subprocess.Popen, limit: float, *,
+             while_alive: bool = True) -> bool:
+    """Whether ``predicate`` came true within ``limit`` seconds (given up when ``proc`` ends,
+    unless not ``while_alive``)."""
     end = time.monotonic() + limit
     while time.monotonic() < end:
         if predicate():
             return True
-        if proc.poll() is not None:
+        if while_alive and proc.poll() is not None:
             return False
         time.sleep(0.01)
     return False
@@ -222,6 +232,8 @@ def run_trial(args: argparse.Namespace, kind: str, seed: int, work: Path,
     try:
         if kind == "corrupt":
             return _corrupt_trial(args, trial, rng, out, checkpoints, want, limit)
+        if kind == "kill-launcher":
+            return _kill_launcher_trial(args, trial, rng, out, checkpoints, want, limit)
         if kind == "full-disk":
             checkpoints.mkdir()
             size = int(checkpoint_bytes * rng.uniform(1.2, 2.8))
@@ -336,6 +348,39 @@ def _corrupt_trial(args: argparse.Namespace, trial: Trial, rng: random.Random, o
     detail, trial.detail = trial.detail, ""
     _judge(trial, code, output, hung, out, want, checkpoints, args.timeout)
     trial.detail = f"{detail}; {trial.detail}".strip("; ")
+    return trial
+
+
+def _kill_launcher_trial(args: argparse.Namespace, trial: Trial, rng: random.Random, out: Path,
+                         checkpoints: Path, want: dict[str, torch.Tensor],
+                         limit: float) -> Trial:
+    """SIGKILL ``parallax run`` at the trial's moment; every worker must end on its own within
+    the timeout + 30 s; then the same command again, which must end equal to the bit."""
+    began = time.monotonic()
+    proc = launch(args, out, checkpoints, restarts=0)
+    if not wait_for(lambda: step_of(out) >= trial.step, proc, 120):
+        trial.detail = f"step {trial.step} never reached"
+    else:
+        time.sleep(rng.uniform(0, args.step_sleep))
+        proc.kill()
+    killed_at, killed_step = time.monotonic(), step_of(out)
+    gone = wait_for(lambda: not alive_pids(out), proc, args.timeout + 30, while_alive=False)
+    trial.after_fault_s = round(time.monotonic() - killed_at, 2)
+    # a step in flight may end; an agent that trained on without its launcher would go on
+    stopped = step_of(out) <= killed_step + 2
+    first_output = proc.communicate()[0] if gone else ""
+    for pid in alive_pids(out):  # counted below; the rerun needs its machines to itself
+        os.kill(pid, signal.SIGKILL)
+    (out / "final.pt").unlink(missing_ok=True)
+    code, output, hung = finish(launch(args, out, checkpoints, restarts=0), limit)
+    trial.seconds = round(time.monotonic() - began, 2)
+    _judge(trial, code, first_output + output, hung, out, want, checkpoints, args.timeout)
+    trial.checks["every worker gone within timeout + 30 s of the launcher's kill"] = gone
+    trial.checks["training stopped with the launcher"] = stopped
+    if not (gone and stopped) and trial.outcome != "hung":
+        trial.outcome = "lost"
+        trial.detail = (f"workers outlived the launcher (step {killed_step} at the kill, "
+                        f"{step_of(out)} after); " + trial.detail)
     return trial
 
 

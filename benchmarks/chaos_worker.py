@@ -7,8 +7,9 @@ Usage (under ``parallax run``): chaos_worker.py OUT_DIR JSON_OPTIONS. Options: `
 one with ``max_staleness=0``: equal to ``sync``), ``step_sleep_s`` (a pause inside every
 step's loss, so that a step lasts long enough for a fault to land in it),
 ``checkpoint_dir``, ``search`` (the partition count searched while training: re-partitioning
-in the first steps), ``save_pause_s`` (each checkpoint file written that long after
-``OUT_DIR/saving-<rank>`` is touched: a save the harness can interrupt). Each batch is a
+in the first steps), ``local_aggregation`` (Config.local_aggregation=True), ``save_pause_s``
+(each checkpoint file written that long after ``OUT_DIR/saving-<rank>`` is touched: a save the
+harness can interrupt). Each batch is a
 function of the global step alone, so a resumed run sees the batches the uninterrupted one
 saw. Every process writes ``OUT_DIR/pid-<rank>-<pid>`` (the harness checks none is left
 behind) and, each step, ``OUT_DIR/step-<rank>`` (the harness times its faults by it); rank 0
@@ -91,6 +92,7 @@ def main() -> None:
         checkpoint_every_steps=options["checkpoint_every"],
         collective_timeout_s=options["timeout_s"], sync=options.get("sync", "sync"),
         max_staleness=0 if options.get("sync", "sync") != "sync" else None,
+        local_aggregation=options.get("local_aggregation") or None,
         partition_cache=None)  # every run searches: no count remembered from an earlier one
     runner = parallax.get_runner(model, optimizer, loss, config=config)
     progress = out / f"step-{worker.rank}"

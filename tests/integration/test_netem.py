@@ -111,4 +111,5 @@ def test_executors_quote_commands() -> None:
         "cd", "/srv/my job", "&&", "exec", "env", "A=x y", "/opt/venv/bin/python", "-m",
         "parallax.launch.guard", "--", "/opt/venv/bin/python", *argv[1:]]
     assert netem.netns_exec("pxm0") == ["ip", "netns", "exec", "pxm0"]
-    assert NamespaceExecutor("pxm0").command(argv, {}) == [*netem.netns_exec("pxm0"), *argv]
+    assert NamespaceExecutor("pxm0").command(argv, {}) == [
+        *netem.netns_exec("pxm0"), "python", "-m", "parallax.launch.guard", "--", *argv]

@@ -35,21 +35,29 @@ def omp_threads(workers: int) -> str:
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // workers))
 
 
+def guarded(argv: Sequence[str]) -> list[str]:
+    """``argv`` (``python -m parallax.cli run ...``) under `parallax.launch.guard`, which ends
+    it and every process below it when its standard input (a pipe from the launcher) closes:
+    a launcher killed outright (SIGKILL, out of memory) leaves no agent training on alone,
+    which the chaos soak found an emulated machine's agent did."""
+    return [argv[0], "-m", "parallax.launch.guard", "--", *argv]
+
+
 class LocalExecutor:
-    """Run on this host, as is."""
+    """Run on this host, under `guarded`."""
 
     def command(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
-        return [*argv]
+        return guarded(argv)
 
 
 @dataclass
 class NamespaceExecutor:
-    """Run inside a network namespace of this host (an emulated machine)."""
+    """Run inside a network namespace of this host (an emulated machine), under `guarded`."""
 
     namespace: str
 
     def command(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
-        return [*netns_exec(self.namespace), *argv]
+        return [*netns_exec(self.namespace), *guarded(argv)]
 
 
 # Variables a job's processes read that the launcher's environment may set: forwarded to
