@@ -74,6 +74,7 @@ class Trial:
 
     kind: str
     seed: int
+    sync: str = "sync"
     rank: int | None = None
     step: int | None = None
     outcome: str = ""  # survived | failed-clearly | lost | hung
@@ -102,9 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Config.collective_timeout_s of the workers")
     parser.add_argument("--step-sleep", type=float, default=0.1,
                         help="seconds of 'compute' in every step (faults land inside steps)")
-    parser.add_argument("--sync", choices=["sync", "async-sparse"], default="sync",
+    parser.add_argument("--sync", choices=["sync", "async-sparse", "mixed"], default="sync",
                         help="Config.sync; async-sparse runs with max_staleness=0 (each step "
-                             "applied once every worker pushed it: equal to sync)")
+                             "applied once every worker pushed it: equal to sync); mixed: "
+                             "each trial draws one of the two from its seed")
     parser.add_argument("--search", action="store_true",
                         help="the worker searches its partition count while training")
     parser.add_argument("--local-aggregation", action="store_true",
@@ -148,8 +150,8 @@ def finish(proc: subprocess.Popen, limit: float) -> tuple[int | None, str, bool]
 
 
 def reference(args: argparse.Namespace, work: Path) -> dict[str, torch.Tensor]:
-    """The uninterrupted run's final parameters."""
-    out = work / "reference"
+    """The uninterrupted run's final parameters (under ``args.sync``)."""
+    out = work / f"reference-{args.sync}"
     out.mkdir()
     proc = launch(args, out, out / "checkpoints", restarts=0)
     code, output, hung = finish(proc, 600)
@@ -213,10 +215,17 @@ def equal(got_path: Path, want: dict[str, torch.Tensor]) -> bool:
         <= 1e-12 * max(1.0, float(want[k].abs().max())) for k in want)
 
 
+def sync_modes(args: argparse.Namespace) -> list[str]:
+    return ["sync", "async-sparse"] if args.sync == "mixed" else [args.sync]
+
+
 def run_trial(args: argparse.Namespace, kind: str, seed: int, work: Path,
-              want: dict[str, torch.Tensor], checkpoint_bytes: int) -> Trial:
+              wants: dict[str, dict[str, torch.Tensor]], checkpoint_bytes: int) -> Trial:
     rng = random.Random(f"{kind}:{seed}")  # each kind its own draws for the same seed
-    trial = Trial(kind, seed)
+    sync = rng.choice(sync_modes(args))
+    args = argparse.Namespace(**{**vars(args), "sync": sync})  # this trial's
+    want = wants[sync]
+    trial = Trial(kind, seed, sync)
     out = work / f"{kind}-{seed}"
     out.mkdir()
     checkpoints = out / "checkpoints"
@@ -430,8 +439,8 @@ def _judge(trial: Trial, code: int | None, output: str, hung: bool, out: Path,
 
 
 def table(trials: list[Trial]) -> str:
-    lines = ["| fault | trials | survived | failed clearly | lost | hung | culprit named |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| fault | trials (async-sparse) | survived | failed clearly | lost | hung | "
+             "culprit named |", "|---|---|---|---|---|---|---|"]
     for kind in dict.fromkeys(t.kind for t in trials):
         mine = [t for t in trials if t.kind == kind]
         count = {o: sum(t.outcome == o for t in mine)
@@ -439,7 +448,8 @@ def table(trials: list[Trial]) -> str:
         named = [t for t in mine if "culprit named" in t.checks]
         culprit = (f"{sum(t.checks['culprit named'] for t in named)}/{len(named)}"
                    if named else "–")
-        lines.append(f"| {kind} | {len(mine)} | {count['survived']} | "
+        asynchronous = sum(t.sync != "sync" for t in mine)
+        lines.append(f"| {kind} | {len(mine)} ({asynchronous}) | {count['survived']} | "
                      f"{count['failed-clearly']} | {count['lost']} | {count['hung']} | "
                      f"{culprit} |")
     return "\n".join(lines)
@@ -452,15 +462,17 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="parallax-chaos-"))
     trials: list[Trial] = []
     try:
-        want = reference(args, work)
-        checkpoint_bytes = sum(f.stat().st_size for f in
-                               max((work / "reference" / "checkpoints").glob("step-*")).iterdir())
+        wants = {mode: reference(argparse.Namespace(**{**vars(args), "sync": mode}), work)
+                 for mode in sync_modes(args)}
+        first = work / f"reference-{sync_modes(args)[0]}" / "checkpoints"
+        checkpoint_bytes = sum(f.stat().st_size for f in max(first.glob("step-*")).iterdir())
         for i in range(args.trials):
             for kind in args.kinds:
-                trial = run_trial(args, kind, args.seed + i, work, want, checkpoint_bytes)
+                trial = run_trial(args, kind, args.seed + i, work, wants, checkpoint_bytes)
                 trials.append(trial)
-                print(f"chaos: {kind} seed {trial.seed} rank {trial.rank} step {trial.step}: "
-                      f"{trial.outcome} in {trial.seconds:.1f} s {trial.detail}", flush=True)
+                print(f"chaos: {kind} seed {trial.seed} ({trial.sync}) rank {trial.rank} step "
+                      f"{trial.step}: {trial.outcome} in {trial.seconds:.1f} s {trial.detail}",
+                      flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = table(trials)

@@ -346,4 +346,4 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     killed = trials["kill-norestart"]
     assert killed["outcome"] == "failed-clearly" and killed["exit_code"] == 137, killed
     assert all(killed["checks"].values()), killed["checks"]
-    assert "| kill | 1 | 1 | 0 | 0 | 0 |" in out.with_suffix(".md").read_text()
+    assert "| kill | 1 (0) | 1 | 0 | 0 | 0 |" in out.with_suffix(".md").read_text()
