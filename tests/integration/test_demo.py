@@ -13,7 +13,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.network
 def test_readme_demo_command_trains_and_reports(tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
-    assert "bash scripts/demo.sh" in readme.split("\n\n")[1], "README must start with it"
+    # what the library is, how to install it, the port, then the two commands (and this one)
+    sections = readme.split("\n## ")
+    assert [part.split("\n", 1)[0] for part in sections[1:4]] == [
+        "Install", "The port", "Two commands on a fresh machine"], "the README's order"
+    assert "pip install" in sections[1] and "parallax.distribute(" in sections[2]
+    assert "bash scripts/demo.sh" in sections[3] and "bash scripts/test.sh" in sections[3]
     proc = subprocess.run(
         ["bash", "scripts/demo.sh", "--max-steps", "15", "--max-valid-batches", "3",
          "--vocab", "2000"],
