@@ -110,8 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--search", action="store_true",
                         help="the worker searches its partition count while training")
     parser.add_argument("--local-aggregation", action="store_true",
-                        help="Config.local_aggregation=True: a machine's workers merge their "
-                             "rows on its leader (more than one worker per machine)")
+                        help="Config.local_aggregation=True in the synchronous trials: a "
+                             "machine's workers merge their rows on its leader")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
     args = parser.parse_args(argv)
     if "link-cut" in args.kinds and (args.machines < 2 or args.rate == "none"):
@@ -127,7 +127,8 @@ def launch(args: argparse.Namespace, out: Path, checkpoint_dir: Path, *, restart
                "timeout_s": args.timeout, "step_sleep_s": args.step_sleep,
                "checkpoint_dir": str(checkpoint_dir), "save_pause_s": save_pause,
                "search": args.search, "sync": args.sync,
-               "local_aggregation": args.local_aggregation}
+               # asynchronous training refuses it: sync trials only (under --sync mixed)
+               "local_aggregation": args.local_aggregation and args.sync == "sync"}
     network = [] if args.rate == "none" else ["--emulate-network", args.rate]
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
            "--nproc-per-machine", str(args.nproc_per_machine), *network,
@@ -473,10 +474,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"chaos: {kind} seed {trial.seed} ({trial.sync}) rank {trial.rank} step "
                       f"{trial.step}: {trial.outcome} in {trial.seconds:.1f} s {trial.detail}",
                       flush=True)
+                write_record(args, trials)  # after every trial: a soak cut short keeps its count
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(write_record(args, trials))
+    return 0 if all(t.outcome in ("survived", "failed-clearly") for t in trials) else 1
+
+
+def write_record(args: argparse.Namespace, trials: list[Trial]) -> str:
+    """Write the trials so far (``--out``) and their table beside it; returns the table."""
     text = table(trials)
-    print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"settings": {k: str(v) if isinstance(v, Path) else v
                            for k, v in vars(args).items()},
@@ -484,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                          for t in trials]}
     args.out.write_text(json.dumps(record, indent=1))
     args.out.with_suffix(".md").write_text(text + "\n")
-    return 0 if all(t.outcome in ("survived", "failed-clearly") for t in trials) else 1
+    return text
 
 
 if __name__ == "__main__":
