@@ -19,7 +19,12 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ImportError:  # not a dependency of the library
+    sys.exit("examples/train_lm.py shows its progress with tqdm: pip install tqdm "
+             "(or pip install '.[examples]')")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
