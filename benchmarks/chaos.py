@@ -402,7 +402,9 @@ def _judge(trial: Trial, code: int | None, output: str, hung: bool, out: Path,
     trial.output_tail = output[-2500:]
     time.sleep(0.5)  # the launcher is gone: its workers must be too
     left = alive_pids(out)
-    summary = [line for line in output.splitlines() if line.startswith("parallax: rank")]
+    # the launcher's summary: a line per failed rank, the root cause first
+    summary = [line for line in output.splitlines()
+               if re.match(r"parallax: rank \d+ \(machine \d+\) ", line)]
     culprit = f"parallax: rank {trial.rank} "
     checks = {"no process left": not left, "not hung": not hung}
     if trial.namespaces_before is not None:

@@ -128,3 +128,51 @@ def test_records_are_written_behind_the_step_and_land_before_anyone_reads() -> N
     assert not one.writer.thread.is_alive() or one.writer.closed
     with pytest.raises(UnevenInputsError, match="rank 1 ended its training after 0 step"):
         zero.begin(2)
+
+
+def test_a_rank_dying_of_an_error_is_not_read_as_ended(store: dist.Store,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chaos soak's case (2x2, async-sparse): rank 0 killed in step 4, rank 3 dies of the
+    lost connection and exits; rank 1's explanation must name rank 0, not blame rank 3 for
+    uneven inputs (a dying rank's exit used to record the end of its training)."""
+    from parallax.engine.diagnostics import failing
+
+    zero, one, two, three = ranks(store, 4)
+    for p in (zero, one, two, three):
+        for step in (1, 2, 3):
+            p.begin(step)
+            p.done(step)
+        p.begin(4)
+    for p in (one, two, three):
+        p.phase(4, "backward")
+    monkeypatch.setattr(failing, "_failing", True)
+    three.finish()  # its process exits with an uncaught LostRankError
+    monkeypatch.setattr(failing, "_failing", False)
+    lost = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:8626")
+    error = one.explain(lost, 4)
+    assert isinstance(error, LostRankError) and str(error).startswith("rank 0 is lost"), error
+    two.done(4)
+    two.begin(5)  # no end of training recorded: the next step does not fail for uneven inputs
+    # when the failed rank is the only one missing, it is the one named, as failed
+    for p in (zero, one):
+        p.phase(4, "backward")
+    error = one.explain(lost, 4)
+    assert str(error).startswith("rank 3 is lost") and "failed in step 3" in str(error), error
+
+
+def test_an_uncaught_exception_is_seen_at_exit() -> None:
+    import subprocess
+    import sys
+
+    program = ("import atexit; from parallax.engine.diagnostics import failing; "
+               "failing.watch(); failing.watch(); "
+               "atexit.register(lambda: print('failing at exit:', failing.failing())); "
+               "raise ValueError('the worker fails')")
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and "ValueError: the worker fails" in proc.stderr
+    assert "failing at exit: True" in proc.stdout
+    calm = subprocess.run([sys.executable, "-c", program.replace(
+        "raise ValueError('the worker fails')", "pass")], capture_output=True, text=True,
+        timeout=60)
+    assert calm.returncode == 0 and "failing at exit: False" in calm.stdout

@@ -15,7 +15,6 @@ import contextlib
 import itertools
 import logging
 import os
-import sys
 import time
 from collections.abc import Iterator, Sequence
 
@@ -41,7 +40,7 @@ from parallax.engine.asynchronous.async_server import (
     ServerThread,
 )
 from parallax.engine.asynchronous.async_table import AsyncTable
-from parallax.engine.diagnostics import phases
+from parallax.engine.diagnostics import failing, phases
 from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.server_table import ShardedTable
@@ -51,18 +50,6 @@ __all__ = ["AsyncTraining", "StalenessGate"]
 
 log = logging.getLogger("parallax")
 _serial = itertools.count()  # runners of this process: the same sequence on every rank
-_failing = False  # an uncaught exception is ending this process
-
-
-def _note_failure(kind, value, traceback) -> None:  # type: ignore[no-untyped-def]
-    """sys.excepthook: a failing worker must not keep serving the others until they finish
-    (its launcher would not see the failure, nor restart the job, until then)."""
-    global _failing
-    _failing = True
-    _previous_hook(kind, value, traceback)
-
-
-_previous_hook = sys.excepthook
 
 
 class StalenessGate:
@@ -151,9 +138,9 @@ class AsyncTraining:
         self.skip_push = False  # Config.nonfinite="skip" found this worker's gradient bad
         self._quiet_depth = 0
         self.closed = False
-        if sys.excepthook is not _note_failure:
-            global _previous_hook
-            _previous_hook, sys.excepthook = sys.excepthook, _note_failure
+        # a failing worker must not keep serving the others until they finish (its launcher
+        # would not see the failure, nor restart the job, until then)
+        failing.watch()
 
     def start(self, shard_optimizer: ShardOptimizer, step: int) -> None:
         """Serve: the servers' optimizer is built and the initial values are in place."""
@@ -331,12 +318,13 @@ class AsyncTraining:
                 if server != self.rank:
                     self.channel.send(self.channel.header(STOP, self.step, [0] * len(self.inner)),
                                       server, _HEADER).wait(self.channel.timeout)
-            if self.thread is not None and not _failing:
+            if self.thread is not None and not failing.failing():
                 self.thread.join(self.timeout_s)
             elif self.thread is not None:
                 return  # failing: the others learn it from the closed connections
         except Exception as error:  # a peer already gone: its own error says why
-            log.warning("parallax: rank %d: asynchronous servers did not stop cleanly: %s",
-                        self.rank, error)
+            if not failing.failing():  # else this process's own error says more
+                log.warning("parallax: rank %d: asynchronous servers did not stop cleanly: "
+                            "%s", self.rank, error)
         else:
             dist.destroy_process_group(self.channel.group)

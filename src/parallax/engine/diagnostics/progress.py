@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import distributed_c10d
 
+from parallax.engine.diagnostics import failing
 from parallax.errors import LostRankError, StalledRankError, UnevenInputsError, UsageError
 
 __all__ = ["CULPRIT", "Explainer", "LostRankError", "Progress", "StalledRankError",
@@ -40,6 +41,7 @@ __all__ = ["CULPRIT", "Explainer", "LostRankError", "Progress", "StalledRankErro
 
 _PREFIX = "parallax/progress/"
 _ENDED = "ended"
+_FAILED = "failed"  # an uncaught exception ended the process (`failing`): not the training
 # A step's phases in order: a rank in an earlier phase of the same step is behind.
 PHASES = {"forward": 0, "backward": 1, "done": 2}
 _READ_TIMEOUT = timedelta(seconds=5)  # reading records after a failure must not hang either
@@ -60,6 +62,7 @@ class Record:
     def describe(self, now: float) -> str:
         where = (f"finished step {self.step}" if self.phase == "done" else
                  f"ended its training after {self.step} step(s)" if self.phase == _ENDED else
+                 f"failed in step {self.step}" if self.phase == _FAILED else
                  f"step {self.step} ({self.phase})")
         return f"{where}, {max(0.0, now - self.time):.1f} s ago"
 
@@ -124,6 +127,7 @@ class Progress:
         # asynchronous training: a worker may finish while others still train
         self.ends_freely = False
         _active.append(self)
+        failing.watch()  # a rank dying of an error records that, not the end of its training
 
     def _write(self, step: int, phase: str) -> None:
         self.current = phase
@@ -150,14 +154,17 @@ class Progress:
         self._write(step, "done")
 
     def finish(self) -> None:
-        """This rank's training is over (shutdown or process exit)."""
+        """This rank's training is over (shutdown or process exit), or an uncaught exception
+        is ending the process (then its peers must not read an end of training: their errors
+        would blame uneven inputs)."""
         if self.ended:
             return
         self.ended = True
+        failed = failing.failing()
         try:
-            self._write(self.steps, _ENDED)
+            self._write(self.steps, _FAILED if failed else _ENDED)
             self.writer.close()  # the record before the mark others check
-            if self.store is not None:
+            if self.store is not None and not failed:
                 self.store.set(_ENDED, str(self.rank))
         except Exception:  # the launcher's store may already be gone at interpreter exit
             pass
@@ -195,11 +202,15 @@ class Progress:
         if ended:
             return self._uneven(ended, records, step)
         mine = PHASES.get(self.current, 0)
+        # a rank that failed too (its record says so) is named only when no other rank is
+        failed = sorted(r for r, rec in records.items()
+                        if r != self.rank and rec.phase == _FAILED)
         behind = sorted(r for r, rec in records.items()
-                        if r != self.rank and (rec.step < step or rec.step == step
-                                               and PHASES.get(rec.phase, 0) < mine))
+                        if r != self.rank and r not in failed
+                        and (rec.step < step or rec.step == step
+                             and PHASES.get(rec.phase, 0) < mine))
         silent = [r for r in range(self.world_size) if r not in records and r != self.rank]
-        culprits = behind or silent
+        culprits = behind or silent or failed
         if not culprits:
             return error
         first = culprits[0]
