@@ -176,3 +176,26 @@ def test_an_uncaught_exception_is_seen_at_exit() -> None:
         "raise ValueError('the worker fails')", "pass")], capture_output=True, text=True,
         timeout=60)
     assert calm.returncode == 0 and "failing at exit: False" in calm.stdout
+
+
+def test_a_frozen_rank_is_named_where_every_record_shows_the_same_place(
+        store: dist.Store) -> None:
+    """The chaos soak's case (2x2, SIGSTOP): the stopped rank had recorded the phase its peers
+    wait in, so no record is behind; its writer's beat stopped with it."""
+    import time
+
+    zero, one, two = ranks(store, 3)
+    for p in (zero, one, two):
+        p.begin(1)
+        p.phase(1, "backward")
+    timeout = RuntimeError("[unbound_buffer.cc:129] Timed out waiting 10000ms for send")
+    time.sleep(1.2)  # every writer has beaten
+    assert zero.explain(timeout, 1) is timeout  # all alive: the failure lies elsewhere
+    one.writer.close()  # SIGSTOP: its thread stops with it
+    one.writer.thread.join(5)
+    zero.store.set("beat1", repr(time.time() - 11.0))  # (under the records' prefix)
+    error = zero.explain(timeout, 1)
+    assert isinstance(error, StalledRankError) and not isinstance(error, LostRankError)
+    assert str(error).startswith("rank 1 did not arrive: rank 0 waited in step 1 (backward")
+    assert "no sign of life for 11." in str(error) and "stopped or frozen" in str(error)
+    assert CULPRIT.match(f"StalledRankError: {error}").group(2) == "1"

@@ -68,16 +68,25 @@ class Record:
 
 
 _FLUSH_TIMEOUT_S = 5.0  # waiting for queued writes must not hang either
+_BEAT_S = 1.0  # a live rank's writer says so at least this often
+_STALE_AFTER_S = 3.0  # (or half the collective timeout) without a beat: the process is frozen
 
 
 class _Writer:
     """Store writes sent in order by one daemon thread, so that the step does not wait for
     the round trips (c10d's TCPStore serialises its clients' operations, so the step's own
     check may run meanwhile). A write that fails is dropped: the store outlives the workers
-    only while the launcher does, and a record is a diagnosis, not the training's state."""
+    only while the launcher does, and a record is a diagnosis, not the training's state.
 
-    def __init__(self, store: Store) -> None:
+    The thread also writes ``beat`` (the time) every `_BEAT_S`: it runs while the rank waits
+    in a collective or computes (both release the GIL), so only a frozen process (SIGSTOP, a
+    debugger, a deadlock holding the GIL) falls silent, which names it when every rank's
+    record shows the same place (`Progress.explain`)."""
+
+    def __init__(self, store: Store, beat: str | None = None) -> None:
         self.store = store
+        self.beat = beat
+        self.last_beat = 0.0
         self.pending: queue.SimpleQueue[tuple[str, str] | threading.Event | None] = (
             queue.SimpleQueue())
         self.closed = False
@@ -102,12 +111,24 @@ class _Writer:
         self.pending.put(None)
 
     def _run(self) -> None:
-        while (item := self.pending.get()) is not None:
+        while True:
+            item: tuple[str, str] | threading.Event | None | tuple[()]
+            try:
+                item = self.pending.get(timeout=_BEAT_S)
+            except queue.Empty:
+                item = ()  # nothing to send: a beat, if one is due
+            if item is None:
+                return
+            now = time.time()
+            if self.beat is not None and now - self.last_beat >= _BEAT_S:
+                self.last_beat = now
+                with contextlib.suppress(Exception):
+                    self.store.set(self.beat, repr(now))
             if isinstance(item, threading.Event):
                 item.set()
-                continue
-            with contextlib.suppress(Exception):
-                self.store.set(*item)
+            elif item:
+                with contextlib.suppress(Exception):
+                    self.store.set(*item)
 
 
 class Progress:
@@ -120,7 +141,7 @@ class Progress:
         self.timeout_s = timeout_s
         base = store if store is not None else distributed_c10d._get_default_store()
         self.store: Store | None = PrefixStore(_PREFIX, base)
-        self.writer = _Writer(self.store)
+        self.writer = _Writer(self.store, beat=f"beat{rank}")
         self.steps = 0
         self.ended = False
         self.current = "done"
@@ -192,6 +213,19 @@ class Progress:
                 records[rank] = Record(int(step), phase, float(stamp))
         return records
 
+    def _beats(self) -> dict[int, float]:
+        """When each rank's writer last said it is alive (ranks without a beat: absent)."""
+        if self.store is None:
+            return {}
+        keys = [f"beat{r}" for r in range(self.world_size)]
+        try:
+            present = [k for k in keys if self.store.check([k])]
+            values = dict(zip(present, self.store.multi_get(present), strict=True))
+        except Exception:
+            return {}
+        return {rank: float(values[key].decode()) for rank, key in enumerate(keys)
+                if key in values}
+
     def explain(self, error: BaseException, step: int) -> BaseException:
         """The error to raise for a collective of step ``step`` that failed with ``error``:
         one naming the rank(s) that did not arrive, or ``error`` itself when every rank's
@@ -210,14 +244,28 @@ class Progress:
                         and (rec.step < step or rec.step == step
                              and PHASES.get(rec.phase, 0) < mine))
         silent = [r for r in range(self.world_size) if r not in records and r != self.rank]
-        culprits = behind or silent or failed
+        beats = self._beats()
+        stale_after = max(_STALE_AFTER_S, self.timeout_s / 2)
+        frozen = sorted(r for r, beat in beats.items()
+                        if r != self.rank and r not in failed and now - beat > stale_after)
+        culprits = behind or silent or frozen or failed
         if not culprits:
             return error
         first = culprits[0]
         last = records[first].describe(now) if first in records else "no record at all"
+        if culprits is frozen and not is_connection_lost(error):
+            others = (f" (also silent: rank(s) {', '.join(map(str, culprits[1:]))})"
+                      if len(culprits) > 1 else "")
+            return StalledRankError(
+                f"rank {first} did not arrive: rank {self.rank} waited in step {step} "
+                f"({self.current}; collective timeout {self.timeout_s:g} s), and rank "
+                f"{first}'s process has given no sign of life for "
+                f"{now - beats[first]:.1f} s (its last record: {last}) — it is stopped or "
+                f"frozen (SIGSTOP, a debugger, a deadlock holding the GIL){others}. The wait "
+                f"ended with: {_first_line(error)}")
         others = (f" (also behind: rank(s) {', '.join(map(str, culprits[1:]))})"
                   if len(culprits) > 1 else "")
-        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        cause = _first_line(error)
         if is_connection_lost(error):
             return LostRankError(
                 f"rank {first} is lost: its connection closed while rank {self.rank} waited in "
@@ -241,6 +289,10 @@ class Progress:
             f"{self.rank} called step {step} — give every worker the same number of batches "
             "(e.g. with parallax.shard, which gives each worker an equal share), or stop all "
             "workers at the same step")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _ended(records: dict[int, Record]) -> list[int]:
