@@ -483,12 +483,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(t.outcome in ("survived", "failed-clearly") for t in trials) else 1
 
 
+def code_version() -> dict[str, str]:
+    """The commit the soak ran, and the tree of its ``src/`` (sittings of one engine can be
+    counted together: the same tree, whatever else the commits changed)."""
+    def git(*argv: str) -> str:
+        proc = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True)
+        return proc.stdout.strip() or "unknown"
+    dirty = git("status", "--porcelain", "--", "src") not in ("", "unknown")
+    return {"commit": git("rev-parse", "HEAD"), "src_tree": git("rev-parse", "HEAD:src"),
+            "src_modified": str(dirty)}
+
+
 def write_record(args: argparse.Namespace, trials: list[Trial]) -> str:
     """Write the trials so far (``--out``) and their table beside it; returns the table."""
     text = table(trials)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"settings": {k: str(v) if isinstance(v, Path) else v
                            for k, v in vars(args).items()},
+              "code": code_version(),
               "trials": [{k: v for k, v in asdict(t).items() if k != "namespaces_before"}
                          for t in trials]}
     args.out.write_text(json.dumps(record, indent=1))
