@@ -347,3 +347,27 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     assert killed["outcome"] == "failed-clearly" and killed["exit_code"] == 137, killed
     assert all(killed["checks"].values()), killed["checks"]
     assert "| kill | 1 (0) | 1 | 0 | 0 | 0 |" in out.with_suffix(".md").read_text()
+
+
+def test_chaos_combine_joins_sittings_of_one_engine_and_refuses_two(tmp_path: Path) -> None:
+    """`chaos.py --combine`: the trials of records from the same src/ tree become one table;
+    records of different (or modified) engines are refused, so a table never mixes them."""
+    def record(name: str, tree: str, seeds: range) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({
+            "settings": {}, "code": {"commit": "c", "src_tree": tree, "src_modified": "False"},
+            "trials": [{"kind": "kill", "seed": s, "outcome": "survived"} for s in seeds]}))
+        return path
+
+    first, second = record("a.json", "t1", range(3)), record("b.json", "t1", range(3, 5))
+    out = tmp_path / "all.json"
+    run_script("chaos.py", "--combine", str(first), str(second), "--out", str(out))
+    joined = json.loads(out.read_text())
+    assert [t["seed"] for t in joined["trials"]] == [0, 1, 2, 3, 4]
+    assert "| kill | 5 (0) | 5 | 0 | 0 | 0 |" in out.with_suffix(".md").read_text()
+    other = record("c.json", "t2", range(5, 6))
+    proc = subprocess.run([sys.executable, str(BENCH / "chaos.py"), "--combine", str(first),
+                           str(other), "--out", str(tmp_path / "mixed.json")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and "different (or modified) engines" in proc.stderr
+    assert not (tmp_path / "mixed.json").exists()
