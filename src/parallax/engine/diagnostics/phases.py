@@ -6,7 +6,10 @@ backward, counts for itself and not for its parent), so the phases of a step add
 step. Always on: a phase costs two clock reads and a few dict updates (the cost on the LM is
 measured in BENCHMARKS.md, "Phase timing"). Own clocks rather than ``torch.profiler``'s
 ``record_function`` ranges: those record nothing unless a profiler is running, and a running
-profiler records every operator too (measured in the same section).
+profiler records every operator too (measured in the same section). While a profiler *is*
+running (the user's own ``torch.profiler.profile``), each phase is also a
+``record_function`` range named ``parallax: PHASE`` (`PROFILER_PREFIX`), so that the user's
+trace shows where parallax's part of a step went, among their own operators.
 
 With a timeline file (``parallax run --timeline FILE``, i.e. ``PARALLAX_TIMELINE``) each phase
 is also kept as an event; at shutdown every rank writes its events as Chrome trace events
@@ -39,6 +42,7 @@ PHASES = ("id look-ahead", "pull", "pool", "forward", "backward", "dense sync", 
           "server aggregation", "clip and check", "server update", "dense update",
           "checkpoint", "progress record")
 STATS_KEY = "step phases"  # where `Runner.stats` holds `PhaseClock.per_step`
+PROFILER_PREFIX = "parallax: "  # a phase's range in a running torch.profiler's trace
 _STEP = "step"
 
 
@@ -51,7 +55,8 @@ class PhaseClock:
         self.seconds: dict[str, float] = defaultdict(float)  # self time since reset
         self.steps = 0
         self.events: list[tuple[str, int, int, int]] = []  # (phase, start ns, ns, step)
-        self._stack: list[list[Any]] = []  # [name, start ns, children's ns]
+        # [name, start ns, children's ns, the profiler's range or None]
+        self._stack: list[list[Any]] = []
         self._step = 0
         self._began: int | None = None  # the running step's start
         self.thread = threading.get_ident()  # phases of other threads are not the step's
@@ -75,15 +80,19 @@ class PhaseClock:
         ``name`` is already running."""
         if self._began is None or any(frame[0] == name for frame in self._stack):
             return False
-        self._stack.append([name, time.perf_counter_ns(), 0])
+        ranged = (torch.ops.profiler._record_function_enter_new(PROFILER_PREFIX + name)
+                  if torch._C._autograd._profiler_enabled() else None)
+        self._stack.append([name, time.perf_counter_ns(), 0, ranged])
         return True
 
     def close(self, name: str) -> None:
         """End ``name``, the innermost running phase (nothing if it is not)."""
         if not self._stack or self._stack[-1][0] != name:
             return
-        _, start, children = self._stack.pop()
+        _, start, children, ranged = self._stack.pop()
         elapsed = time.perf_counter_ns() - start
+        if ranged is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(ranged)
         self.seconds[name] += (elapsed - children) / 1e9
         if self._stack:
             self._stack[-1][2] += elapsed
