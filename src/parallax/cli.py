@@ -107,9 +107,8 @@ def _add_run(commands: Commands) -> None:
         "--timeline",
         metavar="FILE",
         help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every step's phases "
-        "to FILE: one process per rank, one track per phase (ranks of other hosts write "
-        "FILE.rank<R>.json where FILE's folder is on their host: merge them with a shared "
-        "file system)",
+        "to FILE: one process per rank, one track per phase; rank 0 writes it, with every "
+        "rank's phases (under torchrun: PARALLAX_TIMELINE=FILE)",
     )
     _add_cluster_arguments(run)
 
@@ -353,12 +352,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         timeline = os.path.abspath(timeline)
         env[TIMELINE_ENV] = timeline
+        if os.path.exists(timeline):  # rank 0 writes it anew (or not at all: no step ran)
+            os.remove(timeline)
     status = _launch(parser, args, spec, env, max_restarts)
     if timeline:
-        from parallax.engine.diagnostics.phases import merge_timelines
-
-        merged = merge_timelines(timeline)
-        said = f"written to {merged}" if merged else "empty: no step ran"
+        # rank 0 wrote every rank's phases there (`phases.PhaseClock.write`); on another
+        # host when the first machine is not this one
+        said = (f"written to {timeline}" if os.path.exists(timeline) else
+                "empty: no step ran" if spec.is_local() else
+                f"written by rank 0 to {timeline} on {spec.machines[0].host}")
         print(f"parallax: timeline {said}", file=sys.stderr)
     return status
 

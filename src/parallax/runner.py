@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import distributed_c10d
 
 from parallax.checkpoint.single_device import SingleDeviceView
 from parallax.cluster import LaunchOrders, WorkerInfo
@@ -85,7 +86,9 @@ class Runner:
                          if worker.world_size > 1 else None)
         self._explained = Explainer(self.progress, lambda: self.global_step + 1)
         # where each step's time goes (runner.stats()["step phases"]; parallax run --timeline)
-        self.phases = PhaseClock(worker.rank, orders.timeline)
+        self.phases = PhaseClock(worker.rank, orders.timeline, world_size=worker.world_size,
+                                 store=(distributed_c10d._get_default_store()
+                                        if orders.timeline and worker.world_size > 1 else None))
         on_shutdown(self.phases.write)
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self._build_layout(model, orders)
