@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallax import logs
 from parallax.cluster import EnvironmentPatch, WorkerInfo, current_worker
 from parallax.config import Config
 from parallax.engine.diagnostics import progress
@@ -54,6 +55,7 @@ def single_process_worker() -> WorkerInfo:
 def join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
     """Join the default group (if the program has not) and the group for the PS exchange."""
     global _sparse_group
+    logs.configure(worker.rank)
     timeout = timedelta(seconds=config.collective_timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if worker.device.type == "cuda" else "gloo"

@@ -18,7 +18,6 @@ parallelism (``m x b`` rows each), so changing the grid never changes what is tr
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -31,6 +30,7 @@ from parallax.collective import agree
 from parallax.config import Config, ParallelismName
 from parallax.engine.tables.exchange import Traffic
 from parallax.errors import ConfigError
+from parallax.logs import log
 from parallax.parallelism.cost import choose_grid, explain, measure_link, predict_grids
 from parallax.parallelism.data_parallel import DataParallel
 from parallax.parallelism.grid import Grid, build_mesh
@@ -105,7 +105,7 @@ def _auto_grid(model: nn.Module, *, worker: WorkerInfo, group: dist.ProcessGroup
     if worker.rank == 0:
         predictions = predict_grids(model, worker.world_size, batch=batch, link=link)
         chosen = choose_grid(predictions)
-        print(explain(predictions, chosen, link, batch), file=sys.stderr, flush=True)
+        log.info("%s", explain(predictions, chosen, link, batch))
         decision = (chosen.grid.data, chosen.grid.model)
     data, model_degree = agree(decision, rank=worker.rank, group=group)
     return Grid(data, model_degree)
