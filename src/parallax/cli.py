@@ -137,7 +137,12 @@ def _add_export(commands: Commands) -> None:
         "every file read is checked against the manifest's checksums.",
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="step directory or root")
-    export.add_argument("out", metavar="OUT", help="the .pt file to write")
+    export.add_argument("out", metavar="OUT", help="the .pt file to write (with --format dcp: "
+                        "the folder)")
+    export.add_argument("--format", choices=["torch", "dcp"], default="torch",
+                        help="torch: one file, model.load_state_dict(torch.load(OUT)); dcp: a "
+                        "torch.distributed.checkpoint folder of the same state_dict (default "
+                        "torch)")
 
 
 def _add_verify(commands: Commands) -> None:
@@ -320,6 +325,12 @@ def _export(args: argparse.Namespace) -> int:
     from parallax.checkpoint.files import CheckpointError  # imports torch
 
     try:
+        if args.format == "dcp":
+            from parallax.checkpoint.dcp import export_dcp
+
+            print(f"parallax: exported {args.checkpoint} as a DCP checkpoint to "
+                  f"{export_dcp(args.checkpoint, args.out)}")
+            return 0
         exported = stream_export(args.checkpoint, args.out)
     except CheckpointError as err:
         return _fail(str(err))

@@ -1,0 +1,83 @@
+"""In and out of ``torch.distributed.checkpoint`` (DCP), the ecosystem's checkpoint format.
+
+Out: `export_dcp` writes a parallax checkpoint's model as a DCP checkpoint of the
+single-device ``state_dict`` (DCP's own ``FileSystemWriter``), which DCP's tools read:
+``torch.distributed.checkpoint.load`` into a single-device model's state dict, or
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` into one file that plain
+``torch.load`` reads. The tables go through parallax's streamed export first (a table larger
+than this machine's memory is read back memory-mapped, never whole), then DCP writes them.
+
+In: `load_dcp` reads a DCP checkpoint of the same model (written by DCP from a single-device
+or DDP program, or by `export_dcp`) into a plain state dict, which a running job takes through
+its single-device view: ``model.load_state_dict(parallax.checkpoint.load_dcp(path))`` under
+`parallax.distribute`, or ``runner.load_state_dict(...)``; each server keeps its rows.
+
+What stays our own format, and why (`parallax.checkpoint`): a server's shard is the rows
+``id % P == p`` of a table (strided, with ``P`` searched during training), which DCP's
+contiguous chunks cannot describe, and our checkpoints checksum and fsync every file, which
+DCP does not. So training checkpoints (``Config.checkpoint_dir``) stay parallax's, and DCP is
+the exchange format at their edges. Not covered yet: the optimizer's state, and saving model
+parallelism's DTensor shards through DCP directly.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from parallax.checkpoint.export import stream_export
+from parallax.checkpoint.files import CheckpointError
+
+__all__ = ["export_dcp", "load_dcp"]
+
+
+def export_dcp(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write ``checkpoint``'s model (a step folder, or the root: its newest complete step) as
+    a DCP checkpoint in folder ``out`` (one process, no process group needed)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".parallax-dcp-", dir=out) as tmp:
+        plain = Path(tmp) / "model.pt"
+        stream_export(checkpoint, plain)
+        state = torch.load(plain, mmap=True, weights_only=True)
+        with _one_process():
+            dcp_save(state, checkpoint_id=out, no_dist=True)
+    return out
+
+
+def load_dcp(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint's tensors as a plain state dict (every tensor whole, on the CPU)."""
+    path = Path(path)
+    reader = FileSystemReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except (FileNotFoundError, OSError) as error:
+        raise CheckpointError(f"{path}: not a DCP checkpoint (no readable .metadata: "
+                              f"{error})") from error
+    state: dict[str, torch.Tensor] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: entry {key!r} is not a tensor (a DCP checkpoint of "
+                                  f"a model's state_dict holds tensors only)")
+        state[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    with _one_process():
+        dcp_load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+@contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP warns that it assumes one process: here that is the intent, not a guess."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
