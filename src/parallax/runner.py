@@ -439,7 +439,10 @@ class Runner:
 
     def inter_machine_bytes(self) -> dict[str, float]:
         """Per parameter, the measured bytes (sent + received) crossing machines per machine
-        and step, averaged over machines: what the plan's ``predicted_bytes`` predict
+        and step, averaged over machines: what the plan's ``predicted_bytes`` predict; plus,
+        as entries of their own, the dense syncs that count per message (``"dense (qsgd)"``,
+        ``"dense (push)"``, ``"dense (pull)"``, ``"dense (explorer keys)"``, ``"dense (core
+        keys)"``: 0 under the others), so that the values add up to every byte of a step
         (collective)."""
         return self.reporting.inter_machine_bytes()
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
+from parallax.engine.dense_sync.qsgd import TRAFFIC_NAME as QSGD_ACCOUNT
+from parallax.engine.dense_sync.server_sync import CORE_KEYS, KEYS, PULL, PUSH
 from parallax.engine.diagnostics.phases import PHASES, STATS_KEY, PhaseClock
 from parallax.engine.tables.exchange import Traffic
 from parallax.metrics import MetricsLog, Window
@@ -23,6 +25,12 @@ from parallax.planning.plan import Plan
 from parallax.session import on_shutdown
 
 __all__ = ["Reporting", "StepDone", "StepHook"]
+
+
+#: where `dense_sync="qsgd"`, ``"plump"`` and ``"slim"`` count their bytes (per message, not
+#: per parameter): `inter_machine_bytes` adds them (they were missing from it, which read 0
+#: for a Slim-DP run against 0 for Plump-DP)
+DENSE_SYNC_ACCOUNTS = (QSGD_ACCOUNT, PUSH, KEYS, PULL, CORE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -112,8 +120,10 @@ class Reporting:
         return {**self.traffic.per_step(), STATS_KEY: self.phases.per_step()}
 
     def inter_machine_bytes(self) -> dict[str, float]:
-        """See `Runner.inter_machine_bytes` (collective)."""
-        names = [p.name for p in self.plan().parameters]
+        """See `Runner.inter_machine_bytes` (collective). The dense syncs that count their
+        traffic per message rather than per parameter (`DENSE_SYNC_ACCOUNTS`) are entries of
+        their own, so that the sum is every byte the step moved."""
+        names = [p.name for p in self.plan().parameters] + list(DENSE_SYNC_ACCOUNTS)
         per_step = self.traffic.per_step()
         values = torch.tensor(
             [per_step.get(n, {}).get("inter_sent", 0.0)
