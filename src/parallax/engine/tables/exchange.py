@@ -63,10 +63,9 @@ def unique_ids(ids: Tensor, num_rows: int, name: str, rank: int,
                                 f"tensor, got {ids.dtype}")
     unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
     bad_id = None
-    if unique.numel() and unique[0] < 0:
-        bad_id = int(unique[0])
-    elif unique.numel() and unique[-1] >= num_rows:
-        bad_id = int(unique[-1])
+    if unique.numel():
+        low, high = unique[[0, -1]].tolist()  # sorted: the ends, in one read-back
+        bad_id = low if low < 0 else high if high >= num_rows else None
     return unique, inverse.view(ids.shape), bad_id
 
 

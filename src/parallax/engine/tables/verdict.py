@@ -82,9 +82,8 @@ class Verdict:
 
     def finite(self) -> bool:
         """Every loss is finite and every aggregated gradient provably so."""
-        summed = self._summed()
-        return (float(summed[_LOSS]) == 0.0 and float(summed[_STALE]) == 0.0
-                and float(summed[_BOUND]) < self.limit)
+        loss, stale, bound = self._summed()[[_LOSS, _STALE, _BOUND]].tolist()  # one read-back
+        return bool(loss == 0.0 and stale == 0.0 and bound < self.limit)
 
     def reached(self) -> Tensor:
         """Per table of `names`: on how many ranks a backward reached it."""
