@@ -248,8 +248,7 @@ class Runner:
                     self.dense.defer_backward()
                 with self.phases.phase("backward"):
                     loss.backward()
-            self.reporting.note(float(loss.detach()),
-                                float(numel(targets) * self.worker.world_size))
+            self.reporting.note(loss.detach(), float(numel(targets) * self.worker.world_size))
             self.apply_update(self.optimizers, loss=loss)
         return loss.detach()
 

@@ -74,7 +74,7 @@ class Reporting:
                                   every=config.log_every_steps)
         on_shutdown(self.metrics.close)
         self._headline = Window()
-        self._loss: float | None = None  # Runner.step's, for the metrics
+        self._loss: float | torch.Tensor | None = None  # Runner.step's, for the metrics
         self._targets: float | None = None
         self._last_targets: float | None = None  # the latest step's, all workers
         self._steps_at = {"metrics": 0, "headline": 0}
@@ -84,7 +84,7 @@ class Reporting:
         if self.workers_steps is not None:
             self._steps_at = dict.fromkeys(self._steps_at, self.workers_steps())
 
-    def note(self, loss: float, targets: float) -> None:
+    def note(self, loss: float | torch.Tensor, targets: float) -> None:
         """`Runner.step`'s loss and every worker's target elements, for this step."""
         self._loss, self._targets = loss, targets
 

@@ -49,7 +49,9 @@ class Verdict:
 
     key = VERDICT_KEY
 
-    def __init__(self, *, loss_finite: bool) -> None:
+    def __init__(self, *, loss_finite: bool | Tensor) -> None:
+        #: a bool, or a 0-dim bool tensor (read by no one here: it travels as a value, so a
+        #: GPU's loss costs no synchronisation)
         self.loss_finite = loss_finite
         #: the server-held tables whose reached flags ride, in the push's (agreed) order
         self.names: list[str] = []
@@ -64,8 +66,9 @@ class Verdict:
         """This rank's verdict, one row per peer (float64; see the module), waiting for the
         push's first message."""
         self.names, self.limit = list(names), limit
-        head = torch.tensor([0.0 if self.loss_finite else 1.0, float(stale)],
-                            dtype=torch.float64, device=bound.device)
+        finite = torch.as_tensor(self.loss_finite, device=bound.device)
+        head = torch.stack([(~finite).to(torch.float64),
+                            torch.tensor(float(stale), dtype=torch.float64, device=bound.device)])
         flags = torch.tensor([float(r) for r in reached], dtype=torch.float64,
                              device=bound.device)
         row = torch.cat([head, bound.reshape(1).to(torch.float64), flags])
