@@ -50,7 +50,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.tables.exchange import Hop, Traffic, header_of, wire_id_dtype, with_header
+from parallax.engine.tables.exchange import (
+    Hop,
+    Traffic,
+    all_to_all,
+    header_of,
+    wire_id_dtype,
+    with_header,
+)
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.reservations import Reservations, cut_rooms, merge_rest
 from parallax.engine.tables.riders import Rider, alight, board
@@ -375,7 +382,7 @@ def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: li
     recv_splits = [fields + sum(room_from[k][p] for k in keys) for p in range(world)]
     message = torch.cat(parts)
     out = message.new_empty(sum(recv_splits))
-    dist.all_to_all_single(out, message, recv_splits, send_splits, group=first.group)
+    all_to_all(out, message, recv_splits, send_splits, group=first.group)
     chunks = out.split(recv_splits)
     received = header_of(chunks, len(calls) * _FIELDS).view(world, len(calls), _FIELDS)
     _record_open(calls, keys, room_to, room_from, wire.itemsize)

@@ -26,7 +26,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options, pooled
 from parallax.engine.tables.bag_use import BagUse
-from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
+from parallax.engine.tables.exchange import Hop, Traffic, all_to_all, unique_ids
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.reservations import Reservations, open_carrying
@@ -213,7 +213,7 @@ class ShardedTable:
             start, stop = _round_bounds(mine, k, rounds)
             receive[0] = stop - start
             payload = torch.cat(pieces) if pieces else weight.new_empty((0, *self.row_shape))
-            dist.all_to_all_single(out[start:stop], payload, receive, send, group=self.group)
+            all_to_all(out[start:stop], payload, receive, send, group=self.group)
         return out
 
     def assign(self, weight: Tensor) -> None:
