@@ -364,8 +364,18 @@ class ShardedTable:
         if self.local_aggregation and self.worker.rank == self._leader:
             self.machine_rows_used.append(sum(lookup.merged_count for lookup in lookups))
 
-    def _accumulate(self, local_rows: Tensor, grad_rows: Tensor) -> None:
-        self._touched.append(local_rows)
+    @property
+    def sums_as_rows_arrive(self) -> bool:
+        """Whether gradient rows go straight into the shard's dense gradient as they arrive
+        (one partition, dense gradients), so that rows repeated in one arrival cost nothing
+        more than distinct ones (`_accumulate`)."""
+        return not self.sparse_grad and len(self.parts) == 1
+
+    def _accumulate(self, local_rows: Tensor, grad_rows: Tensor,
+                    touched: Tensor | None = None) -> None:
+        """Add ``grad_rows`` at shard rows ``local_rows`` (repeats allowed); ``touched``: those
+        rows, distinct, where the caller has them."""
+        self._touched.append(local_rows if touched is None else touched)
         self._touched_unique = None
         if self.sparse_grad or len(self.parts) > 1:
             self._received.append((local_rows, grad_rows))
