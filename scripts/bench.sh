@@ -102,10 +102,13 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 --processes 1 2 4 --rate 100mbit --steps 40"
   [phases]="$py benchmarks/phase_overhead.py"
   [launch]="$py benchmarks/launch_overhead.py"
-  [chaos]="$py benchmarks/chaos.py --trials 50 --kinds kill kill-save kill-plan \
-kill-norestart stop corrupt full-disk --timeout 10 --seed 0 --out $results/chaos-1x2.json"
-  [chaos-link]="$py benchmarks/chaos.py --trials 50 --kinds link-cut kill --machines 2 \
---nproc-per-machine 1 --rate 1gbit --timeout 10 --seed 0 --out $results/chaos-link-2x1.json"
+  [chaos]="$py benchmarks/chaos.py --trials 50 --machines 2 --nproc-per-machine 2 \
+--local-aggregation --steps 20 --checkpoint-every 4 --step-sleep 0.05 --timeout 10 --sync mixed \
+--search --kinds kill kill-save kill-plan kill-norestart stop corrupt full-disk --seed 1000 \
+--out $results/chaos-2x2.json"
+  [chaos-link]="$py benchmarks/chaos.py --trials 50 --machines 2 --nproc-per-machine 2 \
+--local-aggregation --steps 20 --checkpoint-every 4 --step-sleep 0.05 --timeout 10 \
+--rate 1gbit --kinds kill-launcher link-cut --seed 0 --out $results/chaos-2x2-1gbit.json"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )

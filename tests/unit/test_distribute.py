@@ -291,7 +291,7 @@ class _SlowBackward(torch.autograd.Function):
         return grad
 
 
-SLOW_S = 0.05
+SLOW_S = 0.2  # large against what a loaded host adds to "other" (it flaked at 0.05)
 
 
 def test_the_users_own_backward_is_timed_as_the_backward_phase(single_process):
