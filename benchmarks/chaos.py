@@ -113,8 +113,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Config.local_aggregation=True in the synchronous trials: a "
                              "machine's workers merge their rows on its leader")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="RECORD",
+                        help="run nothing: join the trials of these records (sittings of one "
+                             "engine: the same src/ tree, else refused) into --out and its "
+                             "table")
     args = parser.parse_args(argv)
-    if "link-cut" in args.kinds and (args.machines < 2 or args.rate == "none"):
+    if "link-cut" in args.kinds and (args.machines < 2 or args.rate == "none") and (
+            not args.combine):
         parser.error("link-cut needs --machines >= 2 and an emulated --rate")
     if args.replay is not None:
         args.seed, args.trials = args.replay, 1
@@ -458,8 +463,32 @@ def table(trials: list[Trial]) -> str:
     return "\n".join(lines)
 
 
+def combine(records: list[Path], out: Path) -> int:
+    """`--combine`: the trials of ``records`` as one record at ``out`` (the same engine)."""
+    loaded = [json.loads(path.read_text()) for path in records]
+    trees = {record.get("code", {}).get("src_tree") for record in loaded}
+    if len(trees) != 1 or None in trees or any(
+            record["code"].get("src_modified") != "False" for record in loaded):
+        sys.exit("chaos: the records ran different (or modified) engines: "
+                 f"{sorted(map(str, trees))}")
+    fields = {f.name for f in Trial.__dataclass_fields__.values()}
+    trials = [Trial(**{k: v for k, v in t.items() if k in fields})
+              for record in loaded for t in record["trials"]]
+    text = table(trials)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"combined": [str(path) for path in records],
+                               "code": loaded[0]["code"],
+                               "settings": [record["settings"] for record in loaded],
+                               "trials": [asdict(t) for t in trials]}, indent=1))
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    return 0 if all(t.outcome in ("survived", "failed-clearly") for t in trials) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out)
     if "full-disk" in args.kinds and os.geteuid() != 0:
         sys.exit("chaos: the full-disk fault mounts a tmpfs: run as root, or leave it out")
     work = Path(tempfile.mkdtemp(prefix="parallax-chaos-"))

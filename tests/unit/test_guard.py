@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from parallax.launch.guard import _alive  # the guard's own test of a live process
+
 # An "agent" that starts a "worker" in a session of its own (as torch elastic does), writes
 # both pids, and would run for a minute.
 AGENT = """
@@ -22,14 +24,6 @@ worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
 open(sys.argv[1], "w").write(f"{worker.pid} " + str(__import__("os").getpid()))
 time.sleep(60)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
