@@ -58,15 +58,13 @@ def join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
     logs.configure(worker.rank)
     timeout = timedelta(seconds=config.collective_timeout_s)
     if not dist.is_initialized():
-        backend = "nccl" if worker.device.type == "cuda" else "gloo"
         if worker.device.type == "cuda":
             torch.cuda.set_device(worker.device)
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(worker.backend, timeout=timeout)
     if _sparse_group is None:
         # Its own group keeps the PS exchange apart from DDP's bucketed AllReduce.
-        backend = "nccl" if worker.device.type == "cuda" else "gloo"
-        _sparse_group = dist.new_group(backend=backend, timeout=timeout)
-        hierarchy.join(worker, backend=backend, timeout=timeout)
+        _sparse_group = dist.new_group(backend=worker.backend, timeout=timeout)
+        hierarchy.join(worker, backend=worker.backend, timeout=timeout)
         atexit.register(shutdown)
     return _sparse_group
 
