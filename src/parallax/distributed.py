@@ -190,8 +190,10 @@ def _check_every_parameter_optimized(model: nn.Module,
 class DistributedModel(ModuleWrapper):
     """The user's module, trained data-parallel: ``forward`` returns what it returns;
     ``state_dict``/``load_state_dict`` are the single-device ones; ``train``/``eval`` and
-    attribute access reach the user's module. Parameters are the user's (``module.`` names,
-    as under DDP); use the optimizer `distribute` returned."""
+    attribute access reach the user's module. Parameters are the user's, under the
+    single-device names (``named_parameters``: no DDP-style ``module.``, as in ``state_dict``,
+    so DCP's ``get_state_dict`` names them as a plain program's); use the optimizer
+    `distribute` returned."""
 
     runner: Runner
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import parallax
 from parallax.checkpoint import export_dcp, load_dcp
-from parallax.errors import CheckpointError
+from parallax.errors import CheckpointError, OptimizerError, UnsupportedProgramError
 
 
 class _Model(nn.Module):
@@ -82,3 +82,93 @@ def test_the_command_line_exports_dcp(single_process, tmp_path: Path) -> None:
     assert "as a DCP checkpoint" in proc.stdout
     got = load_dcp(tmp_path / "dcp")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, seeds: range) -> None:
+    for seed in seeds:
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(60, (8, 3), generator=generator)
+        target = torch.rand(8, generator=generator, dtype=torch.float64)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(ids), target).backward()
+        optimizer.step()
+
+
+def _assert_close(got: object, want: object, where: str = "") -> None:
+    if isinstance(want, Tensor):
+        assert isinstance(got, Tensor), where
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-12, atol=1e-12,
+                                   msg=where)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            _assert_close(got[key], want[key], f"{where}/{key}")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize("direction,optimizer", [("job-to-plain", torch.optim.Adam),
+                                                 ("plain-to-job", torch.optim.Adagrad)])
+def test_dcps_get_state_dict_moves_model_and_optimizer_state_between_a_job_and_a_plain_program(
+        single_process, tmp_path: Path, direction: str, optimizer: type) -> None:
+    """DCP's usual way in (``get_state_dict`` -> ``dcp.save``; ``dcp.load`` ->
+    ``set_state_dict``) between a distributed job and a plain program, both ways: the
+    receiver's next two steps equal the sender's, and the optimizer state keys are the plain
+    program's names (a job's parameters carry the single-device names)."""
+    from torch.distributed.checkpoint import load as dcp_load_
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    sender_model, receiver_model = _Model().double(), _Model().double()
+    sender_opt = optimizer(sender_model.parameters(), lr=0.05)
+    receiver_opt = optimizer(receiver_model.parameters(), lr=0.05)
+    config = parallax.Config(partition_cache=None)
+    if direction == "job-to-plain":
+        sender_model, sender_opt = parallax.distribute(sender_model, sender_opt, config=config)
+    else:
+        receiver_model, receiver_opt = parallax.distribute(receiver_model, receiver_opt,
+                                                           config=config)
+    _steps(sender_model, sender_opt, range(3))
+    model_state, optim_state = get_state_dict(sender_model, sender_opt)
+    assert set(optim_state["state"]) == {"embedding.weight", "bag.weight", "out.weight",
+                                         "out.bias"}
+    dcp_save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path / "app",
+             no_dist=True)
+
+    model_state, optim_state = get_state_dict(receiver_model, receiver_opt)
+    app = {"model": model_state, "optim": optim_state}
+    dcp_load_(app, checkpoint_id=tmp_path / "app", no_dist=True)
+    set_state_dict(receiver_model, receiver_opt, model_state_dict=app["model"],
+                   optim_state_dict=app["optim"])
+    _steps(sender_model, sender_opt, range(3, 5))
+    _steps(receiver_model, receiver_opt, range(3, 5))
+    _assert_close(receiver_model.state_dict(), sender_model.state_dict(), "model")
+    _assert_close(receiver_opt.state_dict()["state"], sender_opt.state_dict()["state"],
+                  "optimizer")
+
+
+def test_get_state_dict_of_a_job_whose_adam_has_no_state_yet_is_refused(
+        single_process) -> None:
+    """DCP fills an optimizer's empty state with a zero-lr step on gradients it writes into
+    ``param.grad``, which a server-held table does not have here: refused, naming the
+    parameter, rather than a template without the servers' state (whose load would then
+    silently keep fresh moments)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _Model().double()
+    model, opt = parallax.distribute(model, torch.optim.Adam(model.parameters(), lr=0.05),
+                                     config=parallax.Config(partition_cache=None))
+    with pytest.raises(UnsupportedProgramError, match="'embedding.weight' lives on the "
+                                                      "parameter servers"):
+        get_state_dict(model, opt)
+
+
+def test_an_optimizer_state_dict_of_another_optimizer_is_refused(single_process) -> None:
+    model = _Model().double()
+    model, opt = parallax.distribute(model, torch.optim.Adagrad(model.parameters(), lr=0.05),
+                                     config=parallax.Config(partition_cache=None))
+    state = opt.state_dict()
+    state["param_groups"][0]["params"] = state["param_groups"][0]["params"][:-1]
+    with pytest.raises(OptimizerError, match="has 3 parameters in its param_groups, this "
+                                             "optimizer 4"):
+        opt.load_state_dict(state)

@@ -16,7 +16,9 @@ What stays our own format, and why (`parallax.checkpoint`): a server's shard is 
 ``id % P == p`` of a table (strided, with ``P`` searched during training), which DCP's
 contiguous chunks cannot describe, and our checkpoints checksum and fsync every file, which
 DCP does not. So training checkpoints (``Config.checkpoint_dir``) stay parallax's, and DCP is
-the exchange format at their edges. Not covered yet: the optimizer's state, and saving model
+the exchange format at their edges. The optimizer's state goes through DCP's own calls
+(``get_state_dict``/``set_state_dict`` on the distributed model and optimizer, which answer
+them as the single-device program's: docs/checkpoints.md). Not covered yet: saving model
 parallelism's DTensor shards through DCP directly.
 """
 
