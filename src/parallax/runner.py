@@ -391,6 +391,12 @@ class Runner:
         every rank, not only on the one that saves it)."""
         return self.view.state_dict()
 
+    def sharded_state_dict(self) -> dict[str, Tensor]:
+        """`state_dict`, except that model parallelism's split weights stay this rank's
+        DTensor shards (not gathered): what `parallax.checkpoint.save_dcp` hands DCP, which
+        writes each shard from its rank. Collective."""
+        return self.view.state_dict(whole=False)
+
     def export(self, path: str | os.PathLike[str]) -> Path | None:
         """Write the plain single-device ``state_dict`` to ``path`` on rank 0 (collective),
         streamed: each server-held table comes from its servers in chunks of rows written

@@ -172,3 +172,15 @@ def test_an_optimizer_state_dict_of_another_optimizer_is_refused(single_process)
     with pytest.raises(OptimizerError, match="has 3 parameters in its param_groups, this "
                                              "optimizer 4"):
         opt.load_state_dict(state)
+
+
+def test_save_dcp_writes_the_running_model(single_process, tmp_path: Path) -> None:
+    """`save_dcp` of a Runner or of the model `distribute` returned: DCP reads it back equal
+    to the single-device state dict (model parallelism's shards: tests/integration)."""
+    from parallax.checkpoint import save_dcp
+
+    runner, want = _trained(tmp_path / "checkpoints")
+    got = load_dcp(save_dcp(runner, tmp_path / "runner-dcp"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(TypeError, match="not dict"):
+        save_dcp({}, tmp_path / "nothing")

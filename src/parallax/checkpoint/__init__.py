@@ -9,9 +9,9 @@ partition is the rows ``id % P == p`` (strided, so Zipf-hot small ids spread ove
 shard's rows with their *global ids* instead, which loads on any shape and partition count;
 DCP also neither checksums nor fsyncs, and we keep both (`files`). DCP is the exchange format at
 the edges (`dcp`: `export_dcp` out, `load_dcp` in). The DTensor shards of model parallelism are
-contiguous: there DCP fits, and it should be used for them (not done yet).
+contiguous: there DCP fits, and `save_dcp` writes them through it, each rank its own.
 """
 
-from parallax.checkpoint.dcp import export_dcp, load_dcp
+from parallax.checkpoint.dcp import export_dcp, load_dcp, save_dcp
 
-__all__ = ["export_dcp", "load_dcp"]
+__all__ = ["export_dcp", "load_dcp", "save_dcp"]

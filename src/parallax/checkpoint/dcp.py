@@ -19,7 +19,10 @@ DCP does not. So training checkpoints (``Config.checkpoint_dir``) stay parallax'
 the exchange format at their edges. The optimizer's state goes through DCP's own calls
 (``get_state_dict``/``set_state_dict`` on the distributed model and optimizer, which answer
 them as the single-device program's: docs/checkpoints.md). Not covered yet: saving model
-parallelism's DTensor shards through DCP directly.
+``save_dcp`` writes a running job's model through DCP itself (collective): model
+parallelism's split weights as their DTensor shards, each written by its rank (DCP's sharded
+entries, which DCP re-shards on load into any layout, and `load_dcp` reads whole), the rest of
+the single-device ``state_dict`` once.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -39,8 +44,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from parallax.checkpoint.export import stream_export
 from parallax.checkpoint.files import CheckpointError
+from parallax.errors import ArgumentTypeError
 
-__all__ = ["export_dcp", "load_dcp"]
+__all__ = ["export_dcp", "load_dcp", "save_dcp"]
+
+
+class _Job(Protocol):
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
 def export_dcp(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
@@ -52,6 +62,26 @@ def export_dcp(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) 
         plain = Path(tmp) / "model.pt"
         stream_export(checkpoint, plain)
         state = torch.load(plain, mmap=True, weights_only=True)
+        with _one_process():
+            dcp_save(state, checkpoint_id=out, no_dist=True)
+    return out
+
+
+def save_dcp(job: Any, out: str | os.PathLike[str]) -> Path:
+    """Write the running job's model (a `Runner`, or the model `parallax.distribute`
+    returned) as a DCP checkpoint in folder ``out``. Collective: every rank calls it; each
+    writes its own shards of model parallelism's split weights, and DCP writes the rest (the
+    single-device values, the same on every rank) once. `load_dcp` reads it back whole, and
+    ``dcp.load`` into DTensors of another layout re-shards it."""
+    runner: _Job = getattr(job, "runner", job)
+    if not hasattr(runner, "sharded_state_dict"):
+        raise ArgumentTypeError(f"save_dcp takes a parallax Runner or the model "
+                                f"parallax.distribute returned, not {type(job).__name__}")
+    state = runner.sharded_state_dict()
+    out = Path(out)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dcp_save(state, checkpoint_id=out)
+    else:
         with _one_process():
             dcp_save(state, checkpoint_id=out, no_dist=True)
     return out

@@ -63,12 +63,15 @@ class SingleDeviceView:
         self.check_export = check_export
 
     # ---- the model ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Tensor]:
-        """A plain single-device ``state_dict`` of the original model class."""
+    def state_dict(self, *, whole: bool = True) -> dict[str, Tensor]:
+        """A plain single-device ``state_dict`` of the original model class; with
+        ``whole=False`` model parallelism's split weights stay this rank's DTensor shards."""
         self.check_export()
         with self.quiet():
             with self.serving_global():
-                state = self.parallelism.plain_model_state(self.model.state_dict())
+                state = self.model.state_dict()
+                if whole:
+                    state = self.parallelism.plain_model_state(state)
                 if self.swaps_dense_values:  # the parameters get this worker's values back
                     state = {k: v.clone() for k, v in state.items()}
             aliases = self._aliases()
