@@ -108,7 +108,7 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 --out $results/chaos-2x2.json"
   [chaos-link]="$py benchmarks/chaos.py --trials 50 --machines 2 --nproc-per-machine 2 \
 --local-aggregation --steps 20 --checkpoint-every 4 --step-sleep 0.05 --timeout 10 \
---rate 1gbit --kinds kill-launcher link-cut --seed 0 --out $results/chaos-2x2-1gbit.json"
+--rate 1gbit --kinds kill-launcher link-cut --seed 50 --out $results/chaos-2x2-1gbit-clean.json"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
