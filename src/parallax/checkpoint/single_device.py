@@ -70,8 +70,8 @@ class SingleDeviceView:
         with self.quiet():
             with self.serving_global():
                 state = self.model.state_dict()
-                if whole:
-                    state = self.parallelism.plain_model_state(state)
+                state = (self.parallelism.plain_model_state(state) if whole
+                         else self.parallelism.sharded_model_state(state))
                 if self.swaps_dense_values:  # the parameters get this worker's values back
                     state = {k: v.clone() for k, v in state.items()}
             aliases = self._aliases()

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from parallax.errors import InternalError
+
 __all__ = ["ModuleWrapper"]
 
 
@@ -43,7 +45,7 @@ class ModuleWrapper(nn.Module):
     def _user_module(self) -> nn.Module:
         module = self._modules.get("module")
         if module is None:
-            raise AttributeError("the wrapper has no module yet")
+            raise InternalError("the wrapper's parameters were read before its module was set")
         return module
 
     def _fqn_modifiers(self) -> dict[str, str]:
