@@ -18,7 +18,8 @@ contiguous chunks cannot describe, and our checkpoints checksum and fsync every 
 DCP does not. So training checkpoints (``Config.checkpoint_dir``) stay parallax's, and DCP is
 the exchange format at their edges. The optimizer's state goes through DCP's own calls
 (``get_state_dict``/``set_state_dict`` on the distributed model and optimizer, which answer
-them as the single-device program's: docs/checkpoints.md). Not covered yet: saving model
+them as the single-device program's: docs/checkpoints.md).
+
 ``save_dcp`` writes a running job's model through DCP itself (collective): model
 parallelism's split weights as their DTensor shards, each written by its rank (DCP's sharded
 entries, which DCP re-shards on load into any layout, and `load_dcp` reads whole), the rest of
