@@ -226,8 +226,13 @@ HOST_SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceS
 
 
 def _python_callers(event: Any, depth: int = 6) -> str:
-    """The Python frames above a profiler event (its ``cpu_parent`` chain: with_stack records
-    each Python call as an event of its own), innermost first."""
+    """The Python frames above a profiler event, innermost first: its own ``stack`` where the
+    profiler filled it, else its ``cpu_parent`` chain (with_stack records each Python call as
+    an event of its own). On the H200 (torch 2.11, CUDA) the parent chain alone named no frame
+    for any synchronisation, hence ``stack`` first (unchecked there yet)."""
+    stack = [frame for frame in (getattr(event, "stack", None) or []) if ".py(" in frame]
+    if stack:
+        return " <- ".join(stack[:depth])
     frames, parent = [], event.cpu_parent
     while parent is not None and len(frames) < depth:
         if ".py(" in parent.name:

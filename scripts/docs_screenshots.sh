@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the documentation site and photograph its front page and API reference with headless
+# Build the documentation site and photograph every page of it with headless
 # Chromium (Debian's chromium; installed here when missing and running as root), then check
 # that each picture shows a rendered page (not blank, not one colour).
 #   bash scripts/docs_screenshots.sh [OUT_DIR]       (default: site-screenshots/)
@@ -18,11 +18,13 @@ site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
 .venv/bin/mkdocs build --strict --site-dir "$site" >/dev/null
 mkdir -p "$out"
-for page in index reference/api; do
-  name=$(basename "$page")
-  [ "$page" = index ] && url="file://$site/index.html" || url="file://$site/$page/index.html"
+# every page the site built (its nav: home, guides, concepts, tutorials, reference, ...)
+pages=$(cd "$site" && find . -name index.html -not -path "./search/*" | sed 's#^\./##' | sort)
+for page in $pages; do
+  name=$(dirname "$page" | tr / -)
+  [ "$name" = . ] && name=index
   "$browser" --headless=new --no-sandbox --disable-gpu --hide-scrollbars \
-    --window-size=1280,1000 --screenshot="$out/$name.png" "$url" >/dev/null 2>&1
+    --window-size=1280,1600 --screenshot="$out/$name.png" "file://$site/$page" >/dev/null 2>&1
 done
 .venv/bin/python - "$out" <<'PY'
 import sys

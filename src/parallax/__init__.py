@@ -14,6 +14,8 @@ Tables created inside ``with parallax.partitioner():`` (or passed to `parallax.p
 their partition count searched in process during the first steps after the warm-up.
 """
 
+from importlib import metadata as _metadata
+
 from parallax.api import get_runner
 from parallax.config import QSGD, Config, SlimDP
 from parallax.distributed import GradScaler, clip_grad_norm_, distribute
@@ -50,4 +52,7 @@ __all__ = ["ArgumentError", "ArgumentTypeError", "AsyncServerError", "Checkpoint
            "SlimDP", "SparseIdError", "StalledRankError", "LostRankError", "UnevenInputsError",
            "UnsupportedProgramError", "UsageError", "VerifyComplete", "clip_grad_norm_",
            "distribute", "get_runner", "meta_init", "partition", "partitioner", "shard", "shutdown"]
-__version__ = "0.1.0"
+try:  # one source: pyproject.toml's, as installed
+    __version__ = _metadata.version("parallax-torch")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"

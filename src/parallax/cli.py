@@ -7,9 +7,18 @@ partition-count search), then prints the per-parameter plan (and writes it as JS
 manifest`` prints a Kubernetes PyTorchJob; ``parallax verify`` compares a program's
 distributed training with its one-process run, step by step.
 
-Examples::
+``parallax run`` also takes torchrun's vocabulary with torchrun's meanings (``--nnodes``,
+``--nproc-per-node``, ``--node-rank``, ``--master-addr``/``--master-port`` or
+``--rdzv-endpoint``, ``--standalone``, ``-m``/``--module``, ``--max-restarts``; dashes or
+underscores), so a torchrun command line runs as it is with ``torchrun`` replaced by
+``parallax run``.
+
+Examples:
 
     parallax run --machines 2 --nproc-per-machine 2 train.py --epochs 3
+    parallax run --standalone --nproc-per-node 4 train.py   # torchrun's words
+    parallax run --nnodes 2 --node-rank 0 --nproc-per-node 4 --rdzv-endpoint 10.0.0.1:29500 \
+        -m mypkg.train                                        # on each host, its rank
     parallax run --resources cluster.txt train.py       # every host: here, the others over ssh
     parallax run --resources cluster.txt --machine-index 0 train.py   # one host, by hand
     srun --ntasks-per-node=1 parallax run --slurm --nproc-per-machine 4 train.py
@@ -45,14 +54,34 @@ USAGE_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``parallax`` argument parser (sub-commands ``run``, ``plan`` and ``export``)."""
+    """The ``parallax`` argument parser (sub-commands ``run``, ``plan``, ``export``,
+    ``verify`` and ``manifest``; each sub-command's parser is its namespace's
+    ``command_parser``, so that its usage errors print its own usage)."""
     parser = argparse.ArgumentParser(
         prog="parallax", description="Hybrid data-parallel training for PyTorch."
     )
+    parser.add_argument("--version", action="version", version=version_text())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_run, _add_plan, _add_export, _add_verify, _add_manifest):
         add(commands)
+    for command in commands.choices.values():
+        command.set_defaults(command_parser=command)
     return parser
+
+
+def version_text() -> str:
+    """``parallax X (torch Y, Python Z)``, from the installed packages' metadata (no torch
+    import: ``--version`` answers at once)."""
+    from importlib import metadata
+
+    import parallax
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"parallax {parallax.__version__} (torch {torch_version}, Python {python})"
 
 
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -65,7 +94,8 @@ def _add_run(commands: Commands) -> None:
         description="Launch SCRIPT with the python running parallax on every worker.",
     )
     run.add_argument(
-        "--max-restarts",
+        "--max-restarts", "--max_restarts",
+        dest="max_restarts",
         type=int,
         default=0,
         metavar="N",
@@ -77,9 +107,8 @@ def _add_run(commands: Commands) -> None:
         "--timeline",
         metavar="FILE",
         help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every step's phases "
-        "to FILE: one process per rank, one track per phase (ranks of other hosts write "
-        "FILE.rank<R>.json where FILE's folder is on their host: merge them with a shared "
-        "file system)",
+        "to FILE: one process per rank, one track per phase; rank 0 writes it, with every "
+        "rank's phases (under torchrun: PARALLAX_TIMELINE=FILE)",
     )
     _add_cluster_arguments(run)
 
@@ -108,7 +137,12 @@ def _add_export(commands: Commands) -> None:
         "every file read is checked against the manifest's checksums.",
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="step directory or root")
-    export.add_argument("out", metavar="OUT", help="the .pt file to write")
+    export.add_argument("out", metavar="OUT", help="the .pt file to write (with --format dcp: "
+                        "the folder)")
+    export.add_argument("--format", choices=["torch", "dcp"], default="torch",
+                        help="torch: one file, model.load_state_dict(torch.load(OUT)); dcp: a "
+                        "torch.distributed.checkpoint folder of the same state_dict (default "
+                        "torch)")
 
 
 def _add_verify(commands: Commands) -> None:
@@ -171,16 +205,28 @@ def _add_cluster_arguments(command: argparse.ArgumentParser) -> None:
     where.add_argument("--slurm", action="store_true",
                        help="this node's agent of a SLURM job (under srun --ntasks-per-node=1: "
                        "machines from SLURM_JOB_NODELIST, this one from SLURM_NODEID)")
+    where.add_argument("--nnodes", metavar="N",
+                       help="torchrun's: this host is one of N nodes (with --node-rank and "
+                       "--master-addr or --rdzv-endpoint when N > 1); a fixed N (an elastic "
+                       "MIN:MAX range is not taken: a run's shape is fixed, restarts resume it)")
+    where.add_argument("--standalone", action="store_true",
+                       help="torchrun's: one node, rendezvous on this host (as --nnodes 1)")
     command.add_argument(
-        "--nproc-per-machine", type=int, metavar="K",
-        help="workers per emulated machine (with --slurm: per node; default SLURM_GPUS_ON_NODE "
-        "or 1)")
+        "--nproc-per-machine", "--nproc-per-node", "--nproc_per_node", type=int, metavar="K",
+        dest="nproc_per_machine",
+        help="workers per machine (--nproc-per-node: torchrun's name; with --nnodes or "
+        "--standalone default 1; with --slurm default SLURM_GPUS_ON_NODE or 1)")
     command.add_argument(
-        "--machine-index",
+        "--machine-index", "--node-rank", "--node_rank",
         type=int,
         metavar="I",
-        help="this host's machine (line) in the resources; needed for remote hosts",
+        dest="machine_index",
+        help="this host's machine: its line in the resources (needed for remote hosts), or "
+        "its rank among --nnodes (torchrun's --node-rank)",
     )
+    command.add_argument(
+        "-m", "--module", action="store_true",
+        help="SCRIPT is a Python module, run as python -m SCRIPT (as torchrun's -m)")
     command.add_argument(
         "--emulate-network",
         metavar="RATE",
@@ -200,24 +246,34 @@ def _add_cluster_arguments(command: argparse.ArgumentParser) -> None:
     ssh.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
                      help="also forward this variable (default: PARALLAX_*, TORCH_*, NCCL_*, "
                      "GLOO_*, OMP_*, MKL_*, CUDA_*, PYTHONPATH; repeatable)")
-    command.add_argument("--master-addr", metavar="A", help="rendezvous host")
-    command.add_argument("--master-port", type=int, metavar="P", help="rendezvous port")
-    command.add_argument("script", help="the training script")
+    command.add_argument("--master-addr", "--master_addr", metavar="A", dest="master_addr",
+                         help="rendezvous host")
+    command.add_argument("--master-port", "--master_port", type=int, metavar="P",
+                         dest="master_port", help="rendezvous port")
+    command.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST[:PORT]",
+                         dest="rdzv_endpoint",
+                         help="torchrun's: the rendezvous host and port, as --master-addr and "
+                         "--master-port")
+    command.add_argument("script", help="the training script (a module's name with -m)")
     command.add_argument("script_args", nargs=argparse.REMAINDER,
                          help="arguments for the script")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "export":
         return _export(args)
     if args.command == "manifest":
         return _manifest(args)
     if args.command == "verify":
         return _verify(args)
-    return _run(parser, args)
+    return _run(args.command_parser, args)
+
+
+def _script_command(args: argparse.Namespace) -> list[str]:
+    """What the workers' Python runs: the script and its arguments (``-m`` for a module)."""
+    return [*(["-m"] if args.module else []), args.script, *args.script_args]
 
 
 def _manifest(args: argparse.Namespace) -> int:
@@ -269,6 +325,12 @@ def _export(args: argparse.Namespace) -> int:
     from parallax.checkpoint.files import CheckpointError  # imports torch
 
     try:
+        if args.format == "dcp":
+            from parallax.checkpoint.dcp import export_dcp
+
+            print(f"parallax: exported {args.checkpoint} as a DCP checkpoint to "
+                  f"{export_dcp(args.checkpoint, args.out)}")
+            return 0
         exported = stream_export(args.checkpoint, args.out)
     except CheckpointError as err:
         return _fail(str(err))
@@ -285,8 +347,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         spec = _spec_from_args(parser, args)
     except (ResourceError, OSError) as err:
         return _fail(str(err))
-    if not os.path.isfile(args.script):
-        return _fail(f"no such script: {args.script}")
+    if not args.module and not os.path.isfile(args.script):
+        return _fail(f"no such script: {args.script}" + (
+            " (a module? give -m)" if "." in args.script and not args.script.endswith(".py")
+            else ""))
 
     max_restarts = getattr(args, "max_restarts", 0)  # only ``run`` has the flag
     if max_restarts < 0:
@@ -299,12 +363,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         timeline = os.path.abspath(timeline)
         env[TIMELINE_ENV] = timeline
+        if os.path.exists(timeline):  # rank 0 writes it anew (or not at all: no step ran)
+            os.remove(timeline)
     status = _launch(parser, args, spec, env, max_restarts)
     if timeline:
-        from parallax.engine.diagnostics.phases import merge_timelines
-
-        merged = merge_timelines(timeline)
-        said = f"written to {merged}" if merged else "empty: no step ran"
+        # rank 0 wrote every rank's phases there (`phases.PhaseClock.write`); on another
+        # host when the first machine is not this one
+        said = (f"written to {timeline}" if os.path.exists(timeline) else
+                "empty: no step ran" if spec.is_local() else
+                f"written by rank 0 to {timeline} on {spec.machines[0].host}")
         print(f"parallax: timeline {said}", file=sys.stderr)
     return status
 
@@ -328,7 +395,7 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace, spec: Res
     try:
         return launch(
             spec,
-            [args.script, *args.script_args],
+            _script_command(args),
             machine_index=args.machine_index,
             master_addr=args.master_addr,
             master_port=args.master_port,
@@ -363,7 +430,7 @@ def _run_emulated(args: argparse.Namespace, env: dict[str, str], max_restarts: i
             restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
             code = launch_machines(
                 spec_file, parse_resources(spec_file),
-                [*restarts, args.script, *args.script_args],
+                [*restarts, *_script_command(args)],
                 [NamespaceExecutor(net.namespace(m)) for m in range(args.machines)],
                 master_port=args.master_port or 29400,
                 # c10d warns once per connection that the namespace cannot resolve names.
@@ -391,7 +458,7 @@ def _run_slurm(args: argparse.Namespace, env: dict[str, str], max_restarts: int)
     try:
         job = slurm_job(os.environ, nproc_per_machine=args.nproc_per_machine,
                         master_port=args.master_port)
-        return launch(job.spec, [args.script, *args.script_args],
+        return launch(job.spec, _script_command(args),
                       machine_index=job.machine_index, master_addr=args.master_addr
                       or job.master_addr, master_port=job.master_port, env=env,
                       max_restarts=max_restarts)
@@ -433,14 +500,18 @@ def _run_over_ssh(args: argparse.Namespace, spec: ResourceSpec, env: dict[str, s
                  for m in spec.machines]
     restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
     return launch_machines(os.path.abspath(args.resources), spec,
-                           [*restarts, args.script, *args.script_args], executors,
+                           [*restarts, *_script_command(args)], executors,
                            master_port=args.master_port or 29500,
                            env=forwarded_environment({**env, **extra}))
 
 
 def _spec_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ResourceSpec:
-    """The resource spec from --resources, or from --machines/--nproc-per-machine (--slurm:
-    read from SLURM's variables later; the local spec stands in for the checks)."""
+    """The resource spec from --resources, from --machines/--nproc-per-machine, or from
+    torchrun's --nnodes/--standalone (--slurm: read from SLURM's variables later; the local
+    spec stands in for the checks). Settles --rdzv-endpoint into the master's address."""
+    _settle_endpoint(parser, args)
+    if args.nnodes is not None or args.standalone:
+        return _torchrun_spec(parser, args)
     if args.slurm:
         if args.machine_index is not None or args.emulate_network:
             parser.error("--slurm takes the machine from SLURM_NODEID; no --machine-index or "
@@ -455,6 +526,59 @@ def _spec_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.machines < 1 or args.nproc_per_machine < 1:
         parser.error("--machines and --nproc-per-machine must be at least 1")
     return local_spec(args.machines, args.nproc_per_machine)
+
+
+def _settle_endpoint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--rdzv-endpoint HOST[:PORT] as --master-addr HOST --master-port PORT."""
+    if args.rdzv_endpoint is None:
+        return
+    if args.master_addr is not None or args.master_port is not None:
+        parser.error("--rdzv-endpoint names the rendezvous: no --master-addr or --master-port "
+                     "with it")
+    host, sep, port = args.rdzv_endpoint.rpartition(":")
+    if not sep or host.endswith(":"):  # no port, or an IPv6 address without brackets
+        host, port = args.rdzv_endpoint, ""
+    if not host or (port and not port.isdigit()):
+        parser.error(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST or HOST:PORT")
+    args.master_addr = host.strip("[]")
+    args.master_port = int(port) if port else None
+
+
+def _torchrun_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ResourceSpec:
+    """torchrun's --nnodes N / --standalone: N machines of --nproc-per-node workers (default 1);
+    with N > 1 this host is machine --node-rank of a rendezvous at --master-addr."""
+    if args.emulate_network:
+        parser.error("--emulate-network goes with --machines (emulated machines on this host), "
+                     "not --nnodes")
+    nodes = 1 if args.standalone else _fixed_nodes(parser, args.nnodes)
+    workers = 1 if args.nproc_per_machine is None else args.nproc_per_machine
+    if nodes < 1 or workers < 1:
+        parser.error("--nnodes and --nproc-per-node must be at least 1")
+    if nodes == 1:
+        if args.machine_index not in (None, 0):
+            parser.error(f"--node-rank {args.machine_index} of a single node: give 0 or nothing")
+        args.machine_index = None  # one agent for the node's workers, on a free local port
+        return local_spec(1, workers)
+    if args.machine_index is None:
+        parser.error(f"--nnodes {nodes} needs this host's --node-rank (0..{nodes - 1}); to "
+                     f"emulate {nodes} machines on this host use --machines {nodes}")
+    if args.master_addr is None:
+        parser.error(f"--nnodes {nodes} needs the rendezvous host every node reaches: "
+                     "--master-addr HOST (and --master-port) or --rdzv-endpoint HOST:PORT, the "
+                     "host of --node-rank 0")
+    if not 0 <= args.machine_index < nodes:
+        parser.error(f"--node-rank {args.machine_index} outside 0..{nodes - 1}")
+    return local_spec(nodes, workers)
+
+
+def _fixed_nodes(parser: argparse.ArgumentParser, text: str) -> int:
+    """--nnodes N, or N:N (torchrun's elastic MIN:MAX form with one value)."""
+    low, sep, high = text.partition(":")
+    if not low.isdigit() or (sep and high != low):
+        parser.error(f"--nnodes {text!r}: give a number of nodes (an elastic range MIN:MAX is "
+                     "not taken: a parallax run's cluster shape is fixed, and a restart "
+                     "resumes it)")
+    return int(low)
 
 
 def _fail(message: str) -> int:

@@ -29,6 +29,7 @@ __all__ = [
     "TIMELINE_ENV",
     "LaunchOrders",
     "RESOURCES_ENV",
+    "SHARED_GPU_ENV",
     "EnvironmentPatch",
     "Machine",
     "ResourceError",
@@ -38,6 +39,7 @@ __all__ = [
     "current_worker",
     "local_spec",
     "parse_resource_text",
+    "shares_gpus",
     "parse_resources",
 ]
 
@@ -241,6 +243,8 @@ class WorkerInfo:
         if self.device_index is None or not torch.cuda.is_available():
             return torch.device("cpu")
         count = torch.cuda.device_count()
+        if self.device_index >= count and shares_gpus():
+            return torch.device("cuda", self.device_index % count)
         if self.device_index >= count:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             raise ResourceError(
@@ -249,8 +253,28 @@ class WorkerInfo:
                 + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
                 + ": give each worker a GPU of its own (NCCL refuses two ranks on one GPU; "
                 "fewer workers per machine, or list existing devices in the resource file), "
-                "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU")
+                "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU; to only "
+                f"check a multi-rank program on fewer GPUs, {SHARED_GPU_ENV}=1 (slow)")
         return torch.device("cuda", self.device_index)
+
+    @property
+    def backend(self) -> str:
+        """The process groups' backend: NCCL for a CUDA worker, gloo on the CPU and where ranks
+        share GPUs (`shares_gpus`: NCCL refuses two ranks on one GPU; gloo moves CUDA tensors
+        through host memory)."""
+        return "nccl" if self.device.type == "cuda" and not shares_gpus() else "gloo"
+
+
+#: ``PARALLAX_SHARED_GPU=1``: ranks beyond the host's GPUs share them (see `shares_gpus`)
+SHARED_GPU_ENV = "PARALLAX_SHARED_GPU"
+
+
+def shares_gpus() -> bool:
+    """Whether ranks may share GPUs (``PARALLAX_SHARED_GPU=1``): rank ``r`` of a machine then
+    trains on GPU ``r % count`` and every process group is gloo. For checking the multi-rank
+    CUDA paths (uneven exchanges, replicated tables, asynchronous servers) on a host with
+    fewer GPUs than ranks (`scripts/gpu_check.sh` on one GPU); slow: not for training."""
+    return os.environ.get(SHARED_GPU_ENV, "") not in ("", "0")
 
 
 def current_worker() -> WorkerInfo | None:

@@ -90,7 +90,13 @@ class QSGD:
     ``bucket_size`` values travels as its L2 norm and one signed level in
     ``[-s, s]`` per value, ``s = 2**(bits-1) - 1``, rounded up or down at random so the decoded
     vector is an unbiased estimate (variance at most ``min(d/s², √d/s)·‖v‖²`` per bucket of
-    ``d`` values). ``bits`` is 2, 4 or 8 (the paper's 8-bit, bucket 512 is the default)."""
+    ``d`` values). ``bits`` is 2, 4 or 8 (the paper's 8-bit, bucket 512 is the default).
+
+    What the bound means for the learning rate, at the default bucket of 512: 8 bits (s = 127)
+    add at most 0.03·‖v‖² of variance, so the single-device learning rate serves; 4 bits
+    (s = 7) up to 3.2·‖v‖², and 2 bits (s = 1) up to 22.6·‖v‖², several times the gradient's
+    own size: scale the learning rate down (by about the square root of 1 + the bound is a
+    start) or use smaller buckets (``bucket_size=16`` bounds 2 bits at 4·‖v‖²)."""
 
     bits: int = 8
     bucket_size: int = 512

@@ -64,9 +64,10 @@ def distribute(model: nn.Module,
     is never updated; here it would be a silent divergence of the servers' rows, so it is
     refused).
 
-    Example::
-
+    Example:
+        ```python
         model, optimizer = parallax.distribute(model, torch.optim.Adagrad(model.parameters()))
+        ```
     """
     optimizers = as_optimizer_list(optimizer)
     if isinstance(model, DistributedDataParallel):  # a DDP program: parallax replaces DDP
@@ -189,8 +190,10 @@ def _check_every_parameter_optimized(model: nn.Module,
 class DistributedModel(ModuleWrapper):
     """The user's module, trained data-parallel: ``forward`` returns what it returns;
     ``state_dict``/``load_state_dict`` are the single-device ones; ``train``/``eval`` and
-    attribute access reach the user's module. Parameters are the user's (``module.`` names,
-    as under DDP); use the optimizer `distribute` returned."""
+    attribute access reach the user's module. Parameters are the user's, under the
+    single-device names (``named_parameters``: no DDP-style ``module.``, as in ``state_dict``,
+    so DCP's ``get_state_dict`` names them as a plain program's); use the optimizer
+    `distribute` returned."""
 
     runner: Runner
 
@@ -329,14 +332,15 @@ class GradScaler(torch.amp.GradScaler):
     Everything else (``scale``, ``update``, state dicts) is torch's. ``Config.clip_grad_norm``
     does not combine with it: clip with `clip_grad_norm_` after ``unscale_``.
 
-    Example::
-
+    Example:
+        ```python
         scaler = parallax.GradScaler("cpu")
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         parallax.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
         scaler.update()
+        ```
     """
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor,

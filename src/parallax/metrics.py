@@ -18,6 +18,9 @@ import importlib.util
 import time
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from parallax.errors import ConfigError
 
 __all__ = ["MetricsLog", "Window", "require_tensorboard"]
@@ -39,17 +42,20 @@ class Window:
 
     def __init__(self) -> None:
         self.steps = 0
-        self.loss_sum = 0.0
+        self.loss_sum: float | Tensor = 0.0  # a tensor where the losses are (read at `take`)
         self.losses = 0
         self.targets = 0.0
         self.began = time.perf_counter()
         self._bytes: dict[str, float] = {}
         self._phases: dict[str, float] = {}
 
-    def add(self, loss: float | None, targets: float | None) -> None:
+    def add(self, loss: float | Tensor | None, targets: float | None) -> None:
+        """One step: its loss (a float, or a 0-dim tensor added where it is: no device
+        synchronisation per step) and target elements."""
         self.steps += 1
         if loss is not None:
-            self.loss_sum += loss
+            self.loss_sum = self.loss_sum + (loss.detach().to(torch.float64)
+                                             if isinstance(loss, Tensor) else loss)
             self.losses += 1
         if targets is not None:
             self.targets += targets
@@ -64,7 +70,7 @@ class Window:
         targets = self.targets if targets is None else targets
         out = {
             "steps": self.steps,
-            "loss": self.loss_sum / self.losses if self.losses else None,
+            "loss": float(self.loss_sum) / self.losses if self.losses else None,
             "targets_per_s": targets / elapsed if targets else None,
             "bytes": {name: _since(value, self._bytes.get(name, 0.0)) / steps
                       for name, value in bytes_total.items()},

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import distributed_c10d
 
 from parallax.checkpoint.single_device import SingleDeviceView
 from parallax.cluster import LaunchOrders, WorkerInfo
@@ -85,7 +86,9 @@ class Runner:
                          if worker.world_size > 1 else None)
         self._explained = Explainer(self.progress, lambda: self.global_step + 1)
         # where each step's time goes (runner.stats()["step phases"]; parallax run --timeline)
-        self.phases = PhaseClock(worker.rank, orders.timeline)
+        self.phases = PhaseClock(worker.rank, orders.timeline, world_size=worker.world_size,
+                                 store=(distributed_c10d._get_default_store()
+                                        if orders.timeline and worker.world_size > 1 else None))
         on_shutdown(self.phases.write)
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self._build_layout(model, orders)
@@ -245,8 +248,7 @@ class Runner:
                     self.dense.defer_backward()
                 with self.phases.phase("backward"):
                     loss.backward()
-            self.reporting.note(float(loss.detach()),
-                                float(numel(targets) * self.worker.world_size))
+            self.reporting.note(loss.detach(), float(numel(targets) * self.worker.world_size))
             self.apply_update(self.optimizers, loss=loss)
         return loss.detach()
 
@@ -389,6 +391,12 @@ class Runner:
         every rank, not only on the one that saves it)."""
         return self.view.state_dict()
 
+    def sharded_state_dict(self) -> dict[str, Tensor]:
+        """`state_dict`, except that model parallelism's split weights stay this rank's
+        DTensor shards (not gathered): what `parallax.checkpoint.save_dcp` hands DCP, which
+        writes each shard from its rank. Collective."""
+        return self.view.state_dict(whole=False)
+
     def export(self, path: str | os.PathLike[str]) -> Path | None:
         """Write the plain single-device ``state_dict`` to ``path`` on rank 0 (collective),
         streamed: each server-held table comes from its servers in chunks of rows written
@@ -436,7 +444,10 @@ class Runner:
 
     def inter_machine_bytes(self) -> dict[str, float]:
         """Per parameter, the measured bytes (sent + received) crossing machines per machine
-        and step, averaged over machines: what the plan's ``predicted_bytes`` predict
+        and step, averaged over machines: what the plan's ``predicted_bytes`` predict; plus,
+        as entries of their own, the dense syncs that count per message (``"dense (qsgd)"``,
+        ``"dense (push)"``, ``"dense (pull)"``, ``"dense (explorer keys)"``, ``"dense (core
+        keys)"``: 0 under the others), so that the values add up to every byte of a step
         (collective)."""
         return self.reporting.inter_machine_bytes()
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallax import logs
 from parallax.cluster import EnvironmentPatch, WorkerInfo, current_worker
 from parallax.config import Config
 from parallax.engine.diagnostics import progress
@@ -54,17 +55,16 @@ def single_process_worker() -> WorkerInfo:
 def join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
     """Join the default group (if the program has not) and the group for the PS exchange."""
     global _sparse_group
+    logs.configure(worker.rank)
     timeout = timedelta(seconds=config.collective_timeout_s)
     if not dist.is_initialized():
-        backend = "nccl" if worker.device.type == "cuda" else "gloo"
         if worker.device.type == "cuda":
             torch.cuda.set_device(worker.device)
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(worker.backend, timeout=timeout)
     if _sparse_group is None:
         # Its own group keeps the PS exchange apart from DDP's bucketed AllReduce.
-        backend = "nccl" if worker.device.type == "cuda" else "gloo"
-        _sparse_group = dist.new_group(backend=backend, timeout=timeout)
-        hierarchy.join(worker, backend=backend, timeout=timeout)
+        _sparse_group = dist.new_group(backend=worker.backend, timeout=timeout)
+        hierarchy.join(worker, backend=worker.backend, timeout=timeout)
         atexit.register(shutdown)
     return _sparse_group
 

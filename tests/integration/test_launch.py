@@ -222,19 +222,26 @@ def test_cli_malformed_resources_exit_2(tmp_path):
     assert not list(tmp_path.glob("pid*"))
 
 
-def test_cli_two_agents_form_one_job(tmp_path):
-    """One agent per machine (``--machine-index``), as on a real cluster."""
+@pytest.mark.parametrize("words", ["ours", "torchrun's"])
+def test_cli_two_agents_form_one_job(tmp_path, words):
+    """One agent per machine (``--machine-index``, or torchrun's ``--nnodes``/``--node-rank``
+    with ``--rdzv-endpoint``), as on a real cluster."""
     resources = tmp_path / "cluster.txt"
     resources.write_text("localhost:0,1\nlocalhost:0,1\n")
     out = tmp_path / "out"
     out.mkdir()
     port = str(free_port())
+
+    def where(index: int) -> tuple[str, ...]:
+        if words == "ours":
+            return ("--resources", str(resources), "--machine-index", str(index),
+                    "--master-port", port)
+        return ("--nnodes", "2", "--node_rank", str(index), "--nproc-per-node", "2",
+                "--rdzv-endpoint", f"127.0.0.1:{port}")
+
     agents = [
         subprocess.Popen(
-            _cli(
-                *("--resources", str(resources), "--machine-index", str(index)),
-                *("--master-port", port, str(SCRIPTS / "launch_env.py"), str(out)),
-            ),
+            _cli(*where(index), str(SCRIPTS / "launch_env.py"), str(out)),
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -251,3 +258,17 @@ def test_cli_two_agents_form_one_job(tmp_path):
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     assert [(r["machine"], r["local_rank"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert {r["all_reduce"] for r in records} == {10.0}
+
+
+def test_cli_runs_a_module_standalone_as_torchrun_does(tmp_path):
+    """``parallax run --standalone --nproc-per-node 2 -m module ARGS`` (torchrun's line)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(_cli("--standalone", "--nproc_per_node", "2", "-m", "launch_env",
+                               str(out)), cwd=SCRIPTS, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["machine"], r["local_rank"], r["all_reduce"]) for r in records] == [
+        (0, 0, 3.0), (0, 1, 3.0)]

@@ -8,7 +8,8 @@ tests/scripts/model_parallel_worker.py), on 4 processes (grids 1x4 and 2x2) and 
 - the bytes each rank sends per step through each communicator equal the cost model's terms
   for the splits it ran (`parallax.parallelism.cost.scheme_collectives`);
 - `state_dict` gives the plain single-device model, and a checkpoint saved on one grid
-  resumes on another and trains on exactly;
+  resumes on another and trains on exactly; `parallax.checkpoint.save_dcp` writes the split
+  weights through DCP as their shards;
 - `parallax.shard` loaders give the workers of a model group the same samples, and the
   global batch stays W x b; ``"auto"`` picks a grid of the world and trains exactly."""
 
@@ -126,6 +127,21 @@ def test_checkpoint_resumes_on_another_grid(trained) -> None:
     # the first half alone is not the result (the resumed steps did train)
     first = trained["first_half"]
     assert any(not torch.equal(first[k], resumed["state"][k]) for k in first)
+
+
+def test_the_split_weights_go_through_dcp_as_their_shards(trained) -> None:
+    """`parallax.checkpoint.save_dcp` on the checkpointed grid: each split weight is written
+    as its model group's shards (one DCP chunk per shard), the rest once, and DCP reads it
+    all back whole, equal to the single-device state dict."""
+    layers = {s.path for s in trained["first_splits"] if s.split != "replicated"}
+    chunks = trained["first_dcp_chunks"]
+    assert layers and all(chunks[f"{path}.weight"] == 2 for path in layers), chunks
+    assert all(count == 1 for name, count in chunks.items()  # a split layer's bias may be
+               if name.rsplit(".", 1)[0] not in layers), chunks  # split or not
+    first = trained["first_half"]
+    assert trained["first_dcp"].keys() == first.keys()
+    for name, value in first.items():
+        assert torch.equal(trained["first_dcp"][name], value), name
 
 
 def test_loaders_of_a_model_group_read_the_same_samples(trained) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from parallax.step.hooks import DENSE_SYNC_ACCOUNTS
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -34,8 +36,11 @@ def traffic(tmp_path_factory) -> dict:
                                  "hybrid-apart"])
 def test_measured_inter_machine_bytes_match_the_plan(traffic, run: str) -> None:
     result = traffic[run]
-    assert set(result["measured"]) == {"embedding.weight", "dense.weight", "dense.bias"}
-    for name, measured in result["measured"].items():
+    parameters = {"embedding.weight", "dense.weight", "dense.bias"}
+    assert set(result["measured"]) == parameters | set(DENSE_SYNC_ACCOUNTS)
+    assert all(result["measured"][name] == 0 for name in DENSE_SYNC_ACCOUNTS)  # DDP's here
+    for name in parameters:
+        measured = result["measured"][name]
         predicted = result["predicted"][name]
         assert measured > 0, f"{run}: nothing crossed machines for {name}"
         assert abs(measured - predicted) <= 0.10 * predicted, (

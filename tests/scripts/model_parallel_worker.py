@@ -13,9 +13,11 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.utils.data import DataLoader, TensorDataset
 
 import parallax
+import parallax.checkpoint
 from parallax.launch.fast_exit import exit_now
 
 GLOBAL, STEPS, ROWS = 8, 4, 300
@@ -102,7 +104,8 @@ def single_device(make, optimizer: str, batches, loss_fn, steps: int,
 
 
 def train(make, optimizer: str, batches, loss_fn, config: parallax.Config, steps: int,
-          *, start: int = 0, checkpoint: str | None = None, resume: str | None = None):
+          *, start: int = 0, checkpoint: str | None = None, resume: str | None = None,
+          dcp: str | None = None):
     torch.manual_seed(0)
     model = make().double()
     runner = parallax.get_runner(model, OPTIMIZERS[optimizer](model.parameters()), loss_fn,
@@ -120,6 +123,13 @@ def train(make, optimizer: str, batches, loss_fn, config: parallax.Config, steps
     if checkpoint is not None:
         runner.save(checkpoint)
     record["state"] = runner.state_dict()
+    if dcp is not None:  # DTensor shards through DCP: each rank writes its own
+        parallax.checkpoint.save_dcp(runner, dcp)
+        dist.barrier()
+        record["dcp"] = parallax.checkpoint.load_dcp(dcp)
+        record["dcp_chunks"] = {
+            key: len(item.chunks) for key, item in
+            FileSystemReader(dcp).read_metadata().state_dict_metadata.items()}
     everyone = [None] * runner.worker.world_size
     dist.all_gather_object(everyone, {"bytes": record["bytes"], "stats": runner.stats(),
                                       "memory": runner.predicted_memory()})
@@ -170,12 +180,14 @@ def main() -> None:
         results["runs"]["routed"] = train(Routed, "momentum", routed_batch, mse, routed, STEPS)
     # a checkpoint of the last grid, resumed on the pure model grid (or 1x1 data: world 2)
     first = train(net, "adam", net_batch, mse, parallax.Config(**base, **grids[list(grids)[-1]]),
-                  2, checkpoint=ckpt)
+                  2, checkpoint=ckpt, dcp=ckpt + "-dcp")
     other = dict(parallelism="model") if world == 4 else dict(parallelism="data")
     resumed = train(net, "adam", net_batch, mse, parallax.Config(**base, **other), STEPS - 2,
                     start=2, resume=ckpt)
     results["runs"]["resumed"] = resumed
     results["first_half"] = first["state"]
+    results["first_dcp"], results["first_dcp_chunks"] = first["dcp"], first["dcp_chunks"]
+    results["first_splits"] = first["splits"]
     results["loader"] = loader_batches(world) if world == 4 else None
     # "auto": the global batch comes from a shard-ed loader (GLOBAL samples per step)
     data = TensorDataset(torch.zeros(64, 5, dtype=torch.float64))

@@ -18,6 +18,7 @@ from traffic_worker import Model  # noqa: E402
 
 import parallax  # noqa: E402
 from parallax.launch.fast_exit import exit_now  # noqa: E402
+from parallax.step.hooks import DENSE_SYNC_ACCOUNTS  # noqa: E402
 
 STEPS = 8
 ROWS, DIM, USED = 20_000, 256, 400  # payloads large enough that packet headers are noise
@@ -34,15 +35,22 @@ def link_bytes() -> float:
     return float(int((stats / "tx_bytes").read_text()) + int((stats / "rx_bytes").read_text()))
 
 
+#: run name -> Config options: two architectures, and the dense syncs that count their bytes
+#: per message rather than per parameter (`inter_machine_bytes` must add those too)
+RUNS = {"optps": dict(architecture="optps"), "ps": dict(architecture="ps"),
+        "qsgd": dict(dense_sync="qsgd"), "plump": dict(dense_sync="plump"),
+        "slim": dict(dense_sync="slim", slim=parallax.SlimDP(sync_every=2))}
+
+
 def main() -> None:
     results = {}
-    for architecture in ("optps", "ps"):
+    for name, options in RUNS.items():
         torch.manual_seed(0)
         model = Model(rows=ROWS, dim=DIM)
         runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                      nn.functional.cross_entropy,
-                                     config=parallax.Config(architecture=architecture,
-                                                            sparsity_warmup_steps=0))
+                                     config=parallax.Config(sparsity_warmup_steps=0,
+                                                            partition_cache=None, **options))
         runner.step(batch(0, runner.worker))  # connections opened, buffers allocated
         runner.reset_stats()
         dist.barrier()
@@ -53,10 +61,12 @@ def main() -> None:
         wire = torch.tensor([link_bytes() - before if runner.worker.is_server else 0.0],
                             dtype=torch.float64)
         dist.all_reduce(wire)  # one eth0 per machine: read it once per machine
-        accounted = sum(runner.inter_machine_bytes().values())
+        per_account = runner.inter_machine_bytes()
+        accounted = sum(per_account.values())
+        dense_sync = sum(per_account[name] for name in DENSE_SYNC_ACCOUNTS)
         machines = len(runner.worker.server_ranks)
-        results[architecture] = {"wire": float(wire) / machines / STEPS,
-                                 "accounted": accounted}
+        results[name] = {"wire": float(wire) / machines / STEPS, "accounted": accounted,
+                         "dense_sync": dense_sync}
     if runner.worker.rank == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
     parallax.shutdown()

@@ -215,3 +215,23 @@ def test_a_gpu_index_the_host_lacks_is_refused_naming_the_rank(monkeypatch) -> N
         _ = worker(1).device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert worker(1).device == torch.device("cpu")  # no CUDA: every worker on the CPU
+
+
+def test_shared_gpus_map_ranks_round_robin_onto_gloo(monkeypatch) -> None:
+    """``PARALLAX_SHARED_GPU=1`` (the one-GPU check of multi-rank CUDA paths): the rank that
+    was refused above trains on GPU 1 % 1 = 0, and every group is gloo (NCCL refuses two ranks
+    on one GPU); without it a CUDA worker's groups are NCCL, a CPU worker's gloo."""
+    from parallax.cluster import SHARED_GPU_ENV
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    second = WorkerInfo(1, 2, 1, 0, 1, (0, 0), device_index=1)
+    first = WorkerInfo(0, 2, 0, 0, 1, (0, 0), device_index=0)
+    monkeypatch.delenv(SHARED_GPU_ENV, raising=False)
+    assert first.backend == "nccl"
+    monkeypatch.setenv(SHARED_GPU_ENV, "1")
+    assert second.device == torch.device("cuda", 0) == first.device
+    assert first.backend == second.backend == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(SHARED_GPU_ENV, "0")
+    assert first.backend == "gloo" and first.device == torch.device("cpu")

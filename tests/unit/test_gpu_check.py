@@ -44,10 +44,11 @@ def test_the_plan_runs_scripts_that_exist(tmp_path: Path) -> None:
         scripts = [part for part in check.command if part.endswith(".py")]
         assert scripts and all(Path(s).is_file() for s in scripts), check.name
         assert check.name in proc.stdout
-    one_gpu = {c.name: c.skip for c in gpu_check.checks(tmp_path, gpus=1)}
-    assert "NCCL refuses two ranks on one GPU" in one_gpu["equivalence-cuda-1xN"]
-    assert not {c.name: c for c in gpu_check.checks(tmp_path, gpus=2)}[
-        "equivalence-cuda-1xN"].skip
+    # one GPU: the two ranks share it over gloo; two GPUs: one each, NCCL
+    one_gpu = {c.name: c for c in gpu_check.checks(tmp_path, gpus=1)}["equivalence-cuda-1xN"]
+    assert not one_gpu.skip and one_gpu.env == {"PARALLAX_SHARED_GPU": "1"}
+    two_gpus = {c.name: c for c in gpu_check.checks(tmp_path, gpus=2)}["equivalence-cuda-1xN"]
+    assert not two_gpus.skip and two_gpus.env == {}
 
 
 def test_a_check_left_without_time_is_not_run(tmp_path: Path) -> None:

@@ -7,6 +7,11 @@ by the offsets of contiguous chunks, but a server's shard is the union of its pa
 partition is the rows ``id % P == p`` (strided, so Zipf-hot small ids spread over servers), and
 ``P`` itself changes in training (the partition search, `Runner.repartition`). We store each
 shard's rows with their *global ids* instead, which loads on any shape and partition count;
-DCP also neither checksums nor fsyncs, and we keep both (`files`). The DTensor shards of the
-model-parallel issue are contiguous: there DCP fits, and it should be used for them.
+DCP also neither checksums nor fsyncs, and we keep both (`files`). DCP is the exchange format at
+the edges (`dcp`: `export_dcp` out, `load_dcp` in). The DTensor shards of model parallelism are
+contiguous: there DCP fits, and `save_dcp` writes them through it, each rank its own.
 """
+
+from parallax.checkpoint.dcp import export_dcp, load_dcp, save_dcp
+
+__all__ = ["export_dcp", "load_dcp", "save_dcp"]

@@ -28,7 +28,7 @@ from parallax.engine.optimizers.shard_optimizer import (
 from parallax.engine.tables import handles
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table, held_tables
-from parallax.errors import UnsupportedProgramError, UsageError
+from parallax.errors import OptimizerError, UnsupportedProgramError, UsageError
 from parallax.parallelism import Parallelism
 
 __all__ = ["SingleDeviceView"]
@@ -63,12 +63,15 @@ class SingleDeviceView:
         self.check_export = check_export
 
     # ---- the model ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Tensor]:
-        """A plain single-device ``state_dict`` of the original model class."""
+    def state_dict(self, *, whole: bool = True) -> dict[str, Tensor]:
+        """A plain single-device ``state_dict`` of the original model class; with
+        ``whole=False`` model parallelism's split weights stay this rank's DTensor shards."""
         self.check_export()
         with self.quiet():
             with self.serving_global():
-                state = self.parallelism.plain_model_state(self.model.state_dict())
+                state = self.model.state_dict()
+                state = (self.parallelism.plain_model_state(state) if whole
+                         else self.parallelism.sharded_model_state(state))
                 if self.swaps_dense_values:  # the parameters get this worker's values back
                     state = {k: v.clone() for k, v in state.items()}
             aliases = self._aliases()
@@ -168,10 +171,11 @@ class SingleDeviceView:
         the optimizer object the rest."""
         with self.quiet():
             index = _indices(optimizer)
+            key_of = _saved_keys(optimizer, state)
             kept = dict(state["state"])
             for name, table in self._held_by(optimizer, index):
                 param = self.params[name]
-                entry = kept.pop(index[id(param)], None) or {}
+                entry = kept.pop(key_of[id(param)], None) or {}
                 if table.shard is None:
                     continue
                 self.shard_optimizer.set_table_state(table, {
@@ -198,6 +202,20 @@ class SingleDeviceView:
         """Per server-held parameter (by id), every name it has in the state dict."""
         ids = {id(self.params[name]) for name, t in self.tables().items() if t.on_servers}
         return {key: tuple(names) for key, names in self._aliases().items() if key in ids}
+
+
+def _saved_keys(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[int, Any]:
+    """Parameter id -> the key of its entry in ``state["state"]``, matched by position in the
+    param groups as ``Optimizer.load_state_dict`` matches them: the keys are indices in a
+    plain ``state_dict()``, but names (``embedding.weight``) in the one DCP's
+    ``set_state_dict`` hands over."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [key for group in state.get("param_groups", []) for key in group["params"]]
+    if len(saved) != len(params):
+        raise OptimizerError(f"the optimizer state dict has {len(saved)} parameters in its "
+                         f"param_groups, this optimizer {len(params)}: not a state dict of "
+                         f"this optimizer")
+    return {id(p): key for p, key in zip(params, saved, strict=True)}
 
 
 def _indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:

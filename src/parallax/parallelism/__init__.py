@@ -18,7 +18,6 @@ parallelism (``m x b`` rows each), so changing the grid never changes what is tr
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -31,6 +30,7 @@ from parallax.collective import agree
 from parallax.config import Config, ParallelismName
 from parallax.engine.tables.exchange import Traffic
 from parallax.errors import ConfigError
+from parallax.logs import log
 from parallax.parallelism.cost import choose_grid, explain, measure_link, predict_grids
 from parallax.parallelism.data_parallel import DataParallel
 from parallax.parallelism.grid import Grid, build_mesh
@@ -55,6 +55,7 @@ class Parallelism(Protocol):
     def bytes_per_step(self) -> dict[str, float]: ...
     def reset(self) -> None: ...
     def plain_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]: ...
+    def sharded_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]: ...
     def load_plain_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]: ...
     def plain_optimizer_state(self, optimizer: torch.optim.Optimizer,
                               state: dict[str, Any]) -> dict[str, Any]: ...
@@ -105,7 +106,7 @@ def _auto_grid(model: nn.Module, *, worker: WorkerInfo, group: dist.ProcessGroup
     if worker.rank == 0:
         predictions = predict_grids(model, worker.world_size, batch=batch, link=link)
         chosen = choose_grid(predictions)
-        print(explain(predictions, chosen, link, batch), file=sys.stderr, flush=True)
+        log.info("%s", explain(predictions, chosen, link, batch))
         decision = (chosen.grid.data, chosen.grid.model)
     data, model_degree = agree(decision, rank=worker.rank, group=group)
     return Grid(data, model_degree)

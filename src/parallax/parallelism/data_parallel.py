@@ -52,6 +52,9 @@ class DataParallel:
     def plain_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         return state
 
+    def sharded_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return state
+
     def load_plain_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         return state
 

@@ -228,6 +228,13 @@ class ModelParallel:
                 state[name] = self.sharded[name].full_tensor()
         return state
 
+    def sharded_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``state`` with each split parameter as this rank's DTensor, not gathered: the
+        DTensors that train (``sharded``, which `plain_model_state` gathers), not what the
+        module's own ``state_dict`` holds under those names (meta tensors, found in
+        ``save_dcp``'s first run)."""
+        return {**state, **{name: param.detach() for name, param in self.sharded.items()}}
+
     def load_plain_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """Each split parameter takes its shard of ``state``'s whole value (local slicing);
         returns the rest of ``state``, for the user's module."""

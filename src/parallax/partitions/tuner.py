@@ -11,7 +11,6 @@ by the plan and stored in the `partition_cache`, where the next run of the same 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from parallax.cluster import WorkerInfo
 from parallax.collective import agree
 from parallax.config import Config
 from parallax.engine.tables.table import Table
+from parallax.logs import log
 from parallax.partitions.cache import cache_key, load_entry, store_entry
 from parallax.partitions.groups import group_of
 from parallax.partitions.search import Sample, SearchResult, sampling, second_half_mean
@@ -186,8 +186,7 @@ class PartitionTuner:
         self._next_group()
 
     def _say(self, message: str) -> None:
-        if self._rank == 0:
-            print(f"parallax: {message}", file=sys.stderr, flush=True)
+        log.info("parallax: %s", message)  # rank 0's, by default (`parallax.logs`)
 
 
 def build_tuner(model: nn.Module, tables: dict[str, Table], *, config: Config,

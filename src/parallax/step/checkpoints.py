@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from parallax.checkpoint.files import newest_complete
 from parallax.collective import agree
 from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.errors import ArgumentError
+from parallax.logs import log
 from parallax.step.hooks import StepDone
 
 __all__ = ["Checkpoints"]
@@ -83,9 +83,7 @@ class Checkpoints:
         found = agree(found, rank=worker.rank, group=self.run.group)
         if found:
             self.load(found)
-            if worker.rank == 0:
-                print(f"parallax: resumed from step {self.run.global_step} ({root})",
-                      file=sys.stderr, flush=True)
+            log.info("parallax: resumed from step %d (%s)", self.run.global_step, root)
 
     def after_step(self, done: StepDone) -> None:
         """A step hook: save when the schedule says (rank 0's clock decides the seconds)."""

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine.optimizers.grad_norm import (
     NonFinite,
-    all_finite,
+    all_finite_together,
     clip_by_global_norm,
     find_nonfinite,
 )
@@ -153,7 +153,7 @@ class StepGradients:
         here (summed alike on every rank, so every rank answers alike). Split layers' shards
         are not in the verdict: with them, False (the full check decides)."""
         return (verdict.finite() and not self.parallelism.norm_parts()
-                and all(p.grad is None or all_finite(p.grad) for p in self.replicated))
+                and all_finite_together(p.grad for p in self.replicated))
 
     def agree_by(self, verdict: Verdict) -> None:
         """`agree_on_tables` from the counts the push's ``verdict`` carried."""

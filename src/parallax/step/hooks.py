@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
+from parallax.engine.dense_sync.qsgd import TRAFFIC_NAME as QSGD_ACCOUNT
+from parallax.engine.dense_sync.server_sync import CORE_KEYS, KEYS, PULL, PUSH
 from parallax.engine.diagnostics.phases import PHASES, STATS_KEY, PhaseClock
 from parallax.engine.tables.exchange import Traffic
 from parallax.metrics import MetricsLog, Window
@@ -23,6 +25,12 @@ from parallax.planning.plan import Plan
 from parallax.session import on_shutdown
 
 __all__ = ["Reporting", "StepDone", "StepHook"]
+
+
+#: where `dense_sync="qsgd"`, ``"plump"`` and ``"slim"`` count their bytes (per message, not
+#: per parameter): `inter_machine_bytes` adds them (they were missing from it, which read 0
+#: for a Slim-DP run against 0 for Plump-DP)
+DENSE_SYNC_ACCOUNTS = (QSGD_ACCOUNT, PUSH, KEYS, PULL, CORE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ class Reporting:
                                   every=config.log_every_steps)
         on_shutdown(self.metrics.close)
         self._headline = Window()
-        self._loss: float | None = None  # Runner.step's, for the metrics
+        self._loss: float | torch.Tensor | None = None  # Runner.step's, for the metrics
         self._targets: float | None = None
         self._last_targets: float | None = None  # the latest step's, all workers
         self._steps_at = {"metrics": 0, "headline": 0}
@@ -76,7 +84,7 @@ class Reporting:
         if self.workers_steps is not None:
             self._steps_at = dict.fromkeys(self._steps_at, self.workers_steps())
 
-    def note(self, loss: float, targets: float) -> None:
+    def note(self, loss: float | torch.Tensor, targets: float) -> None:
         """`Runner.step`'s loss and every worker's target elements, for this step."""
         self._loss, self._targets = loss, targets
 
@@ -112,8 +120,10 @@ class Reporting:
         return {**self.traffic.per_step(), STATS_KEY: self.phases.per_step()}
 
     def inter_machine_bytes(self) -> dict[str, float]:
-        """See `Runner.inter_machine_bytes` (collective)."""
-        names = [p.name for p in self.plan().parameters]
+        """See `Runner.inter_machine_bytes` (collective). The dense syncs that count their
+        traffic per message rather than per parameter (`DENSE_SYNC_ACCOUNTS`) are entries of
+        their own, so that the sum is every byte the step moved."""
+        names = [p.name for p in self.plan().parameters] + list(DENSE_SYNC_ACCOUNTS)
         per_step = self.traffic.per_step()
         values = torch.tensor(
             [per_step.get(n, {}).get("inter_sent", 0.0)

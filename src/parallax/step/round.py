@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from parallax.engine.dense_sync.strategy import DenseSync
 from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.diagnostics.progress import Explainer, Progress
+from parallax.engine.optimizers.replica_rows import touched_rows_only
 from parallax.engine.tables import handles
 from parallax.engine.tables.exchange import Traffic
 from parallax.errors import UnsupportedProgramError
@@ -118,7 +119,8 @@ class StepRound:
         """See `Runner.apply_update`."""
         if self.gradients_ready(loss):
             with self.explained():
-                with self.phases.phase("dense update"), handles.internal():
+                with (self.phases.phase("dense update"), handles.internal(),
+                      touched_rows_only(self.gradients.tables().values(), optimizers)):
                     for optimizer in optimizers:
                         dense_step = getattr(optimizer, "parallax_dense_step", None)
                         (dense_step or optimizer.step)()

@@ -151,7 +151,8 @@ class Synchronous(SyncMode):
 
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
              step: int, riders: Sequence[Rider] = ()) -> bool:
-        verdict = Verdict(loss_finite=loss is None or bool(torch.isfinite(loss.detach()).all()))
+        verdict = Verdict(loss_finite=True if loss is None else
+                          torch.isfinite(loss.detach()).all())
         with self.phases.phase("push"):
             if self.early is not None:
                 self.early.flush()  # what Runner.step's backward did not push yet

@@ -6,18 +6,22 @@ backward, counts for itself and not for its parent), so the phases of a step add
 step. Always on: a phase costs two clock reads and a few dict updates (the cost on the LM is
 measured in BENCHMARKS.md, "Phase timing"). Own clocks rather than ``torch.profiler``'s
 ``record_function`` ranges: those record nothing unless a profiler is running, and a running
-profiler records every operator too (measured in the same section).
+profiler records every operator too (measured in the same section). While a profiler *is*
+running (the user's own ``torch.profiler.profile``), each phase is also a
+``record_function`` range named ``parallax: PHASE`` (`PROFILER_PREFIX`), so that the user's
+trace shows where parallax's part of a step went, among their own operators.
 
-With a timeline file (``parallax run --timeline FILE``, i.e. ``PARALLAX_TIMELINE``) each phase
-is also kept as an event; at shutdown every rank writes its events as Chrome trace events
-(``FILE.rank<R>.json``) and the launcher merges them into FILE: one process per rank, one
-thread (track) per phase, timestamps on the wall clock so that ranks of one host line up.
+With a timeline file (``parallax run --timeline FILE``, or ``PARALLAX_TIMELINE=FILE`` under
+``torchrun``) each phase is also kept as an event; at shutdown every rank hands its events,
+as Chrome trace events, to rank 0 through the job's store (so no shared file system is
+needed), and rank 0 writes FILE: one process per rank, one thread (track) per phase,
+timestamps on the wall clock so that ranks of one host line up.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -29,8 +33,9 @@ from typing import Any
 import torch
 
 from parallax.cluster import TIMELINE_ENV
+from parallax.engine.diagnostics import failing
 
-__all__ = ["PHASES", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active", "merge_timelines",
+__all__ = ["PHASES", "PROFILER_PREFIX", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active",
            "phase"]
 
 #: the phases of a step, in the order the engine runs them (the progress record: at the
@@ -39,19 +44,26 @@ PHASES = ("id look-ahead", "pull", "pool", "forward", "backward", "dense sync", 
           "server aggregation", "clip and check", "server update", "dense update",
           "checkpoint", "progress record")
 STATS_KEY = "step phases"  # where `Runner.stats` holds `PhaseClock.per_step`
+PROFILER_PREFIX = "parallax: "  # a phase's range in a running torch.profiler's trace
 _STEP = "step"
+_GATHER_S = 30.0  # rank 0 waits this long for the other ranks' events at shutdown
+log = logging.getLogger("parallax")
 
 
 class PhaseClock:
     """One runner's phase times (and, with a timeline, its events)."""
 
-    def __init__(self, rank: int, timeline: str | None = None):
+    def __init__(self, rank: int, timeline: str | None = None, *, world_size: int = 1,
+                 store: Any = None):
         self.rank = rank
         self.timeline = timeline
+        self.world_size = world_size
+        self.store = store  # the job's (c10d Store): where rank 0 gathers the timeline
         self.seconds: dict[str, float] = defaultdict(float)  # self time since reset
         self.steps = 0
         self.events: list[tuple[str, int, int, int]] = []  # (phase, start ns, ns, step)
-        self._stack: list[list[Any]] = []  # [name, start ns, children's ns]
+        # [name, start ns, children's ns, the profiler's range or None]
+        self._stack: list[list[Any]] = []
         self._step = 0
         self._began: int | None = None  # the running step's start
         self.thread = threading.get_ident()  # phases of other threads are not the step's
@@ -75,15 +87,19 @@ class PhaseClock:
         ``name`` is already running."""
         if self._began is None or any(frame[0] == name for frame in self._stack):
             return False
-        self._stack.append([name, time.perf_counter_ns(), 0])
+        ranged = (torch.ops.profiler._record_function_enter_new(PROFILER_PREFIX + name)
+                  if torch._C._autograd._profiler_enabled() else None)
+        self._stack.append([name, time.perf_counter_ns(), 0, ranged])
         return True
 
     def close(self, name: str) -> None:
         """End ``name``, the innermost running phase (nothing if it is not)."""
         if not self._stack or self._stack[-1][0] != name:
             return
-        _, start, children = self._stack.pop()
+        _, start, children, ranged = self._stack.pop()
         elapsed = time.perf_counter_ns() - start
+        if ranged is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(ranged)
         self.seconds[name] += (elapsed - children) / 1e9
         if self._stack:
             self._stack[-1][2] += elapsed
@@ -147,10 +163,54 @@ class PhaseClock:
         self.steps = 0
 
     def write(self) -> Path | None:
-        """This rank's events as Chrome trace events, next to the timeline file."""
-        if self.timeline is None or not self.events:
+        """The timeline at shutdown: this rank's events to rank 0 through the job's store;
+        rank 0 writes every rank's (waiting `_GATHER_S` at most: a rank that failed is left
+        out, and named); the file's path on rank 0, else None."""
+        if self.timeline is None:
             return None
-        path = Path(f"{self.timeline}.rank{self.rank}.json")
+        mine = json.dumps(self._trace_events())
+        self.events.clear()
+        ranks = {self.rank: mine}
+        if self.store is not None and self.world_size > 1:
+            try:
+                self.store.set(f"parallax/timeline/rank{self.rank}", mine)
+                if self.rank != 0:
+                    return None
+                ranks.update(self._gathered())
+            except Exception as error:  # a diagnosis: never what ends a run badly
+                log.warning("parallax: rank %d: the timeline could not be gathered: %s",
+                            self.rank, error)
+        events = [event for rank in sorted(ranks) for event in json.loads(ranks[rank])]
+        if not events:  # no rank ran a step
+            return None
+        path = Path(self.timeline)
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        return path
+
+    def _gathered(self) -> dict[int, str]:
+        """At rank 0: the other ranks' events as they arrive in the store (not when this
+        process fails: its own error matters more than a complete trace)."""
+        keys = {rank: f"parallax/timeline/rank{rank}" for rank in range(1, self.world_size)}
+        found: dict[int, str] = {}
+        deadline = time.monotonic() + _GATHER_S
+        while keys and time.monotonic() < deadline and not failing.failing():
+            for rank, key in list(keys.items()):
+                if self.store.check([key]):
+                    found[rank] = self.store.get(key).decode()
+                    del keys[rank]
+            if keys:
+                time.sleep(0.05)
+        if keys:
+            log.warning("parallax: the timeline leaves out rank(s) %s: no events from them "
+                        "within %g s (failed, or still training)",
+                        ", ".join(map(str, sorted(keys))), _GATHER_S)
+        return found
+
+    def _trace_events(self) -> list[dict[str, Any]]:
+        """This rank's events as Chrome trace events (with its process and track names;
+        none without a step)."""
+        if not self.events:
+            return []
         tracks = {name: i for i, name in enumerate((_STEP, *PHASES))}
         events = [{"name": "process_name", "ph": "M", "pid": self.rank,
                    "args": {"name": f"rank {self.rank}"}},
@@ -162,9 +222,7 @@ class PhaseClock:
                     "tid": tracks.get(name, len(tracks)),
                     "ts": (start + self._wall_minus_mono) / 1e3, "dur": ns / 1e3,
                     "args": {"step": step}} for name, start, ns, step in self.events]
-        path.write_text(json.dumps(events))
-        self.events.clear()
-        return path
+        return events
 
 
 _active: PhaseClock | None = None
@@ -185,17 +243,3 @@ def phase(name: str) -> Iterator[None]:
         return
     with clock.phase(name):
         yield
-
-
-def merge_timelines(path: str | os.PathLike[str]) -> Path | None:
-    """Join the ranks' ``PATH.rank<R>.json`` into one Chrome trace at ``path`` (the ranks'
-    files are removed); None when no rank wrote one."""
-    path = Path(path)
-    parts = sorted(path.parent.glob(f"{path.name}.rank*.json"))
-    if not parts:
-        return None
-    events = [event for part in parts for event in json.loads(part.read_text())]
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    for part in parts:
-        part.unlink()
-    return path

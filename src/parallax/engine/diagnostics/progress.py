@@ -195,36 +195,33 @@ class Progress:
 
     def records(self) -> dict[int, Record]:
         """Every rank's last record that the store holds (unreachable store: none)."""
-        keys = [f"rank{r}" for r in range(self.world_size)]
         if self.store is None:
             return {}
         for progress in _active:  # this process's records first (tests run several ranks)
             progress.writer.flush()
+        records = {}
+        for rank, value in self._per_rank("rank").items():
+            step, phase, stamp = value.split("|")
+            records[rank] = Record(int(step), phase, float(stamp))
+        return records
+
+    def _beats(self) -> dict[int, float]:
+        """When each rank's writer last said it is alive (ranks without a beat: absent)."""
+        return {rank: float(value) for rank, value in self._per_rank("beat").items()}
+
+    def _per_rank(self, prefix: str) -> dict[int, str]:
+        """The value of ``prefix<rank>`` for every rank the store has one of (an unreachable
+        store, or none: empty)."""
+        if self.store is None:
+            return {}
+        keys = [f"{prefix}{r}" for r in range(self.world_size)]
         try:
             self.store.set_timeout(_READ_TIMEOUT)
             present = [k for k in keys if self.store.check([k])]
             values = dict(zip(present, self.store.multi_get(present), strict=True))
         except Exception:
             return {}
-        records = {}
-        for rank, key in enumerate(keys):
-            if key in values:
-                step, phase, stamp = values[key].decode().split("|")
-                records[rank] = Record(int(step), phase, float(stamp))
-        return records
-
-    def _beats(self) -> dict[int, float]:
-        """When each rank's writer last said it is alive (ranks without a beat: absent)."""
-        if self.store is None:
-            return {}
-        keys = [f"beat{r}" for r in range(self.world_size)]
-        try:
-            present = [k for k in keys if self.store.check([k])]
-            values = dict(zip(present, self.store.multi_get(present), strict=True))
-        except Exception:
-            return {}
-        return {rank: float(values[key].decode()) for rank, key in enumerate(keys)
-                if key in values}
+        return {rank: values[key].decode() for rank, key in enumerate(keys) if key in values}
 
     def explain(self, error: BaseException, step: int) -> BaseException:
         """The error to raise for a collective of step ``step`` that failed with ``error``:

@@ -9,7 +9,7 @@ same total, clips alike, and decides alike whether a step is finite.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,8 @@ from torch import Tensor
 from parallax.engine.tables import reduction
 from parallax.engine.tables.table import Table
 
-__all__ = ["NonFinite", "all_finite", "clip_by_global_norm", "find_nonfinite"]
+__all__ = ["NonFinite", "all_finite", "all_finite_together", "clip_by_global_norm",
+           "find_nonfinite"]
 
 
 class NonFinite:
@@ -53,15 +54,17 @@ def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
     values = torch.zeros(world + len(named) + extra, dtype=torch.float64, device=device)
     if flags is not None:
         values[world + len(named):] = flags
-    if loss is not None:
-        values[rank] = float(not bool(torch.isfinite(loss.detach()).all()))
+    if loss is not None:  # (no host round trip: on a GPU each is a synchronisation)
+        values[rank] = (~torch.isfinite(loss.detach()).all()).to(values.dtype)
     for i, (_, table) in enumerate(named):  # server-held: each server its own rows
         values[world + i] = table.grad_norm_squared()
     reduction.all_reduce(values, group=group)
-    bad = [name for i, (name, _) in enumerate(named)
-           if not torch.isfinite(values[world + i])]
-    bad += [name for name, grad in dense if grad is not None and not all_finite(grad)]
-    return NonFinite([r for r in range(world) if values[r] > 0], bad,
+    ranks_bad = values[:world].tolist()
+    tables_finite = torch.isfinite(values[world:world + len(named)]).tolist()
+    bad = [name for (name, _), finite in zip(named, tables_finite, strict=True) if not finite]
+    if not all_finite_together(grad for _, grad in dense):  # names only when one is bad
+        bad += [name for name, grad in dense if grad is not None and not all_finite(grad)]
+    return NonFinite([r for r in range(world) if ranks_bad[r] > 0], bad,
                      values[world:world + len(named)].sum(),
                      None if flags is None else values[world + len(named):])
 
@@ -96,3 +99,11 @@ def all_finite(grad: Tensor) -> bool:
     """Whether every value of ``grad`` (dense, or a sparse COO tensor's values) is finite."""
     values = grad._values() if grad.is_sparse else grad
     return bool(torch.isfinite(values).all())
+
+
+def all_finite_together(grads: Iterable[Tensor | None]) -> bool:
+    """`all_finite` of every gradient (None: none), read back once rather than once each (on a
+    GPU every read-back is a synchronisation)."""
+    checks = [torch.isfinite(grad._values() if grad.is_sparse else grad).all()
+              for grad in grads if grad is not None]
+    return not checks or bool(torch.stack(checks).all())

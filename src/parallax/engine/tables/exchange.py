@@ -38,6 +38,21 @@ def wire_id_dtype(num_rows: Sequence[int]) -> torch.dtype:
     return torch.int32 if all(n <= INT32_ROWS for n in num_rows) else torch.int64
 
 
+def all_to_all(out: Tensor, message: Tensor, recv_splits: Sequence[int] | None = None,
+               send_splits: Sequence[int] | None = None, *, group: dist.ProcessGroup | None,
+               async_op: bool = False) -> dist.Work | None:
+    """``dist.all_to_all_single``, except in a group of one rank, whose message is what it
+    receives: copied here, without the collective (on a GPU an all_to_all of one rank still
+    launches NCCL's kernels; on a CPU it still goes through gloo). None: nothing to wait for."""
+    if dist.get_world_size(group) == 1:
+        out.copy_(message)
+        return None
+    work: dist.Work | None = dist.all_to_all_single(
+        out, message, list(recv_splits) if recv_splits else None,
+        list(send_splits) if send_splits else None, group=group, async_op=async_op)
+    return work
+
+
 def with_header(header: Tensor, ids_dtype: torch.dtype) -> Tensor:
     """An int64 ``header`` as ``ids_dtype`` values, to open a message of such ids (two int32
     values per int64 where the ids are int32; `header_of` reads it back)."""
@@ -63,10 +78,9 @@ def unique_ids(ids: Tensor, num_rows: int, name: str, rank: int,
                                 f"tensor, got {ids.dtype}")
     unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
     bad_id = None
-    if unique.numel() and unique[0] < 0:
-        bad_id = int(unique[0])
-    elif unique.numel() and unique[-1] >= num_rows:
-        bad_id = int(unique[-1])
+    if unique.numel():
+        low, high = unique[[0, -1]].tolist()  # sorted: the ends, in one read-back
+        bad_id = low if low < 0 else high if high >= num_rows else None
     return unique, inverse.view(ids.shape), bad_id
 
 
@@ -217,7 +231,7 @@ class Hop:
                 message[:, t, 2] = bad_id
         message = message.to(device)
         received = torch.empty_like(message)
-        dist.all_to_all_single(received, message, group=group)
+        all_to_all(received, message, group=group)
         received = received.cpu()
         for name in names:
             traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
@@ -284,8 +298,8 @@ class Hop:
         send_splits = [sum(send[n][peer] * item[n] for n in names) for peer in range(world)]
         recv_splits = [sum(receive[n][peer] * item[n] for n in names) for peer in range(world)]
         out = message.new_empty(sum(recv_splits))
-        work = dist.all_to_all_single(out, message, recv_splits, send_splits, group=self.group,
-                                      async_op=async_op)
+        work = all_to_all(out, message, recv_splits, send_splits, group=self.group,
+                          async_op=async_op)
         for name in names:
             if name not in self.unaccounted:
                 self.traffic.record(self._account(name), send[name], receive[name], item[name])
@@ -307,8 +321,7 @@ class Hop:
                    async_op: bool) -> Callable[[], dict[str, Tensor]]:
         out = payload.new_empty((sum(receive), *payload.shape[1:]))
         payload = payload.contiguous()
-        work = dist.all_to_all_single(out, payload, receive, send, group=self.group,
-                                      async_op=async_op)
+        work = all_to_all(out, payload, receive, send, group=self.group, async_op=async_op)
         item_bytes = payload.element_size() * math.prod(payload.shape[1:])
         if name not in self.unaccounted:
             self.traffic.record(self._account(name), send, receive, item_bytes)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parallax.engine.tables import hierarchy
-from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.exchange import Traffic, all_to_all
 from parallax.engine.tables.riders import rank_order_sum
 
 __all__ = ["ALL_TO_ALL_MAX_SENT_BYTES", "account", "all_reduce", "by_all_to_all", "small"]
@@ -70,7 +70,7 @@ def _sum_by_all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None) ->
     flat = tensor.detach().reshape(1, -1)
     copies = flat.expand(world, -1).contiguous()
     received = torch.empty_like(copies)
-    dist.all_to_all_single(received, copies, group=group)
+    all_to_all(received, copies, group=group)
     tensor.copy_(rank_order_sum(received).view_as(tensor))  # the same sum on every rank
 
 

@@ -71,6 +71,10 @@ class ReplicatedTable:
         self.sparse_grad = sparse_grad
         self.average = average
         self._pending: list[tuple[Tensor, Tensor, Tensor | None]] = []  # ids, rows, counts
+        # the rows any worker's gradient reached since the last zero_grad (`touched_rows`);
+        # unknown once the whole gradient was AllReduced
+        self._touched: list[Tensor] = []
+        self._touched_known = True
         with torch.no_grad():  # rank 0's initial values, as DDP does for dense parameters
             dist.broadcast(param.data, src=0, group=group)
 
@@ -117,6 +121,18 @@ class ReplicatedTable:
             rows.grad = None
         self._lookups = 0
         self.param.grad = None
+        self._touched, self._touched_known = [], True
+
+    def touched_rows(self) -> Tensor | None:
+        """The (sorted, distinct) rows whose aggregated gradient can be non-zero: every
+        worker's ids since the last zero_grad; None when not known (a whole-gradient
+        AllReduce, ``sync="allreduce"``)."""
+        if not self._touched_known:
+            return None
+        if not self._touched:
+            return torch.empty(0, dtype=torch.long, device=self.param.device)
+        rows: Tensor = torch.unique(torch.cat(self._touched))
+        return rows
 
     @staticmethod
     def push_together(tables: Sequence[ReplicatedTable],
@@ -158,6 +174,7 @@ class ReplicatedTable:
         if not ids_parts:
             return
         ids, rows = torch.cat(ids_parts), torch.cat(row_parts)
+        self._touched.append(ids)
         counts = None
         if self._scales_by_freq:
             rows, counts = lookup_options.split_counts(rows, self.row_shape)
@@ -179,6 +196,7 @@ class ReplicatedTable:
         return lookup_options.scales_by_freq(self.batch_dependent)
 
     def _allreduce(self) -> None:
+        self._touched_known = False  # only this worker's rows are known here
         grad = torch.zeros_like(self.param)
         total = torch.zeros(self.num_rows, dtype=self.dtype, device=self.param.device)
         for unique, rows, counts in self._pending:

@@ -34,6 +34,7 @@ from parallax.engine.tables.exchange import (
     COUNT_MESSAGE_BYTES,
     Hop,
     Traffic,
+    all_to_all,
     header_of,
     raise_bad_ids,
     wire_id_dtype,
@@ -103,7 +104,7 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
     send_splits = [header_width + sum(room_to[n][p] for n in names) for p in range(world)]
     recv_splits = [header_width + sum(room_from[n][p] for n in names) for p in range(world)]
     out = message.new_empty(sum(recv_splits))
-    dist.all_to_all_single(out, message, recv_splits, send_splits, group=group)
+    all_to_all(out, message, recv_splits, send_splits, group=group)
     chunks = out.split(recv_splits)
     headers = header_of(chunks, len(names) * _HEADER).view(world, len(names), _HEADER)
     for name in names:

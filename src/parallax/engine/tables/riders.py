@@ -22,7 +22,7 @@ from typing import Protocol
 import torch.distributed as dist
 from torch import Tensor
 
-from parallax.engine.tables.exchange import Hop
+from parallax.engine.tables.exchange import Hop, all_to_all
 
 __all__ = ["Rider", "alight", "board", "rank_order_sum", "settle"]
 
@@ -68,7 +68,7 @@ def settle(riders: Sequence[Rider], group: dist.ProcessGroup | None) -> None:
             continue
         copies, rider.waiting = rider.waiting, None
         received = copies.new_empty(copies.shape)
-        dist.all_to_all_single(received, copies, group=group)
+        all_to_all(received, copies, group=group)
         rider.receive(received)
 
 

@@ -26,7 +26,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options, pooled
 from parallax.engine.tables.bag_use import BagUse
-from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
+from parallax.engine.tables.exchange import Hop, Traffic, all_to_all, unique_ids
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.reservations import Reservations, open_carrying
@@ -213,7 +213,7 @@ class ShardedTable:
             start, stop = _round_bounds(mine, k, rounds)
             receive[0] = stop - start
             payload = torch.cat(pieces) if pieces else weight.new_empty((0, *self.row_shape))
-            dist.all_to_all_single(out[start:stop], payload, receive, send, group=self.group)
+            all_to_all(out[start:stop], payload, receive, send, group=self.group)
         return out
 
     def assign(self, weight: Tensor) -> None:
@@ -364,8 +364,18 @@ class ShardedTable:
         if self.local_aggregation and self.worker.rank == self._leader:
             self.machine_rows_used.append(sum(lookup.merged_count for lookup in lookups))
 
-    def _accumulate(self, local_rows: Tensor, grad_rows: Tensor) -> None:
-        self._touched.append(local_rows)
+    @property
+    def sums_as_rows_arrive(self) -> bool:
+        """Whether gradient rows go straight into the shard's dense gradient as they arrive
+        (one partition, dense gradients), so that rows repeated in one arrival cost nothing
+        more than distinct ones (`_accumulate`)."""
+        return not self.sparse_grad and len(self.parts) == 1
+
+    def _accumulate(self, local_rows: Tensor, grad_rows: Tensor,
+                    touched: Tensor | None = None) -> None:
+        """Add ``grad_rows`` at shard rows ``local_rows`` (repeats allowed); ``touched``: those
+        rows, distinct, where the caller has them."""
+        self._touched.append(local_rows if touched is None else touched)
         self._touched_unique = None
         if self.sparse_grad or len(self.parts) > 1:
             self._received.append((local_rows, grad_rows))

@@ -49,7 +49,9 @@ class Verdict:
 
     key = VERDICT_KEY
 
-    def __init__(self, *, loss_finite: bool) -> None:
+    def __init__(self, *, loss_finite: bool | Tensor) -> None:
+        #: a bool, or a 0-dim bool tensor (read by no one here: it travels as a value, so a
+        #: GPU's loss costs no synchronisation)
         self.loss_finite = loss_finite
         #: the server-held tables whose reached flags ride, in the push's (agreed) order
         self.names: list[str] = []
@@ -64,8 +66,9 @@ class Verdict:
         """This rank's verdict, one row per peer (float64; see the module), waiting for the
         push's first message."""
         self.names, self.limit = list(names), limit
-        head = torch.tensor([0.0 if self.loss_finite else 1.0, float(stale)],
-                            dtype=torch.float64, device=bound.device)
+        finite = torch.as_tensor(self.loss_finite, device=bound.device)
+        head = torch.stack([(~finite).to(torch.float64),
+                            torch.tensor(float(stale), dtype=torch.float64, device=bound.device)])
         flags = torch.tensor([float(r) for r in reached], dtype=torch.float64,
                              device=bound.device)
         row = torch.cat([head, bound.reshape(1).to(torch.float64), flags])
@@ -82,9 +85,8 @@ class Verdict:
 
     def finite(self) -> bool:
         """Every loss is finite and every aggregated gradient provably so."""
-        summed = self._summed()
-        return (float(summed[_LOSS]) == 0.0 and float(summed[_STALE]) == 0.0
-                and float(summed[_BOUND]) < self.limit)
+        loss, stale, bound = self._summed()[[_LOSS, _STALE, _BOUND]].tolist()  # one read-back
+        return bool(loss == 0.0 and stale == 0.0 and bound < self.limit)
 
     def reached(self) -> Tensor:
         """Per table of `names`: on how many ranks a backward reached it."""

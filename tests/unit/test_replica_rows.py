@@ -1,0 +1,63 @@
+"""Under ``architecture="allreduce"`` a replicated table is updated at its touched rows only
+where a zero gradient changes nothing (plain SGD, Adagrad without weight decay): the optimizer
+sees a sparse gradient of those rows, the work the servers and Horovod do, and trains as the
+single-device program; Adam (whose moments move untouched rows) keeps the dense update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import parallax
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(200, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(self.embedding(ids).mean(dim=1)).squeeze(1)
+
+
+def _batches() -> list[tuple[Tensor, Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(200, (6, 3), generator=generator),
+             torch.rand(6, generator=generator, dtype=torch.float64)) for _ in range(4)]
+
+
+@pytest.mark.parametrize(("make", "sparse"), [
+    (lambda p: torch.optim.Adagrad(p, lr=0.1), True),
+    (lambda p: torch.optim.SGD(p, lr=0.1), True),
+    (lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.01), False),
+    (lambda p: torch.optim.Adam(p, lr=0.01), False),
+])
+def test_the_optimizer_sees_the_touched_rows_where_that_is_exact(single_process, make,
+                                                                  sparse: bool) -> None:
+    torch.manual_seed(0)
+    model = _Model().double()
+    reference = _Model().double()
+    reference.load_state_dict(model.state_dict())
+    optimizer = make(model.parameters())
+    seen: list[bool] = []
+    step = optimizer.step
+
+    def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(model.embedding.weight.grad.is_sparse)
+        return step(*args, **kwargs)
+
+    optimizer.step = watched  # type: ignore[method-assign]
+    runner = parallax.get_runner(model, optimizer, nn.functional.mse_loss, config=parallax.Config(
+        architecture="allreduce", partition_cache=None))
+    plain = make(reference.parameters())
+    for ids, target in _batches():
+        runner.step((ids, target))
+        plain.zero_grad()
+        nn.functional.mse_loss(reference(ids), target).backward()
+        plain.step()
+    assert seen == [sparse] * 4
+    assert not model.embedding.weight.grad.is_sparse  # the dense gradient put back
+    for name, value in runner.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-12, atol=1e-14)
