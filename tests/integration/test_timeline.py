@@ -72,17 +72,23 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def test_the_phases_cover_their_step_within_ten_percent(run) -> None:
+def test_the_phases_cover_their_steps_within_ten_percent(run) -> None:
+    # Summed over a rank's steps: a gap between two phases in which the OS ran another of the
+    # 4 processes on this 2-core host may leave one short step under 90 % (seen once: 81 %),
+    # whereas work left out of every phase shows in every step.
     complete = [e for e in _events(run) if e["ph"] == "X"]
     for rank in range(WORLD):
+        covered = total = 0.0
         for step in range(1, STEPS + 1):
             here = [e for e in complete if e["pid"] == rank and e["args"]["step"] == step]
             whole = next(e for e in here if e["name"] == "step")
             begin, end = whole["ts"], whole["ts"] + whole["dur"]
             phases = [(max(e["ts"], begin), min(e["ts"] + e["dur"], end)) for e in here
                       if e["name"] != "step"]
-            assert _covered(phases) >= 0.9 * whole["dur"], (rank, step)
+            covered += _covered(phases)
+            total += whole["dur"]
             assert all(begin <= e["ts"] and e["ts"] + e["dur"] <= end + 1 for e in here)
+        assert covered >= 0.9 * total, (rank, covered / total)
 
 
 def test_stats_hold_the_self_times_which_add_up_to_the_step(run) -> None:
