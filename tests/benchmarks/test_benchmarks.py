@@ -201,8 +201,9 @@ def test_scaling_smoke(tmp_path: Path) -> None:
 
 
 def test_sparsity_sweep_smoke(tmp_path: Path) -> None:
+    # one system: the loop over systems is compare.py's (test_compare_smoke)
     run_script("sparsity_sweep.py", "--points", "2000:5", "200:40", "--systems", "hybrid",
-               "allreduce", "--machines", "2", "--nproc-per-machine", "1", "--steps", "2",
+               "--machines", "2", "--nproc-per-machine", "1", "--steps", "2",
                "--warmup", "1", "--repeats", "1", "--out-dir", str(tmp_path))
     data = check_outputs(tmp_path, "sparsity")
     for run in data["runs"]:
