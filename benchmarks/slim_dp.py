@@ -4,10 +4,14 @@ Fashion-MNIST), K workers on K emulated machines.
 
     python benchmarks/slim_dp.py --machines 4 8 --rates 1gbit 100mbit --steps 200
     python benchmarks/slim_dp.py --sweep --machines 4 --rates 100mbit     # alpha/beta sweep
+    python benchmarks/slim_dp.py --ablation --vary-seeds --machines 4 8 --rates 1gbit \
+        --steps 600 --eval-every 50                                       # the ablations
     python benchmarks/slim_dp.py --machines 2 --rates 1gbit --steps 4 --eval-every 2 \
         --repeats 1 --eval-size 200 --out-dir /tmp/smoke                  # smoke size
 
-Modes (``--sweep``: Plump-DP and Slim-DP at several (alpha, beta)):
+Modes (``--sweep``: Plump-DP and Slim-DP at several (alpha, beta); ``--ablation``: Plump-DP
+and Slim-DP at q 20, q longer than the run, beta = 0, beta = alpha, and c = 0, 0.5, 4;
+``--vary-seeds``: each repeat its own initial model and batches, for accuracy's spread):
 ``plump-ar`` Plump-DP by AllReduce (``dense_sync="hierarchical"``), ``plump`` Plump-DP through
 servers, ``quant-ar`` Quant-DP by all-gathered QSGD codes (8 bits, buckets of 512),
 ``quant`` Quant-DP through servers (pushes quantised), ``slim`` Slim-DP (alpha 0.2, beta 0.1,
@@ -51,6 +55,7 @@ MODES = [
      "slim": {"alpha": 0.2, "beta": 0.1, "reselect_every": 20, "sync_every": 1}},
 ]
 SWEEP = [(0.1, 0.05), (0.2, 0.1), (0.3, 0.15), (0.5, 0.25), (0.2, 0.2)]
+SIGNIFICANCES = (0.0, 0.5, 4.0)  # the ablation's c besides the default 1
 BASELINE = "plump"
 
 
@@ -69,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", metavar="LABEL",
                         help="only these modes (labels as in the tables; default: all)")
+    parser.add_argument("--ablation", action="store_true",
+                        help="Plump-DP and Slim-DP's ablations instead: q 20, q longer than the "
+                        "run (the paper's regime), beta = 0 (no core), beta = alpha (no "
+                        "explorer), and c in 0, 0.5, 4")
+    parser.add_argument("--vary-seeds", action="store_true",
+                        help="repeat r draws its initial model and batches from seed r "
+                        "(default: every repeat the same, so only the times vary)")
     parser.add_argument("--sweep", action="store_true",
                         help="Plump-DP and Slim-DP at several (alpha, beta) instead")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
@@ -79,11 +91,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _slim(label: str, alpha: float = 0.2, beta: float = 0.1, q: int = 20,
+          c: float = 1.0) -> dict[str, Any]:
+    return {"label": label, "dense_sync": "slim",
+            "slim": {"alpha": alpha, "beta": beta, "reselect_every": q, "sync_every": 1,
+                     "significance": c}}
+
+
 def modes_of(args: argparse.Namespace) -> list[dict[str, Any]]:
-    modes = MODES if not args.sweep else [MODES[1]] + [
-        {"label": f"slim a={a} b={b}", "dense_sync": "slim",
-         "slim": {"alpha": a, "beta": b, "reselect_every": 20, "sync_every": 1}}
-        for a, b in SWEEP]
+    if args.sweep:
+        modes = [MODES[1]] + [_slim(f"slim a={a} b={b}", a, b) for a, b in SWEEP]
+    elif getattr(args, "ablation", False):
+        beyond = args.steps + 1  # no full round and no re-selection within the run
+        modes = [MODES[1], _slim("slim"), _slim("slim q>run", q=beyond),
+                 _slim("slim b=0", beta=0.0), _slim("slim b=a", beta=0.2)] + [
+            _slim(f"slim c={c:g}", c=c) for c in SIGNIFICANCES]
+    else:
+        modes = MODES
     if not getattr(args, "modes", None):
         return modes
     unknown = sorted(set(args.modes) - {m["label"] for m in modes})
@@ -97,7 +121,8 @@ def launch(args: argparse.Namespace, machines: int, rate: str, repeat: int,
            out: Path) -> list[dict[str, Any]]:
     worker_args = {"modes": modes_of(args), "steps": args.steps, "batch": args.batch,
                    "lr": args.lr, "width": args.width, "eval_every": args.eval_every,
-                   "eval_size": args.eval_size, "order_shift": repeat, "out": str(out)}
+                   "eval_size": args.eval_size, "order_shift": repeat, "out": str(out),
+                   "seed": repeat if getattr(args, "vary_seeds", False) else 0}
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(machines),
            "--nproc-per-machine", "1", "--emulate-network", rate,
            str(HERE / "slim_dp_worker.py"), json.dumps(worker_args)]
@@ -135,6 +160,9 @@ def summarise(records: list[list[dict[str, Any]]], steps: int) -> dict[str, dict
             # less noisy than one evaluation: the mean of the last three
             "late_accuracy": statistics.fmean(p["accuracy"] for p in median_run["curve"][-3:]),
             "curve": median_run["curve"],
+            # every repeat's (they differ only with --vary-seeds)
+            "late_accuracy_runs": [statistics.fmean(p["accuracy"] for p in run["curve"][-3:])
+                                   for run in runs],
             "engine_bytes_per_step_rank0": dense_bytes,
             "wire_bytes_per_step_machine": statistics.fmean(
                 r["wire"] for r in median_run["ranks"]) / steps,
@@ -161,20 +189,25 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
     for key, rows in summary.items():
         lines += [f"### {key}", "",
                   "| mode | comp s/1k | comm s/1k | of which choosing | total s/1k | accuracy "
-                  "| last 3 evals | Speed_d | Speed_a | dense bytes/step (rank 0, engine) | "
-                  "wire bytes/step/machine |",
-                  "|---" * 11 + "|"]
+                  "| last 3 evals | last 3, every repeat: mean (min-max) | Speed_d | Speed_a "
+                  "| dense bytes/step (rank 0, engine) | wire bytes/step/machine |",
+                  "|---" * 12 + "|"]
         for label, row in rows.items():
             speed_a = f"{row['speed_a']:.2f}" if row.get("speed_a") else "not reached"
             lines.append(
                 f"| {label} | {row['comp_s'] * per:.1f} | {row['comm_s'] * per:.1f} | "
                 f"{row['choosing_s'] * per:.2f} | {row['train_s'] * per:.1f} | "
                 f"{row['final_accuracy']:.4f} | {row['late_accuracy']:.4f} | "
+                f"{_spread(row.get('late_accuracy_runs', [row['late_accuracy']]))} | "
                 f"{row.get('speed_d', float('nan')):.2f} | {speed_a} | "
                 f"{row['engine_bytes_per_step_rank0']:,.0f} | "
                 f"{row['wire_bytes_per_step_machine']:,.0f} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.fmean(values):.4f} ({min(values):.4f}-{max(values):.4f})"
 
 
 def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
@@ -206,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
     fetch("fashion-mnist")  # workers behind the emulated network cannot download
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = "slim_dp-sweep" if args.sweep else "slim_dp"
+    name = ("slim_dp-sweep" if args.sweep else "slim_dp-ablation" if args.ablation
+            else "slim_dp")
     raw: dict[str, list[list[dict[str, Any]]]] = {}
     for machines in args.machines:
         for rate in args.rates:

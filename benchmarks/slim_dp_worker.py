@@ -68,12 +68,13 @@ def train(mode: dict[str, Any], args: dict[str, Any], data: tuple[Tensor, Tensor
           test: tuple[Tensor, Tensor]) -> dict[str, Any]:
     worker = current_worker()
     images, labels = data
-    torch.manual_seed(0)
+    seed = args.get("seed", 0)
+    torch.manual_seed(seed)
     model = SmallVGG(args["width"])
     optimizer = torch.optim.SGD(model.parameters(), lr=args["lr"], momentum=0.9)
     runner = parallax.get_runner(model, optimizer, nn.functional.cross_entropy,
                                  config=config_of(mode))
-    generator = torch.Generator().manual_seed(1000 + worker.rank)
+    generator = torch.Generator().manual_seed(1000 + worker.rank + 100_003 * seed)
     dist.barrier()
     runner.reset_stats()
     wire_before = link_bytes()

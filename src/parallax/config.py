@@ -121,7 +121,10 @@ class SlimDP:
     values. Every ``reselect_every``-th communication (the last before a re-selection) pushes
     and pulls everything. Workers communicate every ``sync_every`` local steps. The paper's
     defaults: alpha 0.2, beta 0.1 (VGG-16), p = 1; its q (20k-50k mini-batches) is far longer
-    than our runs, hence 20."""
+    than our runs, hence 20; a ``reselect_every`` above the run's rounds is the paper's regime
+    (the core chosen once, from ``|w|``, and no full round). Its ablations: ``beta=0`` (no
+    core: each round syncs a fresh random ``alpha`` share, DropConnect-like) and
+    ``beta=alpha`` (no explorer: the core alone)."""
 
     alpha: float = 0.2
     beta: float = 0.1
@@ -130,8 +133,8 @@ class SlimDP:
     significance: float = 1.0
 
     def __post_init__(self) -> None:
-        _require(is_number(self.beta) and 0 < self.beta <= 1, "slim.beta", self.beta,
-                 "a number in (0, 1]")
+        _require(is_number(self.beta) and 0 <= self.beta <= 1, "slim.beta", self.beta,
+                 "a number in [0, 1]")
         _require(is_number(self.alpha) and self.beta <= self.alpha <= 1, "slim.alpha",
                  self.alpha, f"a number in [beta, 1] = [{self.beta}, 1]")
         for name in ("reselect_every", "sync_every"):

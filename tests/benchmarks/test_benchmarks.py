@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 
@@ -266,6 +267,32 @@ def test_partitions_smoke(tmp_path: Path) -> None:
     assert verdict["samples"] == len(search["samples"]) <= 3
     assert "Searched P's brute-force time / best" in (tmp_path / f"{name}.md").read_text()
     assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_slim_dp_ablation_modes_are_the_papers_and_valid_configs(tmp_path: Path) -> None:
+    """`slim_dp.py --ablation`: q beyond the run, beta = 0, beta = alpha and a sweep of c, each
+    a Config the engine accepts; --vary-seeds gives each repeat its own seed."""
+    sys.path.insert(0, str(BENCH))
+    import slim_dp
+    import slim_dp_worker
+
+    args = slim_dp.parse_args(["--ablation", "--steps", "600", "--vary-seeds"])
+    modes = {m["label"]: m for m in slim_dp.modes_of(args)}
+    assert list(modes) == ["plump", "slim", "slim q>run", "slim b=0", "slim b=a", "slim c=0",
+                           "slim c=0.5", "slim c=4"]
+    configs = {label: slim_dp_worker.config_of(mode).slim for label, mode in modes.items()}
+    assert configs["slim q>run"].reselect_every == 601  # no full round in 600 steps
+    assert configs["slim b=0"].beta == 0 and configs["slim b=a"].beta == configs["slim b=a"].alpha
+    assert [configs[f"slim c={c}"].significance for c in ("0", "0.5", "4")] == [0, 0.5, 4]
+    launched = []
+
+    def run(cmd: list[str], check: bool) -> None:  # the launch, without training
+        launched.append(json.loads(cmd[-1]))
+        Path(launched[-1]["out"]).write_text("[]")
+
+    with patch.object(slim_dp.subprocess, "run", run):
+        slim_dp.launch(args, 4, "1gbit", 2, tmp_path / "launch.json")
+    assert launched[0]["seed"] == 2 and launched[0]["order_shift"] == 2
 
 
 @pytest.mark.network  # may fetch Fashion-MNIST (Debian package) on first use

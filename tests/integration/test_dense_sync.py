@@ -58,15 +58,16 @@ def _flat(params) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in params])
 
 
-def _top(values: torch.Tensor, update: torch.Tensor | None, count: int) -> torch.Tensor:
-    score = values.abs() + (0 if update is None else w.SLIM.significance * update.abs())
+def _top(values: torch.Tensor, update: torch.Tensor | None, count: int,
+         significance: float = w.SLIM.significance) -> torch.Tensor:
+    score = values.abs() + (0 if update is None else significance * update.abs())
     return torch.argsort(score, descending=True)[:count].sort().values
 
 
-def simulate() -> dict:
+def simulate(slim=w.SLIM) -> dict:
     """Slim-DP as the paper states it, one process: K workers with their own copy and SGD,
     a server model, cores per server range, explorers drawn with the engine's generator."""
-    slim, servers = w.SLIM, 2
+    servers = 2
     models = []
     for _ in range(WORLD):
         torch.manual_seed(0)
@@ -97,7 +98,8 @@ def simulate() -> dict:
                 continue
             pick = []
             for s, (a, b) in enumerate(ranges):
-                outside = torch.tensor([i for i in range(b - a) if i not in set(cores[s].tolist())])
+                outside = torch.tensor([i for i in range(b - a)
+                                        if i not in set(cores[s].tolist())], dtype=torch.long)
                 explorer = sel.draw_explorer(outside, sel.explorer_size(b - a, slim.alpha,
                                                                         slim.beta),
                                              sel.explorer_generator(0, rank, rounds, s))
@@ -114,8 +116,8 @@ def simulate() -> dict:
             torch.nn.utils.vector_to_parameters(local[rank], model.parameters())
         if full:
             fulls += 1
-            cores = [_top(server[a:b], (update / WORLD)[a:b], sel.core_size(b - a, slim.beta))
-                     for a, b in ranges]
+            cores = [_top(server[a:b], (update / WORLD)[a:b], sel.core_size(b - a, slim.beta),
+                          slim.significance) for a, b in ranges]
     return {"local": local, "server": server, "cores": cores, "rounds": rounds, "fulls": fulls,
             "ranges": ranges}
 
@@ -138,6 +140,18 @@ def test_slim_dp_equals_the_papers_algorithm_on_every_rank(trained, simulated) -
     # what the run exports is the servers' model, not rank 0's copy
     torch.testing.assert_close(_flat(mlp["exported"].values()), simulated["server"],
                                rtol=0, atol=1e-9)
+
+
+def test_slim_dp_without_a_core_equals_the_papers_algorithm(trained) -> None:
+    """The paper's beta = 0 ablation: no core, each round a fresh random alpha share."""
+    mlp, simulated = trained["mlp-no-core"], simulate(w.SLIM_NO_CORE)
+    assert mlp["rounds"] == simulated["rounds"] and simulated["fulls"] == 1
+    for rank in range(WORLD):
+        assert all(core.numel() == 0 for core in mlp["ranks"][rank]["core"])
+        torch.testing.assert_close(mlp["ranks"][rank]["local"], simulated["local"][rank],
+                                   rtol=0, atol=1e-9, msg=f"rank {rank}")
+    torch.testing.assert_close(mlp["global"], simulated["server"], rtol=0, atol=1e-9)
+    assert not torch.allclose(mlp["ranks"][0]["local"], mlp["ranks"][1]["local"])
 
 
 def test_cores_are_reselected_from_significance_after_the_full_round(trained,

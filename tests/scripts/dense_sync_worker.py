@@ -20,6 +20,7 @@ from parallax.launch.fast_exit import exit_now
 ROWS, DIM, WIDTH, BATCH, TOKENS, STEPS = 400, 8, 24, 6, 5, 6
 MLP_IN, MLP_WIDTH, MLP_STEPS = 6, 10, 8
 SLIM = parallax.SlimDP(alpha=0.3, beta=0.1, reselect_every=3, sync_every=2, significance=0.5)
+SLIM_NO_CORE = parallax.SlimDP(alpha=0.3, beta=0, reselect_every=3, sync_every=2)
 RUNS = {
     "hierarchical": dict(dense_sync="hierarchical"),
     "plump": dict(dense_sync="plump"),
@@ -78,6 +79,34 @@ def single_device(world: int) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def slim_mlp(slim: parallax.SlimDP) -> dict | None:
+    """The MLP under ``slim``: on rank 0 every rank's copy, traffic and cores, the servers'
+    values and the export; None elsewhere."""
+    torch.manual_seed(0)
+    model = mlp().double()
+    initial = [p.detach().clone() for p in model.parameters()]
+    config = parallax.Config(dense_sync="slim", slim=slim, partition_cache=None)
+    runner = parallax.get_runner(model, sgd(model.parameters()), nn.functional.mse_loss,
+                                 config=config)
+    worker = runner.worker
+    runner.reset_stats()
+    sync = runner.dense.server
+    traffic = []
+    for step in range(MLP_STEPS):
+        runner.step(mlp_batch(step, worker.rank))
+        traffic.append({k: dict(v) for k, v in sync.traffic.bytes.items()})
+    local = sync.local_values()
+    everyone = [None] * worker.world_size
+    dist.all_gather_object(everyone, {"local": local, "traffic": traffic,
+                                      "core": [c.clone() for c in sync.core]})
+    exported = runner.state_dict()
+    servers = sync.global_values()  # collective
+    if worker.rank != 0:
+        return None
+    return {"initial": initial, "ranks": everyone, "exported": exported, "global": servers,
+            "ranges": sync.ranges, "servers": sync.servers, "n": sync.n, "rounds": sync.rounds}
+
+
 def main() -> None:
     results = {}
     for run, options in RUNS.items():
@@ -96,35 +125,17 @@ def main() -> None:
         dist.all_gather_object(everyone, mine)
         if worker.rank == 0:
             results[run] = {"state": state, "stats": runner.stats(), "copies": everyone}
-    # Slim-DP with local steps on a dense MLP: every rank's copy after each round
-    torch.manual_seed(0)
-    model = mlp().double()
-    initial = [p.detach().clone() for p in model.parameters()]
-    config = parallax.Config(dense_sync="slim", slim=SLIM, partition_cache=None)
-    runner = parallax.get_runner(model, sgd(model.parameters()), nn.functional.mse_loss,
-                                 config=config)
-    worker = runner.worker
-    runner.reset_stats()
-    sync = runner.dense.server
-    traffic = []
-    for step in range(MLP_STEPS):
-        runner.step(mlp_batch(step, worker.rank))
-        traffic.append({k: dict(v) for k, v in sync.traffic.bytes.items()})
-    local = sync.local_values()
-    everyone = [None] * worker.world_size
-    dist.all_gather_object(everyone, {"local": local, "traffic": traffic,
-                                      "core": [c.clone() for c in sync.core]})
-    exported = runner.state_dict()
-    if worker.rank == 0:
-        results["mlp"] = {"initial": initial, "ranks": everyone, "exported": exported,
-                          "global": sync.global_values(), "ranges": sync.ranges,
-                          "servers": sync.servers, "n": sync.n, "rounds": sync.rounds}
-        results["single"] = single_device(worker.world_size)
+    # Slim-DP with local steps on a dense MLP: every rank's copy after each round, with a
+    # core and without one (the paper's beta = 0 ablation)
+    for name, slim in (("mlp", SLIM), ("mlp-no-core", SLIM_NO_CORE)):
+        record = slim_mlp(slim)
+        if record is not None:
+            results[name] = record
+    if dist.get_rank() == 0:
+        results["single"] = single_device(dist.get_world_size())
         torch.manual_seed(0)
         results["initial"] = Mixed().double().state_dict()
         torch.save(results, sys.argv[1])
-    else:
-        sync.global_values()  # collective
     parallax.shutdown()
 
 

@@ -433,7 +433,7 @@ def valid_configs(draw: st.DrawFn) -> Config:
         values["max_staleness"] = draw(st.none() | st.integers(0, 100))
         if values["sync"] == "async-sparse":  # no norm every worker agrees on
             values["clip_grad_norm"] = None
-    beta = draw(st.floats(1e-3, 1))
+    beta = draw(st.just(0.0) | st.floats(1e-3, 1))
     values["slim"] = SlimDP(alpha=draw(st.floats(beta, 1)), beta=beta,
                             reselect_every=draw(st.integers(1, 10**5)),
                             sync_every=draw(st.integers(1, 100)),

@@ -16,8 +16,10 @@ from torch import Tensor
 
 
 def core_size(n: int, beta: float) -> int:
-    """Values of a range of ``n`` in its core (at least one of a non-empty range)."""
-    return min(n, max(1, round(beta * n))) if n else 0
+    """Values of a range of ``n`` in its core: at least one of a non-empty range, none with
+    ``beta`` 0 (the paper's ablation without a core: every round's values are the explorer's,
+    DropConnect-like)."""
+    return min(n, max(1, round(beta * n))) if n and beta > 0 else 0
 
 
 def explorer_size(n: int, alpha: float, beta: float) -> int:
