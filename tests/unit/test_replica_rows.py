@@ -61,3 +61,74 @@ def test_the_optimizer_sees_the_touched_rows_where_that_is_exact(single_process,
     assert not model.embedding.weight.grad.is_sparse  # the dense gradient put back
     for name, value in runner.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-12, atol=1e-14)
+
+
+def test_a_whole_weight_loss_term_keeps_the_dense_update(single_process) -> None:
+    """A loss term on the whole table (L2 on the weight) gives every row a gradient: the
+    touched rows alone would silently drop it (0.28 off after 4 steps before this was seen)."""
+    torch.manual_seed(0)
+    model, reference = _Model().double(), _Model().double()
+    reference.load_state_dict(model.state_dict())
+
+    def loss_of(net: nn.Module):  # type: ignore[no-untyped-def]
+        return lambda out, target: (nn.functional.mse_loss(out, target)
+                                    + 1e-2 * net.embedding.weight.pow(2).sum())
+
+    runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.1),
+                                 loss_of(model), config=parallax.Config(
+                                     architecture="allreduce", partition_cache=None))
+    plain = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    for ids, target in _batches():
+        runner.step((ids, target))
+        plain.zero_grad()
+        loss_of(reference)(reference(ids), target).backward()
+        plain.step()
+    for name, value in runner.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-12, atol=1e-14)
+
+
+def test_clipping_keeps_the_touched_rows_update(single_process) -> None:
+    """``Config.clip_grad_norm`` scales the gradient in place (zeros stay zeros): the update
+    stays the touched rows' and equals clip_grad_norm_ on one device."""
+    torch.manual_seed(0)
+    model, reference = _Model().double(), _Model().double()
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    seen: list[bool] = []
+    step = optimizer.step
+
+    def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(model.embedding.weight.grad.is_sparse)
+        return step(*args, **kwargs)
+
+    optimizer.step = watched  # type: ignore[method-assign]
+    runner = parallax.get_runner(model, optimizer, nn.functional.mse_loss, config=parallax.Config(
+        architecture="allreduce", partition_cache=None, clip_grad_norm=0.05))
+    plain = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    for ids, target in _batches():
+        runner.step((ids, target))
+        plain.zero_grad()
+        nn.functional.mse_loss(reference(ids), target).backward()
+        assert nn.utils.clip_grad_norm_(reference.parameters(), 0.05) > 0.05  # it clips
+        plain.step()
+    assert seen == [True] * 4
+    for name, value in runner.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-12, atol=1e-14)
+
+
+def test_a_gradient_changed_in_place_is_no_longer_the_touched_rows(single_process) -> None:
+    """Once ``.grad`` is not what the exchange wrote (changed in place, or replaced), its
+    untouched rows are no longer known to be zero: no touched-rows update, a full check."""
+    torch.manual_seed(0)
+    model = _Model().double()
+    runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss, config=parallax.Config(
+                                     architecture="allreduce", partition_cache=None))
+    runner.step(_batches()[0])
+    table = runner.gradients.tables()["embedding.weight"]
+    weight = model.embedding.weight
+    assert table.touched_rows() is not None and weight.grad is not None
+    weight.grad.add_(1.0)
+    assert table.touched_rows() is None
+    weight.grad = weight.grad.clone()
+    assert table.touched_rows() is None

@@ -24,6 +24,7 @@ from parallax.engine.optimizers.grad_norm import (
 )
 from parallax.engine.optimizers.shard_optimizer import parameter_ids
 from parallax.engine.tables import reduction
+from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table, held_tables
 from parallax.engine.tables.verdict import Verdict
@@ -99,10 +100,14 @@ class StepGradients:
         parts = self.parallelism.norm_parts()  # split parameters' shards, like tables
         chosen = [part for part in parts.values() if wanted is None or id(part.param) in wanted]
         everything = everything and len(chosen) == len(parts)
-        return clip_by_global_norm(
+        ours = [t for t in tables if isinstance(t, ReplicatedTable) and t.grad_is_ours()]
+        norm = clip_by_global_norm(
             max_norm, grads, [*tables, *chosen],
             tables_squared=self.tables_squared if everything else None,
             group=self.group, device=self.device)
+        for table in ours:
+            table.grad_rescaled()
+        return norm
 
     def unscale_tables(self, optimizers: Sequence[torch.optim.Optimizer],
                        inv_scale: Tensor) -> bool:
@@ -139,7 +144,7 @@ class StepGradients:
         also tells each server-held table whether any backward reached it and keeps the
         tables' squared norm for clipping."""
         found = find_nonfinite(loss, {**self.tables(), **self.parallelism.norm_parts()},
-                               [(n, p.grad) for n, p in self.replicated_named()],
+                               self._replicated_grads_to_check(),
                                rank=self.worker.rank, world=self.worker.world_size,
                                group=self.group, device=self.device,
                                flags=self._reached_flags())
@@ -153,7 +158,22 @@ class StepGradients:
         here (summed alike on every rank, so every rank answers alike). Split layers' shards
         are not in the verdict: with them, False (the full check decides)."""
         return (verdict.finite() and not self.parallelism.norm_parts()
-                and all_finite_together(p.grad for p in self.replicated))
+                and all_finite_together(grad for _, grad in self._replicated_grads_to_check()))
+
+    def _replicated_grads_to_check(self) -> list[tuple[str, Tensor | None]]:
+        """The replicated gradients by name; of a replicated table whose gradient is the
+        exchange's own, only its touched rows (the rest are zeros it wrote): a table of
+        millions of rows is not read whole each step for the few hundred a batch touched."""
+        tables = self.tables()
+        checked: list[tuple[str, Tensor | None]] = []
+        for name, param in self.replicated_named():
+            grad, table = param.grad, tables.get(name)
+            if grad is not None and not grad.is_sparse and isinstance(table, ReplicatedTable):
+                rows = table.touched_rows()
+                if rows is not None:
+                    grad = grad[rows]
+            checked.append((name, grad))
+        return checked
 
     def agree_by(self, verdict: Verdict) -> None:
         """`agree_on_tables` from the counts the push's ``verdict`` carried."""

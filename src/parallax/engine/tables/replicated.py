@@ -75,6 +75,11 @@ class ReplicatedTable:
         # unknown once the whole gradient was AllReduced
         self._touched: list[Tensor] = []
         self._touched_known = True
+        self._touched_rows: Tensor | None = None  # `touched_rows`, until the next push
+        # the gradient this table wrote and its version then: while ``param.grad`` is that
+        # tensor, unchanged, its rows outside `touched_rows` are exactly zero
+        self._made: Tensor | None = None
+        self._made_version = 0
         with torch.no_grad():  # rank 0's initial values, as DDP does for dense parameters
             dist.broadcast(param.data, src=0, group=group)
 
@@ -121,18 +126,34 @@ class ReplicatedTable:
             rows.grad = None
         self._lookups = 0
         self.param.grad = None
-        self._touched, self._touched_known = [], True
+        self._touched, self._touched_known, self._touched_rows = [], True, None
+        self._made = None
 
     def touched_rows(self) -> Tensor | None:
         """The (sorted, distinct) rows whose aggregated gradient can be non-zero: every
-        worker's ids since the last zero_grad; None when not known (a whole-gradient
-        AllReduce, ``sync="allreduce"``)."""
-        if not self._touched_known:
+        worker's ids since the last zero_grad; None when not known: a whole-gradient
+        AllReduce (``sync="allreduce"``), or a gradient that is not the one the exchange
+        wrote, unchanged (the program used the whole weight outside its lookups, or changed
+        ``.grad`` in place: a weight-decay term, noise)."""
+        if not self._touched_known or (self.param.grad is not None
+                                       and not self.grad_is_ours()):
             return None
-        if not self._touched:
-            return torch.empty(0, dtype=torch.long, device=self.param.device)
-        rows: Tensor = torch.unique(torch.cat(self._touched))
-        return rows
+        if self._touched_rows is None:
+            self._touched_rows = (torch.unique(torch.cat(self._touched)) if self._touched
+                                  else torch.empty(0, dtype=torch.long,
+                                                   device=self.param.device))
+        return self._touched_rows
+
+    def grad_is_ours(self) -> bool:
+        """Whether ``.grad`` is the gradient the exchange wrote, unchanged since."""
+        grad = self.param.grad
+        return grad is not None and grad is self._made and grad._version == self._made_version
+
+    def grad_rescaled(self) -> None:
+        """The engine scaled the gradient in place (clipping) while `grad_is_ours`: zero rows
+        stayed zero, so `touched_rows` still holds."""
+        if self._made is not None and self.param.grad is self._made:
+            self._made_version = self._made._version
 
     @staticmethod
     def push_together(tables: Sequence[ReplicatedTable],
@@ -174,7 +195,10 @@ class ReplicatedTable:
         if not ids_parts:
             return
         ids, rows = torch.cat(ids_parts), torch.cat(row_parts)
+        if self.param.grad is not None and not self.grad_is_ours():
+            self._touched_known = False  # autograd reached the whole weight, or the program
         self._touched.append(ids)
+        self._touched_rows = None
         counts = None
         if self._scales_by_freq:
             rows, counts = lookup_options.split_counts(rows, self.row_shape)
@@ -190,6 +214,7 @@ class ReplicatedTable:
                                                    device=ids.device).index_add_(0, ids, counts))
         # accumulated onto a gradient no zero_grad cleared, as autograd does
         self.param.grad = grad if self.param.grad is None else self.param.grad + grad
+        self._made, self._made_version = self.param.grad, self.param.grad._version
 
     @property
     def _scales_by_freq(self) -> bool:
@@ -219,6 +244,7 @@ class ReplicatedTable:
             lookup_options.divide_by_counts(grad, total)
         # accumulated onto a gradient no zero_grad cleared, as autograd does
         self.param.grad = grad if self.param.grad is None else self.param.grad + grad
+        self._made, self._made_version = self.param.grad, self.param.grad._version
 
     def grad_norm_squared(self) -> Tensor:
         """Zero: a replicated gradient counts once, with the dense ones (see `dense_grads`)."""
