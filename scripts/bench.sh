@@ -85,6 +85,8 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
   [progress]="$py benchmarks/progress_overhead.py"
   [slim-dp]="$py benchmarks/slim_dp.py --machines 4 8 --rates 1gbit 100mbit --steps 200"
   [slim-sweep]="$py benchmarks/slim_dp.py --sweep --machines 4 --rates 100mbit --steps 200"
+  [slim-ablation]="$py benchmarks/slim_dp.py --ablation --vary-seeds --machines 4 \
+--rates 1gbit --steps 600 --eval-every 50"
   [lm-dense-sync]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
 --rate 1gbit --workload-options {\"corpus\":\"kjv\",\"optimizer\":\"momentum\"} \
 --systems hybrid hybrid-plump hybrid-qsgd hybrid-slim --steps 200 --isolate \
@@ -115,13 +117,13 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 ORDER=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity bandwidth alpha small-sums
-       partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep lm-dense-sync
+       partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases launch chaos chaos-link)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
                lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity bandwidth slim-dp
-               slim-sweep lm-dense-sync lm-dense-sync-100mbit async)
+               slim-sweep slim-ablation lm-dense-sync lm-dense-sync-100mbit async)
 
 if [ "${1:-}" = "--list" ]; then
   for name in "${ORDER[@]}"; do printf '%-18s %s\n' "$name" "${EXPERIMENTS[$name]}"; done
