@@ -166,6 +166,26 @@ def _accumulate(run: Run) -> None:
         run.optimizer.step()
 
 
+def _grads_by_hand(run: Run) -> None:
+    """Every ``.grad`` changed between backward and step: halved, plus a hand-written decay."""
+    def change_and_step() -> None:
+        for param in run.model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(0.5).add_(param.detach(), alpha=1e-3)
+        run.optimizer.step()
+    _loop(run, run.optimizer.zero_grad, change_and_step)
+
+
+def _retained_graph(run: Run) -> None:
+    """Two backward passes through one retained graph before one step."""
+    for ids, y in run.batches:
+        run.optimizer.zero_grad()
+        loss = mse(run.model(ids), y)
+        loss.backward(retain_graph=True)
+        (0.5 * loss).backward()
+        run.optimizer.step()
+
+
 def _table_some_steps(run: Run) -> None:
     """Every other step leaves the embedding out: zero_grad() set its .grad to None, so
     Adam skips it there (no moment decay, no step count), as on one device."""
@@ -227,6 +247,15 @@ HABITS: list[Habit] = [
     Habit("no_sync", "DDP's `with model.no_sync():` for gradient accumulation", "works",
           "dense gradients AllReduced once, rows pushed once per step", _accumulate,
           launched=True),
+    Habit("grads_by_hand_replicated", "every `p.grad` changed by hand between backward and "
+          "step (scaled, a hand-written decay) under `architecture='allreduce'`", "works",
+          "a replicated table's `.grad` is the workers' summed gradient once the backward "
+          "ends, as DDP's dense ones (its rows go at the backward's end)", _grads_by_hand,
+          config={"architecture": "allreduce"}, launched=True),
+    Habit("retained_graph", "two `backward()` through one forward's outputs "
+          "(`retain_graph=True`) before one step", "refused",
+          "DDP averages the dense gradients once per forward, so the second backward's would "
+          "not be; add the losses and call backward once, or run the forward again", None),
     Habit("parallax_clip", "`parallax.clip_grad_norm_(model.parameters(), c)`", "works",
           "the single-device global norm, servers' rows included", _parallax_clip,
           launched=True),

@@ -33,6 +33,7 @@ from parallax.engine.optimizers.shard_optimizer import (
     check_lazy,
     check_per_shard,
 )
+from parallax.engine.tables.backward_push import BackwardPush
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.pool import default_threads, shared_pool
 from parallax.errors import ArgumentTypeError
@@ -52,6 +53,7 @@ from parallax.step.gradients import StepGradients
 from parallax.step.hooks import Reporting, StepHook
 from parallax.step.loop_order import Call, LoopOrder
 from parallax.step.nonfinite import NonFinitePolicy
+from parallax.step.one_backward import refuse_a_second_backward
 from parallax.step.plan_keeper import PlanKeeper
 from parallax.step.round import StepRound
 from parallax.step.servers import hand_over
@@ -122,6 +124,7 @@ class Runner:
             config, self.worker, self.phases, self.nonfinite, self.layout,
             sparse_uses=self.sparse_uses, traffic=self.traffic)
         self.tables = self.layout.sparse
+        self.backward_push = BackwardPush(self.layout.all_tables)
         check_per_shard(self.optimizers, server_held)
         if config.lazy_sparse_updates:
             check_lazy(self.optimizers, {n: self._params[n] for n in self.sparse_uses})
@@ -223,6 +226,8 @@ class Runner:
             output = self.forward_pass(args, kwargs)
         if self.order.enabled and torch.is_grad_enabled():
             self.phases.time_backward_of(output)  # the own loop's loss.backward()
+            self.backward_push.arm()  # replicated tables' .grad ready after it, as DDP's
+            refuse_a_second_backward(output, self.worker.rank)
         return output
 
     def step(self, batch: Sequence[Any]) -> Tensor:

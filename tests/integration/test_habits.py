@@ -71,7 +71,7 @@ def launched(tmp_path_factory) -> Path:
     return out
 
 
-@tries("sum_loss_summed")
+@tries("sum_loss_summed", "grads_by_hand_replicated")
 @pytest.mark.parametrize("key", [h.key for h in HABITS if h.launched])
 def test_a_working_habit_trains_as_one_device_on_two_workers(key: str, launched: Path) -> None:
     assert_equal(torch.load(launched / f"{key}.pt"), single_device(BY_KEY[key]), key)
@@ -144,6 +144,23 @@ def test_torchs_clip_grad_norm_over_every_parameter_is_refused(single_process) -
     model, _ = _distributed_net(single_process)
     _refused(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), *NAMED,
              "parallax.clip_grad_norm_")
+
+
+@tries("retained_graph")
+def test_a_second_backward_through_one_forward_is_refused(single_process) -> None:
+    """Also for two losses of one output; a backward per forward (accumulation) still works."""
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    model, optimizer = parallax.distribute(model, optimizer,
+                                           config=parallax.Config(partition_cache=None))
+    ids, y = dataset().tensors
+    out = model(ids[:8])
+    torch.nn.functional.mse_loss(out, y[:8]).backward(retain_graph=True)
+    _refused(lambda: out.sum().backward(), "rank 0", "second backward",
+             "(loss1 + loss2).backward()")
+    optimizer.zero_grad()
+    for part in (slice(0, 4), slice(4, 8)):  # one forward, one backward each
+        torch.nn.functional.mse_loss(model(ids[part]), y[part]).backward()
+    optimizer.step()
 
 
 @tries("inner_zero_grad")

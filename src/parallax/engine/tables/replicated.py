@@ -80,6 +80,8 @@ class ReplicatedTable:
         # tensor, unchanged, its rows outside `touched_rows` are exactly zero
         self._made: Tensor | None = None
         self._made_version = 0
+        # the own loop summed this step's rows at the end of its backward (`BackwardPush`)
+        self._pushed_after_backward = False
         with torch.no_grad():  # rank 0's initial values, as DDP does for dense parameters
             dist.broadcast(param.data, src=0, group=group)
 
@@ -173,8 +175,28 @@ class ReplicatedTable:
         """The parameter itself: the user's optimizer updates it on every worker."""
         return self.param
 
+    def pending_rows(self) -> list[Tensor]:
+        """The rows of the lookups whose gradients are not pushed yet."""
+        return [rows for _, rows, _ in self._pending]
+
+    def push_after_backward(self) -> None:
+        """The own loop's backward ended (`parallax.engine.tables.backward_push`): push now, so
+        that ``.grad`` is the aggregated gradient until the step; the lookups stay pending with
+        their gradients cleared (a retained graph's next backward adds to them again)."""
+        lookups = list(self._pending)
+        self._pushed_after_backward = False
+        self.push_gradients()
+        for _, rows, _ in lookups:
+            rows.grad = None
+        self._pending = lookups
+        self._pushed_after_backward = True
+
     def push_gradients(self) -> None:
         """AllGatherv of every lookup's (ids, rows); each replica sums them into its grad."""
+        if self._pushed_after_backward:  # every backward's rows went at its end
+            self._pushed_after_backward = False
+            self._pending.clear()
+            return
         world = self.worker.world_size
         if self._pending and self.measuring:
             used = torch.unique(torch.cat([unique for unique, _, _ in self._pending]))
