@@ -132,3 +132,42 @@ def test_a_gradient_changed_in_place_is_no_longer_the_touched_rows(single_proces
     assert table.touched_rows() is None
     weight.grad = weight.grad.clone()
     assert table.touched_rows() is None
+
+
+def test_the_cleared_gradient_is_reused_where_no_program_code_sees_it(single_process) -> None:
+    """`Runner.step`: the next step sums into the cleared gradient (touched rows zeroed), not a
+    fresh zero-filled table, and trains as one device; the own loop, whose code sees
+    ``.grad``, gets a fresh tensor every step."""
+    torch.manual_seed(0)
+    model, reference = _Model().double(), _Model().double()
+    reference.load_state_dict(model.state_dict())
+    runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss, config=parallax.Config(
+                                     architecture="allreduce", partition_cache=None))
+    plain = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    grads = []
+    for ids, target in _batches():
+        runner.step((ids, target))
+        grads.append(model.embedding.weight.grad)
+        plain.zero_grad()
+        nn.functional.mse_loss(reference(ids), target).backward()
+        plain.step()
+        torch.testing.assert_close(grads[-1], reference.embedding.weight.grad, rtol=1e-12,
+                                   atol=1e-14)
+    assert all(grad is grads[0] for grad in grads)
+    for name, value in runner.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-12, atol=1e-14)
+    parallax.shutdown()
+
+    torch.manual_seed(0)
+    model = _Model().double()
+    distributed, optimizer = parallax.distribute(
+        model, torch.optim.Adagrad(model.parameters(), lr=0.1),
+        config=parallax.Config(architecture="allreduce", partition_cache=None))
+    seen = []
+    for ids, target in _batches():
+        optimizer.zero_grad()
+        nn.functional.mse_loss(distributed(ids), target).backward()
+        seen.append(model.embedding.weight.grad)
+        optimizer.step()
+    assert len({id(grad) for grad in seen}) == len(seen)

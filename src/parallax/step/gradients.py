@@ -79,13 +79,13 @@ class StepGradients:
         """Clear every gradient, or those of the parameters ``optimizers`` update, as
         ``Optimizer.zero_grad(set_to_none)`` does on one device."""
         mine = None if optimizers is None else parameter_ids(optimizers)
+        tables = (list(self.tables().values()) if optimizers is None
+                  else self.tables_of(optimizers))
+        for table in tables:  # first: a replicated table keeps its cleared gradient's buffer
+            table.zero_grad(set_to_none=set_to_none)
         for param in [*self.replicated, *self.split]:
             if mine is None or id(param) in mine:
                 clear_grad(param, set_to_none)
-        tables = (list(self.tables().values()) if optimizers is None
-                  else self.tables_of(optimizers))
-        for table in tables:
-            table.zero_grad(set_to_none=set_to_none)
 
     def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None) -> float:
         """Clip the aggregated gradients of ``parameters`` (default: all) by their global L2

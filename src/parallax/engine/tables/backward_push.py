@@ -39,6 +39,7 @@ class BackwardPush:
         """Hook the rows the replicated tables' lookups of this forward returned."""
         self._queued = False  # a backward that failed never ran its callback
         for table in self._replicated():
+            table.reuse_cleared_grad = False  # the program sees .grad: no buffer kept
             for rows in table.pending_rows():
                 if not getattr(rows, _HOOKED, False):
                     rows.register_hook(self._reached)
