@@ -28,6 +28,19 @@ def _batches() -> list[tuple[Tensor, Tensor]]:
              torch.rand(6, generator=generator, dtype=torch.float64)) for _ in range(4)]
 
 
+def _watch_sparse(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> list[bool]:
+    """Whether ``param``'s gradient is sparse at each ``optimizer.step()``, appended here."""
+    seen: list[bool] = []
+    step = optimizer.step
+
+    def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(param.grad.is_sparse)
+        return step(*args, **kwargs)
+
+    optimizer.step = watched  # type: ignore[method-assign]
+    return seen
+
+
 @pytest.mark.parametrize(("make", "sparse"), [
     (lambda p: torch.optim.Adagrad(p, lr=0.1), True),
     (lambda p: torch.optim.SGD(p, lr=0.1), True),
@@ -41,14 +54,7 @@ def test_the_optimizer_sees_the_touched_rows_where_that_is_exact(single_process,
     reference = _Model().double()
     reference.load_state_dict(model.state_dict())
     optimizer = make(model.parameters())
-    seen: list[bool] = []
-    step = optimizer.step
-
-    def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(model.embedding.weight.grad.is_sparse)
-        return step(*args, **kwargs)
-
-    optimizer.step = watched  # type: ignore[method-assign]
+    seen = _watch_sparse(optimizer, model.embedding.weight)
     runner = parallax.get_runner(model, optimizer, nn.functional.mse_loss, config=parallax.Config(
         architecture="allreduce", partition_cache=None))
     plain = make(reference.parameters())
@@ -94,14 +100,7 @@ def test_clipping_keeps_the_touched_rows_update(single_process) -> None:
     model, reference = _Model().double(), _Model().double()
     reference.load_state_dict(model.state_dict())
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    seen: list[bool] = []
-    step = optimizer.step
-
-    def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(model.embedding.weight.grad.is_sparse)
-        return step(*args, **kwargs)
-
-    optimizer.step = watched  # type: ignore[method-assign]
+    seen = _watch_sparse(optimizer, model.embedding.weight)
     runner = parallax.get_runner(model, optimizer, nn.functional.mse_loss, config=parallax.Config(
         architecture="allreduce", partition_cache=None, clip_grad_norm=0.05))
     plain = torch.optim.Adagrad(reference.parameters(), lr=0.1)
