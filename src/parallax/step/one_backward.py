@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch.utils import _pytree
-
+from parallax.engine.backward_ends import on_each_backward
 from parallax.errors import UnsupportedProgramError
 
 __all__ = ["refuse_a_second_backward"]
@@ -24,12 +22,10 @@ __all__ = ["refuse_a_second_backward"]
 def refuse_a_second_backward(output: Any, rank: int) -> None:
     """Hook ``output`` (one forward's) so that a backward reaching it after an earlier one
     through it ended raises `UnsupportedProgramError`."""
-    tensors = [t for t in _pytree.tree_leaves(output)
-               if isinstance(t, torch.Tensor) and t.requires_grad]
-    state = {"running": False, "ended": False}
+    ended = False
 
-    def reached(_grad: torch.Tensor) -> None:
-        if state["ended"]:
+    def first() -> bool:
+        if ended:
             raise UnsupportedProgramError(
                 f"rank {rank}: a second backward through the outputs of one forward of the "
                 f"distributed model (loss.backward(retain_graph=True), then another backward) "
@@ -37,10 +33,10 @@ def refuse_a_second_backward(output: Any, rank: int) -> None:
                 f"forward, as under DDP, so the second backward's would not be, and training "
                 f"would silently differ from one device. Add the losses and call backward once "
                 f"((loss1 + loss2).backward()), or run the forward again")
-        if not state["running"]:
-            state["running"] = True
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: state.update(running=False, ended=True))
+        return True
 
-    for tensor in tensors:
-        tensor.register_hook(reached)
+    def end() -> None:
+        nonlocal ended
+        ended = True
+
+    on_each_backward(output, first, end)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from parallax.cluster import TIMELINE_ENV
+from parallax.engine.backward_ends import on_each_backward
 from parallax.engine.diagnostics import failing
 
 __all__ = ["PHASES", "PROFILER_PREFIX", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active",
@@ -119,17 +120,10 @@ class PhaseClock:
     def time_backward_of(self, output: Any) -> None:
         """Time the user's own ``loss.backward()`` of ``output`` (`parallax.distribute`) as
         the step's backward phase: from the first gradient that reaches the outputs to the
-        end of the backward (autograd's queued callback, as DDP's own)."""
-        tensors = [t for t in torch.utils._pytree.tree_leaves(output)
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-
-        def started(_grad: torch.Tensor) -> None:
-            if self.thread == threading.get_ident() and self.open("backward"):
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: self.close("backward"))
-
-        for tensor in tensors:
-            tensor.register_hook(started)
+        end of the backward (`parallax.engine.backward_ends`)."""
+        on_each_backward(output,
+                         lambda: self.thread == threading.get_ident() and self.open("backward"),
+                         lambda: self.close("backward"))
 
     def after_step(self, done: object) -> None:
         """A step hook (`parallax.step.hooks`): the step's time ends here."""
