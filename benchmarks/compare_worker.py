@@ -18,7 +18,6 @@ import resource
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from profile_callers import callers_of, report, trace_events  # noqa: E402
 from workloads import Workload  # noqa: E402
 
 import parallax  # noqa: E402
@@ -209,36 +209,16 @@ def profile(step: Callable[[Any], Any], workload: Workload, generator: torch.Gen
         for _ in range(steps):
             step(workload.batch(generator))
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
-    syncs = Counter((event.name, _python_callers(event)) for event in prof.events()
-                    if event.name in HOST_SYNCS)
-    lines = [f"{count:6d}  {name}  <- {callers}" for (name, callers), count in
-             syncs.most_common()]
+    # the callers come from the exported trace (profile_callers says why); rank 0 keeps it
+    trace = directory / f"{system}-rank{rank}-trace.json"
+    prof.export_chrome_trace(str(trace))
+    callers = report(callers_of(trace_events(trace)), steps)
+    if rank != 0:
+        trace.unlink()
     (directory / f"{system}-rank{rank}.txt").write_text(
         f"{system}, rank {rank}: {steps} steps under torch.profiler\n{table}\n"
-        f"host synchronisations by caller ({steps} steps):\n" + "\n".join(lines) + "\n")
-    if rank == 0:
-        prof.export_chrome_trace(str(directory / f"{system}-rank0-trace.json"))
+        f"host synchronisations by caller ({steps} steps):\n{callers}\n")
     dist.barrier()
-
-
-#: the operators that make the host wait for the device
-HOST_SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
-
-
-def _python_callers(event: Any, depth: int = 6) -> str:
-    """The Python frames above a profiler event, innermost first: its own ``stack`` where the
-    profiler filled it, else its ``cpu_parent`` chain (with_stack records each Python call as
-    an event of its own). On the H200 (torch 2.11, CUDA) the parent chain alone named no frame
-    for any synchronisation, hence ``stack`` first (unchecked there yet)."""
-    stack = [frame for frame in (getattr(event, "stack", None) or []) if ".py(" in frame]
-    if stack:
-        return " <- ".join(stack[:depth])
-    frames, parent = [], event.cpu_parent
-    while parent is not None and len(frames) < depth:
-        if ".py(" in parent.name:
-            frames.append(parent.name)
-        parent = parent.cpu_parent
-    return " <- ".join(frames)
 
 
 def phases_per_rank(runner: Any, world: int) -> dict[str, list[float]]:
