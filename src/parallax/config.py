@@ -222,7 +222,8 @@ class Config:
         alpha_threshold: that threshold. ``None``: no fixed threshold; a table moves when the
             bytes model (`parallax.planning.cost`), fed with its measured α (α_m of the machines'
             merged
-            rows under local aggregation), predicts AllReduce to move fewer bytes than the PS.
+            rows under local aggregation), predicts AllReduce to move fewer bytes than the PS,
+            and always with one worker (no exchange at all).
         lazy_sparse_updates: treat every sparse parameter as if its layer had ``sparse=True``:
             servers update only the rows a step touched, instead of moving every row as a
             dense-gradient embedding does on one device under Adagrad/momentum (exact, but its

@@ -28,7 +28,10 @@ def test_use_is_counted_over_the_warmup_only(single_process, warmup: int) -> Non
     model = _Model()
     runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  nn.functional.mse_loss, config=parallax.Config(
-                                     sparsity_warmup_steps=warmup, partition_cache=None))
+                                     sparsity_warmup_steps=warmup, partition_cache=None,
+                                     # α is never above 1: the tables stay on the servers
+                                     # (one worker would move them to AllReduce)
+                                     alpha_threshold=1.0))
     generator = torch.Generator().manual_seed(1)
     for step in range(1, 6):
         runner.step((torch.randint(40, (6, 3), generator=generator),
@@ -42,3 +45,32 @@ def test_use_is_counted_over_the_warmup_only(single_process, warmup: int) -> Non
         assert all(p.alpha is not None and p.alpha > 0 for p in runner.plan.parameters
                    if p.sparse)
     parallax.shutdown()
+
+
+def test_one_worker_moves_every_table_to_allreduce_after_the_warmup(single_process) -> None:
+    """With one worker the hybrid replicates every table once α is measured (nothing to
+    exchange), still training exactly as the single-device program."""
+    torch.manual_seed(0)
+    model, reference = _Model(), _Model()
+    reference.load_state_dict(model.state_dict())
+    runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss, config=parallax.Config(
+                                     sparsity_warmup_steps=2, partition_cache=None))
+    optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    try:
+        for step in range(1, 5):
+            ids, target = torch.randint(40, (6, 3), generator=generator), torch.rand(6)
+            runner.step((ids, target))
+            optimizer.zero_grad()
+            nn.functional.mse_loss(reference(ids), target).backward()
+            optimizer.step()
+            syncs = {p.name: p.sync for p in runner.plan.parameters if p.sparse}
+            assert set(syncs.values()) == ({"ps"} if step < 2 else {"allreduce"}), syncs
+        assert all("one worker: no exchange" in p.reason
+                   for p in runner.plan.parameters if p.sparse)
+        for (name, ours), theirs in zip(runner.model.state_dict().items(),
+                                        reference.state_dict().values(), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=name)
+    finally:
+        parallax.shutdown()

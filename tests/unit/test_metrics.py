@@ -29,7 +29,8 @@ def test_rank0_writes_the_scalars_every_few_steps(single_process, tmp_path) -> N
     torch.manual_seed(0)
     model = EmbeddingRegressor(rows=50)
     config = parallax.Config(log_dir=str(tmp_path / "tb"), log_every_steps=4,
-                             sparsity_warmup_steps=2, partition_cache=None)
+                             sparsity_warmup_steps=2, partition_cache=None,
+                             alpha_threshold=1.0)  # on the servers at one worker
     runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  nn.functional.mse_loss, config=config)
     generator = torch.Generator().manual_seed(1)

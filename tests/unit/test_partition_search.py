@@ -124,7 +124,8 @@ def test_repartition_in_process_keeps_training_and_checks_its_argument() -> None
     model = nn.Sequential(nn.Embedding(30, 4), nn.Flatten(), nn.Linear(8, 1))
     model.load_state_dict(reference.state_dict())
     runner = parallax.get_runner(model, torch.optim.Adam(model.parameters(), lr=0.1),
-                                 nn.functional.mse_loss)
+                                 nn.functional.mse_loss,  # the table stays on the servers:
+                                 config=parallax.Config(alpha_threshold=1.0))
     try:
         optimizer = torch.optim.Adam(reference.parameters(), lr=0.1)
         generator = torch.Generator().manual_seed(1)

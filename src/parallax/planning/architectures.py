@@ -209,14 +209,18 @@ class Hybrid(Architecture):
     def moves_to_allreduce(self, table: Table, measured: Sparsity, *, config: Config,
                            worker: WorkerInfo) -> tuple[bool, str]:
         """α above `Config.alpha_threshold` when set, else fewer predicted bytes than the PS
-        (using the measured α_m of the machines' merged rows when aggregating locally). A
-        table pooled on its owner stays (`Config.pooled_tables` is the user's choice)."""
+        (using the measured α_m of the machines' merged rows when aggregating locally); with
+        one worker, always: nothing crosses a wire either way, and the replica skips the
+        exchange with itself (1.3x on the LM, CPU and H200 alike). A table pooled on its
+        owner stays (`Config.pooled_tables` is the user's choice)."""
         if not table.on_servers or table.pools:
             return False, ""
         if config.alpha_threshold is not None:
             threshold = config.alpha_threshold
             return (measured.alpha > threshold,
                     f"alpha {measured.alpha:.3f} > {threshold:.3f}: AllReduce")
+        if worker.world_size == 1:
+            return True, "one worker: no exchange, the replica is updated where touched"
         aggregated = table.local_aggregation and measured.alpha_machine is not None
         ps_bytes = _ps_bytes(table, measured, worker, aggregated=aggregated)
         ar_bytes = cost.allreduce_dense(_row_bytes(table) * table.num_rows, _shape(worker))
