@@ -73,6 +73,9 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
   [extrapolate]="$py benchmarks/extrapolate.py"
   [sparsity]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --isolate"
+  [sparsity-seq]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --isolate --name sparsity-seq --points 100000:1 100000:5 100000:15 100000:30 \
+100000:60 100000:120"
   [bandwidth]="$py benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit 5gbit --isolate"
   [alpha]="$py benchmarks/alpha_crossover.py"
   [small-sums]="$py benchmarks/small_sums.py --repeats ${REPEATS:-3}"
@@ -80,6 +83,8 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 --rate 1gbit"
   [partitions-4x1]="$py benchmarks/partitions.py --machines 4 --nproc-per-machine 1 \
 --rate 1gbit"
+  [partitions-4x1-paper]="$py benchmarks/partitions.py --machines 4 --nproc-per-machine 1 \
+--rate 1gbit --search-steps 100"
   [table-over-limit]="$py benchmarks/table_over_limit.py --limit-mib 1280 --ratio 2 \
 --machines 4 --rate 1gbit"
   [progress]="$py benchmarks/progress_overhead.py"
@@ -116,13 +121,13 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
-       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity bandwidth alpha small-sums
-       partitions-2x2 partitions-4x1 table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync
+       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq bandwidth alpha small-sums
+       partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases launch chaos chaos-link)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
-               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity bandwidth slim-dp
+               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity sparsity-seq bandwidth slim-dp
                slim-sweep slim-ablation lm-dense-sync lm-dense-sync-100mbit async)
 
 if [ "${1:-}" = "--list" ]; then

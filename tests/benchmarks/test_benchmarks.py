@@ -254,7 +254,7 @@ def test_partitions_smoke(tmp_path: Path) -> None:
                "1", "2", "4", "--steps", "2", "--settle", "1", "--rounds", "2",
                "--search-steps", "2", "--alpha-steps", "1", "--vocab", "2000",
                "--out-dir", str(tmp_path))
-    name = "partitions-lm-2x1-1gbit"
+    name = "partitions-lm-2x1-1gbit-search2"  # not the default sample length
     data = json.loads((tmp_path / f"{name}.json").read_text())
     assert [r["partitions"] for r in data["brute_force"]] == [1, 2, 4]
     assert all(r["median_step_s"] > 0 and len(r["step_times_s"]) == 4  # 2 rounds x 2 steps
@@ -265,7 +265,11 @@ def test_partitions_smoke(tmp_path: Path) -> None:
     verdict = data["verdict"]
     assert verdict["chosen_partitions"] in (1, 2, 4) and verdict["chosen_over_best"] >= 1
     assert verdict["samples"] == len(search["samples"]) <= 3
-    assert "Searched P's brute-force time / best" in (tmp_path / f"{name}.md").read_text()
+    brute = {r["partitions"]: r["median_step_s"] for r in data["brute_force"]}
+    assert verdict["worst_step_s"] == max(brute.values()) >= verdict["best_step_s"]
+    assert brute[verdict["worst_partitions"]] == verdict["worst_step_s"]
+    text = (tmp_path / f"{name}.md").read_text()
+    assert "Searched P's brute-force time / best" in text and "Table 5: brute force's" in text
     assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
