@@ -81,6 +81,8 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # Also: "hybrid-sparse" (and other "<architecture>-sparse"): the program with sparse=True
 # embeddings under parallax; "hybrid-lazy": Config(lazy_sparse_updates=True); "hybrid-direct":
 # Config(local_aggregation=False) (every worker exchanges with the servers itself);
+# "hybrid-aggregated": Config(local_aggregation=True) (every machine's leader merges its rows,
+# whatever the hybrid's rule would choose);
 # "hybrid-late" / "ps-late": Config(overlap_push=False) (gradient rows pushed after the backward);
 # "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys and lm workloads);
 # "torchrec-plan": TorchRec with each table's sharding chosen by its own planner;
@@ -96,6 +98,7 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # "hybrid-byrows": the long bags pooled by rows (Config.pooled_by_rows: every server its rows'
 # share, TorchRec's row-wise), the other bag tables table-wise.
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
+               "hybrid-aggregated",
                "optps-direct", "hybrid-late", "ps-late", "torchrec-rw", "torchrec-tw",
                "torchrec-plan", "plain", "hybrid-plump", "hybrid-qsgd", "hybrid-slim",
                "hybrid-flat", "hybrid-eager", "hybrid-pooled", "hybrid-rows",

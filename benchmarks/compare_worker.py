@@ -44,6 +44,8 @@ MAX_ALPHA_STEPS = 5  # Config's default warm-up: more steps only delay the plan
 LOSS_STEPS = 10  # loss_last: the mean training loss over this many last timed steps
 # system variant -> dense_sync
 DENSE_SYNCS = {"plump": "plump", "qsgd": "qsgd", "slim": "slim", "flat": "flat"}
+# Config.local_aggregation by variant (others: None, the architecture's rule)
+LOCAL_AGGREGATION = {"direct": False, "aggregated": True}
 
 
 def link_bytes() -> int:
@@ -90,6 +92,7 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     single-worker overhead). ``-sparse`` systems run the program with ``sparse=True``
     embeddings, ``-lazy`` ones the dense-gradient program with
     ``Config(lazy_sparse_updates=True)``, ``-direct`` ones ``Config(local_aggregation=False)``,
+    ``-aggregated`` ones ``Config(local_aggregation=True)``,
     ``-eager`` ones the model built as the single-device program builds it (not in
     ``parallax.meta_init()``: every worker materialises every table first),
     ``-late`` ones ``Config(overlap_push=False)`` (gradient rows pushed after the backward);
@@ -140,8 +143,7 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
                                  config=parallax.Config(architecture=architecture,
                                                         lazy_sparse_updates=variant == "lazy",
                                                         local_aggregation=(
-                                                            False if variant == "direct"
-                                                            else None),
+                                                            LOCAL_AGGREGATION.get(variant)),
                                                         overlap_push=variant != "late",
                                                         pooled_tables=(
                                                             workload.long_bags

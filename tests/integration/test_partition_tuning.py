@@ -122,7 +122,8 @@ def test_search_samples_the_users_steps_fits_and_applies_the_best_count(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "partitions.json"
     config = parallax.Config(sparsity_warmup_steps=2, partition_search_steps=4,
-                             partition_cache=str(cache), server_threads=2)
+                             partition_cache=str(cache), server_threads=2,
+                             alpha_threshold=1.0)  # on the servers at one worker
     # t(P) = 1 + 16/P + P: best at P = 4. One server: start 1, double while faster: 1 2 4 8.
     runner, trained, want = train(config, 2 + 4 * 4 + 3, lambda p: 1 + 16 / p + p,
                                   monkeypatch)
@@ -155,7 +156,8 @@ def test_without_a_partitioner_nothing_is_searched(tmp_path: Path) -> None:
     runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                  nn.functional.mse_loss,
                                  config=parallax.Config(num_partitions=3, sparsity_warmup_steps=1,
-                                                        partition_cache=str(tmp_path / "c")))
+                                                        partition_cache=str(tmp_path / "c"),
+                                                        alpha_threshold=1.0))  # on the servers
     try:
         for _ in range(4):
             runner.step((torch.randint(64, (5, 2)), torch.rand(5, 1)))

@@ -330,7 +330,8 @@ def test_the_planner_pools_a_table_whole_only_where_it_fits_one_server(
     case = next(c for c in cases.CASES if c.name == "planner-decides")
     model, optimizer = cases.build(case)
     runner = parallax.get_runner(model, optimizer, cases.loss_fn, config=parallax.Config(
-        partition_cache=None, sparsity_warmup_steps=1, num_partitions=2))
+        partition_cache=None, sparsity_warmup_steps=1, num_partitions=2,
+        alpha_threshold=1.0))  # the tables not pooled stay on the servers at one worker
     for batch in cases.batches(case):
         runner.step(cases.worker_slice(case, batch, 0, 1))
     lines = _plan_rows(runner.plan.table())
@@ -414,7 +415,8 @@ def test_once_a_table_pools_the_planner_pools_the_rest_where_no_row_exchange_is_
     monkeypatch.setattr(architectures.Hybrid, "pools_bags",
                         lambda self, table, use, measured, **_: (table.name == "history.weight",
                                                                  "pooling saves bytes"))
-    config = parallax.Config(partition_cache=None, sparsity_warmup_steps=1, num_partitions=2)
+    config = parallax.Config(partition_cache=None, sparsity_warmup_steps=1, num_partitions=2,
+                             alpha_threshold=1.0)  # the others stay on the servers (one worker)
     if model_class is None:
         case = next(c for c in cases.CASES if c.name == "planner-decides")
         model, optimizer = cases.build(case)
