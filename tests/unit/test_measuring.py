@@ -47,9 +47,11 @@ def test_use_is_counted_over_the_warmup_only(single_process, warmup: int) -> Non
     parallax.shutdown()
 
 
-def test_one_worker_moves_every_table_to_allreduce_after_the_warmup(single_process) -> None:
+def test_one_worker_replicates_every_table_after_the_warmup(single_process) -> None:
     """With one worker the hybrid replicates every table once α is measured (nothing to
-    exchange), still training exactly as the single-device program."""
+    exchange), updated where touched as the allreduce architecture's replicas (`allgatherv`:
+    an AllReduced replica's update would read every row), still training exactly as the
+    single-device program."""
     torch.manual_seed(0)
     model, reference = _Model(), _Model()
     reference.load_state_dict(model.state_dict())
@@ -66,7 +68,7 @@ def test_one_worker_moves_every_table_to_allreduce_after_the_warmup(single_proce
             nn.functional.mse_loss(reference(ids), target).backward()
             optimizer.step()
             syncs = {p.name: p.sync for p in runner.plan.parameters if p.sparse}
-            assert set(syncs.values()) == ({"ps"} if step < 2 else {"allreduce"}), syncs
+            assert set(syncs.values()) == ({"ps"} if step < 2 else {"allgatherv"}), syncs
         assert all("one worker: no exchange" in p.reason
                    for p in runner.plan.parameters if p.sparse)
         for (name, ours), theirs in zip(runner.model.state_dict().items(),
