@@ -79,6 +79,9 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
   [local-aggregation-2x4]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 4 --rate 100mbit --systems hybrid hybrid-aggregated ps optps --isolate \
 --out benchmarks/results/local-aggregation-lm-2x4-100mbit.json"
+  [local-aggregation-2x4-10mbit]="$py benchmarks/compare.py --workload lm --machines 2 \
+--nproc-per-machine 4 --rate 10mbit --systems hybrid hybrid-aggregated ps optps --isolate \
+--steps 5 --out benchmarks/results/local-aggregation-lm-2x4-10mbit.json"
   [bandwidth]="$py benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit 5gbit --isolate"
   [alpha]="$py benchmarks/alpha_crossover.py"
   [small-sums]="$py benchmarks/small_sums.py --repeats ${REPEATS:-3}"
@@ -124,13 +127,13 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
-       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 bandwidth alpha small-sums
+       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit async phases launch chaos chaos-link)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
-               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity sparsity-seq local-aggregation-2x4 bandwidth slim-dp
+               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit bandwidth slim-dp
                slim-sweep slim-ablation lm-dense-sync lm-dense-sync-100mbit async)
 
 if [ "${1:-}" = "--list" ]; then
