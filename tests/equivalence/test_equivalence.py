@@ -45,7 +45,7 @@ TOPOLOGIES = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1), "2x2": (2, 2)}  # mac
 # topology -> the part of the matrix it runs (the worker's FILTER) and why the rest is skipped
 SAMPLED = {} if os.environ.get("PARALLAX_FULL_MATRIX") == "1" else {
     "1x1": ("sample:6", "1x1 runs a 1/6 sample of the matrix"),
-    "1x2": ("sample:4", "1x2 runs a 1/4 sample of the matrix"),
+    "1x2": ("sample:5", "1x2 runs a 1/5 sample of the matrix"),
     "2x1": ("half:0", "the case runs across machines on 2x2 (part 1 of the matrix)"),
     "2x2": ("half:1", "the case runs across machines on 2x1 (part 0 of the matrix)"),
 }
