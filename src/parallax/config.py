@@ -223,7 +223,8 @@ class Config:
             bytes model (`parallax.planning.cost`), fed with its measured α (α_m of the machines'
             merged
             rows under local aggregation), predicts AllReduce to move fewer bytes than the PS,
-            and always with one worker (no exchange at all).
+            and always with one worker under `Runner.step` (no exchange at all; the own loop
+            of `parallax.distribute` keeps its tables on the servers).
         lazy_sparse_updates: treat every sparse parameter as if its layer had ``sparse=True``:
             servers update only the rows a step touched, instead of moving every row as a
             dense-gradient embedding does on one device under Adagrad/momentum (exact, but its

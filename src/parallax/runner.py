@@ -135,6 +135,7 @@ class Runner:
                                   worker=self.worker, group=self.group, sync_mode=self.sync_mode,
                                   warmup_steps=self.sync_mode.warmup_steps(warmup),
                                   plan_only=orders.plan_only)
+        self.planner.program_sees_grads = lambda: self.order.enabled
 
     def _build_executed(self, model: nn.Module) -> None:
         """The module tree that runs: a copy of the user's whose lookups read the tables,

@@ -76,3 +76,32 @@ def test_one_worker_replicates_every_table_after_the_warmup(single_process) -> N
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=name)
     finally:
         parallax.shutdown()
+
+
+def test_one_worker_keeps_the_tables_on_the_servers_in_the_programs_own_loop(
+        single_process) -> None:
+    """The own loop may read ``.grad``, so a replica's would be a whole zero-filled table each
+    step: there the tables stay on the servers, and training still equals one device."""
+    torch.manual_seed(0)
+    model, reference = _Model(), _Model()
+    reference.load_state_dict(model.state_dict())
+    model, optimizer = parallax.distribute(
+        model, torch.optim.Adagrad(model.parameters(), lr=0.1),
+        config=parallax.Config(sparsity_warmup_steps=2, partition_cache=None))
+    plain = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(4):
+            ids, target = torch.randint(40, (6, 3), generator=generator), torch.rand(6)
+            for net, opt in ((model, optimizer), (reference, plain)):
+                opt.zero_grad()
+                nn.functional.mse_loss(net(ids), target).backward()
+                opt.step()
+        plan = model.runner.plan.parameters
+        assert {p.sync for p in plan if p.sparse} == {"ps"}
+        assert all("own loop" in p.reason for p in plan if p.sparse)
+        for (name, ours), theirs in zip(model.state_dict().items(),
+                                        reference.state_dict().values(), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=name)
+    finally:
+        parallax.shutdown()

@@ -50,7 +50,10 @@ from parallax.engine.diagnostics.progress import CULPRIT
 from parallax.errors import ArgumentError
 from parallax.launch.executors import omp_threads
 
-__all__ = ["AgentSetup", "install_error_recorder", "launch", "agent_setup"]
+__all__ = ["AgentSetup", "WholeFileErrorHandler", "install_error_recorder", "launch",
+           "agent_setup"]
+
+log = logging.getLogger("parallax")
 
 DEFAULT_MASTER_PORT = 29500
 #: Rendezvous id; the agents of one job must agree on it (it prefixes their store keys).
@@ -510,7 +513,7 @@ def install_error_recorder() -> None:
     """
     if getattr(sys.excepthook, "_parallax_recorder", False):
         return
-    handler = ErrorHandler()
+    handler = WholeFileErrorHandler()
     handler.initialize()
     previous = sys.excepthook
 
@@ -524,6 +527,28 @@ def install_error_recorder() -> None:
 
     hook._parallax_recorder = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+class WholeFileErrorHandler(ErrorHandler):
+    """torch's error handler, writing the error file whole or not at all.
+
+    The agent parses a failed worker's error file as soon as the worker is gone, and torch
+    writes it by opening (truncating) then writing: a worker the agent stopped between the two
+    (its peer had failed first, as under ``sync="async"``) left an empty file, and the
+    launcher died of the agent's JSONDecodeError instead of naming the failed rank. Written to
+    a temporary file beside it and renamed, the file is either absent or complete."""
+
+    def _write_error_file(self, file_path: str, error_msg: str) -> None:
+        partial = f"{file_path}.{os.getpid()}.partial"
+        try:
+            with open(partial, "w") as fp:
+                fp.write(error_msg)
+            os.replace(partial, file_path)
+        except Exception as error:  # as torch's: never let recording hide the real error
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            log.warning("parallax: could not record the error in %s (%s: %s)", file_path,
+                        type(error).__name__, error)
 
 
 def _record(handler: ErrorHandler, exc: BaseException, tb: types.TracebackType | None) -> None:

@@ -147,6 +147,10 @@ class Architecture:
         return self.aggregates_locally(config), ""
 
 
+#: The hybrid's reason for replicating a table on one worker (the runner keeps the table on
+#: the servers in the own loop: `parallax.step.plan_keeper`)
+ONE_WORKER = "one worker: no exchange, the replica is updated where touched"
+
 # The leader hop costs a second exchange each way, a merge and a fan-out per step; measured on
 # the LM at 2 machines x 2 workers, 1 Gbit/s (benchmarks/HISTORY.md), a 6 % byte saving cost
 # 9 ms a step (41 -> 50 ms). The hybrid keeps it only where it saves at least this fraction
@@ -211,8 +215,9 @@ class Hybrid(Architecture):
         """α above `Config.alpha_threshold` when set, else fewer predicted bytes than the PS
         (using the measured α_m of the machines' merged rows when aggregating locally); with
         one worker, always: nothing crosses a wire either way, and the replica skips the
-        exchange with itself (1.3x on the LM, CPU and H200 alike). A table pooled on its
-        owner stays (`Config.pooled_tables` is the user's choice)."""
+        exchange with itself (the LM's one-worker step as replicas, `architecture="allreduce"`,
+        against the servers: 8 vs 11 ms on the dev CPU, 8.2 vs 11.0 ms on an H200). A table
+        pooled on its owner stays (`Config.pooled_tables` is the user's choice)."""
         if not table.on_servers or table.pools:
             return False, ""
         if config.alpha_threshold is not None:
@@ -220,7 +225,7 @@ class Hybrid(Architecture):
             return (measured.alpha > threshold,
                     f"alpha {measured.alpha:.3f} > {threshold:.3f}: AllReduce")
         if worker.world_size == 1:
-            return True, "one worker: no exchange, the replica is updated where touched"
+            return True, ONE_WORKER
         aggregated = table.local_aggregation and measured.alpha_machine is not None
         ps_bytes = _ps_bytes(table, measured, worker, aggregated=aggregated)
         ar_bytes = cost.allreduce_dense(_row_bytes(table) * table.num_rows, _shape(worker))

@@ -1,0 +1,61 @@
+"""A worker's error file is written whole or not at all (`WholeFileErrorHandler`): the
+elastic agent parses it as soon as the worker is gone, and torch's own open-then-write left an
+empty file when the agent stopped the worker in between, which crashed the launcher with a
+JSONDecodeError instead of naming the failed rank (seen in CI under sync="async")."""
+
+from __future__ import annotations
+
+import builtins
+import json
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from parallax.launch.elastic import WholeFileErrorHandler
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_recorded_error_is_one_the_agent_can_read(tmp_path: Path, monkeypatch) -> None:
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise RuntimeError("deliberate failure")
+    except RuntimeError as error:
+        WholeFileErrorHandler().record_exception(error)
+    assert json.loads(error_file.read_text())["message"]["message"] == (
+        "RuntimeError: deliberate failure")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    assert "deliberate failure" in str(failure.message)
+    assert list(tmp_path.iterdir()) == [error_file]  # no partial file left beside it
+
+
+def test_a_write_cut_short_leaves_no_error_file(tmp_path: Path, monkeypatch) -> None:
+    """A write that fails half-way (as a stopped worker's would) leaves no file, so the agent
+    reads the worker as failed without a record rather than failing on an empty one."""
+    error_file = tmp_path / "error.json"
+    real_open = builtins.open
+
+    class CutShort:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, text: str) -> int:
+            self.handle.write(text[:3])
+            raise OSError("stopped mid-write")
+
+    def opening(path, *args, **kwargs):
+        handle = real_open(path, *args, **kwargs)
+        return CutShort(handle) if str(path).startswith(str(error_file)) else handle
+
+    monkeypatch.setattr(builtins, "open", opening)
+    WholeFileErrorHandler()._write_error_file(str(error_file), '{"message": "x"}')
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert list(tmp_path.iterdir()) == []
