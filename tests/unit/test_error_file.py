@@ -5,8 +5,8 @@ JSONDecodeError instead of naming the failed rank (seen in CI under sync="async"
 
 from __future__ import annotations
 
-import builtins
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,7 @@ def test_a_write_cut_short_leaves_no_error_file(tmp_path: Path, monkeypatch) -> 
     """A write that fails half-way (as a stopped worker's would) leaves no file, so the agent
     reads the worker as failed without a record rather than failing on an empty one."""
     error_file = tmp_path / "error.json"
-    real_open = builtins.open
+    real_fdopen = os.fdopen
 
     class CutShort:
         def __init__(self, handle):
@@ -51,11 +51,8 @@ def test_a_write_cut_short_leaves_no_error_file(tmp_path: Path, monkeypatch) -> 
             self.handle.write(text[:3])
             raise OSError("stopped mid-write")
 
-    def opening(path, *args, **kwargs):
-        handle = real_open(path, *args, **kwargs)
-        return CutShort(handle) if str(path).startswith(str(error_file)) else handle
-
-    monkeypatch.setattr(builtins, "open", opening)
+    monkeypatch.setattr(os, "fdopen", lambda *args, **kwargs: CutShort(
+        real_fdopen(*args, **kwargs)))
     WholeFileErrorHandler()._write_error_file(str(error_file), '{"message": "x"}')
-    monkeypatch.setattr(builtins, "open", real_open)
+    monkeypatch.setattr(os, "fdopen", real_fdopen)
     assert list(tmp_path.iterdir()) == []

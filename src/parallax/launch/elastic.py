@@ -44,6 +44,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from parallax.atomic import replace_text
 from parallax.checks import is_int
 from parallax.cluster import RESOURCES_ENV, EnvironmentPatch, ResourceSpec
 from parallax.engine.diagnostics.progress import CULPRIT
@@ -536,17 +537,13 @@ class WholeFileErrorHandler(ErrorHandler):
     writes it by opening (truncating) then writing: a worker the agent stopped between the two
     (its peer had failed first, as under ``sync="async"``) left an empty file, and the
     launcher died of the agent's JSONDecodeError instead of naming the failed rank. Written to
-    a temporary file beside it and renamed, the file is either absent or complete."""
+    a temporary file beside it and renamed (`parallax.atomic.replace_text`), the file is either
+    absent or complete."""
 
     def _write_error_file(self, file_path: str, error_msg: str) -> None:
-        partial = f"{file_path}.{os.getpid()}.partial"
         try:
-            with open(partial, "w") as fp:
-                fp.write(error_msg)
-            os.replace(partial, file_path)
+            replace_text(file_path, error_msg)
         except Exception as error:  # as torch's: never let recording hide the real error
-            with contextlib.suppress(OSError):
-                os.remove(partial)
             log.warning("parallax: could not record the error in %s (%s: %s)", file_path,
                         type(error).__name__, error)
 

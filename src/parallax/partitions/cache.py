@@ -13,9 +13,10 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from parallax.atomic import replace_text
 
 __all__ = ["cache_key", "load_entry", "store_entry"]
 
@@ -56,19 +57,4 @@ def store_entry(path: str | os.PathLike[str], key: str, entry: dict[str, Any]) -
     target = Path(path).expanduser()
     entries = _read(target)
     entries[key] = entry
-    _replace(target, json.dumps(entries, indent=1, sort_keys=True))
-
-
-def _replace(path: Path, text: str) -> None:
-    """``path`` holds the old text or the new, never half of it: a temporary file beside it is
-    renamed over it. (Not fsynced, unlike checkpoints: a cache lost to a power cut is only
-    searched again.)"""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    replace_text(target, json.dumps(entries, indent=1, sort_keys=True))
