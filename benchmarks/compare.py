@@ -264,12 +264,15 @@ def provenance() -> dict:
             "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
-def launch(args: argparse.Namespace, systems: list[str], out: Path) -> None:
-    """One `parallax run` of compare_worker.py over ``systems``, writing ``out``."""
+def launch(args: argparse.Namespace, systems: list[str], out: Path,
+           extra: dict | None = None) -> None:
+    """One `parallax run` of compare_worker.py over ``systems``, writing ``out``; ``extra``:
+    more worker arguments (``quality``: time_to_quality.py's training to a target)."""
     worker_args = {"systems": systems, "steps": args.steps, "warmup": args.warmup,
                    "out": str(out.resolve()), "workload_name": args.workload,
                    "workload": workload_options(args), "isolated": args.isolate,
-                   "profile_dir": str(args.profile.resolve()) if args.profile else None}
+                   "profile_dir": str(args.profile.resolve()) if args.profile else None,
+                   **(extra or {})}
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
            "--nproc-per-machine", str(args.nproc_per_machine),
            *(["--emulate-network", args.rate] if args.rate != "none" else []),

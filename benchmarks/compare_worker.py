@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_callers import callers_of, report, trace_events  # noqa: E402
+from quality import train_to_target  # noqa: E402
 from workloads import Workload  # noqa: E402
 
 import parallax  # noqa: E402
@@ -107,7 +108,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     if system.startswith("torchrec"):
         from torchrec_peer import make_torchrec_step
 
-        return make_torchrec_step(system, workload.cfg, lr=workload.lr), None, None
+        return (make_torchrec_step(system, workload.cfg, lr=workload.lr, seed=workload.seed),
+                None, None)
     sparse_grad = system.endswith("-sparse")
     architecture, _, variant = system.partition("-")
     # parallax systems build the model in parallax.meta_init(), as a program with tables
@@ -135,6 +137,7 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
             optimizer.step()
             return loss
 
+        step.model = model  # type: ignore[attr-defined]  (for evaluation: quality.py)
         held = predict_memory(model, {}, {}, [optimizer], uses_ddp=system != "plain").total
         return step, None, held
     if architecture not in PARALLAX_ARCHITECTURES:
@@ -234,6 +237,12 @@ def phases_per_rank(runner: Any, world: int) -> dict[str, list[float]]:
     return {name: [round(v, 3) for v in values[i].tolist()] for i, name in enumerate(names)}
 
 
+def data_seed(workload: Workload, rank: int) -> int:
+    """The seed of ``rank``'s batches: the same for every system, so that every exact
+    system trains on the same data."""
+    return 1000 * (1 + workload.seed) + rank
+
+
 def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     """Build, warm up and time one system on every rank; the result is the same on all."""
     worker = current_worker()
@@ -254,7 +263,12 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         if not system.startswith("torchrec"):
             raise
         return {"system": system, "unavailable": f"{type(error).__name__}: {error}"}
-    generator = torch.Generator().manual_seed(1000 + worker.rank)
+    generator = torch.Generator().manual_seed(data_seed(workload, worker.rank))
+    if args.get("quality"):  # time_to_quality.py: every step counts, from the first
+        result = train_to_target(system, step, runner, workload, generator, args["quality"])
+        if runner is not None:
+            result["synced_by"] = {p.name: p.sync for p in runner.plan.parameters if p.sparse}
+        return result
     for _ in range(warmup):
         step(workload.batch(generator))
     dist.barrier()
@@ -351,7 +365,11 @@ def main() -> None:
                   f"timed steps)", flush=True)
         result = run_system(system, workload, args)
         results.append(result)
-        if worker.rank == 0 and "unavailable" not in result:
+        if worker.rank == 0 and "unavailable" not in result and "curve" in result:
+            print(f"[bench] {system}: validation loss {result['curve'][-1]['validation_loss']:.3f}"
+                  f" after {result['curve'][-1]['step']} steps, "
+                  f"{result['curve'][-1]['seconds']:.1f} s", flush=True)
+        elif worker.rank == 0 and "unavailable" not in result:
             print(f"[bench] {system}: {result['median_step_s'] * 1e3:.0f} ms/step, peak RSS "
                   f"{result['peak_rss_mib']:.0f} MiB", flush=True)
     if worker.rank == 0:

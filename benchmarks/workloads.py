@@ -131,6 +131,16 @@ def kjv_windows(cfg: LMConfig) -> tuple[Tensor, int]:
     return train.windows, len(vocab)
 
 
+def kjv_validation_windows(cfg: LMConfig) -> Tensor:
+    """The held-out tail of the KJV Bible (`corpora.text.load_text_corpus`: its last 5 % of
+    lines, never trained on) as ``[n, seq_len + 1]`` windows, in the training vocabulary."""
+    from corpora.kjv import fetch_kjv
+    from corpora.text import load_text_corpus
+
+    _, valid, _ = load_text_corpus(fetched_once(fetch_kjv), cfg.vocab, cfg.seq_len)
+    return valid.windows
+
+
 class SmallResNet(nn.Module):
     """A small ResNet-style CNN for 28x28 grey images: every parameter dense."""
 
@@ -172,6 +182,9 @@ class Workload:
         # the LM's optimizer: "adagrad" (default), "momentum" (SGD, momentum 0.9, weight decay
         # 1e-5: the servers defer untouched rows' steps) or "adam" (every row each step)
         self.optimizer = options.get("optimizer", "adagrad") if name == "lm" else None
+        # the model's initial weights (torch.manual_seed) and, in the harness, the data order
+        self.seed = int(options.get("seed", 0))
+        options = {k: v for k, v in options.items() if k != "seed"}
         if self.optimizer not in (None, *LM_OPTIMIZERS):
             raise ValueError(f"LM optimizer must be one of {sorted(LM_OPTIMIZERS)}, "
                              f"got {self.optimizer!r}")
@@ -241,7 +254,7 @@ class Workload:
         if deferred:
             with parallax.meta_init():
                 return self.model_and_optimizer(sparse_grad)
-        torch.manual_seed(0)
+        torch.manual_seed(self.seed)
         if self.name == "recsys":
             from recsys import RecModel
 
@@ -257,6 +270,23 @@ class Workload:
             return model, LM_OPTIMIZERS[self.optimizer](model.parameters(), self.lr)
         model = SmallResNet()
         return model, torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
+
+    def validation(self, rank: int, world: int, windows: int) -> list:
+        """This rank's share of ``windows`` held-out windows (the first ``windows`` of the
+        KJV's validation tail, dealt out rank by rank in whole batches) as batches scored by
+        the full softmax: candidates are the whole vocabulary, targets the true word ids.
+        Only the LM on real text has a validation set."""
+        if self.name != "lm" or self.cfg.corpus != "kjv":
+            raise ValueError("a validation set exists for the LM on the KJV corpus only "
+                             "(--workload lm --workload-options '{\"corpus\": \"kjv\"}')")
+        held_out = kjv_validation_windows(self.cfg)
+        if windows > len(held_out) or windows % (world * self.cfg.batch):
+            raise ValueError(f"validation windows must be a multiple of world x batch = "
+                             f"{world * self.cfg.batch} and at most {len(held_out)}, "
+                             f"got {windows}")
+        everything = torch.arange(self.cfg.vocab)
+        mine = held_out[:windows].view(-1, world, self.cfg.batch, self.cfg.seq_len + 1)[:, rank]
+        return [((ids[:, :-1], everything), ids[:, 1:].reshape(-1)) for ids in mine]
 
     def batch(self, generator: torch.Generator):
         if self.name == "recsys":

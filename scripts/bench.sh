@@ -122,10 +122,12 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
   [chaos-link]="$py benchmarks/chaos.py --trials 50 --machines 2 --nproc-per-machine 2 \
 --local-aggregation --steps 20 --checkpoint-every 4 --step-sleep 0.05 --timeout 10 \
 --rate 1gbit --kinds kill-launcher link-cut --seed 50 --out $results/chaos-2x2-1gbit-clean.json"
+  [time-to-quality]="$py benchmarks/time_to_quality.py --machines 2 --nproc-per-machine 2 \
+--rates 1gbit 100mbit --seeds 0 1 2 --target 7.3 --eval-every 25 --max-steps 400"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
-ORDER=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
+ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync

@@ -234,17 +234,29 @@ def test_bandwidth_sweep_smoke_isolated(tmp_path: Path) -> None:
 
 
 @pytest.mark.network  # fetches the KJV (Debian sword-text-kjv) on first use
-def test_compare_lm_on_real_text(tmp_path: Path) -> None:
-    out = tmp_path / "kjv.json"
-    run_script("compare.py", "--machines", "2", "--nproc-per-machine", "1", *TINY,
-               "--systems", "hybrid", "ddp-sparse", "--workload-options",
-               '{"corpus": "kjv"}', "--no-plot", "--out", str(out))
-    results = {r["system"]: r for r in json.loads(out.read_text())}
-    assert set(results) == {"hybrid", "ddp-sparse"}
-    for result in results.values():
-        check_record(result)
-    # both tables sparse: only the LSTM's elements count fully
-    assert results["hybrid"]["alpha_model"] < 0.5
+def test_time_to_quality_on_real_text(tmp_path: Path) -> None:
+    """The KJV LM trained to a validation target by two systems: both start from the same
+    validation loss (same weights, same held-out windows), reach the target at the same
+    evaluation, and the hybrid keeps both tables on its servers (they are sparse)."""
+    run_script("time_to_quality.py", "--machines", "2", "--nproc-per-machine", "1",
+               "--rates", "1gbit", "--seeds", "1", "--systems", "hybrid", "ddp-sparse",
+               "--target", "9.3", "--eval-every", "3", "--max-steps", "6",
+               "--validation-windows", "32", "--name", "ttq", "--out-dir", str(tmp_path))
+    data = json.loads((tmp_path / "ttq.json").read_text())
+    runs = {r["system"]: r for r in data["runs"]}
+    assert set(runs) == {"hybrid", "ddp-sparse"} and len(data["provenance"]["commit"]) == 40
+    for run in runs.values():
+        assert run["seed"] == 1 and run["rate"] == "1gbit" and run["reached"], run
+        curve = run["curve"]
+        assert [p["step"] for p in curve] == list(range(0, run["steps_to_target"] + 1, 3))
+        assert curve[0]["seconds"] == 0 and curve[-1]["seconds"] == run["seconds_to_target"] > 0
+        assert curve[-1]["validation_loss"] <= 9.3 < curve[0]["validation_loss"], curve
+    assert runs["hybrid"]["curve"][0]["validation_loss"] == pytest.approx(
+        runs["ddp-sparse"]["curve"][0]["validation_loss"], rel=1e-6)
+    assert runs["hybrid"]["steps_to_target"] == runs["ddp-sparse"]["steps_to_target"]
+    assert runs["hybrid"]["synced_by"] == {"embedding.weight": "ps", "softmax.weight": "ps"}
+    assert "| 1gbit | hybrid | " in (tmp_path / "ttq.md").read_text()
+    assert (tmp_path / "ttq.png").stat().st_size > 1000
 
 
 def test_partitions_smoke(tmp_path: Path) -> None:
