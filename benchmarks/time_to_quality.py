@@ -43,10 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=compare.ALL_SYSTEMS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="initial weights and data order")
-    parser.add_argument("--target", type=float, default=7.3,
+    parser.add_argument("--target", type=float, default=6.88,
                         help="validation loss (nats per word, full softmax) to reach")
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--max-steps", type=int, default=500)
     parser.add_argument("--validation-windows", type=int, default=256,
                         help="held-out windows scored per evaluation")
     parser.add_argument("--batch", type=int, default=16, help="windows per worker and step")

@@ -123,7 +123,7 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 --local-aggregation --steps 20 --checkpoint-every 4 --step-sleep 0.05 --timeout 10 \
 --rate 1gbit --kinds kill-launcher link-cut --seed 50 --out $results/chaos-2x2-1gbit-clean.json"
   [time-to-quality]="$py benchmarks/time_to_quality.py --machines 2 --nproc-per-machine 2 \
---rates 1gbit 100mbit --seeds 0 1 2 --target 7.3 --eval-every 25 --max-steps 400"
+--rates 1gbit 100mbit --seeds 0 1 2 --target 6.88 --eval-every 25 --max-steps 500"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
