@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def markdown(result: dict) -> str:
     """Per rate and system: steps and seconds to the target over the seeds (median, min–max)
-    and the ratio of the hybrid's median time to each system's."""
+    and each system's median time over the hybrid's."""
     options = result["options"]
     source = result["provenance"]
     lines = [f"Time to a validation loss of {options['target']} (full softmax, "
@@ -114,7 +114,8 @@ def markdown(result: dict) -> str:
              f"steps; seeds {options['seeds']}; commit {(source.get('commit') or '?')[:10]}"
              + (" (uncommitted changes)" if source.get("dirty") else ""), "",
              "| rate | system | steps to target (per seed) | seconds to target, median "
-             "(min–max) | s/step | hybrid's time / this |", "|---" * 6 + "|"]
+             "(min–max) | s/step | this / hybrid (the hybrid's speed-up) |",
+             "|---" * 6 + "|"]
     for rate in options["rates"]:
         rows = {s: [r for r in result["runs"] if r["rate"] == rate and r["system"] == s]
                 for s in options["systems"]}
@@ -128,7 +129,7 @@ def markdown(result: dict) -> str:
             per_step = [r["step_s"] for r in runs if r.get("step_s")]
             seconds = f"{median:.1f} ({min(times):.1f}–{max(times):.1f})" if median else "–"
             step = f"{statistics.median(per_step) * 1e3:.0f} ms" if per_step else "–"
-            ratio = f"{hybrid / median:.2f}x" if median and hybrid else "–"
+            ratio = f"{median / hybrid:.2f}x" if median and hybrid else "–"
             lines.append(f"| {rate} | {system} | {steps} | {seconds} | {step} | {ratio} |")
     return "\n".join(lines)
 
@@ -165,7 +166,17 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def rewrite(path: Path) -> None:
+    """The summary again from a run's JSON (``--from-json``)."""
+    result = json.loads(path.read_text())
+    path.with_suffix(".md").write_text(markdown(result) + "\n")
+    print(markdown(result))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--from-json"]:
+        rewrite(Path(sys.argv[2]))
+        sys.exit(0)
     try:
         run(parse_args())
     except RuntimeError as error:
