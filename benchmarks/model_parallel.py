@@ -9,6 +9,11 @@ and the grid ``Config(parallelism="auto")`` picks against the fastest one measur
         --processes 1 2 4 8 --steps 60
     python benchmarks/model_parallel.py --data airfoil --widths 32 --processes 1 2 \
         --steps 6 --warmup 2 --replay 2 --out-dir /tmp/smoke           # smoke size
+    python benchmarks/model_parallel.py --rate none --model-split every-layer ...
+
+``--rate none`` runs the processes unshaped over this host's loopback (the report's fast link;
+on 2 cores P >= 4 is partly modelled as below); ``--model-split every-layer`` splits every
+layer with its output gathered (the report's scheme) instead of pairs.
 
 Data: the UC Irvine Airfoil Self-Noise set (1,503 rows; all 5 features: frequency, angle of
 attack, chord length, free-stream velocity, suction-side displacement thickness; target:
@@ -51,7 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=700_000, help="synthetic rows")
     parser.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128, 512, 1024])
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--rate", default="1gbit",
+                        help="emulated link rate (tc syntax), or 'none': no emulation, the "
+                        "processes talk over this host's loopback (an unshaped, fast link)")
+    parser.add_argument("--model-split", choices=["pairs", "every-layer"], default="pairs",
+                        help="Config.model_split of the model and integrated grids: pairs, "
+                        "or every layer's output gathered (the report's own scheme)")
     parser.add_argument("--batch", type=int, default=96, help="global batch")
     parser.add_argument("--hidden", type=int, default=3, help="hidden layers")
     parser.add_argument("--steps", type=int, default=150)
@@ -70,8 +80,8 @@ def launch(args: argparse.Namespace, p: int, out: Path) -> dict[str, Any]:
     options = {"data": args.data, "airfoil": str(args.airfoil), "rows": args.rows,
                "widths": args.widths, "grids": grids(p), "world": p, "batch": args.batch,
                "hidden": args.hidden, "steps": args.steps, "warmup": args.warmup,
-               "replay": args.replay, "out": str(out)}
-    network = ["--emulate-network", args.rate] if p > 1 else []
+               "replay": args.replay, "out": str(out), "model_split": args.model_split}
+    network = ["--emulate-network", args.rate] if p > 1 and args.rate != "none" else []
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(p),
            "--nproc-per-machine", "1", *network, str(HERE / "model_parallel_worker.py"),
            json.dumps(options)]
@@ -134,7 +144,8 @@ def auto_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]], auto: list[dict[str, Any]],
              args: argparse.Namespace) -> str:
     lines = [f"Data {args.data}, global batch {args.batch}, {args.hidden} hidden layers, "
-             f"{args.steps} steps, link {args.rate} (emulated) for P >= 2. measured = wall "
+             f"{args.steps} steps, link {link_words(args)} for P >= 2, model split "
+             f"{args.model_split}. measured = wall "
              f"for P <= 2, replayed comm + single-thread compute for P >= 4 (partly "
              f"modelled).", "",
              "| width | P | grid | mode | wall ms | comm ms | compute ms | measured ms | "
@@ -153,6 +164,11 @@ def markdown(rows: list[dict[str, Any]], auto: list[dict[str, Any]],
         lines.append(f"| {a['width']} | {a['P']} | {a['auto']} | {a['fastest']} | "
                      f"{'yes' if a['match'] else 'no'} | {a['auto_vs_fastest']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def link_words(args: argparse.Namespace) -> str:
+    return ("none (this host's loopback, unshaped)" if args.rate == "none"
+            else f"{args.rate} (emulated)")
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -204,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"P={p} done", flush=True)
     rows = summarise(runs)
     auto = auto_table(rows)
-    stem = f"model_parallel-{args.data}-{args.rate}"
+    stem = f"model_parallel-{args.data}-{args.rate}" + (
+        "" if args.model_split == "pairs" else f"-{args.model_split}")
     report = {"provenance": provenance(), "options": {k: str(v) if isinstance(v, Path) else v
                                                       for k, v in vars(args).items()},
               "runs": {str(p): run for p, run in runs.items()}, "rows": rows, "auto": auto}
@@ -214,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out_dir / f"model_parallel-{args.data}-P{p}.raw.json").unlink(missing_ok=True)
     if not args.no_plot:
         plot(rows, args.out_dir / f"{stem}.png",
-             f"Strong scaling, {args.data}, batch {args.batch} ({args.rate} emulated)")
+             f"Strong scaling, {args.data}, batch {args.batch} ({link_words(args)}"
+             f"{', every layer gathered' if args.model_split != 'pairs' else ''})")
     print(markdown(rows, auto, args))
     return 0
 

@@ -120,6 +120,8 @@ def main() -> None:
     data = dataset(options)
     inputs, outputs = data.tensors[0].shape[1], data.tensors[1].shape[1]
     batch = options["batch"]
+    split = options.get("model_split", "pairs")  # Config.model_split of the split grids
+    pairs = split == "pairs"
     records = []
     link = None
     for width in options["widths"]:
@@ -133,7 +135,7 @@ def main() -> None:
                 config = parallax.Config(partition_cache=None)
             else:
                 config = parallax.Config(partition_cache=None, parallelism="2d",
-                                         mesh=tuple(grid_degrees))
+                                         mesh=tuple(grid_degrees), model_split=split)
             runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.01),
                                          nn.functional.mse_loss, config=config)
             world = runner.worker.world_size
@@ -152,7 +154,7 @@ def main() -> None:
                         break
             warm = options["warmup"]
             splits = plan_splits(network(inputs, width, outputs, options["hidden"]),
-                                 grid.model)
+                                 grid.model, pairs=pairs)
             comm = replay(grid, runner, splits, batch, options["replay"])
             bytes_sent = runner.parallelism.bytes_per_step()
             if grid.model == 1:  # data parallelism: DDP's gradients, counted by the runner
@@ -181,7 +183,7 @@ def main() -> None:
                       "bytes": bytes_sent}
             if runner.worker.rank == 0:
                 predictions = predict_grids(network(inputs, width, outputs, options["hidden"]),
-                                            world, batch=batch, link=link)
+                                            world, batch=batch, link=link, pairs=pairs)
                 chosen = choose_grid(predictions)
                 record["predicted"] = {f"{p.grid.data}x{p.grid.model}": {
                     "comm_s": p.communication_s, "compute_s": p.compute_s,

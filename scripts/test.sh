@@ -12,4 +12,7 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   exec .venv/bin/pytest -q -m "(unit or fast) and not network" "$@"
 fi
-exec .venv/bin/pytest -q "$@"
+# Two pytest processes (pytest-xdist), each taking whole files: much of the suite waits
+# (launches, rendezvous, timeouts a test provokes), and a file's module-scoped setups (the
+# equivalence matrix's groups) run once. PYTEST_WORKERS=0 runs it in one process.
+exec .venv/bin/pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"

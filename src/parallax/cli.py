@@ -249,7 +249,9 @@ def _add_cluster_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--master-addr", "--master_addr", metavar="A", dest="master_addr",
                          help="rendezvous host")
     command.add_argument("--master-port", "--master_port", type=int, metavar="P",
-                         dest="master_port", help="rendezvous port")
+                         dest="master_port", help="rendezvous port (default: with "
+                         "--resources, a free port when the first machine is this host, else "
+                         "29500)")
     command.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST[:PORT]",
                          dest="rdzv_endpoint",
                          help="torchrun's: the rendezvous host and port, as --master-addr and "
@@ -471,6 +473,7 @@ def _run_over_ssh(args: argparse.Namespace, spec: ResourceSpec, env: dict[str, s
     """Every machine of the resource file from here: this host's locally, the others over
     ssh, one rendezvous on the first machine; a failure anywhere stops all of them."""
     from parallax.cluster import is_local_host
+    from parallax.launch.elastic import free_port
     from parallax.launch.executors import (  # imports torch: keep usage errors fast
         LocalExecutor,
         SshExecutor,
@@ -499,9 +502,11 @@ def _run_over_ssh(args: argparse.Namespace, spec: ResourceSpec, env: dict[str, s
                  else SshExecutor(m.host, workdir=os.getcwd(), options=options)
                  for m in spec.machines]
     restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
+    # the rendezvous listens on the first machine: a port free there when that is this host
+    # (two jobs on one host side by side), else torch's customary 29500
+    port = args.master_port or (free_port() if is_local_host(first) else 29500)
     return launch_machines(os.path.abspath(args.resources), spec,
-                           [*restarts, *_script_command(args)], executors,
-                           master_port=args.master_port or 29500,
+                           [*restarts, *_script_command(args)], executors, master_port=port,
                            env=forwarded_environment({**env, **extra}))
 
 

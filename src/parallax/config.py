@@ -50,6 +50,14 @@ class ParallelismName(StrEnum):
     AUTO = "auto"
 
 
+class ModelSplitName(StrEnum):
+    """How ``parallelism`` ``"model"``/``"2d"``/``"auto"`` split the linear layers
+    (`Config.model_split`; `parallax.parallelism.splits`)."""
+
+    PAIRS = "pairs"
+    EVERY_LAYER = "every-layer"
+
+
 class SyncName(StrEnum):
     """When updates apply (`Config.sync`); the asynchronous ones are
     `parallax.engine.asynchronous.async_training`."""
@@ -211,6 +219,11 @@ class Config:
             it) and ``dense_sync`` ``"hierarchical"`` or ``"flat"``.
         mesh: the ``(data, model)`` degrees of ``parallelism="2d"`` (their product is the
             number of workers).
+        model_split: how ``parallelism`` ``"model"``, ``"2d"`` and ``"auto"`` split the linear
+            layers. ``"pairs"`` (default): Megatron-LM's column-then-row pairs (one
+            all-reduce per pair each way). ``"every-layer"``: every layer split by output
+            neurons and its output all-gathered (the scheme of the model/integrated
+            parallelism report; a baseline: more collectives, the same parameters).
         local_aggregation: workers of one machine merge their ids and sum their gradient rows
             before anything crosses machines. ``None``: on for ``optps``, off for ``ps``; the
             ``hybrid`` starts with it and keeps it once α is measured only if merging saves
@@ -321,6 +334,7 @@ class Config:
     slim: SlimDP = dataclasses.field(default_factory=SlimDP)
     parallelism: str = ParallelismName.DATA
     mesh: tuple[int, int] | None = None
+    model_split: str = ModelSplitName.PAIRS
     local_aggregation: bool | None = None
     sparsity_warmup_steps: int = 5
     alpha_threshold: float | None = None
@@ -565,7 +579,14 @@ class Config:
             _require(given is None, "mesh", given,
                      f"None with parallelism={str(self.parallelism)!r} (a grid is named "
                      f"with parallelism='2d')")
+        splits = tuple(m.value for m in ModelSplitName)
+        _require(isinstance(self.model_split, str) and self.model_split in splits,
+                 "model_split", self.model_split, f"one of {splits}")
+        object.__setattr__(self, "model_split", ModelSplitName(self.model_split))
         if self.parallelism == ParallelismName.DATA:
+            _require(self.model_split == ModelSplitName.PAIRS, "model_split",
+                     str(self.model_split), "'pairs' with parallelism='data' (no layer is "
+                     "split; name parallelism 'model', '2d' or 'auto')")
             return
         _require(self.architecture == ArchitectureName.HYBRID, "architecture",
                  str(self.architecture),

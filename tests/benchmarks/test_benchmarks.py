@@ -345,11 +345,14 @@ def test_slim_dp_smoke(tmp_path: Path) -> None:
 def test_model_parallel_smoke(tmp_path: Path) -> None:
     """The strong-scaling harness (the report's Figures 5-7): every grid of P trains the same
     model (equal final MSE), each record has its measured and predicted times, bytes per
-    communicator and the grid ``auto`` picks, and the figure is drawn."""
+    communicator and the grid ``auto`` picks, and the figure is drawn. Run over this host's
+    unshaped loopback (``--rate none``) with every layer gathered (the report's scheme)."""
     run_script("model_parallel.py", "--data", "synthetic", "--rows", "2000", "--widths", "16",
                "--processes", "1", "2", "--steps", "4", "--warmup", "1", "--replay", "2",
-               "--out-dir", str(tmp_path))
-    data = json.loads((tmp_path / "model_parallel-synthetic-1gbit.json").read_text())
+               "--rate", "none", "--model-split", "every-layer", "--out-dir", str(tmp_path))
+    stem = "model_parallel-synthetic-none-every-layer"
+    data = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert data["options"]["model_split"] == "every-layer"
     assert len(data["provenance"]["commit"]) == 40
     rows = {(r["P"], r["grid"]): r for r in data["rows"]}
     assert set(rows) == {(1, "1x1"), (2, "2x1"), (2, "1x2")}
@@ -360,9 +363,9 @@ def test_model_parallel_smoke(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["wall_ms"] > 0 and row["predicted_ms"] > 0 and row["compute_ms"] > 0
     assert [a["auto"] in ("2x1", "1x2") for a in data["auto"]] == [True]
-    table = (tmp_path / "model_parallel-synthetic-1gbit.md").read_text()
-    assert "| 16 | 2 | 1x2 | model |" in table
-    assert (tmp_path / "model_parallel-synthetic-1gbit.png").stat().st_size > 0
+    table = (tmp_path / f"{stem}.md").read_text()
+    assert "| 16 | 2 | 1x2 | model |" in table and "model split every-layer" in table
+    assert (tmp_path / f"{stem}.png").stat().st_size > 0
 
 
 def test_launch_overhead_smoke(tmp_path: Path) -> None:

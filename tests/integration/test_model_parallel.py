@@ -2,7 +2,8 @@
 tests/scripts/model_parallel_worker.py), on 4 processes (grids 1x4 and 2x2) and on 2 (1x2):
 
 - training equals the single-device program with the global batch for SGD, momentum and Adam
-  (float64, 1e-9) with widths no group size divides, with clipping by the global norm, for a
+  (float64, 1e-9) with widths no group size divides, every layer gathered
+  (``model_split="every-layer"``) as well as pairs, with clipping by the global norm, for a
   model whose embedding bag stays on the hybrid's sparse servers, and (2x2) for a layer that
   only some data replicas' rows reach (``find_unused_parameters``);
 - the bytes each rank sends per step through each communicator equal the cost model's terms
@@ -49,7 +50,7 @@ def trained(request, tmp_path_factory) -> dict:
 def _reference(key) -> str:
     return key[1] if isinstance(key, tuple) else {"clip": "clip", "mixed": "mixed",
                                                   "routed": "routed", "resumed": "adam",
-                                                  "auto": "adam"}[key]
+                                                  "auto": "adam", "every-layer": "adam"}[key]
 
 
 def test_every_run_equals_the_single_device_program(trained) -> None:
@@ -68,6 +69,8 @@ def test_the_grids_split_the_layers(trained) -> None:
     model = trained["runs"][("model", "sgd")]
     assert model["grid"] == (1, world)
     assert [str(s.split) for s in model["splits"]] == ["column", "row", "gathered"]
+    # Config.model_split="every-layer": the report's scheme, every layer gathered
+    assert [str(s.split) for s in trained["runs"]["every-layer"]["splits"]] == ["gathered"] * 3
     if world == 4:
         assert trained["runs"][("2d", "sgd")]["grid"] == (2, 2)
         assert [str(s.split) for s in trained["runs"]["mixed"]["splits"]] == ["column", "row"]
@@ -87,7 +90,7 @@ def _run(trained: dict, key) -> tuple[dict, Grid]:
 
 
 @pytest.mark.parametrize("key", [("model", "sgd"), ("model", "adam"), ("2d", "momentum"),
-                                 "mixed"])
+                                 "mixed", "every-layer"])
 def test_bytes_per_communicator_equal_the_cost_model(trained, key) -> None:
     run, grid = _run(trained, key)
     for rank, measured in enumerate(run["ranks"]):

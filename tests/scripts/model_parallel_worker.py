@@ -173,6 +173,8 @@ def main() -> None:
                                                       STEPS)
     clipped = parallax.Config(**base, **grids[list(grids)[-1]], clip_grad_norm=0.05)
     results["runs"]["clip"] = train(net, "momentum", net_batch, mse, clipped, STEPS)
+    every = parallax.Config(**base, **grids[list(grids)[-1]], model_split="every-layer")
+    results["runs"]["every-layer"] = train(net, "adam", net_batch, mse, every, STEPS)
     mixed = parallax.Config(**base, **grids[list(grids)[-1]])
     results["runs"]["mixed"] = train(Mixed, "adam", mixed_batch, ce, mixed, STEPS)
     if world == 4:  # a data group of 2 whose replicas use different parameters

@@ -40,6 +40,21 @@ def test_an_odd_layer_is_gathered_and_a_narrow_one_replicated() -> None:
     assert _kinds(narrow, 1) == ["replicated"] * 3
 
 
+def test_every_layer_split_gathers_every_wide_layer() -> None:
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    kinds = [str(s.split) for s in plan_splits(mlp, 4, pairs=False)]
+    assert kinds == ["gathered", "gathered", "replicated"]
+
+
+def test_model_split_is_checked_and_needs_a_split_parallelism() -> None:
+    assert parallax.Config(parallelism="model", model_split="every-layer").model_split == \
+        "every-layer"
+    with pytest.raises(parallax.ConfigError, match="model_split.*one of"):
+        parallax.Config(parallelism="model", model_split="gathered")
+    with pytest.raises(parallax.ConfigError, match="model_split.*'pairs' with parallelism="):
+        parallax.Config(model_split="every-layer")
+
+
 def test_a_layer_before_a_non_elementwise_module_is_gathered() -> None:
     body = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 8))
     assert _kinds(body, 2) == ["gathered", "gathered"]

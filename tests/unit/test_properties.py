@@ -315,6 +315,7 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     "parallelism": lambda v, arch: isinstance(v, str) and (
         v == "data" or (v in ("model", "auto") and arch == "hybrid")),
     "mesh": lambda v, _: v is None,  # only with parallelism="2d"
+    "model_split": lambda v, _: v == "pairs",  # the others only with a split parallelism
     "local_aggregation": lambda v, arch: v is None or v is False
     or (v is True and arch != "allreduce"),
     "sparsity_warmup_steps": lambda v, _: _is_int(v) and v >= 0,

@@ -8,7 +8,9 @@ true bytes on the wire per machine. No delay or loss emulation (this kernel has 
 
 Names carry a per-run id; a state file per run (``/run/parallax-netem/<id>``) records the
 owning PID, so a run that crashed is cleaned up by the next one, and every run removes its own
-namespaces and bridge on exit. Needs root, ``ip`` and ``tc`` (Debian's iproute2).
+namespaces and bridge on exit. Runs may overlap (two test processes, a benchmark beside a
+test): each claims its subnet by a file of its own (``net-<octet>``), so no two live runs share
+one. Needs root, ``ip`` and ``tc`` (Debian's iproute2).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parallax.atomic import replace_text
 from parallax.errors import ArgumentError, NetemError
 
 OFFLINE_ENV = "PARALLAX_OFFLINE"
@@ -29,6 +33,8 @@ beforehand. ``""`` or ``"0"`` means online."""
 
 STATE_DIR = Path(os.environ.get("PARALLAX_NETEM_STATE", "/run/parallax-netem"))
 SUBNET = "10.77"
+SUBNETS = 250  # third octets 1..250 (.254 of each is the host's: `reach_from_host`)
+SUBNET_CLAIM = "net-"  # STATE_DIR/net-<octet>: "pid run_id" of the run using that subnet
 
 
 @dataclass
@@ -52,7 +58,9 @@ class EmulatedNetwork:
     def __post_init__(self) -> None:
         if self.machines < 1:
             raise ArgumentError(f"machines must be >= 1, got {self.machines}")
-        self.net = int(self.run_id, 16) % 250 + 1  # third octet of this run's subnet
+        # third octet of this run's subnet: a first choice here, claimed at setup (another
+        # live run may hold it)
+        self.net = int(self.run_id, 16) % SUBNETS + 1
 
     # ---- names -----------------------------------------------------------------------------
     def namespace(self, machine: int) -> str:
@@ -79,9 +87,14 @@ class EmulatedNetwork:
     def setup(self) -> None:
         check_prerequisites()
         clean_stale_runs()
-        STATE_DIR.mkdir(parents=True, exist_ok=True)
-        (STATE_DIR / self.run_id).write_text(str(os.getpid()))
+        # whole or absent: a run cleaning up beside this one must not read it empty
+        replace_text(STATE_DIR / self.run_id, str(os.getpid()))
         self._created = True
+        try:
+            self.net = claim_subnet(self.net, self.run_id)
+        except NetemError:
+            self.teardown()
+            raise
         burst = _burst_bytes(self.rate)
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
@@ -154,18 +167,64 @@ def clean_stale_runs() -> None:
     if not STATE_DIR.exists():
         return
     for state in STATE_DIR.iterdir():
-        try:
-            os.kill(int(state.read_text()), 0)
-        except (ProcessLookupError, ValueError):
+        if state.name.startswith("."):  # a state file being written (`replace_text`)
+            continue
+        if _owner_alive(state):
+            continue
+        if state.name.startswith(SUBNET_CLAIM):
+            state.unlink(missing_ok=True)
+        else:
             remove_run(state.name)
 
 
+def _owner_alive(state: Path) -> bool:
+    """Whether the process whose id ``state`` holds ("pid" or "pid run_id") still runs."""
+    try:
+        os.kill(int(state.read_text().split()[0]), 0)
+    except (ProcessLookupError, ValueError, IndexError):
+        return False
+    except FileNotFoundError:  # removed meanwhile by its run
+        return True
+    return True
+
+
+def claim_subnet(first: int, run_id: str) -> int:
+    """A third octet no live run uses, from ``first`` on: each run holds its subnet by a file
+    made whole and at once (hard-linked into place), so that runs set up side by side (two
+    test processes, two benchmarks) never share a subnet, which would break both."""
+    for offset in range(SUBNETS):
+        net = (first - 1 + offset) % SUBNETS + 1
+        claim = STATE_DIR / f"{SUBNET_CLAIM}{net}"
+        for _ in range(2):  # a stale claim is removed once, then tried again
+            handle, tmp = tempfile.mkstemp(prefix=f".{claim.name}.", dir=STATE_DIR)
+            try:
+                with os.fdopen(handle, "w") as out:
+                    out.write(f"{os.getpid()} {run_id}")
+                os.link(tmp, claim)
+                return net
+            except FileExistsError:
+                if _owner_alive(claim):
+                    break
+                claim.unlink(missing_ok=True)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+    raise NetemError(f"every subnet {SUBNET}.1-{SUBNETS}.0/24 is held by a running emulated "
+                     f"network (claims in {STATE_DIR}); end some of them")
+
+
 def remove_run(run_id: str) -> None:
-    """Delete a run's namespaces (their veth pairs go with them), bridge and state file."""
+    """Delete a run's namespaces (their veth pairs go with them), bridge, subnet claim and
+    state file."""
     namespaces = _list_namespaces(f"px{run_id}m")
     for ns in namespaces:
         _run(["ip", "netns", "del", ns], check=False)
     _run(["ip", "link", "del", f"px{run_id}br"], check=False)
+    for claim in STATE_DIR.glob(f"{SUBNET_CLAIM}*") if STATE_DIR.exists() else ():
+        try:
+            if claim.read_text().split()[1:] == [run_id]:
+                claim.unlink(missing_ok=True)
+        except (FileNotFoundError, IndexError):
+            pass
     (STATE_DIR / run_id).unlink(missing_ok=True)
 
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
-from parallax.config import Config, ParallelismName
+from parallax.config import Config, ModelSplitName, ParallelismName
 from parallax.engine.tables.exchange import Traffic
 from parallax.errors import ConfigError
 from parallax.logs import log
@@ -69,6 +69,7 @@ def build_parallelism(model: nn.Module, config: Config, *, worker: WorkerInfo,
     from parallax.loader import clear_data_parallel, set_data_parallel
 
     kind = ParallelismName(config.parallelism)
+    pairs = config.model_split == ModelSplitName.PAIRS
     world = worker.world_size
     if kind == ParallelismName.DATA:
         clear_data_parallel()
@@ -79,7 +80,7 @@ def build_parallelism(model: nn.Module, config: Config, *, worker: WorkerInfo,
         assert config.mesh is not None  # Config requires it
         grid = Grid(*config.mesh)
     else:
-        grid = _auto_grid(model, worker=worker, group=group)
+        grid = _auto_grid(model, worker=worker, group=group, pairs=pairs)
     if grid.model == 1:
         clear_data_parallel()
         return DataParallel(world)
@@ -87,10 +88,11 @@ def build_parallelism(model: nn.Module, config: Config, *, worker: WorkerInfo,
                       timeout_s=config.collective_timeout_s)
     set_data_parallel(replicas=grid.data, index=mesh.data_index, group_size=grid.model)
     return ModelParallel(mesh, traffic=traffic, average=config.average_dense, rank=worker.rank,
-                         find_unused_parameters=config.find_unused_parameters)
+                         find_unused_parameters=config.find_unused_parameters, pairs=pairs)
 
 
-def _auto_grid(model: nn.Module, *, worker: WorkerInfo, group: dist.ProcessGroup) -> Grid:
+def _auto_grid(model: nn.Module, *, worker: WorkerInfo, group: dist.ProcessGroup,
+               pairs: bool) -> Grid:
     """The grid the cost model predicts fastest, on rank 0's measurements (every rank gets
     the same); prints its reasons on rank 0."""
     from parallax.loader import sharded_loaders
@@ -104,7 +106,8 @@ def _auto_grid(model: nn.Module, *, worker: WorkerInfo, group: dist.ProcessGroup
     link = measure_link(group, worker.world_size)
     decision = None
     if worker.rank == 0:
-        predictions = predict_grids(model, worker.world_size, batch=batch, link=link)
+        predictions = predict_grids(model, worker.world_size, batch=batch, link=link,
+                                    pairs=pairs)
         chosen = choose_grid(predictions)
         log.info("%s", explain(predictions, chosen, link, batch))
         decision = (chosen.grid.data, chosen.grid.model)

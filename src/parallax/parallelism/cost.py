@@ -198,16 +198,17 @@ def grids_of(world_size: int) -> list[Grid]:
     return [Grid(world_size // m, m) for m in range(1, world_size + 1) if world_size % m == 0]
 
 
-def predict_grids(model: nn.Module, world_size: int, *, batch: int,
-                  link: Link) -> list[Prediction]:
+def predict_grids(model: nn.Module, world_size: int, *, batch: int, link: Link,
+                  pairs: bool = True) -> list[Prediction]:
     """Every grid of ``world_size`` priced for ``model`` (what ``parallelism="auto"``
-    compares): its splits' collectives at ``link``, and the compute of its shapes timed here."""
+    compares): its splits (``pairs``: `Config.model_split`) collectives at ``link``, and the
+    compute of its shapes timed here."""
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = params[0].dtype if params else torch.float32
     itemsize = torch.empty((), dtype=dtype).element_size()
     predictions = []
     for grid in grids_of(world_size):
-        splits = plan_splits(model, grid.model)
+        splits = plan_splits(model, grid.model, pairs=pairs)
         compute = measure_compute(splits, grid, batch=batch, dtype=dtype)
         predictions.append(predict(splits, grid, link, batch=batch, itemsize=itemsize,
                                    compute_s=compute))

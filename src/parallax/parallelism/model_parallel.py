@@ -81,8 +81,9 @@ class ModelParallel:
     replaces_ddp = True
 
     def __init__(self, mesh: Mesh, *, traffic: Traffic, average: bool, rank: int,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, pairs: bool = True) -> None:
         self.mesh = mesh
+        self.pairs = pairs  # Config.model_split: "pairs", else every layer gathered
         self.find_unused_parameters = find_unused_parameters
         self.grid = mesh.grid
         self.traffic = traffic
@@ -102,7 +103,7 @@ class ModelParallel:
                 optimizers: Sequence[torch.optim.Optimizer]) -> nn.Module:
         """Split ``executed``'s linear layers over the model group (in place), re-point
         ``optimizers`` at the split parameters and release the user's whole copies."""
-        self.splits = plan_splits(executed, self.grid.model)
+        self.splits = plan_splits(executed, self.grid.model, pairs=self.pairs)
         before = dict(executed.named_parameters())
         users = dict(model.named_parameters())
         from torch.distributed.tensor.parallel import parallelize_module

@@ -10,8 +10,9 @@ one of the pair's input backward, two collectives for two layers where gathering
 layer's outputs takes three per layer, and the activation between the layers never exists
 whole. A linear layer that has no partner (odd one out, or followed by something that is not
 element-wise) is split by output neurons with its output all-gathered (``gathered``): exact in
-any surrounding, the report's scheme. A layer narrower than the group, or whose weight is
-shared with another module, stays whole on every process (``replicated``).
+any surrounding, the report's scheme; `Config.model_split` ``"every-layer"`` splits every
+layer so, the report's whole scheme, as a baseline. A layer narrower than the group, or whose
+weight is shared with another module, stays whole on every process (``replicated``).
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ class LinearSplit:
     out_features: int
 
 
-def plan_splits(module: nn.Module, group_size: int) -> list[LinearSplit]:
+def plan_splits(module: nn.Module, group_size: int, *, pairs: bool = True,
+                ) -> list[LinearSplit]:
     """Every ``nn.Linear`` of ``module`` in definition order with its split for a model group
-    of ``group_size`` processes (all ``replicated`` when ``group_size`` is 1)."""
+    of ``group_size`` processes (all ``replicated`` when ``group_size`` is 1). ``pairs=False``
+    (`Config.model_split` ``"every-layer"``): no pairs, every wide layer ``gathered``."""
     shared = _shared_parameters(module)
     kinds: dict[str, Split] = {}
     for parent_path, parent in module.named_modules():
-        if not isinstance(parent, nn.Sequential):
+        if not pairs or not isinstance(parent, nn.Sequential):
             continue
         children = list(parent.named_children())
         for i, (name, child) in enumerate(children):
