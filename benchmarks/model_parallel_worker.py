@@ -96,19 +96,20 @@ def replay(grid: Grid, runner: parallax.Runner, splits, batch: int, repeats: int
 def local_compute(splits, grid: Grid, inputs: int, outputs: int, batch: int,
                   steps: int) -> float:
     """One process's share of a training step, alone: its local shapes' forward, backward and
-    SGD step (median of ``steps``)."""
+    SGD step (median of ``steps``). Each layer gets an input of its own local width (a
+    gathered layer's output is whole again after its gather, a column split's stays split),
+    with a gradient wanted for every input but the first, as the chained layers need."""
     rows = batch // grid.data
-    layers: list[nn.Module] = []
-    for s in splits:
-        layers += [nn.Linear(*local_shape(s, grid.model)), nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(rows, model[0].in_features)
+    layers = [nn.Linear(*local_shape(s, grid.model)) for s in splits]
+    xs = [torch.randn(rows, layer.in_features, requires_grad=i > 0)
+          for i, layer in enumerate(layers)]
+    opt = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.01)
     times = []
     for _ in range(steps + 3):
         began = time.perf_counter()
         opt.zero_grad()
-        model(x).square().mean().backward()
+        sum(torch.relu(layer(x)).square().mean() for layer, x in zip(layers, xs, strict=True)
+            ).backward()
         opt.step()
         times.append(time.perf_counter() - began)
     return sorted(times[3:])[len(times[3:]) // 2]

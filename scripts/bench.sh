@@ -113,10 +113,7 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 --widths 128 512 1024 --processes 1 2 4 8 --rate 1gbit --steps 60"
   [mp-airfoil-100mbit]="$py benchmarks/model_parallel.py --data airfoil --widths 128 512 1024 \
 --processes 1 2 4 --rate 100mbit --steps 40"
-  [mp-airfoil-fast]="$py benchmarks/model_parallel.py --data airfoil --widths 128 512 1024 \
---processes 1 2 4 --rate none --steps 40"
-  [mp-airfoil-every-layer]="$py benchmarks/model_parallel.py --data airfoil \
---widths 128 512 1024 --processes 1 2 4 --rate 1gbit --model-split every-layer --steps 40"
+  [mp-splits]="bash scripts/mp_splits.sh"
   [phases]="$py benchmarks/phase_overhead.py"
   [launch]="$py benchmarks/launch_overhead.py"
   [chaos]="$py benchmarks/chaos.py --trials 50 --machines 2 --nproc-per-machine 2 \
@@ -135,7 +132,7 @@ ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality recsys recsys-history recsys-riders 
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync
-       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-airfoil-fast mp-airfoil-every-layer async phases launch chaos chaos-link)
+       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases launch chaos chaos-link)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
