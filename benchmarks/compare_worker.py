@@ -104,20 +104,22 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     ``-plump``, ``-qsgd``, ``-slim`` ones that ``Config.dense_sync`` (defaults of `QSGD` and
     `SlimDP`; plump/slim need the LM's ``momentum`` optimizer: SGD);
     ``torchrec-*`` the recommender as a TorchRec EmbeddingBagCollection, or the LM as an
-    EmbeddingCollection (row- or table-wise sharded)."""
+    EmbeddingCollection (row- or table-wise sharded). A parallax system's variants combine
+    with ``+`` (``hybrid-aggregated+pooled``: `VARIANT_FLAGS`)."""
     if system.startswith("torchrec"):
         from torchrec_peer import make_torchrec_step
 
         return (make_torchrec_step(system, workload.cfg, lr=workload.lr, seed=workload.seed),
                 None, None)
-    sparse_grad = system.endswith("-sparse")
     architecture, _, variant = system.partition("-")
+    flags = set(variant.split("+")) if variant else set()  # e.g. "hybrid-direct+rows"
+    sparse_grad = "sparse" in flags
     # parallax systems build the model in parallax.meta_init(), as a program with tables
     # larger than a worker would: each server makes its own rows (DDP needs them all);
     # ``-eager`` ones as the single-device program does (every worker builds every table)
     baseline = system.startswith("ddp") or system == "plain"
     model, optimizer = workload.model_and_optimizer(
-        sparse_grad=sparse_grad, deferred=not baseline and variant != "eager")
+        sparse_grad=sparse_grad, deferred=not baseline and "eager" not in flags)
     if baseline:
         if system == "plain" and current_worker().world_size != 1:
             raise ValueError("system 'plain' (the single-device loop) runs on one worker only")
@@ -143,26 +145,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     if architecture not in PARALLAX_ARCHITECTURES:
         raise ValueError(f"unknown system {system!r}")
     runner = parallax.get_runner(model, optimizer, workload.loss,
-                                 config=parallax.Config(architecture=architecture,
-                                                        lazy_sparse_updates=variant == "lazy",
-                                                        local_aggregation=(
-                                                            LOCAL_AGGREGATION.get(variant)),
-                                                        overlap_push=variant != "late",
-                                                        pooled_tables=(
-                                                            workload.long_bags
-                                                            if variant == "pooled" else
-                                                            workload.bag_tables
-                                                            if variant == "tablewise" else
-                                                            tuple(n for n in workload.bag_tables
-                                                                  if n not in workload.long_bags)
-                                                            if variant == "byrows" else
-                                                            () if variant == "rows" else None),
-                                                        pooled_by_rows=(
-                                                            workload.long_bags
-                                                            if variant == "byrows" else ()),
-                                                        dense_sync=DENSE_SYNCS.get(
-                                                            variant, "hierarchical"),
-                                                        sparsity_warmup_steps=alpha_steps))
+                                 config=parallax_config(architecture, flags, workload,
+                                                        alpha_steps))
     return runner.step, runner, None
 
 
@@ -235,6 +219,38 @@ def phases_per_rank(runner: Any, world: int) -> dict[str, list[float]]:
                                                     dtype=torch.float64)
     dist.all_reduce(values)
     return {name: [round(v, 3) for v in values[i].tolist()] for i, name in enumerate(names)}
+
+
+#: the flags a parallax system's variant may join with "+" (make_step's docstring)
+VARIANT_FLAGS = {"sparse", "lazy", "late", "eager", "pooled", "tablewise", "byrows", "rows",
+                 *DENSE_SYNCS, *LOCAL_AGGREGATION}
+
+
+def parallax_config(architecture: str, flags: set[str], workload: Workload,
+                    alpha_steps: int) -> parallax.Config:
+    """The Config of a parallax system: its architecture and its variant's flags."""
+    unknown = flags - VARIANT_FLAGS
+    if unknown:
+        raise ValueError(f"unknown variant flags {sorted(unknown)}; known: "
+                         f"{sorted(VARIANT_FLAGS)}")
+    aggregation = [LOCAL_AGGREGATION[f] for f in flags if f in LOCAL_AGGREGATION]
+    syncs = [DENSE_SYNCS[f] for f in flags if f in DENSE_SYNCS]
+    if "pooled" in flags:
+        pooled: tuple[str, ...] | None = workload.long_bags
+    elif "tablewise" in flags:
+        pooled = workload.bag_tables
+    elif "byrows" in flags:
+        pooled = tuple(n for n in workload.bag_tables if n not in workload.long_bags)
+    elif "rows" in flags:
+        pooled = ()
+    else:
+        pooled = None  # the hybrid decides
+    return parallax.Config(architecture=architecture, lazy_sparse_updates="lazy" in flags,
+                           local_aggregation=aggregation[0] if aggregation else None,
+                           overlap_push="late" not in flags, pooled_tables=pooled,
+                           pooled_by_rows=workload.long_bags if "byrows" in flags else (),
+                           dense_sync=syncs[0] if syncs else "hierarchical",
+                           sparsity_warmup_steps=alpha_steps)
 
 
 def data_seed(workload: Workload, rank: int) -> int:

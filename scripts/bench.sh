@@ -76,6 +76,15 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
   [sparsity-seq]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --isolate --name sparsity-seq --points 100000:1 100000:5 100000:15 100000:30 \
 100000:60 100000:120"
+  [ablation-recsys]="$py benchmarks/compare.py --workload recsys --machines 2 \
+--nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
+--systems ps-direct+rows hybrid-direct+rows hybrid-aggregated+rows hybrid-aggregated+pooled \
+hybrid --steps 20 --isolate --out $results/ablation-recsys-history32-2x2-1gbit.json"
+  [ablation-recsys-100mbit]="$py benchmarks/compare.py --workload recsys --machines 2 \
+--nproc-per-machine 2 --rate 100mbit --hash-multiplier 1000 \
+--workload-options {\"history\":32} --systems ps-direct+rows hybrid-direct+rows \
+hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
+--out $results/ablation-recsys-history32-2x2-100mbit.json"
   [local-aggregation-2x4]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 4 --rate 100mbit --systems hybrid hybrid-aggregated ps optps --isolate \
 --out benchmarks/results/local-aggregation-lm-2x4-100mbit.json"
@@ -130,13 +139,13 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
-       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit bandwidth alpha small-sums
+       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases launch chaos chaos-link)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
-               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit bandwidth slim-dp
+               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit ablation-recsys ablation-recsys-100mbit bandwidth slim-dp
                slim-sweep slim-ablation lm-dense-sync lm-dense-sync-100mbit async)
 
 if [ "${1:-}" = "--list" ]; then
