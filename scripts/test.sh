@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Style check, type check and the whole test suite (equivalence matrix, error paths, launcher, data).
-#   bash scripts/test.sh            everything (~15 min on 2 cores)
+#   bash scripts/test.sh            everything (~15 min on 2 cores, two pytest processes)
 #   bash scripts/test.sh --fast     unit tests + one equivalence case per architecture (~1 min)
 #   bash scripts/test.sh ARGS       any pytest arguments (e.g. tests/integration -k uneven)
 set -euo pipefail
@@ -14,5 +14,7 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 # Two pytest processes (pytest-xdist), each taking whole files: much of the suite waits
 # (launches, rendezvous, timeouts a test provokes), and a file's module-scoped setups (the
-# equivalence matrix's groups) run once. PYTEST_WORKERS=0 runs it in one process.
-exec .venv/bin/pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+# equivalence matrix's groups) run once. Files in collection order, not xdist's "most tests
+# first": that put the benchmark smokes (few tests, minutes) last, one process running them
+# alone for ten minutes. PYTEST_WORKERS=0 runs it in one process.
+exec .venv/bin/pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
