@@ -23,7 +23,7 @@ from workloads import Workload
 
 import parallax
 from parallax.cluster import current_worker
-from parallax.step.forward import to_device
+from parallax.step.forward import mean_loss, to_device
 
 
 def evaluate(system: str, step: Callable[[Any], Any], runner: parallax.Runner | None,
@@ -34,19 +34,15 @@ def evaluate(system: str, step: Callable[[Any], Any], runner: parallax.Runner | 
         return runner.evaluate(batches)
     model = step.model  # type: ignore[attr-defined]
     device = current_worker().device
-    total = torch.zeros((), dtype=torch.float64)
-    with torch.no_grad():
-        for batch in batches:
-            inputs, targets = to_device(batch, device)
-            if system.startswith("torchrec"):
-                from torchrec_lm import to_lm_kjt
+    if system.startswith("torchrec"):
+        from torchrec_lm import to_lm_kjt
 
-                logits = model(to_lm_kjt(inputs))
-            else:
-                logits = model(*inputs)
-            total += float(workload.loss(logits, targets))
-    dist.all_reduce(total)
-    return float(total) / (len(batches) * dist.get_world_size())
+        def forward(inputs: Any) -> Tensor:
+            return model(to_lm_kjt(to_device(inputs, device)))
+    else:
+        def forward(inputs: Any) -> Tensor:
+            return model(*to_device(inputs, device))
+    return mean_loss(forward, workload.loss, batches, group=dist.group.WORLD, device=device)
 
 
 def train_to_target(system: str, step: Callable[[Any], Any], runner: parallax.Runner | None,

@@ -18,12 +18,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallax.atomic import replace_text
+from parallax.atomic import create_text, replace_text
 from parallax.errors import ArgumentError, NetemError
 
 OFFLINE_ENV = "PARALLAX_OFFLINE"
@@ -190,24 +189,17 @@ def _owner_alive(state: Path) -> bool:
 
 def claim_subnet(first: int, run_id: str) -> int:
     """A third octet no live run uses, from ``first`` on: each run holds its subnet by a file
-    made whole and at once (hard-linked into place), so that runs set up side by side (two
-    test processes, two benchmarks) never share a subnet, which would break both."""
+    made whole and at once (`parallax.atomic.create_text`), so that runs set up side by side
+    (two test processes, two benchmarks) never share a subnet, which would break both."""
     for offset in range(SUBNETS):
         net = (first - 1 + offset) % SUBNETS + 1
         claim = STATE_DIR / f"{SUBNET_CLAIM}{net}"
         for _ in range(2):  # a stale claim is removed once, then tried again
-            handle, tmp = tempfile.mkstemp(prefix=f".{claim.name}.", dir=STATE_DIR)
-            try:
-                with os.fdopen(handle, "w") as out:
-                    out.write(f"{os.getpid()} {run_id}")
-                os.link(tmp, claim)
+            if create_text(claim, f"{os.getpid()} {run_id}"):
                 return net
-            except FileExistsError:
-                if _owner_alive(claim):
-                    break
-                claim.unlink(missing_ok=True)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
+            if _owner_alive(claim):
+                break
+            claim.unlink(missing_ok=True)
     raise NetemError(f"every subnet {SUBNET}.1-{SUBNETS}.0/24 is held by a running emulated "
                      f"network (claims in {STATE_DIR}); end some of them")
 
