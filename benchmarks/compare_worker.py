@@ -160,6 +160,11 @@ def spread(times: list[float]) -> dict[str, float]:
             "step_max_s": max(times)}
 
 
+def synced_by(plan: Any) -> dict[str, str]:
+    """How the plan synchronises each sparse parameter (``ps``, ``allgatherv``, ...)."""
+    return {p.name: p.sync for p in plan.parameters if p.sparse}
+
+
 def plan_fields(runner: parallax.Runner, system: str, wire: float) -> dict[str, Any]:
     """α_model, the Table 3 prediction for this system's architecture, the engine's own count
     and the ratios (collective: every rank must call it)."""
@@ -171,7 +176,7 @@ def plan_fields(runner: parallax.Runner, system: str, wire: float) -> dict[str, 
         "architecture": architecture,
         "alpha_model": plan.alpha_model,
         "alphas": {p.name: p.alpha for p in plan.parameters if p.sparse},
-        "synced_by": {p.name: p.sync for p in plan.parameters if p.sparse},
+        "synced_by": synced_by(plan),
         "predicted_bytes_per_machine_step": predicted,
         "engine_bytes_per_machine_step": engine,
         # None where the model predicts nothing crosses machines (one machine): no ratio
@@ -283,7 +288,7 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     if args.get("quality"):  # time_to_quality.py: every step counts, from the first
         result = train_to_target(system, step, runner, workload, generator, args["quality"])
         if runner is not None:
-            result["synced_by"] = {p.name: p.sync for p in runner.plan.parameters if p.sparse}
+            result["synced_by"] = synced_by(runner.plan)
         return result
     for _ in range(warmup):
         step(workload.batch(generator))

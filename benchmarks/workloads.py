@@ -121,24 +121,16 @@ def fetched_once(fetch: Callable[[], T]) -> T:
     return fetch()
 
 
-def kjv_windows(cfg: LMConfig) -> tuple[Tensor, int]:
-    """The KJV Bible as ``[n, seq_len + 1]`` token windows, and its vocabulary size (at most
-    ``cfg.vocab``). Rank 0 downloads it first when run in a group."""
+def kjv_windows(cfg: LMConfig) -> tuple[Tensor, Tensor, int]:
+    """The KJV Bible as ``[n, seq_len + 1]`` token windows: the training text's, the held-out
+    tail's (`corpora.text.load_text_corpus`: its last 5 % of lines, never trained on, in the
+    training vocabulary), and the vocabulary size (at most ``cfg.vocab``). Rank 0 downloads
+    it first when run in a group."""
     from corpora.kjv import fetch_kjv
     from corpora.text import load_text_corpus
 
-    train, _, vocab = load_text_corpus(fetched_once(fetch_kjv), cfg.vocab, cfg.seq_len)
-    return train.windows, len(vocab)
-
-
-def kjv_validation_windows(cfg: LMConfig) -> Tensor:
-    """The held-out tail of the KJV Bible (`corpora.text.load_text_corpus`: its last 5 % of
-    lines, never trained on) as ``[n, seq_len + 1]`` windows, in the training vocabulary."""
-    from corpora.kjv import fetch_kjv
-    from corpora.text import load_text_corpus
-
-    _, valid, _ = load_text_corpus(fetched_once(fetch_kjv), cfg.vocab, cfg.seq_len)
-    return valid.windows
+    train, valid, vocab = load_text_corpus(fetched_once(fetch_kjv), cfg.vocab, cfg.seq_len)
+    return train.windows, valid.windows, len(vocab)
 
 
 class SmallResNet(nn.Module):
@@ -191,7 +183,7 @@ class Workload:
         if name == "lm":
             self.cfg = LMConfig(**{k: v for k, v in options.items() if k != "optimizer"})
             if self.cfg.corpus == "kjv":
-                self.windows, vocab = kjv_windows(self.cfg)
+                self.windows, self.held_out, vocab = kjv_windows(self.cfg)
                 self.cfg = replace(self.cfg, vocab=vocab)
             elif self.cfg.corpus != "zipf":
                 raise ValueError(f"LM corpus must be 'zipf' or 'kjv', got {self.cfg.corpus!r}")
@@ -279,7 +271,7 @@ class Workload:
         if self.name != "lm" or self.cfg.corpus != "kjv":
             raise ValueError("a validation set exists for the LM on the KJV corpus only "
                              "(--workload lm --workload-options '{\"corpus\": \"kjv\"}')")
-        held_out = kjv_validation_windows(self.cfg)
+        held_out = self.held_out
         if windows > len(held_out) or windows % (world * self.cfg.batch):
             raise ValueError(f"validation windows must be a multiple of world x batch = "
                              f"{world * self.cfg.batch} and at most {len(held_out)}, "
