@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare  # noqa: E402
 
+from parallax.cluster import free_port
 from parallax.engine.diagnostics.progress import Progress
-from parallax.launch.elastic import free_port
 
 
 def serve(port: int, stop: multiprocessing.Event) -> None:

@@ -381,8 +381,6 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace, spec: ResourceSpec,
             env: dict[str, str], max_restarts: int) -> int:
     """Start the workers the way the arguments say; the job's exit status."""
-    from parallax.launch.elastic import launch  # imports torch: keep usage errors fast
-
     if args.command == "plan":
         if args.warmup_steps < 1:
             return _fail("--warmup-steps must be at least 1")
@@ -394,6 +392,10 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace, spec: Res
         return _run_slurm(args, env, max_restarts)
     if args.machine_index is None and args.resources is not None and not spec.is_local():
         return _run_over_ssh(args, spec, env, max_restarts)
+    # imports torch: here only, so that usage errors stay fast and the launchers of emulated
+    # and remote machines (which only start agents) never load it
+    from parallax.launch.elastic import launch
+
     try:
         return launch(
             spec,
@@ -472,8 +474,7 @@ def _run_over_ssh(args: argparse.Namespace, spec: ResourceSpec, env: dict[str, s
                   max_restarts: int) -> int:
     """Every machine of the resource file from here: this host's locally, the others over
     ssh, one rendezvous on the first machine; a failure anywhere stops all of them."""
-    from parallax.cluster import is_local_host
-    from parallax.launch.elastic import free_port
+    from parallax.cluster import free_port, is_local_host
     from parallax.launch.executors import (  # imports torch: keep usage errors fast
         LocalExecutor,
         SshExecutor,

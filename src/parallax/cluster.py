@@ -127,6 +127,13 @@ class ResourceSpec:
         )
 
 
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def is_local_host(host: str) -> bool:
     """Whether ``host`` names this machine (loopback names or our own host name)."""
     if host in _LOCAL_NAMES or host.startswith("127."):

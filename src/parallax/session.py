@@ -20,13 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from parallax import logs
-from parallax.cluster import EnvironmentPatch, WorkerInfo, current_worker
+from parallax.cluster import EnvironmentPatch, WorkerInfo, current_worker, free_port
 from parallax.config import Config
 from parallax.engine.diagnostics import progress
 from parallax.engine.tables import hierarchy
 from parallax.engine.tables.pool import close_shared_pools
 from parallax.errors import UnsupportedProgramError
-from parallax.launch.elastic import free_port
 from parallax.parallelism.grid import forget_meshes
 from parallax.partitions.groups import group_of
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
-from parallax.cluster import RESOURCES_ENV, local_spec, parse_resource_text
+from parallax.cluster import RESOURCES_ENV, free_port, local_spec, parse_resource_text
 from parallax.launch import elastic as launch_mod
-from parallax.launch.elastic import agent_setup, free_port, install_error_recorder, launch
+from parallax.launch.elastic import agent_setup, install_error_recorder, launch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 REPO = Path(__file__).resolve().parents[2]

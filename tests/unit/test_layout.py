@@ -19,7 +19,7 @@ LAYERS = [
     # nothing of ours, or only each other
     ["parallax.errors", "parallax.checks", "parallax.collective", "parallax.cluster",
      "parallax.config", "parallax.loader",
-     "parallax.verify.record", "parallax.logs", "parallax.atomic"],
+     "parallax.verify.record", "parallax.logs", "parallax.atomic", "parallax.lazy"],
     ["parallax.engine"],
     ["parallax.launch"],
     ["parallax.model"],

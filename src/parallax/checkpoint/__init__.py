@@ -13,5 +13,9 @@ contiguous: there DCP fits, and `save_dcp` writes them through it, each rank its
 """
 
 from parallax.checkpoint.dcp import export_dcp, load_dcp, save_dcp
+from parallax.lazy import submodule_attributes
 
 __all__ = ["export_dcp", "load_dcp", "save_dcp"]
+
+# submodules not imported above, as attributes on first use
+__getattr__ = submodule_attributes(__name__)

@@ -4,3 +4,7 @@ parameters: DDP's comm hooks or servers), `optimizers` (the update of server-hel
 global norm), `asynchronous` (server threads for asynchronous training) and `diagnostics`
 (phase times, every rank's progress).
 """
+
+from parallax.lazy import submodule_attributes
+
+__getattr__ = submodule_attributes(__name__)

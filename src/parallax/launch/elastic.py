@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import tempfile
 import types
@@ -46,7 +45,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from parallax.atomic import replace_text
 from parallax.checks import is_int
-from parallax.cluster import RESOURCES_ENV, EnvironmentPatch, ResourceSpec
+from parallax.cluster import RESOURCES_ENV, EnvironmentPatch, ResourceSpec, free_port
 from parallax.engine.diagnostics.progress import CULPRIT
 from parallax.errors import ArgumentError
 from parallax.launch.executors import omp_threads
@@ -137,13 +136,6 @@ def _machine_setup(
         master_addr=master_addr or spec.machines[0].host,
         master_port=master_port or DEFAULT_MASTER_PORT,
     )
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _launch_config(agent: AgentSetup, log_dir: str, max_restarts: int = 0) -> LaunchConfig:

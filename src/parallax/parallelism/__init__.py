@@ -30,6 +30,7 @@ from parallax.collective import agree
 from parallax.config import Config, ModelSplitName, ParallelismName
 from parallax.engine.tables.exchange import Traffic
 from parallax.errors import ConfigError
+from parallax.lazy import submodule_attributes
 from parallax.logs import log
 from parallax.parallelism.cost import choose_grid, explain, measure_link, predict_grids
 from parallax.parallelism.data_parallel import DataParallel
@@ -113,3 +114,6 @@ def _auto_grid(model: nn.Module, *, worker: WorkerInfo, group: dist.ProcessGroup
         decision = (chosen.grid.data, chosen.grid.model)
     data, model_degree = agree(decision, rank=worker.rank, group=group)
     return Grid(data, model_degree)
+
+# submodules not imported above, as attributes on first use
+__getattr__ = submodule_attributes(__name__)

@@ -2,3 +2,7 @@
 bytes model, the printable plan, and the measured sparsity (α) that can move a table to
 AllReduce.
 """
+
+from parallax.lazy import submodule_attributes
+
+__getattr__ = submodule_attributes(__name__)

@@ -15,3 +15,7 @@ construction (the runner never asks which kind it holds):
 
 Adding a sync mode or a dense-sync kind is one class and a registry entry (`docs/extending.md`).
 """
+
+from parallax.lazy import submodule_attributes
+
+__getattr__ = submodule_attributes(__name__)

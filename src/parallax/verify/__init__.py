@@ -9,6 +9,10 @@ every step (`parallax.verify.record`); `parallax.verify.compare` reports, per pa
 largest difference and the first step it went above the tolerance.
 """
 
+from parallax.lazy import submodule_attributes
 from parallax.verify.record import VERIFY_ENV, Verification, active
 
 __all__ = ["VERIFY_ENV", "Verification", "active"]
+
+# submodules not imported above, as attributes on first use
+__getattr__ = submodule_attributes(__name__)

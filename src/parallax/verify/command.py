@@ -111,7 +111,7 @@ def _run(options: VerifyOptions, role: str, root: Path) -> _RunResult:
     env[VERIFY_ENV] = verification.to_env()
     script = [str(_CHILD), options.script, *options.script_args]
     if role == "reference":
-        from parallax.launch.elastic import free_port
+        from parallax.cluster import free_port
 
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

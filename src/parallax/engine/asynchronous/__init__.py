@@ -3,3 +3,7 @@ apply each worker's push as it arrives (`async_server`), the workers' side and t
 bound (`async_training`), and the table kind that pulls and pushes through them
 (`async_table`).
 """
+
+from parallax.lazy import submodule_attributes
+
+__getattr__ = submodule_attributes(__name__)

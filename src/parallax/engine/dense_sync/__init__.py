@@ -34,6 +34,7 @@ from parallax.engine.dense_sync.qsgd_codec import QSGDCodec
 from parallax.engine.dense_sync.state import DenseSyncState
 from parallax.engine.tables import reduction
 from parallax.engine.tables.exchange import Traffic
+from parallax.lazy import submodule_attributes
 
 CommHook = Callable[[DenseSyncState, GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -76,3 +77,5 @@ def wrap_dense(module: nn.Module, *, device: torch.device, sync: str, average: b
     ddp.register_comm_hook(state, HOOKS[DenseSyncName(sync)])
     return ddp, state
 
+# submodules not imported above, as attributes on first use
+__getattr__ = submodule_attributes(__name__)

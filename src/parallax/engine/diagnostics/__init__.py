@@ -2,3 +2,7 @@
 rank's progress in the job's store, which names the rank a failed collective waited for
 (`progress`).
 """
+
+from parallax.lazy import submodule_attributes
+
+__getattr__ = submodule_attributes(__name__)

@@ -2,3 +2,7 @@
 (`shard_optimizer`), deferred SGD rows (`deferred_sgd`), and the global gradient norm and
 finiteness over replicas and shards alike (`grad_norm`).
 """
+
+from parallax.lazy import submodule_attributes
+
+__getattr__ = submodule_attributes(__name__)

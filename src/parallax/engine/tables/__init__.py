@@ -5,3 +5,7 @@ hop and its byte counting (`exchange`, `hierarchy` for the machine leaders), loo
 (`early_push`), and the handles that stand in for a server-held parameter in the user's model
 (`handles`).
 """
+
+from parallax.lazy import submodule_attributes
+
+__getattr__ = submodule_attributes(__name__)
