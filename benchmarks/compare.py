@@ -84,7 +84,7 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # "hybrid-aggregated": Config(local_aggregation=True) (every machine's leader merges its rows,
 # whatever the hybrid's rule would choose);
 # "hybrid-late" / "ps-late": Config(overlap_push=False) (gradient rows pushed after the backward);
-# "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys and lm workloads);
+# "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys, lm and nmt workloads);
 # "torchrec-plan": TorchRec with each table's sharding chosen by its own planner;
 # "plain": the single-device loop, no DDP (one worker only: parallax's single-worker overhead);
 # "hybrid-plump" / "hybrid-qsgd" / "hybrid-slim" (and allreduce-*): that Config.dense_sync for

@@ -97,9 +97,21 @@ def encode_pairs(pairs: Sequence[tuple[str, str]], cfg: NMTConfig) -> ParallelDa
     tgt_words = [tokenize(t) for _, t in pairs]
     src_vocab, tgt_vocab = Vocab.build(src_words, cfg.src_vocab), Vocab.build(tgt_words,
                                                                                cfg.tgt_vocab)
-    n = cfg.max_len
-    src = torch.full((len(pairs), n), PAD_ID, dtype=torch.long)
-    tgt = torch.full((len(pairs), n + 1), PAD_ID, dtype=torch.long)
+    return _encode(src_words, tgt_words, src_vocab, tgt_vocab, cfg.max_len)
+
+
+def encode_held_out(pairs: Sequence[tuple[str, str]], vocabulary: ParallelData,
+                    cfg: NMTConfig) -> ParallelData:
+    """``pairs`` encoded in the vocabularies of ``vocabulary`` (the training pairs'): words the
+    training pairs lack become ``<unk>``, as in any held-out set."""
+    return _encode([tokenize(s) for s, _ in pairs], [tokenize(t) for _, t in pairs],
+                   vocabulary.src_vocab, vocabulary.tgt_vocab, cfg.max_len)
+
+
+def _encode(src_words: list[list[str]], tgt_words: list[list[str]], src_vocab: Vocab,
+            tgt_vocab: Vocab, n: int) -> ParallelData:
+    src = torch.full((len(src_words), n), PAD_ID, dtype=torch.long)
+    tgt = torch.full((len(tgt_words), n + 1), PAD_ID, dtype=torch.long)
     for i, (s, t) in enumerate(zip(src_words, tgt_words, strict=True)):
         ids = (src_vocab.encode(s) + [EOS_ID])[:n]
         src[i, n - len(ids):] = torch.tensor(ids)

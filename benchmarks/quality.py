@@ -35,10 +35,10 @@ def evaluate(system: str, step: Callable[[Any], Any], runner: parallax.Runner | 
     model = step.model  # type: ignore[attr-defined]
     device = current_worker().device
     if system.startswith("torchrec"):
-        from torchrec_lm import to_lm_kjt
+        to_input = step.to_input  # type: ignore[attr-defined]
 
         def forward(inputs: Any) -> Tensor:
-            return model(to_lm_kjt(to_device(inputs, device)))
+            return model(to_input(to_device(inputs, device)))
     else:
         def forward(inputs: Any) -> Tensor:
             return model(*to_device(inputs, device))

@@ -1,9 +1,13 @@
 """Time to quality (the Parallax paper's Figure 7 analog): the LM on real text (the KJV Bible)
-trained by each system from the same initial weights on the same batches until its
-full-softmax validation loss on held-out text reaches a target; wall-clock training time to
-the target, per system, link rate and seed.
+or the NMT (English -> Spanish Bible verses) trained by each system from the same initial
+weights on the same batches until its full-softmax validation loss on held-out text reaches a
+target; wall-clock training time to the target, per system, link rate and seed.
 
     python benchmarks/time_to_quality.py --rates 1gbit 100mbit --seeds 0 1 2
+    python benchmarks/time_to_quality.py --workload nmt --eval-every 10 --max-steps 300
+
+The LM's validation set is the KJV's held-out tail (windows); the NMT's, the corpus's last
+``NMT_HELD_OUT`` verse pairs (its last books), which its training never reads.
 
 Each (rate, seed) round runs every system once, each in its own launch, in an order rotated
 by the seed. A run evaluates at step 0 and every ``--eval-every`` steps (not timed: the
@@ -32,10 +36,15 @@ from workloads import fetch_data
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["hybrid", "ps", "allreduce", "ddp-sparse", "torchrec-rw"]
+NMT_HELD_OUT = 1024  # verse pairs held out of the NMT's training (validation: the first ones)
+# per workload: target loss, validation samples (windows or pairs), samples per worker batch
+DEFAULTS = {"lm": {"target": 6.88, "validation_windows": 256, "batch": 16},
+            "nmt": {"target": 5.1, "validation_windows": 512, "batch": 32}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=sorted(DEFAULTS), default="lm")
     parser.add_argument("--machines", type=int, default=2)
     parser.add_argument("--nproc-per-machine", type=int, default=2)
     parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"],
@@ -43,34 +52,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=compare.ALL_SYSTEMS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="initial weights and data order")
-    parser.add_argument("--target", type=float, default=6.88,
-                        help="validation loss (nats per word, full softmax) to reach")
+    parser.add_argument("--target", type=float, default=None,
+                        help="validation loss (nats per word, full softmax) to reach "
+                             "(default: lm 6.88, nmt 5.1)")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--max-steps", type=int, default=500)
-    parser.add_argument("--validation-windows", type=int, default=256,
-                        help="held-out windows scored per evaluation")
-    parser.add_argument("--batch", type=int, default=16, help="windows per worker and step")
-    parser.add_argument("--name", default="time-to-quality-lm-2x2")
+    parser.add_argument("--validation-windows", type=int, default=None,
+                        help="held-out samples scored per evaluation: LM windows (default "
+                             f"256) or NMT pairs (default 512, at most {NMT_HELD_OUT})")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="samples per worker and step (default: lm 16, nmt 32)")
+    parser.add_argument("--name", default=None,
+                        help="output name (default time-to-quality-<workload>-<M>x<K>)")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
+    for key, value in DEFAULTS[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.name is None:
+        args.name = f"time-to-quality-{args.workload}-{args.machines}x{args.nproc_per_machine}"
     if args.eval_every < 1 or args.max_steps < 1:
         parser.error("--eval-every and --max-steps must be >= 1")
     return args
 
 
 def compare_args(args: argparse.Namespace, rate: str, seed: int) -> argparse.Namespace:
-    """compare.py's arguments for one launch of the KJV LM at ``rate`` with ``seed``."""
-    return compare.parse_args(["--workload", "lm", "--machines", str(args.machines),
+    """compare.py's arguments for one launch of the workload at ``rate`` with ``seed``."""
+    return compare.parse_args(["--workload", args.workload, "--machines", str(args.machines),
                                "--nproc-per-machine", str(args.nproc_per_machine),
                                "--rate", rate, "--batch", str(args.batch), "--isolate",
                                "--workload-options",
-                               json.dumps({"corpus": "kjv", "seed": seed})])
+                               json.dumps({**workload_options(args.workload), "seed": seed})])
+
+
+def workload_options(workload: str) -> dict:
+    """What gives the workload its validation set: the KJV corpus, or held-out NMT pairs."""
+    return {"corpus": "kjv"} if workload == "lm" else {"held_out": NMT_HELD_OUT}
 
 
 def run(args: argparse.Namespace) -> dict:
     quality = {"target": args.target, "eval_every": args.eval_every,
                "max_steps": args.max_steps, "windows": args.validation_windows}
-    fetch_data("lm", {"corpus": "kjv"})  # workers in namespaces cannot download
+    fetch_data(args.workload, workload_options(args.workload))  # namespaces are offline
     runs = []
     total = len(args.rates) * len(args.seeds) * len(args.systems)
     with tempfile.TemporaryDirectory(prefix="ttq-") as tmp:
@@ -108,8 +131,11 @@ def markdown(result: dict) -> str:
     and each system's median time over the hybrid's."""
     options = result["options"]
     source = result["provenance"]
+    held_out = ("held-out KJV windows" if options.get("workload", "lm") == "lm"
+                else "held-out verse pairs")
     lines = [f"Time to a validation loss of {options['target']} (full softmax, "
-             f"{options['validation_windows']} held-out KJV windows), LM {result['shape']}, "
+             f"{options['validation_windows']} {held_out}), "
+             f"{options.get('workload', 'lm').upper()} {result['shape']}, "
              f"batch {options['batch']}/worker, evaluated every {options['eval_every']} "
              f"steps; seeds {options['seeds']}; commit {(source.get('commit') or '?')[:10]}"
              + (" (uncommitted changes)" if source.get("dirty") else ""), "",
@@ -157,7 +183,9 @@ def plot(result: dict, path: Path) -> None:
                     label=run["system"] if run["seed"] == result["options"]["seeds"][0]
                     else None)
         ax.axhline(result["options"]["target"], color="grey", ls="--", lw=0.8)
-        ax.set_title(f"LM on KJV, {result['shape']}, {rate} (emulated)")
+        what = ("LM on KJV" if result["options"].get("workload", "lm") == "lm"
+                else "NMT en-es")
+        ax.set_title(f"{what}, {result['shape']}, {rate} (emulated)")
         ax.set_xlabel("training seconds")
         ax.set_ylabel("validation loss (full softmax)")
         ax.legend(fontsize=8)

@@ -231,17 +231,21 @@ def rec_weights(cfg: RecConfig, seed: int = 0) -> dict[str, Tensor]:
 def make_torchrec_step(system: str, cfg: Any, optimizer: str = "adagrad", lr: float = 0.05,
                        seed: int = 0) -> Callable[[Any], Tensor]:
     """``step(batch) -> loss`` for ``system`` in SHARDINGS, inside an initialised gloo group:
-    the recommender for a ``RecConfig``, the LM (``torchrec_lm``) for an ``LMConfig``; the
+    the recommender for a ``RecConfig``, the LM (``torchrec_lm``) for an ``LMConfig``, the
+    NMT (``torchrec_nmt``) for an ``NMTConfig``; the
     batch is the workload's own. ``optimizer``: "adagrad" or "sgd" (tables: the fused kernel's
     equivalent). Raises PeerUnavailable with the exact error when the configuration cannot be
     built (building only: a failure in a later step raises the kernel's own error)."""
     if not isinstance(cfg, RecConfig):
+        from nmt import NMTConfig
         from torchrec_lm import make_torchrec_lm_step
+        from torchrec_nmt import make_torchrec_nmt_step
         from workloads import LMConfig
 
-        if not isinstance(cfg, LMConfig):
+        makers = {LMConfig: make_torchrec_lm_step, NMTConfig: make_torchrec_nmt_step}
+        if type(cfg) not in makers:
             raise TypeError(f"TorchRec peer: no model for {type(cfg).__name__}")
-        return make_torchrec_lm_step(system, cfg, optimizer=optimizer, lr=lr, seed=seed)
+        return makers[type(cfg)](system, cfg, optimizer=optimizer, lr=lr, seed=seed)
     dmp, opt, plan = build_sharded(
         system, lambda device: TorchRecModel(cfg, device=device),
         [f"t_{f}" for f in features(cfg)], lambda: rec_weights(cfg, seed), optimizer, lr)
@@ -251,8 +255,8 @@ def make_torchrec_step(system: str, cfg: Any, optimizer: str = "adagrad", lr: fl
 
 def training_step(dmp: nn.Module, opt: Any, plan: Any, to_input: Callable[[Any], Any],
                   loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Any], Tensor]:
-    """``step((inputs, targets)) -> loss`` of a sharded TorchRec model, with the model and its
-    plan attached for inspection."""
+    """``step((inputs, targets)) -> loss`` of a sharded TorchRec model, with the model, its
+    plan and ``to_input`` attached for inspection and evaluation."""
 
     def step(batch: Any) -> Tensor:
         inputs, targets = batch
@@ -264,6 +268,7 @@ def training_step(dmp: nn.Module, opt: Any, plan: Any, to_input: Callable[[Any],
 
     step.model = dmp  # type: ignore[attr-defined]
     step.plan = plan  # type: ignore[attr-defined]
+    step.to_input = to_input  # type: ignore[attr-defined]  (the model's input: quality.py)
     return step
 
 

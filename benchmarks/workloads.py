@@ -202,13 +202,21 @@ class Workload:
             self.lr = 0.05
         elif name == "nmt":
             from corpora.rv1909 import english_spanish_pairs
-            from nmt import NMTConfig, batches, encode_pairs, nmt_loss
+            from nmt import NMTConfig, batches, encode_held_out, encode_pairs, nmt_loss
 
-            self.cfg = NMTConfig(**options)
+            # "held_out": the corpus's last pairs (its last books), never trained on: the
+            # validation set of time_to_quality.py; the vocabularies are the rest's
+            held_out = int(options.get("held_out", 0))
+            self.cfg = NMTConfig(**{k: v for k, v in options.items() if k != "held_out"})
             worker = current_worker()
-            data = encode_pairs(fetched_once(english_spanish_pairs), self.cfg)
+            pairs = fetched_once(english_spanish_pairs)
+            if not 0 <= held_out < len(pairs) // 2:
+                raise ValueError(f"NMT held_out must be in [0, {len(pairs) // 2}), "
+                                 f"got {held_out}")
+            data = encode_pairs(pairs[:len(pairs) - held_out], self.cfg)
+            self.held_out = encode_held_out(pairs[len(pairs) - held_out:], data, self.cfg)
             self.shards = itertools.cycle(batches(data, self.cfg, worker.rank,
-                                                  worker.world_size))
+                                                  worker.world_size, seed=self.seed))
             self.loss = nmt_loss
             # Real target tokens (words and </s>, pads excluded) per worker batch, on average.
             self.items = self.cfg.batch * data.target_tokens_per_pair()
@@ -264,20 +272,28 @@ class Workload:
         return model, torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
 
     def validation(self, rank: int, world: int, windows: int) -> list:
-        """This rank's share of ``windows`` held-out windows (the first ``windows`` of the
-        KJV's validation tail, dealt out rank by rank in whole batches) as batches scored by
-        the full softmax: candidates are the whole vocabulary, targets the true word ids.
-        Only the LM on real text has a validation set."""
-        if self.name != "lm" or self.cfg.corpus != "kjv":
-            raise ValueError("a validation set exists for the LM on the KJV corpus only "
-                             "(--workload lm --workload-options '{\"corpus\": \"kjv\"}')")
-        held_out = self.held_out
-        if windows > len(held_out) or windows % (world * self.cfg.batch):
-            raise ValueError(f"validation windows must be a multiple of world x batch = "
-                             f"{world * self.cfg.batch} and at most {len(held_out)}, "
-                             f"got {windows}")
+        """This rank's share of the first ``windows`` held-out samples, dealt out rank by rank
+        in whole batches. The LM on the KJV: windows of its validation tail, scored by the full
+        softmax (candidates are the whole vocabulary, targets the true word ids). The NMT:
+        pairs of ``held_out`` (its loss is a full softmax already)."""
+        if self.name == "nmt":
+            from nmt import make_batch
+
+            held_out, batch = self.held_out, self.cfg.batch
+        elif self.name == "lm" and self.cfg.corpus == "kjv":
+            held_out, batch = self.held_out, self.cfg.batch
+        else:
+            raise ValueError("a validation set exists for the LM on the KJV corpus "
+                             "(--workload lm --workload-options '{\"corpus\": \"kjv\"}') and "
+                             "the NMT with held-out pairs ('{\"held_out\": 1024}') only")
+        if windows > len(held_out) or windows % (world * batch):
+            raise ValueError(f"validation samples must be a multiple of world x batch = "
+                             f"{world * batch} and at most {len(held_out)}, got {windows}")
+        if self.name == "nmt":
+            mine = torch.arange(windows).view(-1, world, batch)[:, rank]
+            return [make_batch(held_out, index) for index in mine]
         everything = torch.arange(self.cfg.vocab)
-        mine = held_out[:windows].view(-1, world, self.cfg.batch, self.cfg.seq_len + 1)[:, rank]
+        mine = held_out[:windows].view(-1, world, batch, self.cfg.seq_len + 1)[:, rank]
         return [((ids[:, :-1], everything), ids[:, 1:].reshape(-1)) for ids in mine]
 
     def batch(self, generator: torch.Generator):

@@ -134,10 +134,12 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
 --rate 1gbit --kinds kill-launcher link-cut --seed 50 --out $results/chaos-2x2-1gbit-clean.json"
   [time-to-quality]="$py benchmarks/time_to_quality.py --machines 2 --nproc-per-machine 2 \
 --rates 1gbit 100mbit --seeds 0 1 2 --target 6.88 --eval-every 25 --max-steps 500"
+  [time-to-quality-nmt]="$py benchmarks/time_to_quality.py --workload nmt --machines 2 \
+--nproc-per-machine 2 --rates 1gbit 100mbit --seeds 0 1 2 --eval-every 10 --max-steps 300"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
-ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality recsys recsys-history recsys-riders recsys-history-rest
+ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync

@@ -233,6 +233,23 @@ def test_bandwidth_sweep_smoke_isolated(tmp_path: Path) -> None:
     assert "| hybrid |" in (tmp_path / "bandwidth-2x1.md").read_text()
 
 
+def test_time_to_quality_takes_the_nmt_with_its_held_out_pairs() -> None:
+    """``--workload nmt``: its own defaults, and each launch's workload holds out the pairs
+    it validates on (the run itself is the LM's smoke below: the same code path)."""
+    sys.path.insert(0, str(BENCH))
+    import compare
+    import time_to_quality as ttq
+
+    args = ttq.parse_args(["--workload", "nmt", "--seeds", "4"])
+    assert (args.batch, args.validation_windows, args.name) == (
+        32, 512, "time-to-quality-nmt-2x2")
+    launch = ttq.compare_args(args, "1gbit", 4)
+    assert launch.workload == "nmt" and launch.batch == 32
+    assert compare.workload_options(launch)["held_out"] == ttq.NMT_HELD_OUT >= 512
+    assert compare.workload_options(launch)["seed"] == 4
+    assert ttq.parse_args([]).target == 6.88  # the LM's, unchanged
+
+
 @pytest.mark.network  # fetches the KJV (Debian sword-text-kjv) on first use
 def test_time_to_quality_on_real_text(tmp_path: Path) -> None:
     """The KJV LM trained to a validation target by two systems: both start from the same

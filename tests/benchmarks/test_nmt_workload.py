@@ -26,6 +26,7 @@ from nmt import (  # noqa: E402
     Seq2Seq,
     Vocab,
     batches,
+    encode_held_out,
     encode_pairs,
     nmt_loss,
 )
@@ -63,6 +64,14 @@ def test_encode_pairs_left_pads_source_and_cuts_long_sequences() -> None:
     assert data.tgt.tolist() == [[BOS_ID, *tgt(["y", "lloró", "jesús", "."]), EOS_ID],
                                  [BOS_ID, *tgt(["u", "v", "w", "x", "y"])]]
     assert data.target_tokens_per_pair() == 5.0
+
+
+def test_held_out_pairs_use_the_training_vocabularies() -> None:
+    train = encode_pairs([("a b", "x y"), ("a c", "x z")], CFG)
+    held = encode_held_out([("a new", "x unseen")], train, CFG)
+    assert held.src_vocab is train.src_vocab and held.tgt_vocab is train.tgt_vocab
+    assert held.src[0, -3:].tolist() == [train.src_vocab.stoi["a"], UNK_ID, EOS_ID]
+    assert held.tgt[0, :4].tolist() == [BOS_ID, train.tgt_vocab.stoi["x"], UNK_ID, EOS_ID]
 
 
 def test_batches_shard_the_global_batch() -> None:
@@ -140,10 +149,16 @@ def test_workload_trains_on_real_pairs(tmp_path: Path, monkeypatch: pytest.Monke
                             world_size=1)
     try:
         options = {"src_vocab": 2000, "tgt_vocab": 2000, "emb": 32, "hidden": 64, "batch": 32}
-        workload = Workload("nmt", options)
+        workload = Workload("nmt", {**options, "held_out": 128})
     finally:
         dist.destroy_process_group()
     assert workload.cfg == NMTConfig(**options) and workload.unit == "words"
+    # the validation set: held-out pairs (the corpus's last), dealt to ranks in whole batches
+    assert len(workload.held_out) == 128
+    mine = workload.validation(1, 2, 128)
+    assert len(mine) == 2 and torch.equal(mine[0][0][0], workload.held_out.src[32:64])
+    with pytest.raises(ValueError, match="multiple of world x batch"):
+        workload.validation(0, 2, 96)
     # Real target tokens per batch: most verses are cut at max_len, so close to the maximum.
     assert 0.8 * 32 * 20 < workload.items < 32 * 20
     model, opt = workload.model_and_optimizer(sparse_grad=False)
