@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 from compare import provenance  # noqa: E402
-from workloads import fetch_data  # noqa: E402
+from data_fetch import fetch_data  # noqa: E402
 
 MODES = ["sync", "async-sparse", "async"]
 LAYOUTS = {"4x1": (4, 1), "2x2": (2, 2)}

@@ -74,7 +74,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from workloads import fetch_data
+from data_fetch import fetch_data
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]

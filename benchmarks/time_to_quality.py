@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 import compare
-from workloads import fetch_data
+from data_fetch import fetch_data
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["hybrid", "ps", "allreduce", "ddp-sparse", "torchrec-rw"]

@@ -93,24 +93,6 @@ def text_lm_batch(cfg: LMConfig, windows: Tensor, generator: torch.Generator,
     return _with_candidates(cfg, windows[index], generator)
 
 
-def fetch_data(name: str, options: dict) -> None:
-    """Fetch the corpora workload ``name`` with ``options`` reads, into the cache, in *this*
-    process. Launchers call it before starting workers: under ``--emulate-network`` workers
-    cannot download (`corpora.cache.require_online`)."""
-    from corpora import fetch
-
-    if name == "lm" and options.get("corpus", "zipf") == "kjv":
-        fetch("kjv")
-    elif name == "nmt":
-        fetch("kjv-rv1909")
-    elif name == "cnn":
-        fetch("fashion-mnist")
-    elif name == "recsys":
-        from recsys import widedeep_wheel
-
-        widedeep_wheel()
-
-
 def fetched_once(fetch: Callable[[], T]) -> T:
     """``fetch()``, run by rank 0 first when in a group, so that one rank downloads and the
     others read its cache."""
