@@ -3,14 +3,15 @@ start-up (Python, torch, parallax, ``get_runner``), and the end (the workers' ex
 launcher's own).
 
     python benchmarks/launch_overhead.py [--machines 1] [--nproc-per-machine 2] [--repeats 7]
-                                         [--label NAME] [--out FILE]
+                                         [--emulate-network RATE] [--label NAME] [--out FILE]
 
 Each repeat launches ``launch_worker.py`` (a tiny embedding model, one step) and takes wall-clock
 marks: the command's start, each worker's first line, its runner built, its step done, its
-``parallax.shutdown()`` returned, and the command's end. Medians over the repeats (the spread as
-min-max). Compare two versions of the library by running this file from one checkout with
-``PYTHONPATH=<other checkout>/src`` and another ``--label``. Writes (appends to)
-``benchmarks/results/launch_overhead.json``.
+``parallax.shutdown()`` returned, and the command's end; and the CPU seconds of every process
+of the launch (``getrusage`` of the children: on a host of few cores, CPU is what a suite of
+launches waits for). Medians over the repeats (the spread as min-max). Compare two versions of
+the library by running this file from one checkout with ``PYTHONPATH=<other checkout>/src``
+and another ``--label``. Writes (appends to) ``benchmarks/results/launch_overhead.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -33,15 +35,24 @@ import compare  # noqa: E402
 PARTS = ("launcher start", "worker start-up", "get_runner", "one step", "shutdown", "end")
 
 
-def one_launch(machines: int, per_machine: int) -> dict[str, float]:
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def one_launch(machines: int, per_machine: int, rate: str | None = None) -> dict[str, float]:
     """Seconds of each part of one launch (from the slowest worker's marks, so that the
-    parts add up to the total)."""
+    parts add up to the total), and its CPU seconds. ``rate``: each machine in a network
+    namespace with that link (``--emulate-network``)."""
+    network = ["--emulate-network", rate] if rate else []
+    cpu = _children_cpu_s()
     began = time.time()
     proc = subprocess.run([sys.executable, "-m", "parallax.cli", "run", "--machines",
-                           str(machines), "--nproc-per-machine", str(per_machine),
+                           str(machines), "--nproc-per-machine", str(per_machine), *network,
                            str(HERE / "launch_worker.py")],
                           capture_output=True, text=True, timeout=300)
     ended = time.time()
+    cpu = _children_cpu_s() - cpu
     if proc.returncode != 0:
         raise SystemExit(f"launch failed:\n{proc.stderr[-3000:]}")
     # the workers' lines may run into each other in the launcher's output
@@ -53,7 +64,8 @@ def one_launch(machines: int, per_machine: int) -> dict[str, float]:
     stepped, shut = max(m["stepped"] for m in marks), max(m["shutdown"] for m in marks)
     return {"launcher start": first - began, "worker start-up": start_up - first,
             "get_runner": runner - start_up, "one step": stepped - runner,
-            "shutdown": shut - stepped, "end": ended - shut, "total": ended - began}
+            "shutdown": shut - stepped, "end": ended - shut, "total": ended - began,
+            "cpu": cpu}
 
 
 def main() -> None:
@@ -61,26 +73,31 @@ def main() -> None:
     parser.add_argument("--machines", type=int, default=1)
     parser.add_argument("--nproc-per-machine", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--emulate-network", metavar="RATE", default=None,
+                        help="each machine in a network namespace (needs root), e.g. 1gbit")
     parser.add_argument("--label", default="this checkout")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "launch_overhead.json")
     args = parser.parse_args()
-    one_launch(args.machines, args.nproc_per_machine)  # warm the page cache
+    rate = args.emulate_network
+    one_launch(args.machines, args.nproc_per_machine, rate)  # warm the page cache
     runs = []
     for i in range(args.repeats):
-        runs.append(one_launch(args.machines, args.nproc_per_machine))
-        print(f"[launch] {i + 1}/{args.repeats}: {runs[-1]['total']:.2f} s", flush=True)
+        runs.append(one_launch(args.machines, args.nproc_per_machine, rate))
+        print(f"[launch] {i + 1}/{args.repeats}: {runs[-1]['total']:.2f} s, "
+              f"{runs[-1]['cpu']:.2f} CPU s", flush=True)
     summary = {part: {"median_s": statistics.median(r[part] for r in runs),
                       "min_s": min(r[part] for r in runs), "max_s": max(r[part] for r in runs)}
-               for part in (*PARTS, "total")}
+               for part in (*PARTS, "total", "cpu")}
     record = {"label": args.label, "machines": args.machines,
               "nproc_per_machine": args.nproc_per_machine, "repeats": args.repeats,
+              "emulate_network": rate,
               "parts": summary, "provenance": compare.provenance(),
               # the library that ran, when not this checkout's
               "pythonpath": os.environ.get("PYTHONPATH")}
     records = json.loads(args.out.read_text()) if args.out.exists() else []
     args.out.write_text(json.dumps([*records, record], indent=1))
     print(f"| {args.label} | " + " | ".join(f"{summary[p]['median_s']:.2f}"
-                                            for p in (*PARTS, "total")) + " |")
+                                            for p in (*PARTS, "total", "cpu")) + " |")
 
 
 if __name__ == "__main__":

@@ -125,6 +125,8 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
   [mp-splits]="bash scripts/mp_splits.sh"
   [phases]="$py benchmarks/phase_overhead.py"
   [launch]="$py benchmarks/launch_overhead.py"
+  [launch-emulated]="$py benchmarks/launch_overhead.py --machines 2 --nproc-per-machine 1 \
+--emulate-network 1gbit"
   [chaos]="$py benchmarks/chaos.py --trials 50 --machines 2 --nproc-per-machine 2 \
 --local-aggregation --steps 20 --checkpoint-every 4 --step-sleep 0.05 --timeout 10 --sync mixed \
 --search --kinds kill kill-save kill-plan kill-norestart stop corrupt full-disk --seed 1000 \
@@ -143,7 +145,7 @@ ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-hi
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync
-       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases launch chaos chaos-link)
+       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases launch launch-emulated chaos chaos-link)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100

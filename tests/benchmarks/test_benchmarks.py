@@ -386,13 +386,14 @@ def test_model_parallel_smoke(tmp_path: Path) -> None:
 
 
 def test_launch_overhead_smoke(tmp_path: Path) -> None:
-    """launch_overhead.py: the parts of a launch are measured, positive, and add up to it."""
+    """launch_overhead.py: the parts of a launch are measured, positive, and add up to it;
+    its CPU seconds (every process of the launch) are counted beside them."""
     out = tmp_path / "launch.json"
     run_script("launch_overhead.py", "--repeats", "1", "--label", "smoke", "--out", str(out))
     (record,) = json.loads(out.read_text())
     parts = record["parts"]
     assert record["label"] == "smoke" and len(record["provenance"]["commit"]) == 40
-    named = [name for name in parts if name != "total"]
+    named = [name for name in parts if name not in ("total", "cpu")]
     assert all(parts[name]["median_s"] > 0 for name in parts), parts
     assert sum(parts[name]["median_s"] for name in named) == pytest.approx(
         parts["total"]["median_s"], rel=1e-9)  # one repeat: the medians are its parts
