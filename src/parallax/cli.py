@@ -475,7 +475,7 @@ def _run_over_ssh(args: argparse.Namespace, spec: ResourceSpec, env: dict[str, s
     """Every machine of the resource file from here: this host's locally, the others over
     ssh, one rendezvous on the first machine; a failure anywhere stops all of them."""
     from parallax.cluster import free_port, is_local_host
-    from parallax.launch.executors import (  # imports torch: keep usage errors fast
+    from parallax.launch.executors import (
         LocalExecutor,
         SshExecutor,
         SshOptions,

@@ -36,13 +36,6 @@ def _init_group(store: Path, rank: int, world: int) -> None:
                             world_size=world, timeout=timedelta(seconds=60))
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    """A single-process gloo group (a file store: no port to collide on)."""
-    _init_group(tmp_path / "store", 0, 1)
-    yield
-    dist.destroy_process_group()
-
 
 def _reference(optimizer: str = "adagrad") -> tuple[SampledSoftmaxLM, torch.optim.Optimizer]:
     """The single-device LM from the harness's seed, sparse embedding, Adagrad (or SGD)."""

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
@@ -26,13 +24,6 @@ CFG = NMTConfig(src_vocab=40, tgt_vocab=50, emb=8, hidden=8, max_len=5, batch=4)
 LR = 0.1
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
-
-@pytest.fixture
-def gloo_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 def batch(generator: torch.Generator):
