@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -154,14 +154,22 @@ class ServerState:
             self.applied.notify_all()
             return done
 
-    def wait_applied(self, step: int) -> None:
-        """Block until ``step`` is applied (aggregate mode; the local worker's acknowledgement)."""
+    def wait_applied(self, step: int, check: Callable[[], None] | None = None) -> None:
+        """Block until ``step`` is applied (aggregate mode; the local worker's acknowledgement).
+        ``check`` is called every half second: it raises what the server thread failed with,
+        which would otherwise leave this wait to its timeout."""
+        deadline = time.monotonic() + self.timeout_s
         with self.lock:
-            if not self.applied.wait_for(lambda: self.done_step >= step, self.timeout_s):
-                missing = sorted(set(range(self.world_size)) - set(self._round))
-                raise AsyncServerError(
-                    f"rank {self.rank}: step {step} was not applied within {self.timeout_s:g} s "
-                    f"(Config.collective_timeout_s): rank(s) {missing} did not push it")
+            while not self.applied.wait_for(lambda: self.done_step >= step,
+                                            min(0.5, max(0.0, deadline - time.monotonic()))):
+                if check is not None:
+                    check()
+                if time.monotonic() >= deadline:
+                    missing = sorted(set(range(self.world_size)) - set(self._round))
+                    raise AsyncServerError(
+                        f"rank {self.rank}: step {step} was not applied within "
+                        f"{self.timeout_s:g} s (Config.collective_timeout_s): rank(s) {missing} "
+                        f"did not push it")
 
     def _split(self, counts: Sequence[int], ids: Tensor) -> list[tuple[ShardedTable, Tensor]]:
         pieces = ids.split([int(c) for c in counts])
@@ -206,6 +214,11 @@ class ServerThread:
         self.error: BaseException | None = None
         self.stopped: set[int] = set()
         self.last_message = time.monotonic()
+        # replies in flight: a gloo send completes only once its receiver posts the receive,
+        # and a worker takes its replies server by server; a server that waited on each send
+        # could wait on a worker that waits on another server blocked the same way (seen once:
+        # a 2x2 max_staleness=0 run hung), so replies are left in flight and reaped later
+        self.in_flight: list[tuple[dist.Work, Tensor]] = []
         self.thread = threading.Thread(target=self._run, name="parallax-async-server",
                                        daemon=True)
 
@@ -216,6 +229,9 @@ class ServerThread:
         try:
             while len(self.stopped) < self.world_size - 1:
                 self._serve_one()
+                self._reap()
+            for work, _ in self.in_flight:  # every worker stopped: it took its replies
+                work.wait(self.channel.timeout)
         except BaseException as error:  # kept for the main thread, which raises it
             self.error = error
 
@@ -235,7 +251,7 @@ class ServerThread:
             channel.recv(ids, src, _IDS, f"ids of a {_KINDS.get(kind, kind)}")
         if kind == PULL:
             for rows in self.state.pull(counts, ids):
-                channel.send(rows, src, _REPLY).wait()
+                self._reply(rows, src)
             return
         grads = [channel.recv(channel.rows(i, c), src, _GRADS, "gradient rows")
                  for i, c in enumerate(counts) if c]
@@ -245,7 +261,21 @@ class ServerThread:
     def acknowledge(self, rank: int) -> None:
         """Tell ``rank`` its push is applied (the local worker is woken by the condition)."""
         if rank != self.channel.rank:
-            self.channel.send(torch.ones(1), rank, _REPLY).wait()
+            self._reply(torch.ones(1), rank)
+
+    def _reply(self, tensor: Tensor, rank: int) -> None:
+        """Send without waiting for ``rank`` to take it (see ``in_flight``)."""
+        self.in_flight.append((self.channel.send(tensor, rank, _REPLY), tensor))
+
+    def _reap(self) -> None:
+        """Forget the replies taken; a failed one raises here."""
+        still = []
+        for work, tensor in self.in_flight:
+            if work.is_completed():
+                work.wait()  # raises what the send failed with
+            else:
+                still.append((work, tensor))
+        self.in_flight = still
 
     def join(self, timeout_s: float) -> None:
         """Wait until every other rank said stop: as long as messages keep coming (slower

@@ -16,7 +16,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,8 +57,11 @@ class StalenessGate:
     steps ahead of the slowest (``None``: no bound)."""
 
     def __init__(self, rank: int, world_size: int, bound: int | None, timeout_s: float,
-                 store: Store | None = None):
+                 store: Store | None = None, check: Callable[[], None] | None = None):
         self.rank = rank
+        # called each poll: a failure this process already knows of (its server thread died)
+        # ends the wait at once instead of after the timeout
+        self.check = check
         self.world_size = world_size
         self.bound = bound
         self.timeout_s = timeout_s
@@ -109,6 +112,8 @@ class StalenessGate:
                     f"before step {step}: with max_staleness={self.bound} it needs every worker "
                     f"to have finished step {need}, but rank {slowest} finished "
                     f"{clocks[slowest]} (it stopped, crashed or hangs)")
+            if self.check is not None:
+                self.check()
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
 
@@ -133,7 +138,8 @@ class AsyncTraining:
                        if self.state is not None and self.world_size > 1 else None)
         self.tables = {name: AsyncTable(table, i, self)
                        for i, (name, table) in enumerate(tables.items())}
-        self.gate = StalenessGate(self.rank, self.world_size, max_staleness, timeout_s)
+        self.gate = StalenessGate(self.rank, self.world_size, max_staleness, timeout_s,
+                                  check=self.check)
         self.step = 0
         self.skip_push = False  # Config.nonfinite="skip" found this worker's gradient bad
         self._quiet_depth = 0
@@ -208,7 +214,7 @@ class AsyncTraining:
                 out[k][where] = rows
                 self._count(tables[k], server, where.numel(), received=True)
         for work in sends:
-            work.wait()
+            work.wait(self.channel.timeout)
         return out
 
     def push(self, tables: Sequence[AsyncTable]) -> None:
@@ -228,9 +234,10 @@ class AsyncTraining:
             grads = [taken[k][1][where] for k, where, _ in items]
             if server == self.rank:
                 done = self._own_state().push(self.rank, self.step, counts, ids, grads, skip=skip)
-                for rank in done:
-                    if rank != self.rank:
-                        self.channel.send(torch.ones(1), rank, _REPLY).wait()
+                # in flight, not waited here: the others may first wait for another
+                # server's reply (see ServerThread.in_flight)
+                sends += [self.channel.send(torch.ones(1), rank, _REPLY)
+                          for rank in done if rank != self.rank]
                 acknowledged = self.rank in done
             else:
                 sends += self._send(server, SKIP if skip else PUSH, counts, ids, grads)
@@ -241,9 +248,9 @@ class AsyncTraining:
             self.channel.recv(torch.empty(1), server, _REPLY,
                               f"acknowledgement of step {self.step}'s push")
         if not acknowledged:
-            self._own_state().wait_applied(self.step)
+            self._own_state().wait_applied(self.step, check=self.check)
         for work in sends:
-            work.wait()
+            work.wait(self.channel.timeout)
 
     def _by_server(self, indices: Sequence[int], tables: Sequence[ShardedTable],
                    uniques: Sequence[Tensor]) -> dict[int, list[tuple[int, Tensor, Tensor]]]:
