@@ -19,15 +19,17 @@ q 20, p 1). Each launch trains every mode in turn with the same seeds and batche
 momentum 0.9); ``--repeats`` launches rotate their order. Per mode: computation and
 communication time per worker (communication: `Runner.dense_sync_seconds`, i.e. the hooks'
 or the servers' rounds including encoding, decoding and selection, as the paper counts them;
-computation: the rest of the step), the test accuracy every ``--eval-every`` steps on the
+computation: the rest of the step, and of it the finiteness check, the step's first
+collective after the previous round, where a rank waits for the one whose round ended last),
+the test accuracy every ``--eval-every`` steps on the
 first ``--eval-size`` test images (evaluation time is not on the clock), Speed_d (Plump-DP's
 training time over the mode's, same data) and Speed_a (Plump-DP's time to its final accuracy
 over the mode's time to reach it), engine and wire bytes.
 
-Writes ``<out-dir>/slim_dp[-sweep].json`` (every launch's raw records and provenance), ``.md``
-and ``.png`` (accuracy against training time, one panel per K and rate). The network is
-emulated (tbf-limited veths, no delay) and every worker shares this host's cores: with K
-above the core count, computation is K-fold contended. Needs root and iproute2.
+Writes ``<out-dir>/slim_dp[-sweep|-ablation].json`` (or ``--name``; every launch's raw records
+and provenance), ``.md`` and ``.png`` (accuracy against training time, one panel per K and
+rate). The network is emulated (tbf-limited veths, no delay) and every worker shares this host's
+cores: with K above the core count, computation is K-fold contended. Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true",
                         help="Plump-DP and Slim-DP at several (alpha, beta) instead")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--name", help="the records' name (default: slim_dp, slim_dp-sweep "
+                        "or slim_dp-ablation)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--from-json", type=Path, metavar="FILE",
                         help="rebuild the tables and figure from the raw records of an "
@@ -138,13 +142,14 @@ def summarise(records: list[list[dict[str, Any]]], steps: int) -> dict[str, dict
     labels = [r["label"] for r in records[0]]
     for label in labels:
         runs = [next(r for r in repeat if r["label"] == label) for repeat in records]
-        totals, comms, choosing = [], [], []
+        totals, comms, choosing, waits = [], [], [], []
         for run in runs:
             ranks = run["ranks"]
             per_step = [statistics.fmean(r["step_s"][i] for r in ranks) for i in range(steps)]
             totals.append(sum(per_step))
             comms.append(statistics.fmean(sum(r["sync_s"]) for r in ranks))
             choosing.append(statistics.fmean(r.get("choosing_s", 0.0) for r in ranks))
+            waits.append(_check_seconds(ranks, steps))
         median_run = runs[sorted(range(len(runs)), key=lambda i: totals[i])[len(runs) // 2]]
         stats = median_run["ranks"][0]["stats"]
         dense_bytes = sum(v for name, counts in stats.items() if name != "step phases"
@@ -156,6 +161,10 @@ def summarise(records: list[list[dict[str, Any]]], steps: int) -> dict[str, dict
             # computation: they run in the round after the step)
             "choosing_s": statistics.median(choosing),
             "comp_s": statistics.median(t - c for t, c in zip(totals, comms, strict=True)),
+            # of comp_s: the step's finiteness check, the first collective after the round:
+            # mostly waiting for the rank whose round ended last (None: records without phases)
+            "check_s": (statistics.median([w for w in waits if w is not None])
+                        if None not in waits else None),
             "final_accuracy": median_run["curve"][-1]["accuracy"],
             # less noisy than one evaluation: the mean of the last three
             "late_accuracy": statistics.fmean(p["accuracy"] for p in median_run["curve"][-3:]),
@@ -179,6 +188,15 @@ def summarise(records: list[list[dict[str, Any]]], steps: int) -> dict[str, dict
     return out
 
 
+def _check_seconds(ranks: list[dict[str, Any]], steps: int) -> float | None:
+    """Mean over ranks of the run's seconds in the "clip and check" phase (None when the
+    records hold no phases: runs before the runner kept them)."""
+    phases = [r["stats"].get("step phases") for r in ranks]
+    if any(p is None or "clip and check" not in p for p in phases):
+        return None
+    return statistics.fmean(p["clip and check"] for p in phases) * steps
+
+
 def markdown(summary: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
     per = 1000 / args.steps
     lines = [f"{args.steps} steps x {args.batch} images per worker, SmallVGG width "
@@ -188,14 +206,17 @@ def markdown(summary: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
              f"(Plump-DP through servers). Emulated network.", ""]
     for key, rows in summary.items():
         lines += [f"### {key}", "",
-                  "| mode | comp s/1k | comm s/1k | of which choosing | total s/1k | accuracy "
-                  "| last 3 evals | last 3, every repeat: mean (min-max) | Speed_d | Speed_a "
-                  "| dense bytes/step (rank 0, engine) | wire bytes/step/machine |",
-                  "|---" * 12 + "|"]
+                  "| mode | comp s/1k | of which check | comm s/1k | of which choosing "
+                  "| total s/1k | accuracy | last 3 evals | last 3, every repeat: mean (min-max) "
+                  "| Speed_d | Speed_a | dense bytes/step (rank 0, engine) "
+                  "| wire bytes/step/machine |",
+                  "|---" * 13 + "|"]
         for label, row in rows.items():
             speed_a = f"{row['speed_a']:.2f}" if row.get("speed_a") else "not reached"
+            check = row.get("check_s")
             lines.append(
-                f"| {label} | {row['comp_s'] * per:.1f} | {row['comm_s'] * per:.1f} | "
+                f"| {label} | {row['comp_s'] * per:.1f} | "
+                f"{'–' if check is None else f'{check * per:.1f}'} | {row['comm_s'] * per:.1f} | "
                 f"{row['choosing_s'] * per:.2f} | {row['train_s'] * per:.1f} | "
                 f"{row['final_accuracy']:.4f} | {row['late_accuracy']:.4f} | "
                 f"{_spread(row.get('late_accuracy_runs', [row['late_accuracy']]))} | "
@@ -239,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
     fetch("fashion-mnist")  # workers behind the emulated network cannot download
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = ("slim_dp-sweep" if args.sweep else "slim_dp-ablation" if args.ablation
-            else "slim_dp")
+    name = args.name or ("slim_dp-sweep" if args.sweep else "slim_dp-ablation"
+                         if args.ablation else "slim_dp")
     raw: dict[str, list[list[dict[str, Any]]]] = {}
     for machines in args.machines:
         for rate in args.rates:

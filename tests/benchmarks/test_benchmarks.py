@@ -342,6 +342,7 @@ def test_slim_dp_smoke(tmp_path: Path) -> None:
     for label, row in rows.items():
         assert row["comm_s"] > 0 and row["comp_s"] > 0, label
         assert row["comp_s"] + row["comm_s"] == pytest.approx(row["train_s"]), label
+        assert 0 < row["check_s"] < row["comp_s"], label  # the check's share of comp
         assert [p["step"] for p in row["curve"]] == [2, 4], label
         assert 0 <= row["final_accuracy"] <= 1, label
         assert row["wire_bytes_per_step_machine"] > 0, label
