@@ -88,6 +88,12 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
   [local-aggregation-2x4]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 4 --rate 100mbit --systems hybrid hybrid-aggregated ps optps --isolate \
 --out benchmarks/results/local-aggregation-lm-2x4-100mbit.json"
+  [local-aggregation-2x8]="$py benchmarks/compare.py --workload lm --machines 2 \
+--nproc-per-machine 8 --rate 1gbit --systems hybrid hybrid-direct --isolate \
+--out benchmarks/results/local-aggregation-lm-2x8-1gbit.json"
+  [local-aggregation-2x8-100mbit]="$py benchmarks/compare.py --workload lm --machines 2 \
+--nproc-per-machine 8 --rate 100mbit --systems hybrid hybrid-direct --isolate --steps 5 \
+--out benchmarks/results/local-aggregation-lm-2x8-100mbit.json"
   [local-aggregation-2x4-10mbit]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 4 --rate 10mbit --systems hybrid hybrid-aggregated ps optps --isolate \
 --steps 5 --out benchmarks/results/local-aggregation-lm-2x4-10mbit.json"
@@ -105,6 +111,8 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
   [progress]="$py benchmarks/progress_overhead.py"
   [slim-dp]="$py benchmarks/slim_dp.py --machines 4 8 --rates 1gbit 100mbit --steps 200"
   [slim-sweep]="$py benchmarks/slim_dp.py --sweep --machines 4 --rates 100mbit --steps 200"
+  [slim-check]="$py benchmarks/slim_dp.py --machines 4 --rates 100mbit --steps 60 \
+--eval-every 60 --eval-size 500 --modes plump-ar plump quant slim --name slim_dp-check-k4-100mbit"
   [slim-ablation]="$py benchmarks/slim_dp.py --ablation --vary-seeds --machines 4 \
 --rates 1gbit --steps 600 --eval-every 50"
   [lm-dense-sync]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
@@ -143,14 +151,14 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
-       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
-       partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-ablation lm-dense-sync
+       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
+       partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-check slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases launch launch-emulated chaos chaos-link)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
-               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit ablation-recsys ablation-recsys-100mbit bandwidth slim-dp
-               slim-sweep slim-ablation lm-dense-sync lm-dense-sync-100mbit async)
+               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth slim-dp
+               slim-sweep slim-check slim-ablation lm-dense-sync lm-dense-sync-100mbit async)
 
 if [ "${1:-}" = "--list" ]; then
   for name in "${ORDER[@]}"; do printf '%-18s %s\n' "$name" "${EXPERIMENTS[$name]}"; done
