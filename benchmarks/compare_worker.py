@@ -42,6 +42,7 @@ from parallax.step.forward import to_device  # noqa: E402
 
 PARALLAX_ARCHITECTURES = ("hybrid", "optps", "ps", "allreduce")
 MAX_ALPHA_STEPS = 5  # Config's default warm-up: more steps only delay the plan
+MAX_SETTLING_STEPS = 64  # a trial or search still running after this many extra steps is timed
 LOSS_STEPS = 10  # loss_last: the mean training loss over this many last timed steps
 # system variant -> dense_sync
 DENSE_SYNCS = {"plump": "plump", "qsgd": "qsgd", "slim": "slim", "flat": "flat"}
@@ -292,6 +293,10 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         return result
     for _ in range(warmup):
         step(workload.batch(generator))
+    settling = 0  # the timed steps run the final plan (after the hybrid's leader-hop trial)
+    while runner is not None and not runner.plan_settled and settling < MAX_SETTLING_STEPS:
+        step(workload.batch(generator))
+        settling += 1
     dist.barrier()
     if runner is not None:
         runner.reset_stats()  # the engine's count then covers the timed steps only

@@ -228,7 +228,12 @@ class Config:
             before anything crosses machines. ``None``: on for ``optps``, off for ``ps``; the
             ``hybrid`` starts with it and keeps it once α is measured only if merging saves
             at least 20 % of the predicted bytes (``MIN_AGGREGATION_SAVING``: the extra hop costs
-            time too); it does not apply to ``allreduce``.
+            time too), and where it keeps it, times `local_aggregation_trial_steps` steps with
+            the hop and as many without and keeps the faster; it does not apply to
+            ``allreduce``.
+        local_aggregation_trial_steps: steps timed with and then without the leader hop
+            where the ``hybrid``'s bytes rule keeps it (the first half of each sample is
+            discarded; the slowest rank's mean decides). 0: the bytes rule alone decides.
         sparsity_warmup_steps: α of every sparse parameter is measured over the first this
             many training steps; then the plan is completed (and, under ``hybrid``, a sparse
             parameter with α above the threshold moves to AllReduce). 0: never measure.
@@ -336,6 +341,7 @@ class Config:
     mesh: tuple[int, int] | None = None
     model_split: str = ModelSplitName.PAIRS
     local_aggregation: bool | None = None
+    local_aggregation_trial_steps: int = 8
     sparsity_warmup_steps: int = 5
     alpha_threshold: float | None = None
     lazy_sparse_updates: bool = False
@@ -408,6 +414,9 @@ class Config:
             value = getattr(self, name)
             if value is not None:
                 _require(is_int(value) and value >= 1, name, value, "None or an int >= 1")
+        trial = self.local_aggregation_trial_steps
+        _require(is_int(trial) and (trial == 0 or trial >= 2), "local_aggregation_trial_steps",
+                 trial, "0 or an int >= 2 (the first half of each sample's steps is discarded)")
         steps = self.partition_search_steps
         _require(is_int(steps) and steps >= 2, "partition_search_steps", steps,
                  "an int >= 2 (the first half of each sample's steps is discarded)")

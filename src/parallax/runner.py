@@ -362,6 +362,13 @@ class Runner:
         """Whether sparse exchanges go through each machine's leader."""
         return self.planner.local_aggregation
 
+    @property
+    def plan_settled(self) -> bool:
+        """Whether the plan is final: α measured after the warm-up, the leader hop's trial
+        and any partition search done. Steps before it may run another layout (a
+        benchmark's timed steps start after)."""
+        return self.planner.settled
+
     def repartition(self, num_partitions: int, names: Iterable[str] | None = None) -> None:
         """Split the server-held sparse tables (all, or those in ``names``) into
         ``num_partitions`` partitions each, keeping their values and optimizer state; training

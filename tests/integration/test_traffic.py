@@ -90,6 +90,18 @@ def test_hybrid_keeps_local_aggregation_only_where_merging_saves_bytes(traffic) 
         traffic["hybrid-nolocalagg"]["measured"]["embedding.weight"], rel=0.05)
 
 
+def test_hybrid_times_the_hop_its_bytes_rule_keeps_and_keeps_the_faster(traffic) -> None:
+    trial = traffic["trial"]
+    assert trial["settled_in_trial"] is False and trial["settled"] is True
+    with_hop, without = trial["samples"]["True"], trial["samples"]["False"]
+    assert with_hop > 0 and without > 0
+    assert trial["local_aggregation"] is (with_hop <= without)
+    reason = trial["reason"]["embedding.weight"]
+    assert "by trial" in reason and ("kept" if with_hop <= without else "off") in reason
+    # switched on, off and to its choice between steps: the same training as without the hop
+    assert trial["max_difference"] < 1e-9
+
+
 def test_parallax_plan_runs_the_warmup_prints_and_writes_the_plan(tmp_path: Path) -> None:
     program = ROOT / "tests" / "scripts" / "faulty_worker.py"  # mode "export": plain training
     out = tmp_path / "plan.json"

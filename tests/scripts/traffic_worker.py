@@ -15,6 +15,7 @@ import parallax
 from parallax.launch.fast_exit import exit_now
 
 ROWS, DIM, USED, SHIFT, STEPS, BATCH = 1000, 16, 40, 20, 6, 4
+TRIAL_STEPS = 8  # warm-up 2, the trial's 2 + 2, then 2 with its choice
 RUNS = {"allreduce": {}, "ps": {}, "optps": {}, "hybrid": {},
         "hybrid-nolocalagg": {"local_aggregation": False}}
 # The default hybrid where the workers of a machine share no row: merging saves nothing, so the
@@ -41,6 +42,36 @@ def batch(step: int, worker: parallax.cluster.WorkerInfo,
     return ids.repeat(BATCH, 1), torch.randint(0, 64, (BATCH,))
 
 
+def hop_trial() -> dict:
+    """The default hybrid keeps the hop here by bytes, then times it (2 steps with, 2
+    without: `parallax.step.aggregation_trial`); trained on as long as a run without the
+    hop, whose parameters it must equal (the same sums in another order)."""
+    states, out = {}, {}
+    for run, extra in (("trial", {"local_aggregation_trial_steps": 2}),
+                       ("direct", {"local_aggregation": False})):
+        torch.manual_seed(0)
+        model = Model().double()  # float64: the orders of the sums differ by ~1e-16
+        runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     nn.functional.cross_entropy,
+                                     config=parallax.Config(sparsity_warmup_steps=2, **extra))
+        for step in range(TRIAL_STEPS):
+            if run == "trial" and step == 2:
+                out["settled_in_trial"] = runner.plan_settled  # α measured, trial begun
+            ids, labels = batch(step, runner.worker)
+            runner.step((ids, labels))
+        states[run] = runner.state_dict()
+        if run == "trial":
+            trial = runner.planner.trial
+            out.update(samples={str(k): v for k, v in trial.samples.items()},
+                       local_aggregation=runner.local_aggregation,
+                       settled=runner.plan_settled,
+                       reason={p.name: p.reason for p in runner.plan.parameters})
+    out["max_difference"] = max(float((states["trial"][k] - states["direct"][k]).abs().max()
+                                       / states["direct"][k].abs().max())
+                                for k in states["direct"])
+    return out
+
+
 def narrow_table(rows: int) -> dict:
     """Rows of 4 bytes, all used every step: the PS's 8-byte ids cost more than the rows.
     With 40,000 rows the gradient is summed by a ring, the bytes model prefers AllReduce and
@@ -64,8 +95,9 @@ def main() -> None:
         torch.manual_seed(0)
         model = Model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        # the bytes rule alone (the leader hop's timed trial: tests/integration/test_traffic.py)
         config = parallax.Config(architecture=run.split("-")[0], sparsity_warmup_steps=2,
-                                 **extra)
+                                 local_aggregation_trial_steps=0, **extra)
         runner = parallax.get_runner(model, optimizer, nn.functional.cross_entropy,
                                      config=config)
         shift = USED if run == APART else SHIFT
@@ -82,6 +114,7 @@ def main() -> None:
         results[run] = {"measured": measured, "predicted": predicted, "alpha": alpha,
                         "sync": sync, "reason": reason,
                         "local_aggregation": runner.local_aggregation}
+    results["trial"] = hop_trial()
     results["narrow"] = narrow_table(40_000)
     results["narrow_small"] = narrow_table(64)
     if runner.worker.rank == 0:

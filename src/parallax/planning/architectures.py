@@ -82,6 +82,9 @@ class Architecture:
     sparse_on_servers: ClassVar[bool] = True
     dense_on_servers: ClassVar[bool] = False
     aggregates_by_default: ClassVar[bool] = False
+    #: where its rule keeps the leader hop (`Config.local_aggregation` unset), the hop is
+    #: kept only if a timed trial finds it faster (`parallax.step.aggregation_trial`)
+    tries_local_aggregation: ClassVar[bool] = False
 
     def aggregates_locally(self, config: Config) -> bool:
         """Whether sparse exchanges go through each machine's leader under ``config``."""
@@ -195,6 +198,7 @@ def pool_the_rest(rest: dict[str, tuple[float, float] | None]) -> tuple[bool, st
 class Hybrid(Architecture):
     name = ArchitectureName.HYBRID
     aggregates_by_default = True
+    tries_local_aggregation = True
 
     def predicted_bytes(self, param: ParameterCost, shape: cost.Shape, *,
                         local_aggregation: bool | None) -> float | None:

@@ -23,6 +23,7 @@ from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, optimizer
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
 from parallax.errors import PlanComplete
+from parallax.logs import log
 from parallax.model.detect import SparseUse
 from parallax.model.stand_ins import TableLookup
 from parallax.parallelism import Parallelism
@@ -38,6 +39,7 @@ from parallax.planning.memory import free_bytes, state_tensors_per_parameter
 from parallax.planning.plan import Plan
 from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
 from parallax.session import shutdown
+from parallax.step.aggregation_trial import AggregationTrial
 from parallax.step.hooks import StepDone
 from parallax.step.sync_modes import SyncMode
 
@@ -86,6 +88,10 @@ class PlanKeeper:
         #: the shapes of `Runner.step`'s batch (what a search's cache entry is valid for)
         self.batch_signature: Any = None
         self.tuner: PartitionTuner | None = None
+        #: the timed choice of the leader hop, where the architecture's rule kept it
+        self.trial: AggregationTrial | None = None
+        self._hop_tables: list[Table] = []
+        self._completed = warmup_steps == 0  # the warm-up's decisions are taken
         if warmup_steps == 0:  # α is never measured here
             self._stop_measuring()
         self.build()
@@ -100,6 +106,11 @@ class PlanKeeper:
         self.shard_optimizer = shard_optimizer
         self.replicated = replicated
         self.parallelism = parallelism
+        steps = self.config.local_aggregation_trial_steps
+        if (self.sync_mode.aligned and steps and self.architecture.tries_local_aggregation
+                and self.config.local_aggregation is None):
+            self.trial = AggregationTrial(self._switch_hop, steps=steps, group=self.group,
+                                          device=self.worker.device)
         if self.sync_mode.aligned:  # its timed samples need aligned steps
             self.tuner = build_tuner(
                 self.model, self.layout.sparse, config=self.config, worker=self.worker,
@@ -128,13 +139,27 @@ class PlanKeeper:
                                searches=tuple(self.searches.values()))
 
     # ---- the step hook -----------------------------------------------------------------------
+    @property
+    def settled(self) -> bool:
+        """Whether the plan is final: α measured, the leader hop's trial and any partition
+        search done (a benchmark's timed steps start after)."""
+        return self._completed and not ((self.trial is not None and self.trial.active)
+                                        or (self.tuner is not None and self.tuner.active))
+
     def after_step(self, done: StepDone) -> None:
-        """Feed the search its step time; complete the plan after the warm-up."""
+        """Feed the trial or the search its step time; complete the plan after the
+        warm-up."""
         if self.tuner is not None and self.tuner.active:
             self.tuner.after_step(done.seconds)
             if not self.tuner.active:
+                if self._completed:  # (α measured: the hop's decision is taken)
+                    self._begin_trial()
                 self.build()
                 self._exit_if_plan_only()
+        elif self.trial is not None and self.trial.active:
+            self.trial.after_step(done.seconds)
+            if not self.trial.active:
+                self._trial_done()
         if done.steps_here == self.warmup_steps:
             self._complete()
         elif self.warmup_steps == 0 and done.steps_here == 1:
@@ -145,6 +170,7 @@ class PlanKeeper:
         says pool cheapest (`Architecture.pools_bags`), then decide on the leader hop for the
         tables still pulling rows, and move to AllReduce what is cheaper there (the hybrid's
         rule: `Architecture.moves_to_allreduce`; collective)."""
+        self._completed = True
         tables = self.layout.sparse
         self.sparsity = measure(tables, self.worker, self.group, self.worker.device)
         self._stop_measuring()
@@ -172,6 +198,33 @@ class PlanKeeper:
             self.replicated.append(self.params[name])
             self.decisions[name] = why
         self._start_search()
+        if self.tuner is None or not self.tuner.active:  # else once the search is done
+            self._begin_trial()
+        self.build()
+        self._exit_if_plan_only()
+
+    # ---- the leader hop's trial --------------------------------------------------------------
+    def _begin_trial(self) -> None:
+        """Start timing the hop where the rule kept it for some server-held table (after
+        the partition search, whose samples ran with the hop)."""
+        self._hop_tables = [t for t in self.layout.sparse.values()
+                            if t.on_servers and not t.pools and t.local_aggregation]
+        if (self.trial is not None and self.local_aggregation and self._hop_tables
+                and self.plan_only is None):  # (parallax plan shows the bytes rule's choice)
+            self.trial.begin()
+
+    def _switch_hop(self, on: bool) -> None:
+        for table in self._hop_tables:
+            table.local_aggregation = on
+        self.local_aggregation = on
+
+    def _trial_done(self) -> None:
+        assert self.trial is not None
+        why = self.trial.summary()
+        for name, table in self.layout.sparse.items():
+            if table in self._hop_tables and name in self.sparse_uses:
+                self.decisions[name] = why
+        log.info("parallax: %s", why)
         self.build()
         self._exit_if_plan_only()
 
@@ -335,7 +388,7 @@ class PlanKeeper:
         """Under ``parallax plan``, stop once α is measured and any search is done: the plan
         is printed and written, then `PlanComplete` (a `SystemExit` with status 0) ends the
         program."""
-        if self.plan_only is None or (self.tuner is not None and self.tuner.active):
+        if self.plan_only is None or not self.settled:
             return
         if self.worker.rank == 0:
             print("\n" + self.plan.table(), flush=True)  # below any progress bar
