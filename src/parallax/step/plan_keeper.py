@@ -222,8 +222,9 @@ class PlanKeeper:
         assert self.trial is not None
         why = self.trial.summary()
         for name, table in self.layout.sparse.items():
-            if table in self._hop_tables and name in self.sparse_uses:
-                self.decisions[name] = why
+            if any(table is hop for hop in self._hop_tables) and name in self.sparse_uses:
+                rule = self.decisions.get(name)  # the bytes rule's reason, kept before it
+                self.decisions[name] = f"{rule}; {why}" if rule else why
         log.info("parallax: %s", why)
         self.build()
         self._exit_if_plan_only()
