@@ -337,6 +337,7 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
         not v or arch != "allreduce"),
     "server_threads": lambda v, _: v is None or (_is_int(v) and v >= 1),
     "partition_search_steps": lambda v, _: _is_int(v) and v >= 2,
+    "local_aggregation_trial_steps": lambda v, _: _is_int(v) and (v == 0 or v >= 2),
     "max_partitions": lambda v, _: v is None or (_is_int(v) and v >= 1),
     "partition_cache": lambda v, _: v is None or (
         isinstance(v, (str, os.PathLike)) and os.fspath(v) != ""),
@@ -394,6 +395,7 @@ def valid_configs(draw: st.DrawFn) -> Config:
     positive = st.integers(1, 10**6) | st.floats(1e-6, 1e6)
     strategies = {
         "local_aggregation": st.sampled_from(aggregation),
+        "local_aggregation_trial_steps": st.sampled_from([0, 2]) | st.integers(2, 100),
         "sparsity_warmup_steps": st.integers(0, 1000),
         "alpha_threshold": st.none() | st.floats(0, 1) | st.sampled_from([0, 1]),
         "lazy_sparse_updates": st.booleans(),
