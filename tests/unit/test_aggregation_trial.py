@@ -40,6 +40,14 @@ def test_the_hop_is_kept_when_it_is_faster() -> None:
     assert trial.keeps and "kept by trial" in trial.summary()
 
 
+def test_a_tie_drops_the_hop() -> None:
+    # 2 % faster with the hop: inside KEEP_MARGIN (3 %), no benefit shown
+    trial, switched = _run([0.245, 0.245], [0.25, 0.25])
+    assert switched == [True, False, False] and not trial.keeps
+    trial, switched = _run([0.24, 0.24], [0.25, 0.25])  # 4 % faster: kept
+    assert trial.keeps and switched[-1] is True
+
+
 def test_steps_after_the_trial_are_ignored() -> None:
     trial, switched = _run([0.1, 0.1], [0.2, 0.2])
     trial.after_step(5.0)
