@@ -30,7 +30,7 @@ from parallax.partitions.cache import cache_key, load_entry, store_entry
 from parallax.partitions.groups import group_of
 from parallax.partitions.search import Sample, SearchResult, sampling, second_half_mean
 
-__all__ = ["PartitionTuner", "SearchRecord", "build_tuner"]
+__all__ = ["PartitionTuner", "SearchRecord", "build_tuner", "slowest_rank_mean"]
 
 DEFAULT_MAX_PER_SERVER = 64
 
@@ -67,6 +67,16 @@ class _Group:
     name: str
     tables: list[str]
     max_partitions: int
+
+
+def slowest_rank_mean(durations: list[float], group: dist.ProcessGroup | None,
+                      device: torch.device) -> float:
+    """A timed sample: the mean of the second half of ``durations`` on the slowest rank
+    (collective over ``group``; None: this process alone), so every rank decides alike."""
+    measured = torch.tensor(second_half_mean(durations), dtype=torch.float64, device=device)
+    if group is not None:
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+    return float(measured)
 
 
 class PartitionTuner:
@@ -125,14 +135,12 @@ class PartitionTuner:
         self._durations.append(seconds)
         if len(self._durations) < self._steps_per_sample:
             return
-        measured = torch.tensor(second_half_mean(self._durations), dtype=torch.float64,
-                                device=self._device)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._process_group)
+        measured = slowest_rank_mean(self._durations, self._process_group, self._device)
         assert self._current is not None and self._search is not None
         self._say(f"partition search '{self._current.name}': P={self._partitions} "
-                  f"{float(measured) * 1e3:.1f} ms/step")
+                  f"{measured * 1e3:.1f} ms/step")
         try:
-            self._switch(self._search.send(float(measured)))
+            self._switch(self._search.send(measured))
         except StopIteration as done:
             self._finish(done.value)
 

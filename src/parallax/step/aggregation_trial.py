@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from parallax.partitions.search import second_half_mean
+from parallax.partitions.tuner import slowest_rank_mean
 
 __all__ = ["AggregationTrial", "KEEP_MARGIN"]
 
@@ -67,11 +67,8 @@ class AggregationTrial:
         self._durations.append(seconds)
         if len(self._durations) < self._steps:
             return
-        measured = torch.tensor(second_half_mean(self._durations), dtype=torch.float64,
-                                device=self._device)
-        if self._group is not None:
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._group)
-        self.samples[self._trying] = float(measured)
+        self.samples[self._trying] = slowest_rank_mean(self._durations, self._group,
+                                                       self._device)
         self._durations = []
         if self._trying:  # now without
             self._trying = False
