@@ -13,6 +13,7 @@ from parallax.engine.tables.exchange import (
     INT32_ROWS,
     Hop,
     Traffic,
+    exchange_counts,
     unique_ids,
     wire_id_dtype,
 )
@@ -135,6 +136,17 @@ def test_hop_round_trip_in_a_world_of_one(group: dist.ProcessGroup) -> None:
     assert torch.equal(hop.forward(rows), rows)
     assert torch.equal(hop.backward(rows * 2), rows * 2)
     assert traffic.per_step() == {}  # all of it self-traffic
+
+
+def test_counts_of_a_one_rank_group_stay_on_the_host(group: dist.ProcessGroup) -> None:
+    """exchange_counts in a world of one returns the host message itself: no trip through the
+    device (on a GPU two copies and a synchronisation per hop; here a `meta` device, which
+    a trip would leave unreadable), and Hop.open with a device opens on the host's counts."""
+    message = torch.tensor([[[4, 0, 0]]])
+    assert exchange_counts(message, group=group, device=torch.device("meta")) is message
+    hop = Hop.open([4], group=group, traffic=Traffic(0, (0,)), name="emb", num_rows=10,
+                   device=torch.device("meta"))
+    assert hop.recv_counts == {"emb": [4]}
 
 
 def test_hop_carries_tables_of_different_dtype_and_shape_in_one_message(

@@ -19,7 +19,7 @@ from parallax.engine.tables import reduction
 from parallax.engine.tables.table import Table
 
 __all__ = ["NonFinite", "all_finite", "all_finite_together", "clip_by_global_norm",
-           "find_nonfinite"]
+           "find_nonfinite", "finite_together"]
 
 
 class NonFinite:
@@ -59,12 +59,17 @@ def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
     for i, (_, table) in enumerate(named):  # server-held: each server its own rows
         values[world + i] = table.grad_norm_squared()
     reduction.all_reduce(values, group=group)
-    ranks_bad = values[:world].tolist()
-    tables_finite = torch.isfinite(values[world:world + len(named)]).tolist()
+    dense_finite = finite_together(grad for _, grad in dense)
+    if dense_finite is None:
+        dense_finite = torch.ones((), dtype=torch.bool, device=device)
+    # every flag in one read-back (on a GPU each read is a synchronisation)
+    read = torch.cat([values[:world] > 0, torch.isfinite(values[world:world + len(named)]),
+                      dense_finite.reshape(1)]).tolist()
+    ranks_bad, tables_finite = read[:world], read[world:world + len(named)]
     bad = [name for (name, _), finite in zip(named, tables_finite, strict=True) if not finite]
-    if not all_finite_together(grad for _, grad in dense):  # names only when one is bad
+    if not read[-1]:  # names only when one is bad
         bad += [name for name, grad in dense if grad is not None and not all_finite(grad)]
-    return NonFinite([r for r in range(world) if ranks_bad[r] > 0], bad,
+    return NonFinite([r for r in range(world) if ranks_bad[r]], bad,
                      values[world:world + len(named)].sum(),
                      None if flags is None else values[world + len(named):])
 
@@ -104,6 +109,15 @@ def all_finite(grad: Tensor) -> bool:
 def all_finite_together(grads: Iterable[Tensor | None]) -> bool:
     """`all_finite` of every gradient (None: none), read back once rather than once each (on a
     GPU every read-back is a synchronisation)."""
+    finite = finite_together(grads)
+    return finite is None or bool(finite)
+
+
+def finite_together(grads: Iterable[Tensor | None]) -> Tensor | None:
+    """Whether every value of every gradient (None: none) is finite, as a 0-dim bool tensor
+    on the gradients' device, not read back; None where there is no gradient."""
     checks = [torch.isfinite(grad._values() if grad.is_sparse else grad).all()
               for grad in grads if grad is not None]
-    return not checks or bool(torch.stack(checks).all())
+    if not checks:
+        return None
+    return torch.stack(checks).all()

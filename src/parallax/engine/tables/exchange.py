@@ -53,6 +53,19 @@ def all_to_all(out: Tensor, message: Tensor, recv_splits: Sequence[int] | None =
     return work
 
 
+def exchange_counts(message: Tensor, *, group: dist.ProcessGroup | None,
+                    device: torch.device | None) -> Tensor:
+    """A host ``message`` of counts sent through ``device`` (NCCL moves device tensors only)
+    and received back on the host. In a group of one rank it is its own answer and stays on
+    the host: on a GPU the trip would cost two copies and a synchronisation for nothing."""
+    if dist.get_world_size(group) == 1:
+        return message
+    sent = message.to(device)
+    received = torch.empty_like(sent)
+    all_to_all(received, sent, group=group)
+    return received.cpu()
+
+
 def with_header(header: Tensor, ids_dtype: torch.dtype) -> Tensor:
     """An int64 ``header`` as ``ids_dtype`` values, to open a message of such ids (two int32
     values per int64 where the ids are int32; `header_of` reads it back)."""
@@ -229,10 +242,7 @@ class Hop:
             if bad_id is not None:
                 message[:, t, 1] = BAD_ID
                 message[:, t, 2] = bad_id
-        message = message.to(device)
-        received = torch.empty_like(message)
-        all_to_all(received, message, group=group)
-        received = received.cpu()
+        received = exchange_counts(message, group=group, device=device)
         for name in names:
             traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
         raise_bad_ids(received, names, traffic=traffic, num_rows=num_rows)

@@ -1,0 +1,49 @@
+"""The step's finiteness check (`parallax.engine.optimizers.grad_norm.find_nonfinite`): who is
+named, and one read-back for a finite step (on a GPU each read-back is a synchronisation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallax.engine.optimizers.grad_norm import find_nonfinite, finite_together
+
+READ_BACKS = ("tolist", "item", "__bool__", "__float__", "__int__")
+
+
+def _check(loss: torch.Tensor, dense: list[tuple[str, torch.Tensor | None]],
+           group: dist.ProcessGroup):  # type: ignore[no-untyped-def]
+    return find_nonfinite(loss, {}, dense, rank=0, world=1, group=group,
+                          device=torch.device("cpu"))
+
+
+def test_a_finite_step_is_read_back_once(group: dist.ProcessGroup,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loss flags, tables' norms and the dense gradients' verdict come back in one read."""
+    reads: list[str] = []
+    for name in READ_BACKS:
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _n=name, _o=original: reads.append(_n) or _o(self, *a))
+    found = _check(torch.tensor(1.5), [("a", torch.ones(3)), ("b", None),
+                                       ("c", torch.ones(2, 2).to_sparse())], group)
+    monkeypatch.undo()
+    assert not found and found.ranks == [] and found.parameters == []
+    assert reads == ["tolist"]
+
+
+def test_the_bad_loss_rank_and_gradients_are_named(group: dist.ProcessGroup) -> None:
+    """A NaN loss names the rank; an Inf in one dense gradient names that parameter only."""
+    found = _check(torch.tensor(float("nan")),
+                   [("a", torch.ones(3)), ("b", torch.tensor([1.0, float("inf")]))], group)
+    assert found and found.ranks == [0] and found.parameters == ["b"]
+    assert found.describe() == "loss on rank(s) [0] and aggregated gradient of ['b']"
+    assert not _check(torch.tensor(0.0), [("a", torch.ones(3))], group)
+
+
+def test_finite_together_is_a_tensor_or_none() -> None:
+    """No gradient: None; otherwise a 0-dim bool tensor, False if any value is NaN/Inf."""
+    assert finite_together([None]) is None
+    assert bool(finite_together([torch.ones(2), torch.zeros(1)]))
+    assert not bool(finite_together([torch.ones(2), torch.tensor([float("-inf")])]))
