@@ -46,7 +46,6 @@ class AggregationTrial:
         self.active = False
         #: seconds per step with the hop (True) and without (False), once sampled
         self.samples: dict[bool, float] = {}
-        self._trying = True
         self._durations: list[float] = []
 
     @property
@@ -57,8 +56,7 @@ class AggregationTrial:
                 <= self.samples.get(False, float("inf")))
 
     def begin(self) -> None:
-        self.active, self._trying, self._durations = True, True, []
-        self.samples = {}
+        self.active, self._durations, self.samples = True, [], {}
         self._switch(True)
 
     def after_step(self, seconds: float) -> None:
@@ -67,11 +65,10 @@ class AggregationTrial:
         self._durations.append(seconds)
         if len(self._durations) < self._steps:
             return
-        self.samples[self._trying] = slowest_rank_mean(self._durations, self._group,
-                                                       self._device)
+        with_hop = True not in self.samples  # the first sample is the hop's
+        self.samples[with_hop] = slowest_rank_mean(self._durations, self._group, self._device)
         self._durations = []
-        if self._trying:  # now without
-            self._trying = False
+        if with_hop:  # now without
             self._switch(False)
             return
         self.active = False

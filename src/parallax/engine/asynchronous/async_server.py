@@ -218,7 +218,8 @@ class ServerThread:
         # and a worker takes its replies server by server; a server that waited on each send
         # could wait on a worker that waits on another server blocked the same way (seen once:
         # a 2x2 max_staleness=0 run hung), so replies are left in flight and reaped later
-        self.in_flight: list[tuple[dist.Work, Tensor]] = []
+        # (gloo's send work holds its tensor until it completes)
+        self.in_flight: list[dist.Work] = []
         self.thread = threading.Thread(target=self._run, name="parallax-async-server",
                                        daemon=True)
 
@@ -230,7 +231,7 @@ class ServerThread:
             while len(self.stopped) < self.world_size - 1:
                 self._serve_one()
                 self._reap()
-            for work, _ in self.in_flight:  # every worker stopped: it took its replies
+            for work in self.in_flight:  # every worker stopped: it took its replies
                 work.wait(self.channel.timeout)
         except BaseException as error:  # kept for the main thread, which raises it
             self.error = error
@@ -265,16 +266,16 @@ class ServerThread:
 
     def _reply(self, tensor: Tensor, rank: int) -> None:
         """Send without waiting for ``rank`` to take it (see ``in_flight``)."""
-        self.in_flight.append((self.channel.send(tensor, rank, _REPLY), tensor))
+        self.in_flight.append(self.channel.send(tensor, rank, _REPLY))
 
     def _reap(self) -> None:
         """Forget the replies taken; a failed one raises here."""
         still = []
-        for work, tensor in self.in_flight:
+        for work in self.in_flight:  # completion read once: one that ends meanwhile waits
             if work.is_completed():
                 work.wait()  # raises what the send failed with
             else:
-                still.append((work, tensor))
+                still.append(work)
         self.in_flight = still
 
     def join(self, timeout_s: float) -> None:
