@@ -71,6 +71,12 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 --systems hybrid ps allreduce ddp-dense ddp-sparse torchrec-rw \
 --isolate"
   [extrapolate]="$py benchmarks/extrapolate.py"
+  [scaling-fair]="$py benchmarks/scaling.py --machines 1 2 4 8 --nproc-per-machine 1 --rate 1gbit \
+--systems hybrid ps allreduce ddp-sparse torchrec-rw --isolate --name scaling-fair"
+  [extrapolate-fair]="$py benchmarks/extrapolate.py --scaling $results/scaling-fair.json \
+--out $results/extrapolation-fair.json"
+  [sparsity-fair]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --isolate --name sparsity-fair"
   [sparsity]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --isolate"
   [sparsity-seq]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
@@ -113,6 +119,8 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
   [slim-sweep]="$py benchmarks/slim_dp.py --sweep --machines 4 --rates 100mbit --steps 200"
   [slim-check]="$py benchmarks/slim_dp.py --machines 4 --rates 100mbit --steps 60 \
 --eval-every 60 --eval-size 500 --modes plump-ar plump quant slim --name slim_dp-check-k4-100mbit"
+  [slim-k8-100mbit]="$py benchmarks/slim_dp.py --vary-seeds --machines 8 --rates 100mbit \
+--steps 600 --eval-every 50 --modes plump quant slim --name slim_dp-k8-100mbit-600steps"
   [slim-ablation]="$py benchmarks/slim_dp.py --ablation --vary-seeds --machines 4 \
 --rates 1gbit --steps 600 --eval-every 50"
   [lm-dense-sync]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
@@ -151,14 +159,14 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
-       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
-       partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-check slim-ablation lm-dense-sync
+       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
+       partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases launch launch-emulated chaos chaos-link)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
-               lm-riders lm-4x1-riders cnn table1 table4 scaling sparsity sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth slim-dp
-               slim-sweep slim-check slim-ablation lm-dense-sync lm-dense-sync-100mbit async)
+               lm-riders lm-4x1-riders cnn table1 table4 scaling scaling-fair sparsity sparsity-fair sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth slim-dp
+               slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync lm-dense-sync-100mbit async)
 
 if [ "${1:-}" = "--list" ]; then
   for name in "${ORDER[@]}"; do printf '%-18s %s\n' "$name" "${EXPERIMENTS[$name]}"; done
