@@ -73,11 +73,19 @@ def _distributed_results(topology: str, out_dir: str) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def distributed(request, tmp_path_factory) -> tuple[str, dict]:
+def trained(topology: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """``(topology, every case's results)``: the matrix trained on that cluster shape, once."""
     out_dir = tmp_path_factory.getbasetemp() / "equivalence"
     out_dir.mkdir(exist_ok=True)
-    return request.param, _distributed_results(request.param, str(out_dir))
+    return topology, _distributed_results(topology, str(out_dir))
+
+
+# The one-machine shapes; test_equivalence_machines.py runs the same tests on the others, a
+# file of its own so that the suite's two pytest processes (``--dist loadfile`` gives each
+# whole files) train the two halves side by side rather than one after the other.
+@pytest.fixture(scope="module", params=["1x1", "1x2"])
+def distributed(request, tmp_path_factory) -> tuple[str, dict]:
+    return trained(request.param, tmp_path_factory)
 
 
 @functools.cache
