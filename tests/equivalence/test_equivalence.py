@@ -80,18 +80,12 @@ def trained(topology: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[st
     return topology, _distributed_results(topology, str(out_dir))
 
 
-def shapes_fixture(*shapes: str):  # type: ignore[no-untyped-def]
-    """The ``distributed`` fixture of a test file that runs the matrix on ``shapes``."""
-    @pytest.fixture(scope="module", params=list(shapes))
-    def distributed(request, tmp_path_factory) -> tuple[str, dict]:
-        return trained(request.param, tmp_path_factory)
-    return distributed
-
-
-# The one-machine shapes here; test_equivalence_2x1.py and test_equivalence_2x2.py run the same
-# tests on the others, each a file of its own so that the suite's two pytest processes
-# (``--dist loadfile`` gives each whole files) train the shapes side by side.
-distributed = shapes_fixture("1x1", "1x2")
+# The one-machine shapes; test_equivalence_machines.py runs the same tests on the others, a
+# file of its own so that the suite's two pytest processes (``--dist loadfile`` gives each
+# whole files) train the two halves side by side rather than one after the other.
+@pytest.fixture(scope="module", params=["1x1", "1x2"])
+def distributed(request, tmp_path_factory) -> tuple[str, dict]:
+    return trained(request.param, tmp_path_factory)
 
 
 @functools.cache
