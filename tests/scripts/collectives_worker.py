@@ -4,8 +4,8 @@ OUT_DIR/rank<R>.pt:
 - "sums": tensors of several sizes and dtypes summed over all ranks with
   `parallax.engine.tables.reduction.all_reduce`: per case the scheme taken, this rank's
   result, the exact float64 sum (and that of the magnitudes) and the bytes counted;
-- "pulls": lookups of a server-held table (its rows scattered from rank 0 in many rounds)
-  whose ids go with the count message
+- "pulls": lookups of a server-held table (its rows scattered from rank 0 in many rounds,
+  the other ranks passing a released copy, on meta) whose ids go with the count message
   (`parallax.engine.tables.reservations`), their counts per owner varying from step to step
   (none, steady, bursts past the reserved room): per step whether each lookup returned
   exactly the table's rows, how many all_to_alls the opening took, and the error every rank
@@ -64,7 +64,9 @@ def pulls(worker: WorkerInfo, group: dist.ProcessGroup) -> dict:
     weight = torch.randn(ROWS, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     # rank 0 scatters the rows in rounds of 1 KiB (12 of them) instead of 64 MiB
     server_table.SCATTER_ROUND_BYTES = 1024
-    table = ShardedTable("t", weight.clone(), num_partitions=3, worker=worker, group=group,
+    # off rank 0 the program's copy is released before the scatter (never read): a meta tensor
+    mine = weight.clone() if worker.rank == 0 else torch.empty_like(weight, device="meta")
+    table = ShardedTable("t", mine, num_partitions=3, worker=worker, group=group,
                          traffic=Traffic(worker.rank, worker.machine_of_rank),
                          sparse_grad=False, average=True)
     calls = 0

@@ -69,3 +69,45 @@ def test_a_replicated_model_counts_ddp_buckets():
     estimate = predict_memory(model, {}, {}, [torch.optim.SGD(model.parameters(), lr=0.1)],
                               uses_ddp=True)
     assert estimate == MemoryEstimate(parameters=440, gradients=880)
+
+
+def test_a_table_built_as_usual_goes_before_its_optimizer_state_is_scattered(monkeypatch):
+    """Rank 0 scatters the program's table, drops its copy, then scatters the state its
+    optimizer made (Adagrad's constructor), which the program's optimizer no longer holds:
+    at no time does the process hold the program's table, its state and both shards."""
+    from parallax.engine.tables import handles, server_table
+
+    torch.manual_seed(0)
+    model = Model()
+    table = model.embedding.weight
+    seen = []
+    scatter = server_table.ShardedTable.scatter_from_rank0
+
+    def watched(self, weight):
+        seen.append((handles.is_released(table), len(optimizer.state)))
+        return scatter(self, weight)
+
+    monkeypatch.setattr(server_table.ShardedTable, "scatter_from_rank0", watched)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    assert table in optimizer.state  # made by the constructor
+    model, optimizer = parallax.distribute(model, optimizer,
+                                           config=parallax.Config(partition_cache=None))
+    try:
+        # the values (table whole, all three states held), then Adagrad's sum: the table
+        # released and its state gone from the program's optimizer (the dense two remain)
+        assert seen == [(False, 3), (True, 2)]
+    finally:
+        parallax.shutdown()
+
+
+def test_off_rank_0_the_programs_copy_goes_before_the_shard_is_made():
+    from parallax.cluster import WorkerInfo
+    from parallax.engine.tables.handles import is_released
+    from parallax.planning.architectures import _drop_unread_copy
+
+    for rank, dropped in ((0, False), (1, True), (3, True)):
+        param = nn.Parameter(torch.zeros(5, 2))
+        worker = WorkerInfo(rank=rank, world_size=4, local_rank=rank % 2, machine=rank // 2,
+                            num_machines=2, machine_of_rank=(0, 0, 1, 1))
+        _drop_unread_copy(param, "t", worker)
+        assert is_released(param) is dropped and param.shape == (5, 2)

@@ -384,6 +384,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
     for name, use in sorted(sparse_uses.items()):
         sparse_grad = use.sparse_grad or config.lazy_sparse_updates
         if name in owners:
+            _drop_unread_copy(params[name], name, worker)
             table = ShardedTable(
                 name, params[name], num_partitions=1, worker=worker, group=group,
                 traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
@@ -399,6 +400,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 batch_dependent=use.batch_dependent)
             layout.placements[name] = Placement("allgatherv", 0, ())
         else:
+            _drop_unread_copy(params[name], name, worker)
             table = ShardedTable(
                 name, params[name], num_partitions=num_partitions, worker=worker, group=group,
                 traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
@@ -421,14 +423,23 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
     return layout
 
 
+def _drop_unread_copy(param: nn.Parameter, name: str, worker: WorkerInfo) -> None:
+    """Off rank 0 the program's copy of a table about to be scattered is never read (the
+    servers' rows are rank 0's values): it goes before this rank's shard is made, so that a
+    server's peak is not the program's build plus its shards."""
+    if worker.rank != 0:  # (a parallax.meta_init parameter has no copy: release skips it)
+        release(param, name=name, device=worker.device, rank=worker.rank)
+
+
 def _hand_over_early(layout: Layout, table: Table, param: nn.Parameter,
                      optimizers: Sequence[torch.optim.Optimizer], worker: WorkerInfo) -> None:
     """The program's copy of a just-scattered table, and its optimizer state, are not needed
-    any more: they go now, before the next table's shard is made."""
+    any more: the copy goes now, before the state's rows are made (`take_user_state` drops
+    the state entry by entry as each is scattered), and both before the next table's shard."""
+    release(param, name=table.name, device=worker.device, rank=worker.rank)
     held = table.held
     if held is not None:
         layout.user_state[table.name] = take_user_state(held, param, optimizers)
-    release(param, name=table.name, device=worker.device, rank=worker.rank)
 
 
 def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parameter],

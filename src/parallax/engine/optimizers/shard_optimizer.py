@@ -398,7 +398,7 @@ def take_user_state(table: ServerTable, param: nn.Parameter,
     user's object keeps none (the servers' is the one that trains), so its memory goes now.
     Collective over the table's group."""
     owner = optimizer_of(optimizers, param)
-    mine = dict(owner.state.get(param, {})) if owner is not None else {}
+    mine = dict(owner.state.pop(param, {})) if owner is not None else {}
     if any(_is_meta(value) for value in mine.values()):
         # made by the constructor for a parameter built in parallax.meta_init: the
         # servers' optimizers, built with the same arguments, made their own
@@ -406,14 +406,16 @@ def take_user_state(table: ServerTable, param: nn.Parameter,
     rank = table.worker.rank
     layout = agree({key: ("rows" if is_per_row(value, param) else value)
                     for key, value in mine.items()}, rank=rank, group=table.group)
+    if rank != 0:  # only rank 0's values are scattered: the others' go before any row is made
+        mine = {key: torch.empty_like(value, device="meta") if isinstance(value, Tensor)
+                else value for key, value in mine.items()}
     state: dict[str, Any] = {}
     for key, kind in layout.items():
         if isinstance(kind, str) and kind == "rows":
+            # (popped: rank 0's entry goes as soon as its rows are scattered)
             state[key] = table.scatter_from_rank0(mine.pop(key, param).detach())
         else:
             state[key] = kind.clone() if isinstance(kind, Tensor) else kind
-    if owner is not None:
-        owner.state.pop(param, None)
     return state
 
 

@@ -196,7 +196,9 @@ class ShardedTable:
         worker, partitioning = self.worker, self.partitioning
         mine = (partitioning.shard_rows[worker.server_ranks.index(worker.rank)]
                 if worker.is_server else 0)
-        out = weight.new_empty((mine, *self.row_shape))
+        # (off rank 0 ``weight`` may be the program's released copy, on meta: only its dtype)
+        device = self.device if weight.device.type == "meta" else weight.device
+        out = torch.empty((mine, *self.row_shape), dtype=weight.dtype, device=device)
         # (counted at 8 bytes an element whatever the dtype: every rank counts alike)
         rounds = max(1, math.ceil(self.num_rows * 8 * math.prod(self.row_shape)
                                   / SCATTER_ROUND_BYTES))
@@ -205,14 +207,19 @@ class ShardedTable:
                 if worker.rank == 0 else {})
         for k in range(rounds):
             send, receive = [0] * worker.world_size, [0] * worker.world_size
-            pieces = []
             for rank in sorted(held):
                 start, stop = _round_bounds(held[rank].numel(), k, rounds)
                 send[rank] = stop - start
-                pieces.append(weight[held[rank][start:stop]])
+            payload = torch.empty((sum(send), *self.row_shape), dtype=weight.dtype,
+                                  device=device)
+            offset = 0
+            for rank in sorted(held):  # gathered straight into the round's one message
+                start, _ = _round_bounds(held[rank].numel(), k, rounds)
+                ids = held[rank][start:start + send[rank]]
+                torch.index_select(weight, 0, ids, out=payload[offset:offset + send[rank]])
+                offset += send[rank]
             start, stop = _round_bounds(mine, k, rounds)
             receive[0] = stop - start
-            payload = torch.cat(pieces) if pieces else weight.new_empty((0, *self.row_shape))
             all_to_all(out[start:stop], payload, receive, send, group=self.group)
         return out
 
