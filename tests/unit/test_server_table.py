@@ -249,6 +249,32 @@ def test_prefetched_rows_serve_every_lookup_of_the_step(group, worker) -> None:
         table.lookup(torch.tensor([2, 3]))
 
 
+def test_a_lookup_of_the_very_ids_read_ahead_is_served_without_a_search(group, worker) -> None:
+    """The ids tensor a lookup was read ahead from gets the pull's own leaf rows and inverse;
+    an equal copy, or that tensor written in place since, is searched among the pulled ids.
+    Values and the pushed gradient are the single-device ones either way."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=3)
+    table.zero_grad()
+    (first, first_grad), (second, second_grad) = _lookups(10)
+    written = second.clone()
+    prefetch([table], [[first, written]])
+    leaf = table.prefetched.rows
+    rows, inverse = table.lookup(first)
+    assert rows is leaf and torch.equal(rows[inverse], weight[first])
+    written.copy_(second)  # the same values, but written since the look-ahead: searched
+    searched, searched_inverse = table.lookup(written)
+    assert searched is not leaf and torch.equal(searched[searched_inverse], weight[second])
+    copy_rows, copy_inverse = table.lookup(first.clone())  # an equal copy: searched
+    assert copy_rows is not leaf and torch.equal(copy_rows[copy_inverse], weight[first])
+    loss = ((rows[inverse] * first_grad).sum() + (searched[searched_inverse] * second_grad).sum())
+    loss.backward()
+    table.push_gradients()
+    torch.testing.assert_close(
+        _dense_shard_grad(table),
+        reference_grad(weight, [(first, first_grad), (second, second_grad)])[_shard_order(table)])
+
+
 def test_prefetch_takes_int32_ids_as_lookup_does(group, worker) -> None:
     """prefetch accepts int32 ids as lookup does (Runner.step pulls int32 input ids ahead)."""
     weight = _weight()

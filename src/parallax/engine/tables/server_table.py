@@ -14,6 +14,7 @@ leader before anything crosses machines.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,18 @@ class _Prefetched:
 
     ids: Tensor   # sorted unique ids
     rows: Tensor  # the pull's leaf rows
+    # per lookup read ahead: its ids tensor, that tensor's version then, and the index of
+    # each of its ids among ``ids`` (the pull's inverse)
+    lookups: list[tuple[Tensor, int, Tensor]] = field(default_factory=list)
+
+    def inverse_of(self, ids: Tensor) -> Tensor | None:
+        """The index of each of ``ids`` among the pulled rows when ``ids`` is the very tensor
+        a lookup was read ahead from, unchanged since (no in-place write: same version);
+        None otherwise (the lookup then finds its ids among the pulled ones)."""
+        for known, version, inverse in self.lookups:
+            if known is ids and ids._version == version:
+                return inverse.view(ids.shape)
+        return None
 
 
 #: the most bytes of a table (or of its optimizer state) rank 0 sends per round of
@@ -276,8 +289,13 @@ class ShardedTable:
             lookup_options.check_one_lookup(self.name, self.worker.rank, self._lookups)
         if self.prefetched is None:
             return pull([self], [ids])[0]
-        unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
         held = self.prefetched
+        # the ids a lookup was read from ahead: the pull's leaf rows and inverse serve it as
+        # they serve a lookup pulled on its own (no second unique, search or gather)
+        ahead = held.inverse_of(ids)
+        if ahead is not None:
+            return held.rows, ahead
+        unique, inverse, bad_id = unique_ids(ids, self.num_rows, self.name, self.worker.rank)
         return rows_pulled_ahead(held.ids, held.rows, unique, self.name, self.worker.rank,
                                  bad_id=bad_id), inverse
 
@@ -587,10 +605,15 @@ def prefetch(tables: Sequence[ShardedTable], ids: Sequence[Sequence[Tensor]]) ->
     # int64 whatever the lookups' dtypes (nn.Embedding takes int32 ids too)
     unions = [torch.cat([i.reshape(-1).long() for i in table_ids]) if table_ids
               else torch.empty(0, dtype=torch.long) for table_ids in ids]
-    for table, union, (rows, inverse) in zip(tables, unions, pull(tables, unions), strict=True):
+    pulled = pull(tables, unions)
+    for table, union, table_ids, (rows, inverse) in zip(tables, unions, ids, pulled,
+                                                        strict=True):
         unique = torch.empty(rows.shape[0], dtype=torch.long, device=union.device)
         unique[inverse] = union
-        table.prefetched = _Prefetched(unique, rows)
+        starts = itertools.accumulate((i.numel() for i in table_ids), initial=0)
+        table.prefetched = _Prefetched(unique, rows, [
+            (i, i._version, inverse[start:start + i.numel()])
+            for i, start in zip(table_ids, starts, strict=False)])
 
 
 def _open(tables: Sequence[ShardedTable], counts: dict[str, list[int]],

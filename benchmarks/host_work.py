@@ -1,0 +1,115 @@
+"""Host work per step of one worker: the benchmark LM (`workloads.SampledSoftmaxLM`, Adagrad)
+trained by a plain PyTorch loop and by the same loop after ``parallax.distribute`` (a world
+of one: rank 0 is the only server), counted and timed on this process's CPU.
+
+    python benchmarks/host_work.py [--vocab 2000] [--emb 16] [--steps 300] [--rounds 3]
+                                   [--out benchmarks/results/host_work.json]
+
+Counted (deterministic, what the engine asks of the host each step): the ``aten::`` operators
+torch.profiler records and the Python function calls ``cProfile`` records, each per step over
+50 steps. Timed: the mean step of ``--steps`` steps, plain and parallax alternately for
+``--rounds`` rounds (medians and ranges; one process on a shared host, so read the ratio, and
+only beside the counts). Small sizes by default: the engine's own work, not the model's
+arithmetic, is what is measured, as on a GPU where the model's kernels are fast and the host
+issues them (issue 41: the one-worker step's host work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import profile
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import compare  # noqa: E402
+from workloads import LMConfig, SampledSoftmaxLM, sampled_softmax_loss, zipf_lm_batch  # noqa: E402
+
+import parallax  # noqa: E402
+
+COUNTED_STEPS = 50
+
+
+def train(model, optimizer, batches) -> None:
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        sampled_softmax_loss(model(*inputs), targets).backward()
+        optimizer.step()
+
+
+def step_ms(model, optimizer, batches) -> float:
+    start = time.perf_counter()
+    train(model, optimizer, batches)
+    return (time.perf_counter() - start) / len(batches) * 1e3
+
+
+def counts(model, optimizer, batches) -> dict[str, float]:
+    """``aten::`` operators and Python function calls per step."""
+    with profile() as prof:
+        train(model, optimizer, batches)
+    aten = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    calls = cProfile.Profile()
+    calls.runcall(train, model, optimizer, batches)
+    python = sum(entry.callcount for entry in calls.getstats())
+    return {"aten_ops_per_step": aten / len(batches),
+            "python_calls_per_step": python / len(batches)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, default=2000)
+    parser.add_argument("--emb", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "host_work.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cfg = LMConfig(vocab=args.vocab, emb=args.emb, hidden=args.emb, seq_len=5, batch=4,
+                   sampled=16)
+    generator = torch.Generator().manual_seed(1)
+    batches = [zipf_lm_batch(cfg, generator) for _ in range(args.steps)]
+    systems = {}
+    for name in ("plain", "parallax"):
+        torch.manual_seed(0)
+        model = SampledSoftmaxLM(cfg)
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        if name == "parallax":
+            model, optimizer = parallax.distribute(
+                model, optimizer, config=parallax.Config(partition_cache=None))
+        train(model, optimizer, batches[:20])  # warm-up (the plan settles in parallax's)
+        systems[name] = (model, optimizer)
+    record: dict = {"settings": vars(args) | {"out": str(args.out)}, "systems": {}}
+    for name, (model, optimizer) in systems.items():
+        record["systems"][name] = counts(model, optimizer, batches[:COUNTED_STEPS])
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for round_ in range(args.rounds):
+        order = list(systems) if round_ % 2 == 0 else list(reversed(systems))
+        for name in order:
+            times[name].append(step_ms(*systems[name], batches))
+    parallax.shutdown()
+    for name, measured in times.items():
+        record["systems"][name].update(step_ms_median=statistics.median(measured),
+                                       step_ms_rounds=measured)
+    plain, ours = record["systems"]["plain"], record["systems"]["parallax"]
+    record["parallax_over_plain"] = {key: ours[key] / plain[key] for key in (
+        "aten_ops_per_step", "python_calls_per_step", "step_ms_median")}
+    record["provenance"] = compare.provenance()
+    args.out.write_text(json.dumps(record, indent=1))
+    print("| system | aten ops/step | Python calls/step | step (ms, median of rounds) |")
+    print("|---|---|---|---|")
+    for name, row in record["systems"].items():
+        print(f"| {name} | {row['aten_ops_per_step']:.0f} | {row['python_calls_per_step']:.0f} "
+              f"| {row['step_ms_median']:.2f} ({min(row['step_ms_rounds']):.2f}–"
+              f"{max(row['step_ms_rounds']):.2f}) |")
+
+
+if __name__ == "__main__":
+    main()
