@@ -110,6 +110,21 @@ def test_train_and_eval_reach_the_module_that_runs(single_process):
         assert not torch.equal(model(ids)["logits"], model(ids)["logits"])
 
 
+def test_an_evaluation_under_inference_mode_gives_the_single_device_outputs(single_process):
+    """Ids made under torch.inference_mode (an evaluation loop's habit), after training steps:
+    the same outputs as the single-device model's, and training goes on after it."""
+    model, optimizer, reference, reference_optimizer = _pair()
+    model.eval()
+    reference.eval()
+    _train(range(2), (model, optimizer), (reference, reference_optimizer))
+    with torch.inference_mode():
+        ids, _ = _batch(7)
+        torch.testing.assert_close(model(ids)["logits"], reference(ids)["logits"],
+                                   rtol=1e-12, atol=1e-12)
+    _train(range(2, 4), (model, optimizer), (reference, reference_optimizer))
+    _assert_same(model.state_dict(), reference.state_dict())
+
+
 def test_load_state_dict_reaches_the_servers(single_process):
     """A single-device state dict loaded into the distributed model is what it computes
     with and what it exports, the server-held table included."""

@@ -275,6 +275,19 @@ def test_a_lookup_of_the_very_ids_read_ahead_is_served_without_a_search(group, w
         reference_grad(weight, [(first, first_grad), (second, second_grad)])[_shard_order(table)])
 
 
+def test_ids_made_in_inference_mode_are_searched_among_the_pulled(group, worker) -> None:
+    """An inference tensor keeps no version (an in-place write inside inference mode would go
+    unseen): its lookup is searched, as in an evaluation under torch.inference_mode."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=3)
+    table.zero_grad()
+    with torch.inference_mode():
+        ids = torch.tensor([[1, 5], [5, 9]])
+        prefetch([table], [[ids]])
+        rows, inverse = table.lookup(ids)
+    assert rows is not table.prefetched.rows and torch.equal(rows[inverse], weight[ids])
+
+
 def test_prefetch_takes_int32_ids_as_lookup_does(group, worker) -> None:
     """prefetch accepts int32 ids as lookup does (Runner.step pulls int32 input ids ahead)."""
     weight = _weight()

@@ -73,18 +73,25 @@ class _Prefetched:
 
     ids: Tensor   # sorted unique ids
     rows: Tensor  # the pull's leaf rows
-    # per lookup read ahead: its ids tensor, that tensor's version then, and the index of
-    # each of its ids among ``ids`` (the pull's inverse)
-    lookups: list[tuple[Tensor, int, Tensor]] = field(default_factory=list)
+    # per lookup read ahead: its ids tensor, that tensor's version then (None: an inference
+    # tensor, which keeps none), and the index of each of its ids among ``ids`` (the pull's
+    # inverse)
+    lookups: list[tuple[Tensor, int | None, Tensor]] = field(default_factory=list)
 
     def inverse_of(self, ids: Tensor) -> Tensor | None:
         """The index of each of ``ids`` among the pulled rows when ``ids`` is the very tensor
         a lookup was read ahead from, unchanged since (no in-place write: same version);
         None otherwise (the lookup then finds its ids among the pulled ones)."""
         for known, version, inverse in self.lookups:
-            if known is ids and ids._version == version:
+            if known is ids and version is not None and version == _version_of(ids):
                 return inverse.view(ids.shape)
         return None
+
+
+def _version_of(ids: Tensor) -> int | None:
+    """``ids``' version counter (bumped by every in-place write), None for an inference
+    tensor (made under ``torch.inference_mode``), which has none: such ids are searched."""
+    return None if ids.is_inference() else ids._version
 
 
 #: the most bytes of a table (or of its optimizer state) rank 0 sends per round of
@@ -612,7 +619,7 @@ def prefetch(tables: Sequence[ShardedTable], ids: Sequence[Sequence[Tensor]]) ->
         unique[inverse] = union
         starts = itertools.accumulate((i.numel() for i in table_ids), initial=0)
         table.prefetched = _Prefetched(unique, rows, [
-            (i, i._version, inverse[start:start + i.numel()])
+            (i, _version_of(i), inverse[start:start + i.numel()])
             for i, start in zip(table_ids, starts, strict=False)])
 
 
