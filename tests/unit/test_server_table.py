@@ -275,6 +275,34 @@ def test_a_lookup_of_the_very_ids_read_ahead_is_served_without_a_search(group, w
         reference_grad(weight, [(first, first_grad), (second, second_grad)])[_shard_order(table)])
 
 
+def test_a_view_of_the_same_columns_is_served_and_another_column_searched(group,
+                                                                         worker) -> None:
+    """The forward's own ``x[:, 0]`` beside the look-ahead's (another view object of the same
+    memory, laid out alike) is served by the pull; ``x[:, 1]``, or ``x[:, 0]`` after a write
+    into ``x``, is searched. Values and gradients are the single-device ones either way."""
+    weight = _weight()
+    table = _table(group, worker, weight, partitions=3)
+    table.zero_grad()
+    x = torch.tensor([[1, 5], [5, 9], [2, 1]])
+    prefetch([table], [[x[:, 0], x[:, 1]]])
+    leaf = table.prefetched.rows
+    first, first_inverse = table.lookup(x[:, 0])
+    assert first is leaf and torch.equal(first[first_inverse], weight[x[:, 0]])
+    assert table.lookup(x[:, 0].clone())[0] is not leaf  # other memory: searched
+    assert table.lookup(x.t()[1])[0] is leaf  # column 1 again, by another route
+    x[2, 1] = 9  # a write into x (the look-ahead pulled 9 already): x's views are searched
+    second, second_inverse = table.lookup(x[:, 1])
+    assert second is not leaf and torch.equal(second[second_inverse], weight[x[:, 1]])
+    coefficients = torch.randn(2, 3, 3, dtype=torch.float64,
+                               generator=torch.Generator().manual_seed(3))
+    loss = ((first[first_inverse] * coefficients[0]).sum()
+            + (second[second_inverse] * coefficients[1]).sum())
+    loss.backward()
+    table.push_gradients()
+    torch.testing.assert_close(_dense_shard_grad(table), reference_grad(
+        weight, [(x[:, 0], coefficients[0]), (x[:, 1], coefficients[1])])[_shard_order(table)])
+
+
 def test_ids_made_in_inference_mode_are_searched_among_the_pulled(group, worker) -> None:
     """An inference tensor keeps no version (an in-place write inside inference mode would go
     unseen): its lookup is searched, as in an evaluation under torch.inference_mode."""

@@ -80,12 +80,26 @@ class _Prefetched:
 
     def inverse_of(self, ids: Tensor) -> Tensor | None:
         """The index of each of ``ids`` among the pulled rows when ``ids`` is the very tensor
-        a lookup was read ahead from, unchanged since (no in-place write: same version);
-        None otherwise (the lookup then finds its ids among the pulled ones)."""
+        a lookup was read ahead from, or a view of the same memory laid out alike (the
+        forward's own ``x[:, 0]`` beside the look-ahead's), unchanged since (no in-place
+        write: views share their base's version); None otherwise (the lookup then finds its
+        ids among the pulled ones)."""
         for known, version, inverse in self.lookups:
-            if known is ids and version is not None and version == _version_of(ids):
+            if (version is not None and _same_memory(known, ids)
+                    and version == _version_of(ids)):
                 return inverse.view(ids.shape)
         return None
+
+
+def _same_memory(known: Tensor, ids: Tensor) -> bool:
+    """Whether ``ids`` reads the very elements ``known`` reads, as ``known`` reads them
+    (``known`` is kept alive, so its storage cannot be another tensor's since)."""
+    return known is ids or (
+        known.numel() > 0 and ids.layout == known.layout == torch.strided
+        and known.dtype == ids.dtype and known.device == ids.device
+        and known.shape == ids.shape and known.stride() == ids.stride()
+        and known.storage_offset() == ids.storage_offset()
+        and known.untyped_storage().data_ptr() == ids.untyped_storage().data_ptr())
 
 
 def _version_of(ids: Tensor) -> int | None:
