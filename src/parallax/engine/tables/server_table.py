@@ -14,7 +14,6 @@ leader before anything crosses machines.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -241,17 +240,16 @@ class ShardedTable:
                 if worker.rank == 0 else {})
         for k in range(rounds):
             send, receive = [0] * worker.world_size, [0] * worker.world_size
-            for rank in sorted(held):
-                start, stop = _round_bounds(held[rank].numel(), k, rounds)
-                send[rank] = stop - start
+            ids = {rank: held[rank][slice(*_round_bounds(held[rank].numel(), k, rounds))]
+                   for rank in sorted(held)}
+            for rank, rows in ids.items():
+                send[rank] = rows.numel()
             payload = torch.empty((sum(send), *self.row_shape), dtype=weight.dtype,
                                   device=device)
-            offset = 0
-            for rank in sorted(held):  # gathered straight into the round's one message
-                start, _ = _round_bounds(held[rank].numel(), k, rounds)
-                ids = held[rank][start:start + send[rank]]
-                torch.index_select(weight, 0, ids, out=payload[offset:offset + send[rank]])
-                offset += send[rank]
+            # gathered straight into the round's one message, in rank order
+            for rows, room in zip(ids.values(), payload.split([send[rank] for rank in ids]),
+                                  strict=True):
+                torch.index_select(weight, 0, rows, out=room)
             start, stop = _round_bounds(mine, k, rounds)
             receive[0] = stop - start
             all_to_all(out[start:stop], payload, receive, send, group=self.group)
@@ -631,10 +629,9 @@ def prefetch(tables: Sequence[ShardedTable], ids: Sequence[Sequence[Tensor]]) ->
                                                         strict=True):
         unique = torch.empty(rows.shape[0], dtype=torch.long, device=union.device)
         unique[inverse] = union
-        starts = itertools.accumulate((i.numel() for i in table_ids), initial=0)
+        pieces = inverse.split([i.numel() for i in table_ids])  # each lookup's, in order
         table.prefetched = _Prefetched(unique, rows, [
-            (i, _version_of(i), inverse[start:start + i.numel()])
-            for i, start in zip(table_ids, starts, strict=False)])
+            (i, _version_of(i), piece) for i, piece in zip(table_ids, pieces, strict=True)])
 
 
 def _open(tables: Sequence[ShardedTable], counts: dict[str, list[int]],
