@@ -3,7 +3,7 @@ trained by a plain PyTorch loop and by the same loop after ``parallax.distribute
 of one: rank 0 is the only server), counted and timed on this process's CPU.
 
     python benchmarks/host_work.py [--vocab 2000] [--emb 16] [--steps 300] [--rounds 3]
-                                   [--out benchmarks/results/host_work.json]
+                                   [--device cpu] [--out benchmarks/results/host_work.json]
 
 Counted (deterministic, what the engine asks of the host each step): the ``aten::`` operators
 torch.profiler records and the Python function calls ``cProfile`` records, each per step over
@@ -11,7 +11,10 @@ torch.profiler records and the Python function calls ``cProfile`` records, each 
 ``--rounds`` rounds (medians and ranges; one process on a shared host, so read the ratio, and
 only beside the counts). Small sizes by default: the engine's own work, not the model's
 arithmetic, is what is measured, as on a GPU where the model's kernels are fast and the host
-issues them (issue 41: the one-worker step's host work).
+issues them (issue 41: the one-worker step's host work). With ``--device cuda`` the model and
+batches live on the GPU, each timed round ends with ``torch.cuda.synchronize()``, and the
+counts add the kernel launches and the host's waits on the device (stream and device
+synchronisations) per step, from the profiler's CUDA runtime events.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import compare  # noqa: E402
 from workloads import LMConfig, SampledSoftmaxLM, sampled_softmax_loss, zipf_lm_batch  # noqa: E402
 
 import parallax  # noqa: E402
+from parallax.step.forward import to_device  # noqa: E402
 
 COUNTED_STEPS = 50
 
@@ -45,22 +49,40 @@ def train(model, optimizer, batches) -> None:
         optimizer.step()
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step_ms(model, optimizer, batches) -> float:
+    device = next(model.parameters()).device
+    synchronize(device)
     start = time.perf_counter()
     train(model, optimizer, batches)
+    synchronize(device)
     return (time.perf_counter() - start) / len(batches) * 1e3
+
+
+# CUDA runtime calls that make the host wait for the device, and that launch a kernel.
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
 def counts(model, optimizer, batches) -> dict[str, float]:
     """``aten::`` operators and Python function calls per step."""
     with profile() as prof:
         train(model, optimizer, batches)
-    aten = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    events = prof.key_averages()
+    aten = sum(e.count for e in events if e.key.startswith("aten::"))
+    waits = sum(e.count for e in events if e.key in WAITS)
+    launches = sum(e.count for e in events if e.key in LAUNCHES)
     calls = cProfile.Profile()
     calls.runcall(train, model, optimizer, batches)
     python = sum(entry.callcount for entry in calls.getstats())
     return {"aten_ops_per_step": aten / len(batches),
-            "python_calls_per_step": python / len(batches)}
+            "python_calls_per_step": python / len(batches),
+            "kernel_launches_per_step": launches / len(batches),
+            "device_waits_per_step": waits / len(batches)}
 
 
 def main() -> None:
@@ -69,17 +91,21 @@ def main() -> None:
     parser.add_argument("--emb", type=int, default=16)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "host_work.json")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to this process")
     torch.set_num_threads(1)
     cfg = LMConfig(vocab=args.vocab, emb=args.emb, hidden=args.emb, seq_len=5, batch=4,
                    sampled=16)
     generator = torch.Generator().manual_seed(1)
-    batches = [zipf_lm_batch(cfg, generator) for _ in range(args.steps)]
+    batches = [to_device(zipf_lm_batch(cfg, generator), device) for _ in range(args.steps)]
     systems = {}
     for name in ("plain", "parallax"):
         torch.manual_seed(0)
-        model = SampledSoftmaxLM(cfg)
+        model = SampledSoftmaxLM(cfg).to(device)
         optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
         if name == "parallax":
             model, optimizer = parallax.distribute(
@@ -103,10 +129,13 @@ def main() -> None:
         "aten_ops_per_step", "python_calls_per_step", "step_ms_median")}
     record["provenance"] = compare.provenance()
     args.out.write_text(json.dumps(record, indent=1))
-    print("| system | aten ops/step | Python calls/step | step (ms, median of rounds) |")
-    print("|---|---|---|---|")
+    print(f"device: {device}")
+    print("| system | aten ops/step | Python calls/step | kernel launches/step | device waits/step "
+          "| step (ms, median of rounds) |")
+    print("|---|---|---|---|---|---|")
     for name, row in record["systems"].items():
         print(f"| {name} | {row['aten_ops_per_step']:.0f} | {row['python_calls_per_step']:.0f} "
+              f"| {row['kernel_launches_per_step']:.0f} | {row['device_waits_per_step']:.1f} "
               f"| {row['step_ms_median']:.2f} ({min(row['step_ms_rounds']):.2f}–"
               f"{max(row['step_ms_rounds']):.2f}) |")
 
