@@ -3,7 +3,8 @@ trained by a plain PyTorch loop and by the same loop after ``parallax.distribute
 of one: rank 0 is the only server), counted and timed on this process's CPU.
 
     python benchmarks/host_work.py [--vocab 2000] [--emb 16] [--steps 300] [--rounds 3]
-                                   [--device cpu] [--out benchmarks/results/host_work.json]
+                                   [--device cpu] [--trace TRACE.json]
+                                   [--out benchmarks/results/host_work.json]
 
 Counted (deterministic, what the engine asks of the host each step): the ``aten::`` operators
 torch.profiler records and the Python function calls ``cProfile`` records, each per step over
@@ -14,7 +15,9 @@ arithmetic, is what is measured, as on a GPU where the model's kernels are fast 
 issues them (issue 41: the one-worker step's host work). With ``--device cuda`` the model and
 batches live on the GPU, each timed round ends with ``torch.cuda.synchronize()``, and the
 counts add the kernel launches and the host's waits on the device (stream and device
-synchronisations) per step, from the profiler's CUDA runtime events.
+synchronisations) per step, from the profiler's CUDA runtime events. ``--trace FILE`` writes
+the parallax system's counted steps as a Chrome trace with Python frames, for
+``benchmarks/profile_callers.py`` (which lines make the host wait).
 """
 
 from __future__ import annotations
@@ -68,10 +71,12 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
-def counts(model, optimizer, batches) -> dict[str, float]:
-    """``aten::`` operators and Python function calls per step."""
-    with profile() as prof:
+def counts(model, optimizer, batches, trace: Path | None = None) -> dict[str, float]:
+    """``aten::`` operators and Python function calls per step (and the trace, if asked)."""
+    with profile(with_stack=trace is not None) as prof:
         train(model, optimizer, batches)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     events = prof.key_averages()
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
     waits = sum(e.count for e in events if e.key in WAITS)
@@ -92,6 +97,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="write parallax's counted steps as a Chrome trace here")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "host_work.json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -112,9 +119,11 @@ def main() -> None:
                 model, optimizer, config=parallax.Config(partition_cache=None))
         train(model, optimizer, batches[:20])  # warm-up (the plan settles in parallax's)
         systems[name] = (model, optimizer)
-    record: dict = {"settings": vars(args) | {"out": str(args.out)}, "systems": {}}
+    settings = vars(args) | {"out": str(args.out), "trace": str(args.trace)}
+    record: dict = {"settings": settings, "systems": {}}
     for name, (model, optimizer) in systems.items():
-        record["systems"][name] = counts(model, optimizer, batches[:COUNTED_STEPS])
+        trace = args.trace if name == "parallax" else None
+        record["systems"][name] = counts(model, optimizer, batches[:COUNTED_STEPS], trace)
     times: dict[str, list[float]] = {name: [] for name in systems}
     for round_ in range(args.rounds):
         order = list(systems) if round_ % 2 == 0 else list(reversed(systems))
