@@ -9,6 +9,7 @@ why the classes are checked.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ from parallax.cluster import WorkerInfo
 from parallax.collective import agree
 from parallax.engine.optimizers import deferred_sgd
 from parallax.engine.optimizers.deferred_sgd import DeferredRows, sgd_rows, zero_gradient_map
+from parallax.engine.optimizers.row_update import has_row_update, update_rows
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.errors import (
     ArgumentTypeError,
@@ -212,10 +214,10 @@ class ShardOptimizer:
         """Apply the update of every user optimizer (or of ``optimizers``) to its rows.
 
         Where a zero gradient provably leaves a row and its state as they are
-        (`zero_gradient_is_identity`), only the rows that received gradient are updated: their
-        gradient is handed to the optimizer as a sparse tensor of those rows, which torch's
-        SGD and Adagrad apply to those rows alone. Untouched rows would have been left
-        unchanged by the dense update too, so the result is the dense-gradient program's.
+        (`zero_gradient_is_identity`), only the rows that received gradient are updated, by
+        the optimizer's own functional step on those rows (`update_rows`). Untouched rows
+        would have been left unchanged by the dense update too, so the result is the
+        dense-gradient program's.
 
         Under SGD with momentum or weight decay (`deferrable_sgd`) the touched rows take the
         step and the others' steps are deferred (`parallax.engine.optimizers.deferred_sgd`) until
@@ -230,11 +232,11 @@ class ShardOptimizer:
                        if not table.gradient_anywhere for part in table.parts]
         for part, _ in dense_grads:
             part.grad = None
-        dense_grads += self._touched_rows_only(wanted)
+        row_steps = self._touched_rows_only(wanted, dense_grads)
         deferred_steps = self._deferred_steps(wanted, dense_grads)
         try:
             steps: list[Callable[[], object]] = [server_opt.step for server_opt, _, _ in slots]
-            self.pool.run([*steps, *deferred_steps])
+            self.pool.run([*steps, *row_steps, *deferred_steps])
         finally:
             for part, grad in dense_grads:
                 part.grad = grad
@@ -307,19 +309,25 @@ class ShardOptimizer:
         raise InternalError(f"parallax internal error: a part of shape {tuple(part.shape)} is "
                             f"in no server optimizer; please report it")
 
-    def _touched_rows_only(self, wanted: set[int] | None) -> list[tuple[nn.Parameter, Tensor]]:
-        """Swap each eligible partition's dense gradient for a sparse one of its touched
-        rows; returns the dense ones, to put back after the step."""
-        swapped = []
-        for table, _ in self._eligible(wanted, zero_gradient_is_identity):
+    def _touched_rows_only(self, wanted: set[int] | None,
+                           held: list[tuple[nn.Parameter, Tensor | None]],
+                           ) -> list[Callable[[], None]]:
+        """The updates of each eligible partition's touched rows alone (`update_rows`), one
+        task per partition; their dense gradients are taken from the servers' optimizers
+        (which skip them) into ``held``, to put back after the step."""
+        tasks: list[Callable[[], None]] = []
+        for table, group in self._eligible(wanted, zero_gradient_is_identity):
+            cls = optimizer_class(self._owners[table.name][0])
             for part, rows in zip(table.parts, table.touched_rows_by_part(), strict=True):
                 grad = part.grad
-                if grad is None or grad.is_sparse or rows.numel() == part.shape[0]:
+                if (grad is None or grad.is_sparse or rows.numel() == part.shape[0]
+                        or not has_row_update(cls, part)):
                     continue
-                part.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), grad[rows], part.shape,
-                                                    is_coalesced=True)
-                swapped.append((part, grad))
-        return swapped
+                tasks.append(functools.partial(update_rows, cls, _hyper_parameters(group),
+                                               self._state_of(part), part, grad, rows))
+                held.append((part, grad))
+                part.grad = None
+        return tasks
 
     def _state_of(self, part: nn.Parameter) -> dict[str, Any]:
         for server_opt, _, _ in self._slots:
