@@ -47,3 +47,24 @@ def test_finite_together_is_a_tensor_or_none() -> None:
     assert finite_together([None]) is None
     assert bool(finite_together([torch.ones(2), torch.zeros(1)]))
     assert not bool(finite_together([torch.ones(2), torch.tensor([float("-inf")])]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_finite_together_finds_a_bad_value_among_any_gradients(bad: float) -> None:
+    """NaN and either infinity are found in any gradient of a mixed list (dtypes, a sparse
+    gradient, an empty one, a huge finite float16 that a sum would overflow)."""
+    def grads(poisoned: int | None) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [
+            torch.full((3,), 6e4, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float64),
+            torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,)),
+            torch.empty(0, 3), None, torch.zeros(5, dtype=torch.complex64)]
+        if poisoned is not None:
+            target = out[poisoned]
+            assert target is not None
+            (target._values() if target.is_sparse else target).view(-1)[-1] = bad
+        return out
+
+    assert bool(finite_together(grads(None)))
+    for poisoned in (0, 1, 2, 5):
+        assert not bool(finite_together(grads(poisoned))), poisoned
+    assert bool(finite_together([torch.empty(0), None]))

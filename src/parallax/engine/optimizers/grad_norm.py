@@ -9,6 +9,7 @@ same total, clips alike, and decides alike whether a step is finite.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -116,8 +117,15 @@ def all_finite_together(grads: Iterable[Tensor | None]) -> bool:
 def finite_together(grads: Iterable[Tensor | None]) -> Tensor | None:
     """Whether every value of every gradient (None: none) is finite, as a 0-dim bool tensor
     on the gradients' device, not read back; None where there is no gradient."""
-    checks = [torch.isfinite(grad._values() if grad.is_sparse else grad).all()
-              for grad in grads if grad is not None]
-    if not checks:
+    values = [grad._values() if grad.is_sparse else grad for grad in grads if grad is not None]
+    if not values:
         return None
-    return torch.stack(checks).all()
+    device = values[0].device
+    if not all(value.numel() for value in values):  # (no infinity norm of nothing; finite)
+        values = [value for value in values if value.numel()]
+        if not values:
+            return torch.ones((), dtype=torch.bool, device=device)
+    # each gradient's largest magnitude, in one foreach kernel per device and dtype (as
+    # torch's clip_grad_norm_ computes norms): NaN and infinities survive a max, and a max
+    # of finite values cannot overflow
+    return torch.stack(torch._foreach_norm(values, math.inf)).isfinite().all()

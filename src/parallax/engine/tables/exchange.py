@@ -184,17 +184,17 @@ class Traffic:
 BAD_ID = 1  # a count message's flag: the sender has an id outside the table's rows
 
 
-def raise_bad_ids(received: Tensor, names: Sequence[str], *, traffic: Traffic,
+def raise_bad_ids(fields: list[list[list[int]]], names: Sequence[str], *, traffic: Traffic,
                   num_rows: dict[str, int]) -> None:
-    """`SparseIdError` for the first bad id in the count messages ``received`` (``[peer,
-    table, (count, flags, bad id)]``, on CPU), on every rank alike."""
+    """`SparseIdError` for the first bad id in the count messages received, ``fields``
+    (``[peer][table][count, flags, bad id]``, read back once), on every rank alike."""
     for t, name in enumerate(names):
-        failed = (received[:, t, 1] & BAD_ID).nonzero().flatten().tolist()
+        failed = [peer for peer, tables in enumerate(fields) if tables[t][1] & BAD_ID]
         if failed:
             rank = failed[0]
             machine = traffic.machine_of_rank[rank]
             raise SparseIdError(
-                f"parallax: sparse parameter '{name}' got id {int(received[rank, t, 2])} "
+                f"parallax: sparse parameter '{name}' got id {fields[rank][t][2]} "
                 f"on rank {rank} (machine {machine}), outside its rows "
                 f"[0, {num_rows[name]})")
 
@@ -235,18 +235,19 @@ class Hop:
         `SparseIdError` on every rank)."""
         names = list(send_counts)
         world = len(send_counts[names[0]]) if names else dist.get_world_size(group)
-        message = torch.zeros(world, len(names), 3, dtype=torch.long)
-        for t, name in enumerate(names):
-            message[:, t, 0] = torch.tensor(send_counts[name], dtype=torch.long)
-            bad_id = (bad_ids or {}).get(name)
-            if bad_id is not None:
-                message[:, t, 1] = BAD_ID
-                message[:, t, 2] = bad_id
-        received = exchange_counts(message, group=group, device=device)
+        bad = [(bad_ids or {}).get(name) for name in names]
+        message = torch.tensor([[[send_counts[name][peer], 0 if b is None else BAD_ID,
+                                  0 if b is None else b]
+                                 for name, b in zip(names, bad, strict=True)]
+                                for peer in range(world)], dtype=torch.long)
+        # (one read-back of every field: on a GPU each read is a synchronisation)
+        received = exchange_counts(message.view(world, len(names), 3), group=group,
+                                   device=device).tolist()
         for name in names:
             traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
         raise_bad_ids(received, names, traffic=traffic, num_rows=num_rows)
-        recv_counts = {name: received[:, t, 0].tolist() for t, name in enumerate(names)}
+        recv_counts = {name: [received[peer][t][0] for peer in range(world)]
+                       for t, name in enumerate(names)}
         return cls(dict(send_counts), recv_counts, group, traffic)
 
     def forward(self, payload: Tensor) -> Tensor:

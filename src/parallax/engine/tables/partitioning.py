@@ -32,16 +32,25 @@ class RowPartitioning:
         self._offsets = offsets
         self._owner_of_partition = torch.tensor(owners, dtype=torch.long)
         self._offset_of_partition = torch.tensor(offsets, dtype=torch.long)
+        self._on_device: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def server_of_partition(self, partition: int) -> int:
         return (partition + self.first_server) % len(self.server_ranks)
 
     def owner_rank(self, ids: Tensor) -> Tensor:
-        return self._owner_of_partition.to(ids.device)[ids % self.num_partitions]
+        return self._on(ids.device)[0][ids % self.num_partitions]
 
     def local_row(self, ids: Tensor) -> Tensor:
-        offsets = self._offset_of_partition.to(ids.device)
+        offsets = self._on(ids.device)[1]
         return offsets[ids % self.num_partitions] + ids // self.num_partitions
+
+    def _on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The owner and offset of each partition on ``device``, copied there once (on a GPU
+        each copy from the host would be a transfer and a synchronisation per lookup)."""
+        if device not in self._on_device:
+            self._on_device[device] = (self._owner_of_partition.to(device),
+                                       self._offset_of_partition.to(device))
+        return self._on_device[device]
 
     def shard_blocks(self, server_index: int) -> list[tuple[int, int]]:
         """``(start, stop)`` in one server's shard of each of its partitions, in shard order:

@@ -110,10 +110,13 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
     for name in names:
         traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
         traffic.record(name, room_to[name], room_from[name], wire.itemsize)
-    raise_bad_ids(headers, names, traffic=traffic, num_rows=num_rows)
-    recv_counts = {name: headers[:, t, 0].tolist() for t, name in enumerate(names)}
+    fields = headers.tolist()  # [peer][table][count, flags, bad id], on the host already
+    raise_bad_ids(fields, names, traffic=traffic, num_rows=num_rows)
+    recv_counts = {name: [fields[peer][t][0] for peer in range(world)]
+                   for t, name in enumerate(names)}
     received = cut_rooms(chunks, names, room_from, recv_counts, header=header_width)
-    if bool((headers[:, :, 1] & OVERFLOWED).any()):  # every rank sees every sender's flag
+    # every rank sees every sender's flag
+    if any(table[1] & OVERFLOWED for peer in fields for table in peer):
         rest = Hop({n: [max(0, c - r) for c, r in zip(send_counts[n], room_to[n], strict=True)]
                     for n in names},
                    {n: [max(0, c - r) for c, r in zip(recv_counts[n], room_from[n], strict=True)]
@@ -135,18 +138,18 @@ def _to_peer(peer: int, names: list[str], pieces: dict[str, tuple[Tensor, ...]],
     """The message to ``peer``: a count message per table (int64, in the ids' dtype:
     `with_header`), then each table's ids padded to the room reserved for them (cut to it
     when they overflow)."""
-    header = torch.zeros(len(names), _HEADER, dtype=torch.long)
-    parts = []
-    for t, name in enumerate(names):
+    fields, parts = [], []
+    for name in names:
         bad = bad_ids.get(name)
-        header[t, 0] = send_counts[name][peer]
-        header[t, 1] = (BAD_ID if bad is not None else 0) | (OVERFLOWED if overflowed else 0)
-        header[t, 2] = 0 if bad is None else bad
+        fields.append([send_counts[name][peer],
+                       (BAD_ID if bad is not None else 0) | (OVERFLOWED if overflowed else 0),
+                       0 if bad is None else bad])
         ids, room = pieces[name][peer], room_to[name][peer]
         parts.append(ids[:room])
         if ids.numel() < room:
             parts.append(ids.new_zeros(room - ids.numel()))
     first = pieces[names[0]][0]
+    header = torch.tensor(fields, dtype=torch.long)  # one tensor, not one write per field
     return [part.to(first.device) for part in [with_header(header, first.dtype), *parts]]
 
 
