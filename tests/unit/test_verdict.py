@@ -9,7 +9,7 @@ from torch import nn
 
 import parallax
 from parallax.engine.tables.riders import alight, board
-from parallax.engine.tables.verdict import VERDICT_KEY, Verdict
+from parallax.engine.tables.verdict import VERDICT_KEY, Verdict, bound_of
 from parallax.step import gradients as step_gradients
 
 
@@ -129,3 +129,18 @@ def test_gradient_kept_from_an_earlier_step_goes_to_the_full_check(monkeypatch,
                                               zero_grad=False)
     assert error is None and checks == 2
     torch.testing.assert_close(weight, single, rtol=0, atol=0)
+
+
+def test_the_bound_is_the_sum_of_the_largest_magnitudes_and_keeps_bad_values() -> None:
+    """`bound_of`: the float64 sum of each gradient's largest magnitude (empty ones add
+    nothing; float16 maxima widened before the sum, which would overflow in float16); NaN and
+    infinities in any gradient make it non-finite."""
+    grads = [torch.tensor([[-3.0, 1.0]]), torch.full((2,), 6e4, dtype=torch.float16),
+             torch.empty(0, 2), torch.tensor([0.5, -0.25], dtype=torch.float64)]
+    bound = bound_of(grads)
+    assert bound.dtype == torch.float64 and bound.item() == 3.0 + 60000.0 + 0.5
+    assert bound_of([]).item() == 0.0 and bound_of([torch.empty(0)]).item() == 0.0
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = [g.clone() for g in grads]
+        poisoned[1][0] = bad
+        assert not torch.isfinite(bound_of(poisoned))

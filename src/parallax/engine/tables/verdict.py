@@ -27,6 +27,7 @@ norm, so under `Config.clip_grad_norm` the full check runs as before.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -102,8 +103,10 @@ class Verdict:
 def bound_of(grads: Sequence[Tensor]) -> Tensor:
     """The sum of the largest magnitudes of ``grads`` (float64; 0 for none): a bound on what
     they add to any one aggregated element when each row is summed in once."""
-    tops = [grad.detach().abs().max().to(torch.float64) for grad in grads if grad.numel()]
-    if not tops:
+    held = [grad.detach() for grad in grads if grad.numel()]
+    if not held:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack(tops).sum()
+    # each one's largest magnitude in one foreach kernel per device and dtype (NaN and
+    # infinities survive a max), widened before the sum so that it cannot overflow
+    return torch.stack(torch._foreach_norm(held, math.inf)).to(torch.float64).sum()
 
