@@ -45,6 +45,8 @@ def test_unique_ids_accept_int32_and_return_int64() -> None:
     ([1, 5, 9, 4], 9),      # the largest id past the end (num_rows itself included)
     ([5, 0], 5),
     ([-1, 99], -1),         # both kinds: the negative one
+    ([7, 7], 7),            # one distinct id: it is both ends
+    ([-2], -2),
 ])
 def test_unique_ids_report_an_id_outside_the_rows(ids: list[int], bad: int) -> None:
     """unique_ids: an id < 0 or >= num_rows is reported (negative first) for Hop.open."""

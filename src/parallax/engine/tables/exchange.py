@@ -92,7 +92,9 @@ def unique_ids(ids: Tensor, num_rows: int, name: str, rank: int,
     unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
     bad_id = None
     if unique.numel():
-        low, high = unique[[0, -1]].tolist()  # sorted: the ends, in one read-back
+        # sorted: the ends, in one read-back (a strided view, not an indexing op)
+        ends = (unique[::unique.numel() - 1] if unique.numel() > 1 else unique).tolist()
+        low, high = ends[0], ends[-1]
         bad_id = low if low < 0 else high if high >= num_rows else None
     return unique, inverse.view(ids.shape), bad_id
 

@@ -209,6 +209,8 @@ class ShardedTable:
         # shard rows that received gradient since the last zero_grad (`touched_rows_by_part`)
         self._touched: list[Tensor] = []
         self._touched_unique: Tensor | None = None  # `touched_rows`, until more arrive
+        # the partitions' first rows as a tensor, and what they were made for
+        self._block_starts: tuple[tuple[object, ...], Tensor] | None = None
         # Set by the servers' optimizer when its class (torch's own) never writes gradients:
         # a dense gradient is then zero outside the touched rows, unless a non-finite factor
         # scaled it whole (0 x inf), which `_grad_scaled_everywhere` records.
@@ -489,10 +491,15 @@ class ShardedTable:
     def touched_rows_by_part(self) -> list[Tensor]:
         """Per partition, `touched_rows` in the partition's own row numbers."""
         rows = self.touched_rows()
-        starts = torch.tensor([start for start, _ in self.blocks]
-                              + [self.server_shard().shape[0]],
-                              dtype=rows.dtype, device=rows.device)
-        bounds = torch.searchsorted(rows, starts).tolist()
+        if len(self.blocks) == 1 and self.blocks[0][0] == 0:  # one partition: the shard's rows
+            return [rows]
+        key = (*self.blocks, self.server_shard().shape[0], rows.dtype, rows.device)
+        if self._block_starts is None or self._block_starts[0] != key:
+            # made once per partitioning: on a GPU each would be a copy and a wait
+            self._block_starts = (key, torch.tensor(
+                [start for start, _ in self.blocks] + [self.server_shard().shape[0]],
+                dtype=rows.dtype, device=rows.device))
+        bounds = torch.searchsorted(rows, self._block_starts[1]).tolist()
         return [rows[bounds[i]:bounds[i + 1]] - start
                 for i, (start, _) in enumerate(self.blocks)]
 
