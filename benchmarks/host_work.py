@@ -1,9 +1,11 @@
 """Host work per step of one worker: the benchmark LM (`workloads.SampledSoftmaxLM`, Adagrad)
 trained by a plain PyTorch loop and by the same loop after ``parallax.distribute`` (a world
-of one: rank 0 is the only server), counted and timed on this process's CPU.
+of one: rank 0 is the only server), or with ``--door runner`` by ``parallax.get_runner``'s
+``Runner.step`` (one worker: its tables replicated after the warm-up), counted and timed on
+this process's CPU.
 
     python benchmarks/host_work.py [--vocab 2000] [--emb 16] [--steps 300] [--rounds 3]
-                                   [--device cpu] [--trace TRACE.json]
+                                   [--device cpu] [--door distribute] [--trace TRACE.json]
                                    [--out benchmarks/results/host_work.json]
 
 Counted (deterministic, what the engine asks of the host each step): the ``aten::`` operators
@@ -46,10 +48,21 @@ COUNTED_STEPS = 50
 
 
 def train(model, optimizer, batches) -> None:
+    """The plain loop, or the own loop after ``distribute``; ``optimizer`` None: ``model``
+    is a `parallax.Runner` (the ``--door runner`` program), stepped by ``Runner.step``."""
+    if optimizer is None:
+        for batch in batches:
+            model.step(batch)
+        return
     for inputs, targets in batches:
         optimizer.zero_grad()
         sampled_softmax_loss(model(*inputs), targets).backward()
         optimizer.step()
+
+
+def device_of(model) -> torch.device:
+    module = model.model if isinstance(model, parallax.Runner) else model
+    return next(module.parameters()).device
 
 
 def synchronize(device: torch.device) -> None:
@@ -58,7 +71,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def step_ms(model, optimizer, batches) -> float:
-    device = next(model.parameters()).device
+    device = device_of(model)
     synchronize(device)
     start = time.perf_counter()
     train(model, optimizer, batches)
@@ -97,6 +110,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU)")
+    parser.add_argument("--door", choices=("distribute", "runner"), default="distribute",
+                        help="parallax's own loop (distribute: tables on the servers), or "
+                             "Runner.step (get_runner: one worker replicates its tables)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write parallax's counted steps as a Chrome trace here")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "host_work.json")
@@ -114,9 +130,12 @@ def main() -> None:
         torch.manual_seed(0)
         model = SampledSoftmaxLM(cfg).to(device)
         optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
-        if name == "parallax":
-            model, optimizer = parallax.distribute(
-                model, optimizer, config=parallax.Config(partition_cache=None))
+        config = parallax.Config(partition_cache=None)
+        if name == "parallax" and args.door == "runner":
+            model = parallax.get_runner(model, optimizer, sampled_softmax_loss, config=config)
+            optimizer = None
+        elif name == "parallax":
+            model, optimizer = parallax.distribute(model, optimizer, config=config)
         train(model, optimizer, batches[:20])  # warm-up (the plan settles in parallax's)
         systems[name] = (model, optimizer)
     settings = vars(args) | {"out": str(args.out), "trace": str(args.trace)}

@@ -90,15 +90,25 @@ def _all_to_alls_per_step(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> 
                                  nn.functional.mse_loss,
                                  config=parallax.Config(sparsity_warmup_steps=100))
     calls = []
-    real = exchange.all_to_all  # one rank: a copy, not a collective; counted all the same
+    # one rank: an exchange is a copy, not a collective; counted all the same, as the
+    # all_to_alls that open a step's pull and the hops' sends (which a group of one copies
+    # without an all_to_all)
+    real, real_start = exchange.all_to_all, exchange.Hop._start
 
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
         return real(*args, **kwargs)
 
+    def counted_start(self, payloads, send, receive, *, async_op):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        with monkeypatch.context() as inside:  # a send is one exchange, however it is made
+            inside.setattr(exchange, "all_to_all", real)
+            return real_start(self, payloads, send, receive, async_op=async_op)
+
     for module in list(sys.modules.values()):  # every module that imported it by name
         if getattr(module, "all_to_all", None) is real:
             monkeypatch.setattr(module, "all_to_all", counted)
+    monkeypatch.setattr(exchange.Hop, "_start", counted_start)
     runner.step(_batch(torch.Generator().manual_seed(1)))
     parallax.shutdown()
     return len(calls)

@@ -238,13 +238,12 @@ class Hop:
         names = list(send_counts)
         world = len(send_counts[names[0]]) if names else dist.get_world_size(group)
         bad = [(bad_ids or {}).get(name) for name in names]
-        message = torch.tensor([[[send_counts[name][peer], 0 if b is None else BAD_ID,
-                                  0 if b is None else b]
-                                 for name, b in zip(names, bad, strict=True)]
-                                for peer in range(world)], dtype=torch.long)
-        # (one read-back of every field: on a GPU each read is a synchronisation)
-        received = exchange_counts(message.view(world, len(names), 3), group=group,
-                                   device=device).tolist()
+        fields = [[[send_counts[name][peer], 0 if b is None else BAD_ID, 0 if b is None else b]
+                   for name, b in zip(names, bad, strict=True)] for peer in range(world)]
+        received = fields  # a group of one receives what it sends
+        if world > 1:  # (one read-back of every field: on a GPU each read is a wait)
+            message = torch.tensor(fields, dtype=torch.long).view(world, len(names), 3)
+            received = exchange_counts(message, group=group, device=device).tolist()
         for name in names:
             traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
         raise_bad_ids(received, names, traffic=traffic, num_rows=num_rows)
@@ -298,6 +297,9 @@ class Hop:
                receive: dict[str, list[int]], *, async_op: bool,
                ) -> Callable[[], dict[str, Tensor]]:
         names = list(self.send_counts)
+        if names and len(send[names[0]]) == 1:  # a group of one: what it sends, copied
+            copies = {name: payloads[name].clone() for name in names}
+            return lambda: copies
         if len(names) == 1:  # one table: no byte views needed
             name = names[0]
             return self._start_one(name, payloads[name], send[name], receive[name], async_op)

@@ -227,6 +227,10 @@ class ReplicatedTable:
             grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
             if counts is not None:  # counts travel as one more column of the rows
                 grad = lookup_options.with_counts(grad, counts)
+            if world == 1:  # nothing to gather: this rank's rows are every rank's
+                ids_parts.append(unique)
+                row_parts.append(grad)
+                continue
             hop = Hop.open([unique.numel()] * world, group=self.group, traffic=self.traffic,
                            name=self.name, num_rows=self.num_rows, device=self.param.device)
             ids_parts.append(hop.forward(unique.repeat(world)))
@@ -242,7 +246,7 @@ class ReplicatedTable:
         counts = None
         if self._scales_by_freq:
             rows, counts = lookup_options.split_counts(rows, self.row_shape)
-        if self.average:
+        if self.average and world > 1:  # (x / 1 is x: no pass over the rows for it)
             rows = rows / world
         if self.sparse_grad:
             grad = torch.sparse_coo_tensor(ids.unsqueeze(0), rows, self.param.shape,
