@@ -143,7 +143,9 @@ class StepGradients:
         """Every worker's loss and every aggregated gradient checked in one collective, which
         also tells each server-held table whether any backward reached it and keeps the
         tables' squared norm for clipping."""
-        found = find_nonfinite(loss, {**self.tables(), **self.parallelism.norm_parts()},
+        # (a replica's gradient is checked with the dense ones: its norm part is zero)
+        held = {name: table for name, table in self.tables().items() if table.on_servers}
+        found = find_nonfinite(loss, {**held, **self.parallelism.norm_parts()},
                                self._replicated_grads_to_check(),
                                rank=self.worker.rank, world=self.worker.world_size,
                                group=self.group, device=self.device,

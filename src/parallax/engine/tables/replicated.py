@@ -75,6 +75,7 @@ class ReplicatedTable:
         # unknown once the whole gradient was AllReduced
         self._touched: list[Tensor] = []
         self._touched_known = True
+        self._touched_distinct = False  # `_touched`'s last entry is sorted and distinct
         self._touched_rows: Tensor | None = None  # `touched_rows`, until the next push
         # the gradient this table wrote and its version then: while ``param.grad`` is that
         # tensor, unchanged, its rows outside `touched_rows` are exactly zero
@@ -159,9 +160,12 @@ class ReplicatedTable:
                                        and not self.grad_is_ours()):
             return None
         if self._touched_rows is None:
-            self._touched_rows = (torch.unique(torch.cat(self._touched)) if self._touched
-                                  else torch.empty(0, dtype=torch.long,
-                                                   device=self.param.device))
+            if len(self._touched) == 1 and self._touched_distinct:
+                self._touched_rows = self._touched[0]  # sorted and distinct already
+            else:
+                self._touched_rows = (torch.unique(torch.cat(self._touched)) if self._touched
+                                      else torch.empty(0, dtype=torch.long,
+                                                       device=self.param.device))
         return self._touched_rows
 
     def grad_is_ours(self) -> bool:
@@ -242,6 +246,8 @@ class ReplicatedTable:
         if self.param.grad is not None and not self.grad_is_ours():
             self._touched_known = False  # autograd reached the whole weight, or the program
         self._touched.append(ids)
+        # one lookup's unique ids from one rank (a world of one): no unique of them needed
+        self._touched_distinct = world == 1 and len(ids_parts) == 1
         self._touched_rows = None
         counts = None
         if self._scales_by_freq:
