@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 import parallax
+from parallax.engine.optimizers import replica_rows
 
 
 class _Model(nn.Module):
@@ -173,3 +174,40 @@ def test_the_cleared_gradient_is_reused_where_no_program_code_sees_it(single_pro
         seen.append(model.embedding.weight.grad)
         optimizer.step()
     assert len({id(grad) for grad in seen}) == len(seen)
+
+
+class _TwoLookups(_Model):
+    """The same table looked up twice per step (rows shared between the two and not)."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        first = self.embedding(ids).mean(dim=1)
+        second = self.embedding((ids * 7 + 3) % 200).mean(dim=1)
+        return self.out(first * second).squeeze(1)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_two_lookups_a_step_update_the_union_of_their_rows(single_process, monkeypatch,
+                                                           accumulate: int) -> None:
+    """One worker: a table looked up twice a step (and a step of two backwards) is updated at
+    the union of every lookup's rows, the single-device program's update to the bit."""
+    torch.manual_seed(0)
+    model, reference = _TwoLookups().double(), _TwoLookups().double()
+    reference.load_state_dict(model.state_dict())
+    stepped: list[int] = []  # the rows each row update stepped
+    real = replica_rows.update_rows
+    monkeypatch.setattr(replica_rows, "update_rows", lambda *args: (
+        stepped.append(args[-1].numel()), real(*args))[1])
+    model, optimizer = parallax.distribute(
+        model, torch.optim.Adagrad(model.parameters(), lr=0.1),
+        config=parallax.Config(architecture="allreduce", partition_cache=None))
+    plain = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    for ids, target in _batches():
+        for net, opt in ((model, optimizer), (reference, plain)):
+            opt.zero_grad()
+            for part in range(accumulate):
+                rows = slice(part * 3, (part + 1) * 3) if accumulate == 2 else slice(None)
+                nn.functional.mse_loss(net(ids[rows]), target[rows]).backward()
+            opt.step()
+    assert len(stepped) == len(_batches()) and all(0 < n < 200 for n in stepped)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
