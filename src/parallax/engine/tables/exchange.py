@@ -298,7 +298,8 @@ class Hop:
                ) -> Callable[[], dict[str, Tensor]]:
         names = list(self.send_counts)
         if names and len(send[names[0]]) == 1:  # a group of one: what it sends, copied
-            copies = {name: payloads[name].clone() for name in names}
+            copies = {name: payloads[name].clone(memory_format=torch.contiguous_format)
+                      for name in names}
             return lambda: copies
         if len(names) == 1:  # one table: no byte views needed
             name = names[0]
