@@ -46,6 +46,7 @@ def _watch_skipped(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> lis
 
 @pytest.mark.parametrize(("make", "rows_only"), [
     (lambda p: torch.optim.Adagrad(p, lr=0.1), True),
+    (lambda p: torch.optim.Adagrad(p, lr=0.1, foreach=True), True),
     (lambda p: torch.optim.SGD(p, lr=0.1), True),
     (lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.01), False),
     (lambda p: torch.optim.Adam(p, lr=0.01), False),

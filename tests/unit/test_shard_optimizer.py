@@ -114,6 +114,8 @@ def test_server_update_equals_the_user_optimizer_on_one_device(
     (lambda g: torch.optim.SGD(g, lr=0.1, dampening=0.5, maximize=True), True),
     (lambda g: torch.optim.Adagrad(g, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
      True),
+    # the foreach form (a GPU's default), which the rows' step follows
+    (lambda g: torch.optim.Adagrad(g, lr=0.1, lr_decay=0.01, foreach=True), True),
     (lambda g: torch.optim.Adagrad(g, lr=0.1, weight_decay=0.01), False),
     (lambda g: torch.optim.Adam(g, lr=0.1), False),
 ])

@@ -53,6 +53,9 @@ def _adagrad_rows(group: dict[str, Any], state: dict[str, Any], param: Tensor, g
     values, sums = param.index_select(0, rows), state["sum"].index_select(0, rows)
     adagrad([values], [grad.index_select(0, rows)], [sums], [state["step"]],
             lr=group["lr"], weight_decay=group["weight_decay"], lr_decay=group["lr_decay"],
-            eps=group["eps"], maximize=group["maximize"], foreach=False)
+            eps=group["eps"], maximize=group["maximize"],
+            # the program's own form (None: torch's default for the rows' device, which is
+            # the program's parameter's device)
+            foreach=group.get("foreach"))
     param.index_copy_(0, rows, values)
     state["sum"].index_copy_(0, rows, sums)
