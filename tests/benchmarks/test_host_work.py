@@ -19,7 +19,7 @@ def test_host_work_counts_both_doors(tmp_path: Path, door: str) -> None:
     out = tmp_path / "host_work.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "host_work.py"), "--door", door,
-         "--vocab", "300", "--steps", "60", "--rounds", "1", "--out", str(out)],
+         "--vocab", "300", "--steps", "12", "--rounds", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
