@@ -9,7 +9,6 @@ same total, clips alike, and decides alike whether a step is finite.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -18,6 +17,7 @@ from torch import Tensor
 
 from parallax.engine.tables import reduction
 from parallax.engine.tables.table import Table
+from parallax.engine.tables.verdict import largest_magnitudes
 
 __all__ = ["NonFinite", "all_finite", "all_finite_together", "clip_by_global_norm",
            "find_nonfinite", "finite_together"]
@@ -120,12 +120,7 @@ def finite_together(grads: Iterable[Tensor | None]) -> Tensor | None:
     values = [grad._values() if grad.is_sparse else grad for grad in grads if grad is not None]
     if not values:
         return None
-    device = values[0].device
-    if not all(value.numel() for value in values):  # (no infinity norm of nothing; finite)
-        values = [value for value in values if value.numel()]
-        if not values:
-            return torch.ones((), dtype=torch.bool, device=device)
-    # each gradient's largest magnitude, in one foreach kernel per device and dtype (as
-    # torch's clip_grad_norm_ computes norms): NaN and infinities survive a max, and a max
-    # of finite values cannot overflow
-    return torch.stack(torch._foreach_norm(values, math.inf)).isfinite().all()
+    tops = largest_magnitudes(values)
+    if not tops:  # only empty gradients: nothing is not finite
+        return torch.ones((), dtype=torch.bool, device=values[0].device)
+    return torch.stack(tops).isfinite().all()

@@ -36,7 +36,7 @@ from torch import Tensor
 from parallax.engine.tables.riders import rank_order_sum
 from parallax.errors import InternalError
 
-__all__ = ["VERDICT_KEY", "Verdict", "bound_of"]
+__all__ = ["VERDICT_KEY", "Verdict", "bound_of", "largest_magnitudes"]
 
 #: the rider's name in a hop's message (not a parameter name: names have no parentheses)
 VERDICT_KEY = "(verdict)"
@@ -103,10 +103,17 @@ class Verdict:
 def bound_of(grads: Sequence[Tensor]) -> Tensor:
     """The sum of the largest magnitudes of ``grads`` (float64; 0 for none): a bound on what
     they add to any one aggregated element when each row is summed in once."""
-    held = [grad.detach() for grad in grads if grad.numel()]
-    if not held:
+    tops = largest_magnitudes([grad.detach() for grad in grads])
+    if not tops:
         return torch.zeros((), dtype=torch.float64)
-    # each one's largest magnitude in one foreach kernel per device and dtype (NaN and
-    # infinities survive a max), widened before the sum so that it cannot overflow
-    return torch.stack(torch._foreach_norm(held, math.inf)).to(torch.float64).sum()
+    return torch.stack(tops).to(torch.float64).sum()  # widened: the sum cannot overflow
+
+
+def largest_magnitudes(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Each non-empty tensor's largest magnitude (0-dim, its dtype), in one foreach kernel per
+    device and dtype, as torch's clip_grad_norm_ computes norms: NaN and infinities survive a
+    max, and a max of finite values cannot overflow. Empty tensors (no infinity norm of
+    nothing) are left out."""
+    values = [tensor for tensor in tensors if tensor.numel()]
+    return list(torch._foreach_norm(values, math.inf)) if values else []
 
