@@ -45,6 +45,11 @@ Each record (per system; "median" etc. over the timed steps, after the untimed w
   training (`parallax.planning.memory`: parameters kept whole and own shards, their
   gradients, optimizer state, buffers; after the warm-up, when the plan is final), max over
   ranks (``predicted_rss_mib_per_rank`` lists all); None for TorchRec.
+* ``cpu_ms_per_step_per_rank``: each rank's CPU time (user + system, every thread) per timed
+  step; ``cpu_ms_per_step_by_thread``: the same split by thread, ``main`` (the training
+  loop), ``gloo`` (the collectives' socket and work loops) and ``other``
+  (`benchmarks/thread_cpu.py`). Where processes outnumber cores, the ranks' CPU time together
+  bounds the step.
 * parallax systems only, from ``runner.plan`` once α is measured (over the warm-up steps):
   ``alpha_model`` (element-weighted mean α, dense parameters count as 1), ``alphas`` (per
   sparse parameter), ``predicted_bytes_per_machine_step`` = ``plan.predicted_total(arch)``:
@@ -149,6 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="after the timed steps, 5 steps per system under torch.profiler: "
                         "DIR/<system>-rank<r>.txt (operators by self CPU time) and rank 0's "
                         "Chrome trace")
+    parser.add_argument("--cpu-profile", type=Path, metavar="DIR",
+                        help="after the timed steps, 50 steps per system under cProfile timed "
+                        "by each thread's CPU time (waits on peers cost nothing): "
+                        "DIR/<system>-rank<r>.prof and .txt (benchmarks/thread_cpu.py)")
     parser.add_argument("--out", type=Path, help="results JSON (default under results/)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
@@ -276,6 +285,8 @@ def launch(args: argparse.Namespace, systems: list[str], out: Path,
                    "out": str(out.resolve()), "workload_name": args.workload,
                    "workload": workload_options(args), "isolated": args.isolate,
                    "profile_dir": str(args.profile.resolve()) if args.profile else None,
+                   "cpu_profile_dir": (str(args.cpu_profile.resolve()) if args.cpu_profile
+                                       else None),
                    **(extra or {})}
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(args.machines),
            "--nproc-per-machine", str(args.nproc_per_machine),

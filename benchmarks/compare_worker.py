@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_callers import callers_of, report, trace_events  # noqa: E402
 from quality import train_to_target  # noqa: E402
+from thread_cpu import THREAD_KINDS, cpu_profile, thread_cpu_s  # noqa: E402
 from workloads import Workload  # noqa: E402
 
 import parallax  # noqa: E402
@@ -43,6 +44,7 @@ from parallax.step.forward import to_device  # noqa: E402
 PARALLAX_ARCHITECTURES = ("hybrid", "optps", "ps", "allreduce")
 MAX_ALPHA_STEPS = 5  # Config's default warm-up: more steps only delay the plan
 MAX_SETTLING_STEPS = 64  # a trial or search still running after this many extra steps is timed
+CPU_PROFILE_STEPS = 50  # --cpu-profile: steps under cProfile after the timed ones
 LOSS_STEPS = 10  # loss_last: the mean training loss over this many last timed steps
 # system variant -> dense_sync
 DENSE_SYNCS = {"plump": "plump", "qsgd": "qsgd", "slim": "slim", "flat": "flat"}
@@ -301,7 +303,7 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     if runner is not None:
         runner.reset_stats()  # the engine's count then covers the timed steps only
     before, times, losses = link_bytes(), [], []
-    cpu_before = time.process_time()
+    cpu_before, threads_before = time.process_time(), thread_cpu_s()
     for _ in range(steps):
         batch = workload.batch(generator)
         start = time.perf_counter()
@@ -311,10 +313,17 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
     cpu_ms = (time.process_time() - cpu_before) * 1e3 / steps
+    threads_after = thread_cpu_s()
     dist.barrier()
     sent, peak = link_bytes() - before, peak_rss_mib()
     if args.get("profile_dir"):  # after every count of the timed steps is taken
         profile(step, workload, generator, system, Path(args["profile_dir"]))
+    if args.get("cpu_profile_dir"):
+        directory = Path(args["cpu_profile_dir"])
+        directory.mkdir(parents=True, exist_ok=True)
+        cpu_profile(lambda: step(workload.batch(generator)), CPU_PROFILE_STEPS,
+                    directory / f"{system}-rank{worker.rank}.prof", f"{system}, rank {worker.rank}")
+        dist.barrier()
     # One reduction: this machine's link bytes (its first worker reads them), every rank's
     # step times (summed, then averaged: all ranks wait for each other every step, so they
     # differ only by where each rank's clock starts within the step) and every rank's peak
@@ -325,6 +334,11 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     cpu = torch.zeros(world, dtype=torch.float64)
     cpu[worker.rank] = cpu_ms
     dist.all_reduce(cpu)
+    by_thread = torch.zeros(len(THREAD_KINDS), world, dtype=torch.float64)
+    by_thread[:, worker.rank] = torch.tensor(
+        [(threads_after[k] - threads_before[k]) * 1e3 / steps for k in THREAD_KINDS],
+        dtype=torch.float64)
+    dist.all_reduce(by_thread)
     values = torch.zeros(1 + steps + 2 * world, dtype=torch.float64)
     values[0] = float(sent) if worker.is_server else 0.0
     values[1:1 + steps] = torch.tensor(times, dtype=torch.float64)
@@ -361,6 +375,10 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
         # CPU time (all threads, user + system) per timed step: on a host with fewer cores
         # than processes, the step is bounded by the ranks' CPU time together
         "cpu_ms_per_step_per_rank": [round(c, 2) for c in cpu.tolist()],
+        # the same by thread (benchmarks/thread_cpu.py): the loop's, the collectives', the rest
+        "cpu_ms_per_step_by_thread": {kind: [round(c, 2) for c in row]
+                                      for kind, row in zip(THREAD_KINDS, by_thread.tolist(),
+                                                           strict=True)},
     }
     if cuda:  # this rank's peak of tensors allocated on its GPU while this system ran
         result["peak_gpu_mib_rank0"] = torch.cuda.max_memory_allocated(worker.device) / 2**20

@@ -49,6 +49,11 @@ def check_record(result: dict, *, machines: int = 2) -> None:
         assert result["items_per_s"] == pytest.approx(
             repeats[0]["items_per_s"] * repeats[0]["median_step_s"] / result["median_step_s"])
     assert result["peak_rss_mib"] > 0 and len(result["peak_rss_mib_per_rank"]) == machines
+    # CPU time per step by thread kind, one value per rank (the kernel counts in ticks of
+    # 10 ms: a two-step smoke run may read 0, never less)
+    by_thread = result["cpu_ms_per_step_by_thread"]
+    assert set(by_thread) == {"main", "gloo", "other"}, system
+    assert all(len(v) == machines and min(v) >= 0 for v in by_thread.values()), by_thread
     assert result["peak_rss_scope"] == "system"
     # one worker per machine: a machine's peak is its worker's
     assert result["peak_rss_mib_per_machine"] == pytest.approx(result["peak_rss_mib"])
