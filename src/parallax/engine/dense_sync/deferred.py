@@ -63,11 +63,13 @@ class DenseRider:
         total = rank_order_sum(received)
         if self.average:
             total.div_(self.world)
-        offset = 0
-        for param in self.params:
-            piece = total[offset:offset + param.numel()].view_as(param)
+        pieces = total.split_with_sizes([param.numel() for param in self.params])
+        have, into = [], []
+        for param, piece in zip(self.params, pieces, strict=True):
             if param.grad is None:
-                param.grad = piece.clone()
+                param.grad = piece.view_as(param).clone()
             else:
-                param.grad.copy_(piece)
-            offset += param.numel()
+                have.append(param.grad)
+                into.append(piece.view_as(param))
+        if have:  # one operator for every gradient, not one copy each
+            torch._foreach_copy_(have, into)

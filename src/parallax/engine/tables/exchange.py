@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallax.errors import ArgumentTypeError, SparseIdError
+from parallax.errors import ArgumentTypeError, InternalError, SparseIdError
 
 COUNT_MESSAGE_BYTES = 3 * 8  # count, error flag, bad id: int64 each
 #: ids travel as int32 where every table of a message has at most this many rows
@@ -111,16 +111,31 @@ class Traffic:
     steps: int = 0
     bytes: dict[str, dict[str, int]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    _keys: list[tuple[int, str, str]] | None = field(default=None, init=False, repr=False)
 
     def record(self, name: str, send_counts: list[int], recv_counts: list[int],
                bytes_per_item: int) -> None:
+        world = len(self.machine_of_rank)
+        if len(send_counts) != world or len(recv_counts) != world:
+            raise InternalError(f"'{name}': {len(send_counts)} send and {len(recv_counts)} "
+                                f"receive counts for {world} ranks; please report it")
+        peers = self._keys if self._keys is not None else self._peer_keys()
+        if not peers:  # a world of one: all of it self-traffic
+            return
+        counts = self.bytes[name]
+        for peer, sent_key, received_key in peers:  # every step: kept short
+            counts[sent_key] += send_counts[peer] * bytes_per_item
+            counts[received_key] += recv_counts[peer] * bytes_per_item
+
+    def _peer_keys(self) -> list[tuple[int, str, str]]:
+        """``(peer, sent key, received key)`` of every other rank, worked out once."""
         mine = self.machine_of_rank[self.rank]
-        for peer, (sent, received) in enumerate(zip(send_counts, recv_counts, strict=True)):
-            if peer == self.rank:
-                continue
-            where = "intra" if self.machine_of_rank[peer] == mine else "inter"
-            self.bytes[name][f"{where}_sent"] += sent * bytes_per_item
-            self.bytes[name][f"{where}_received"] += received * bytes_per_item
+        self._keys = []
+        for peer, machine in enumerate(self.machine_of_rank):
+            if peer != self.rank:
+                where = "intra" if machine == mine else "inter"
+                self._keys.append((peer, f"{where}_sent", f"{where}_received"))
+        return self._keys
 
     def record_ring_allreduce(self, name: str, payload_bytes: int) -> None:
         """An AllReduce of ``payload_bytes`` done by gloo's ring: reduce-scatter then
@@ -307,7 +322,7 @@ class Hop:
         world = len(send[names[0]])
         payloads = {name: payloads[name].contiguous() for name in names}
         item = {name: p.element_size() * math.prod(p.shape[1:]) for name, p in payloads.items()}
-        pieces = {name: p.reshape(-1).view(torch.uint8).split(
+        pieces = {name: p.reshape(-1).view(torch.uint8).split_with_sizes(
                       [count * item[name] for count in send[name]])
                   for name, p in payloads.items()}
         message = torch.cat([pieces[name][peer] for peer in range(world) for name in names])
@@ -323,7 +338,8 @@ class Hop:
         def finish() -> dict[str, Tensor]:
             if work is not None:
                 work.wait()
-            cut = out.split([receive[n][peer] * item[n] for peer in range(world) for n in names])
+            cut = out.split_with_sizes([receive[n][peer] * item[n] for peer in range(world)
+                                        for n in names])
             result = {}
             for t, name in enumerate(names):
                 payload = payloads[name]

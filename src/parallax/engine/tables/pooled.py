@@ -390,7 +390,7 @@ def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: li
     message = torch.cat(parts)
     out = message.new_empty(sum(recv_splits))
     all_to_all(out, message, recv_splits, send_splits, group=first.group)
-    chunks = out.split(recv_splits)
+    chunks = out.split_with_sizes(recv_splits)
     received = header_of(chunks, len(calls) * _FIELDS).view(world, len(calls), _FIELDS)
     _record_open(calls, keys, room_to, room_from, wire.itemsize)
     _raise_flagged(calls, received)

@@ -97,15 +97,17 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
     header_width = len(names) * _HEADER * 8 // wire.itemsize
     room_to = {n: [reservations[n].to(p) for p in range(world)] for n in names}
     room_from = {n: [reservations[n].from_(p) for p in range(world)] for n in names}
-    pieces = {n: payloads[n].to(wire).split(send_counts[n]) for n in names}
+    pieces = {n: payloads[n].to(wire).split_with_sizes(send_counts[n]) for n in names}
     overflowed = any(send_counts[n][p] > room_to[n][p] for n in names for p in range(world))
+    headers_out = _headers(names, send_counts, bad_ids, overflowed, world,
+                           like=pieces[names[0]][0])
     message = torch.cat([part for peer in range(world) for part in _to_peer(
-        peer, names, pieces, send_counts, room_to, bad_ids, overflowed)])
+        peer, names, pieces, room_to, headers_out[peer])])
     send_splits = [header_width + sum(room_to[n][p] for n in names) for p in range(world)]
     recv_splits = [header_width + sum(room_from[n][p] for n in names) for p in range(world)]
     out = message.new_empty(sum(recv_splits))
     all_to_all(out, message, recv_splits, send_splits, group=group)
-    chunks = out.split(recv_splits)
+    chunks = out.split_with_sizes(recv_splits)
     headers = header_of(chunks, len(names) * _HEADER).view(world, len(names), _HEADER)
     for name in names:
         traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
@@ -132,25 +134,35 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
     return Hop(dict(send_counts), recv_counts, group, traffic), ids
 
 
-def _to_peer(peer: int, names: list[str], pieces: dict[str, tuple[Tensor, ...]],
-             send_counts: dict[str, list[int]], room_to: dict[str, list[int]],
-             bad_ids: dict[str, int | None], overflowed: bool) -> list[Tensor]:
-    """The message to ``peer``: a count message per table (int64, in the ids' dtype:
-    `with_header`), then each table's ids padded to the room reserved for them (cut to it
-    when they overflow)."""
-    fields, parts = [], []
-    for name in names:
-        bad = bad_ids.get(name)
-        fields.append([send_counts[name][peer],
-                       (BAD_ID if bad is not None else 0) | (OVERFLOWED if overflowed else 0),
-                       0 if bad is None else bad])
-        ids, room = pieces[name][peer], room_to[name][peer]
-        parts.append(ids[:room])
-        if ids.numel() < room:
-            parts.append(ids.new_zeros(room - ids.numel()))
-    first = pieces[names[0]][0]
+def _headers(names: list[str], send_counts: dict[str, list[int]],
+             bad_ids: dict[str, int | None], overflowed: bool, world: int, *,
+             like: Tensor) -> Tensor:
+    """Every peer's count message, one row per peer: per table its count, flags and bad id
+    (int64, viewed in ``like``'s dtype: `with_header`), made on the host at once and moved
+    to ``like``'s device in one copy."""
+    fields = []
+    for peer in range(world):
+        for name in names:
+            bad = bad_ids.get(name)
+            fields.append([send_counts[name][peer],
+                           (BAD_ID if bad is not None else 0) | (OVERFLOWED if overflowed else 0),
+                           0 if bad is None else bad])
     header = torch.tensor(fields, dtype=torch.long)  # one tensor, not one write per field
-    return [part.to(first.device) for part in [with_header(header, first.dtype), *parts]]
+    return with_header(header, like.dtype).view(world, -1).to(like.device)
+
+
+def _to_peer(peer: int, names: list[str], pieces: dict[str, tuple[Tensor, ...]],
+             room_to: dict[str, list[int]], header: Tensor) -> list[Tensor]:
+    """The message to ``peer``: its count message (`_headers`), then each table's ids padded
+    to the room reserved for them (cut to it when they overflow)."""
+    parts = [header]
+    for name in names:
+        ids, room = pieces[name][peer], room_to[name][peer]
+        count = ids.numel()
+        parts.append(ids if count == room else ids[:room])
+        if count < room:
+            parts.append(ids.new_zeros(room - count))
+    return parts
 
 
 def cut_rooms(chunks: Sequence[Tensor], names: list[str], room_from: dict[str, list[int]],

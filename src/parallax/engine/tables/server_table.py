@@ -479,6 +479,15 @@ class ShardedTable:
                                 f"please report it")
         return self.shard
 
+    def shard_rows_of(self, ids: Tensor) -> Tensor:
+        """The rows of this server's shard that hold ``ids`` (ids this rank owns)."""
+        if len(self.blocks) == 1 and self.blocks[0][0] == 0:
+            # one partition here, at the shard's start: its local row is the id's quotient
+            # (ids itself with one partition), without the partition tables' lookups
+            partitions = self.partitioning.num_partitions
+            return ids if partitions == 1 else ids // partitions
+        return self.partitioning.local_row(ids)
+
     def touched_rows(self) -> Tensor:
         """The (sorted, distinct) shard rows that received gradient since the last zero_grad:
         the only rows whose aggregated gradient can be non-zero."""
@@ -636,7 +645,7 @@ def prefetch(tables: Sequence[ShardedTable], ids: Sequence[Sequence[Tensor]]) ->
                                                         strict=True):
         unique = torch.empty(rows.shape[0], dtype=torch.long, device=union.device)
         unique[inverse] = union
-        pieces = inverse.split([i.numel() for i in table_ids])  # each lookup's, in order
+        pieces = inverse.split_with_sizes([i.numel() for i in table_ids])  # each lookup's, in order
         table.prefetched = _Prefetched(unique, rows, [
             (i, _version_of(i), piece) for i, piece in zip(table_ids, pieces, strict=True)])
 
@@ -660,8 +669,11 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
     together are the global batch's ids, and renormalising is idempotent, so the result is
     exact."""
     orders, counts = {}, {}
-    for table, unique in zip(tables, uniques, strict=True):
-        owner = table.partitioning.owner_rank(unique.clamp(0, max(table.num_rows - 1, 0)))
+    for table, unique, bad_id in zip(tables, uniques, bad_ids, strict=True):
+        # (a bad id is refused on every rank once the count message is read: until then it
+        # only needs an owner)
+        owner = table.partitioning.owner_rank(
+            unique if bad_id is None else unique.clamp(0, max(table.num_rows - 1, 0)))
         orders[table.name] = torch.argsort(owner, stable=True)
         counts[table.name] = torch.bincount(owner, minlength=table.worker.world_size).tolist()
     sorted_ids = {t.name: u[orders[t.name]] for t, u in zip(tables, uniques, strict=True)}
@@ -677,7 +689,7 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
         recv_ids = hop.forward_many(sorted_ids)
     served, lookups = {}, {}
     for table in tables:
-        local = table.partitioning.local_row(recv_ids[table.name])
+        local = table.shard_rows_of(recv_ids[table.name])
         if table.shard is not None and table.before_read is not None:
             table.before_read(local)  # deferred steps first (values and optimizer state)
         held = source if source is not None else table.shard
