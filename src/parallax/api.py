@@ -18,7 +18,7 @@ from parallax.engine.optimizers.shard_optimizer import (
 )
 from parallax.errors import ArgumentTypeError
 from parallax.launch.elastic import install_error_recorder, launch
-from parallax.model.detect import find_sparse_parameters
+from parallax.model.detect import find_sparse_parameters, tracing_once
 from parallax.model.exactness import check_exact
 from parallax.planning.architectures import server_held
 from parallax.runner import LossFn, Runner
@@ -81,8 +81,9 @@ def build_runner(model: torch.nn.Module,
 def _check_before_launch(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                          config: Config) -> None:
     """Fail in the launching process, before any worker starts, on what workers would reject."""
-    sparse = find_sparse_parameters(model)
-    check_exact(model, sparse, config)
+    with tracing_once(model):  # both read the model's trace: one trace
+        sparse = find_sparse_parameters(model)
+        check_exact(model, sparse, config)
     check_per_shard(optimizers, server_held(model, sparse, config))
     if config.lazy_sparse_updates:
         params = dict(model.named_parameters())

@@ -37,7 +37,7 @@ from parallax.engine.tables.backward_push import BackwardPush
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.pool import default_threads, shared_pool
 from parallax.errors import ArgumentTypeError
-from parallax.model.detect import SparseUse, find_sparse_parameters
+from parallax.model.detect import SparseUse, find_sparse_parameters, tracing_once
 from parallax.model.exactness import check_exact
 from parallax.model.meta_init import place_on_device
 from parallax.model.stand_ins import executed_copy, mirror
@@ -109,8 +109,9 @@ class Runner:
         """Where each parameter lives (`parallax.planning`), the sync mode over it, and the
         plan's keeper."""
         config = self.config
-        self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
-        check_exact(model, self.sparse_uses, config)
+        with tracing_once(model):  # both read the model's trace: one trace
+            self.sparse_uses: dict[str, SparseUse] = find_sparse_parameters(model)
+            check_exact(model, self.sparse_uses, config)
         self.architecture = architecture_of(config)
         server_held = self.architecture.server_held(model, self.sparse_uses)
         place_on_device(model, server_held, self.optimizers, self.device)

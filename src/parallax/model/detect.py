@@ -27,7 +27,8 @@ import builtins
 import inspect
 import logging
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -41,9 +42,49 @@ from parallax.engine.tables.lookup_options import BatchDependent
 from parallax.errors import InternalError, UnsupportedProgramError
 
 __all__ = ["BatchDependent", "SparseUse", "batch_dependent_reads", "find_sparse_parameters",
-           "rewrite_gathers"]
+           "rewrite_gathers", "tracing_once"]
 
 logger = logging.getLogger("parallax")
+
+# id(model) -> its trace, the error tracing raised, or None (not traced yet), for the models
+# inside a `tracing_once` block
+_sharing: dict[int, fx.GraphModule | Exception | None] = {}
+
+
+@contextmanager
+def tracing_once(model: nn.Module) -> Iterator[None]:
+    """Within this block the functions here that read ``model``'s trace share one, taken
+    by the first of them (a trace runs the model's Python: tens of milliseconds a model;
+    `find_sparse_parameters` and `batch_dependent_reads` read the same one). The model must
+    not change inside the block."""
+    key = id(model)
+    outer = key in _sharing
+    if not outer:
+        _sharing[key] = None
+    try:
+        yield
+    finally:
+        if not outer:
+            del _sharing[key]
+
+
+def _read_trace(model: nn.Module) -> fx.GraphModule:
+    """``fx.symbolic_trace(model)``, once per `tracing_once` block (for reading only:
+    `rewrite_gathers`, which edits its trace, takes its own)."""
+    key = id(model)
+    if key not in _sharing:
+        return fx.symbolic_trace(model)
+    known = _sharing[key]
+    if known is None:
+        try:
+            known = fx.symbolic_trace(model)
+        except Exception as error:  # tracing runs the user's code: raised again to each
+            known = error
+        _sharing[key] = known
+    if isinstance(known, Exception):
+        raise known
+    return known
+
 
 SparseKind = Literal["embedding", "embedding_bag", "gather"]
 
@@ -115,7 +156,7 @@ def find_sparse_parameters(model: nn.Module) -> dict[str, SparseUse]:
     still get their embeddings partitioned.
     """
     try:
-        gm: fx.GraphModule | None = fx.symbolic_trace(model)
+        gm: fx.GraphModule | None = _read_trace(model)
     except Exception as exc:  # tracing runs arbitrary user code: any error means "no trace"
         gm = None
         logger.warning(
@@ -162,7 +203,7 @@ def batch_dependent_reads(model: nn.Module) -> dict[str, tuple[str, BatchDepende
             if options is not None:
                 found.setdefault(names[id(module.weight)], (path, options))
     try:
-        gm = fx.symbolic_trace(model)
+        gm = _read_trace(model)
     except Exception:  # find_sparse_parameters already said why; modules were scanned above
         return found
     for node in gm.graph.nodes:

@@ -53,6 +53,7 @@ class StepGradients:
         self.worker = worker
         self.group = group
         self.device = device
+        self._named: tuple[tuple[int, ...], list[tuple[str, nn.Parameter]]] | None = None
         #: the tables' summed squared norm of this step, when the finiteness check has it
         self.tables_squared: Tensor | None = None
         #: the norm `Config.clip_grad_norm` clipped by, at the latest step that clipped
@@ -69,9 +70,15 @@ class StepGradients:
         return list(held_tables(self.tables()).values())
 
     def replicated_named(self) -> list[tuple[str, nn.Parameter]]:
-        """The replicated parameters with their names in the user's model."""
-        ids = {id(p) for p in self.replicated}
-        return [(n, p) for n, p in self.model.named_parameters() if id(p) in ids]
+        """The replicated parameters with their names in the user's model (found again only
+        when the list changed: a table the warm-up moved joins it; the finiteness check
+        asks every step)."""
+        key = tuple(map(id, self.replicated))
+        if self._named is None or self._named[0] != key:
+            ids = set(key)
+            self._named = (key, [(n, p) for n, p in self.model.named_parameters()
+                                 if id(p) in ids])
+        return self._named[1]
 
     # ---- one device's habits -----------------------------------------------------------------
     def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer] | None = None, *,

@@ -1,0 +1,54 @@
+"""`parallax.model.detect.tracing_once`: inside the block the model is traced once for every
+reader of its trace; outside, each reader traces; a model that cannot be traced fails every
+reader alike (each falls back as it does alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from parallax.model.detect import batch_dependent_reads, find_sparse_parameters, tracing_once
+
+pytestmark = pytest.mark.unit
+
+
+class Counted(nn.Module):
+    """Counts the times its forward's Python runs (each trace runs it once)."""
+
+    def __init__(self, traceable: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, max_norm=1.0)
+        self.w = nn.Parameter(torch.randn(10, 4))
+        self.runs = 0
+        self.traceable = traceable
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        out = self.emb(ids) + self.w[ids]
+        if not self.traceable and out.sum() > 0:  # data-dependent: no trace
+            return out
+        return out
+
+
+def test_one_trace_serves_both_readers_inside_the_block() -> None:
+    model = Counted()
+    with tracing_once(model):
+        uses = find_sparse_parameters(model)
+        reads = batch_dependent_reads(model)
+    assert model.runs == 1
+    assert set(uses) == {"emb.weight", "w"} and uses["w"].kind == "gather"
+    assert reads["emb.weight"][1].max_norm == 1.0
+    # the same answers as without the block, which traces for each
+    assert find_sparse_parameters(model) == uses and batch_dependent_reads(model) == reads
+    assert model.runs == 3
+
+
+def test_a_model_that_cannot_be_traced_fails_each_reader_alike() -> None:
+    model = Counted(traceable=False)
+    with tracing_once(model):
+        uses = find_sparse_parameters(model)  # the module rule only
+        reads = batch_dependent_reads(model)  # the modules' options only
+    assert model.runs == 1
+    assert set(uses) == {"emb.weight"}
+    assert reads["emb.weight"][1].max_norm == 1.0
