@@ -49,7 +49,8 @@ Each record (per system; "median" etc. over the timed steps, after the untimed w
   step; ``cpu_ms_per_step_by_thread``: the same split by thread, ``main`` (the training
   loop), ``gloo`` (the collectives' socket and work loops) and ``other``
   (`benchmarks/thread_cpu.py`). Where processes outnumber cores, the ranks' CPU time together
-  bounds the step.
+  bounds the step. With repeats: each repeat's under ``repeats``, on top the median over
+  repeats rank by rank.
 * parallax systems only, from ``runner.plan`` once α is measured (over the warm-up steps):
   ``alpha_model`` (element-weighted mean α, dense parameters count as 1), ``alphas`` (per
   sparse parameter), ``predicted_bytes_per_machine_step`` = ``plan.predicted_total(arch)``:
@@ -241,13 +242,25 @@ def combine_repeats(records: list[dict]) -> dict:
         r["wire_bytes_per_machine_step"] for r in records)
     for key in ("peak_rss_mib", "peak_rss_mib_per_machine"):
         combined[key] = max(r[key] for r in records)
+    if all("cpu_ms_per_step_by_thread" in r for r in records):  # rank by rank, the median
+        combined["cpu_ms_per_step_per_rank"] = _median_by_rank(
+            [r["cpu_ms_per_step_per_rank"] for r in records])
+        combined["cpu_ms_per_step_by_thread"] = {
+            kind: _median_by_rank([r["cpu_ms_per_step_by_thread"][kind] for r in records])
+            for kind in records[0]["cpu_ms_per_step_by_thread"]}
     del combined["step_times_s"]  # per repeat, under "repeats"
     return combined
 
 
+def _median_by_rank(rows: list[list[float]]) -> list[float]:
+    """Per rank, the median over repeats of its value."""
+    return [round(statistics.median(values), 2) for values in zip(*rows, strict=True)]
+
+
 REPEAT_FIELDS = ("median_step_s", "items_per_s", "step_times_s", "step_p10_s", "step_p90_s",
                  "wire_bytes_per_machine_step", "peak_rss_mib", "peak_rss_mib_per_machine",
-                 "predicted_rss_mib", "engine_bytes_per_machine_step", "alpha_model", "loss_last")
+                 "predicted_rss_mib", "engine_bytes_per_machine_step", "alpha_model", "loss_last",
+                 "cpu_ms_per_step_per_rank", "cpu_ms_per_step_by_thread")
 
 
 def provenance() -> dict:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,11 @@ def check_record(result: dict, *, machines: int = 2) -> None:
     by_thread = result["cpu_ms_per_step_by_thread"]
     assert set(by_thread) == {"main", "gloo", "other"}, system
     assert all(len(v) == machines and min(v) >= 0 for v in by_thread.values()), by_thread
+    if len(repeats) > 1:  # each repeat's own, the median of them on top, rank by rank
+        for kind, top in by_thread.items():
+            each = [r["cpu_ms_per_step_by_thread"][kind] for r in repeats]
+            assert top == pytest.approx([statistics.median(v) for v in zip(*each, strict=True)],
+                                        abs=0.01)
     assert result["peak_rss_scope"] == "system"
     # one worker per machine: a machine's peak is its worker's
     assert result["peak_rss_mib_per_machine"] == pytest.approx(result["peak_rss_mib"])
