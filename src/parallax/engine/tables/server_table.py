@@ -589,12 +589,18 @@ def rows_pulled_ahead(held: Tensor, rows: Tensor, unique: Tensor, name: str, ran
 def pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """Rows of ``ids[i]`` from ``tables[i]`` (distinct tables of one runner), all in one
     exchange; ``(rows, inverse)`` per table as `ShardedTable.lookup` returns them."""
+    return [(rows, inverse) for rows, inverse, _ in _timed_pull(tables, ids)]
+
+
+def _timed_pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
+                ) -> list[tuple[Tensor, Tensor, Tensor]]:
     with phases.phase("pull"):
         return _pull(tables, ids)
 
 
 def _pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
-          ) -> list[tuple[Tensor, Tensor]]:
+          ) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """`pull`'s ``(rows, inverse)`` per table, and the sorted unique ids the rows are of."""
     first = tables[0]
     requests = [unique_ids(i, t.num_rows, t.name, t.worker.rank) for t, i in zip(tables, ids,
                                                                                    strict=True)]
@@ -631,20 +637,20 @@ def _pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
         for table in tables:
             lookups[table.name].rows.requires_grad_(True)
             table._pending.append(record)
-    return [(rows[t.name], inverse) for t, (_, inverse, _) in zip(tables, requests, strict=True)]
+    return [(rows[t.name], inverse, unique)
+            for t, (unique, inverse, _) in zip(tables, requests, strict=True)]
 
 
 def prefetch(tables: Sequence[ShardedTable], ids: Sequence[Sequence[Tensor]]) -> None:
     """Pull, in one exchange, the rows of all lookups a forward is about to make: ``ids[i]``
     lists the ids of every lookup of ``tables[i]``; each lookup is then served locally."""
     # int64 whatever the lookups' dtypes (nn.Embedding takes int32 ids too)
-    unions = [torch.cat([i.reshape(-1).long() for i in table_ids]) if table_ids
+    # (one lookup's ids as they are: the pull only reads them)
+    unions = [(table_ids[0].reshape(-1).long() if len(table_ids) == 1 else
+               torch.cat([i.reshape(-1).long() for i in table_ids])) if table_ids
               else torch.empty(0, dtype=torch.long) for table_ids in ids]
-    pulled = pull(tables, unions)
-    for table, union, table_ids, (rows, inverse) in zip(tables, unions, ids, pulled,
-                                                        strict=True):
-        unique = torch.empty(rows.shape[0], dtype=torch.long, device=union.device)
-        unique[inverse] = union
+    pulled = _timed_pull(tables, unions)
+    for table, table_ids, (rows, inverse, unique) in zip(tables, ids, pulled, strict=True):
         pieces = inverse.split_with_sizes([i.numel() for i in table_ids])  # each lookup's, in order
         table.prefetched = _Prefetched(unique, rows, [
             (i, _version_of(i), piece) for i, piece in zip(table_ids, pieces, strict=True)])
@@ -698,14 +704,16 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
             with torch.no_grad():
                 torch.embedding_renorm_(held.detach(), local, options.max_norm,
                                         options.norm_type)
-        served[table.name] = held.detach()[local] if held is not None else table._rows(0)
+        served[table.name] = (held.detach().index_select(0, local) if held is not None
+                              else table._rows(0))
         lookups[table.name] = _Lookup(recv_ids[table.name], table._rows(0),
                                       orders[table.name], local)
     back = hop.backward_many(served)
     rows = {}
     for table, unique in zip(tables, uniques, strict=True):
-        rows[table.name] = table._rows(unique.numel())
-        rows[table.name][orders[table.name]] = back[table.name]
+        # (back in the ids' order: one index_copy_, not indexing's Python machinery)
+        rows[table.name] = table._rows(unique.numel()).index_copy_(0, orders[table.name],
+                                                                   back[table.name])
     return rows, hop, lookups
 
 
