@@ -682,7 +682,8 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
             unique if bad_id is None else unique.clamp(0, max(table.num_rows - 1, 0)))
         orders[table.name] = torch.argsort(owner, stable=True)
         counts[table.name] = torch.bincount(owner, minlength=table.worker.world_size).tolist()
-    sorted_ids = {t.name: u[orders[t.name]] for t, u in zip(tables, uniques, strict=True)}
+    sorted_ids = {t.name: u.index_select(0, orders[t.name])
+                  for t, u in zip(tables, uniques, strict=True)}
     bad = dict(zip(counts, bad_ids, strict=True))
     if lookup:
         first = tables[0]
@@ -752,7 +753,8 @@ def push_gradients(tables: Sequence[ShardedTable], verdict: Verdict | None = Non
                     raise InternalError(f"'{name}': a leader's push without its pull's merge")
                 grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
         hop, payloads = board(aboard, record.direct, {
-            name: grads[name][lookup.order] for name, lookup in record.lookups.items()})
+            name: grads[name].index_select(0, lookup.order)
+            for name, lookup in record.lookups.items()})
         _deliver(record, alight(aboard, hop.forward_many(payloads)), by_name)
     with phases.phase("server aggregation"):
         for table in tables:
@@ -806,8 +808,8 @@ def start_push(record: _Pull, names: Sequence[str], riders: Sequence[Rider] = ()
     names = list(names)
     grads = _gradients_to_push(record, names)
     hop = record.direct if len(names) == len(record.lookups) else record.direct.subset(names)
-    hop, payloads = board(riders, hop, {name: grads[name][record.lookups[name].order]
-                                        for name in names})
+    hop, payloads = board(riders, hop, {
+        name: grads[name].index_select(0, record.lookups[name].order) for name in names})
     record.in_flight.append(hop.start_forward_many(payloads))
     record.launched.extend(names)
 
