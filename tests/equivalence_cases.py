@@ -468,12 +468,14 @@ def _read_by_every_shape(cases: list[Case]) -> set[str]:
     return set(plain.values()) | {c.key for c in cases if c.search or c.migrate_after}
 
 
-def sampled_cases(every: int = 3) -> list[Case]:
+def sampled_cases(every: int = 3, offset: int = 0) -> list[Case]:
     """A ``1/every`` sample of the matrix for the one-machine shapes (1x1, 1x2): every
-    ``every``-th case, plus what the plan and search tests read on every shape."""
+    ``every``-th case from the ``offset``-th (shapes given other offsets run other cases),
+    plus what the plan and search tests read on every shape."""
     cases = all_cases()
     wanted = _read_by_every_shape(cases)
-    return [case for i, case in enumerate(cases) if i % every == 0 or case.key in wanted]
+    return [case for i, case in enumerate(cases)
+            if i % every == offset % every or case.key in wanted]
 
 
 #: what each half of the matrix (`half_of_matrix`) holds every value of: each field alone,

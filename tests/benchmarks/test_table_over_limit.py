@@ -18,7 +18,7 @@ from table_over_limit_worker import Model  # noqa: E402
 import parallax as parallax_module  # noqa: E402
 from parallax.model.meta_init import recipe_of  # noqa: E402
 
-LIMIT_MIB = 1024
+LIMIT_MIB = 768
 SHAPE = {"limit_mib": LIMIT_MIB, "ratio": 1.5, "machines": 4, "dim": 64, "steps": 3}
 
 

@@ -6,7 +6,8 @@ Usage: parallax run ... equivalence_worker.py OUT.pt [FILTER], under torchrun th
 or plain ``python equivalence_worker.py OUT.pt KEY_SUBSTRING --resources FILE``: then the first
 get_runner launches the workers itself, as a user's train.py would. FILTER: comma-separated
 items, each a substring of the case keys to run, or ``=KEY`` for one case exactly; or
-``sample:N``: `equivalence_cases.sampled_cases(N)`; ``half:H``: `half_of_matrix(H)`."""
+``sample:N[:OFFSET]``: `equivalence_cases.sampled_cases(N, OFFSET)`; ``half:H``:
+`half_of_matrix(H)`."""
 
 import sys
 from pathlib import Path
@@ -42,8 +43,9 @@ def main() -> None:
     out = Path(args[0])
     only = (args[1] if len(args) > 1 else "").split(",")
     cases = all_cases()
-    if only[0].startswith("sample:"):
-        cases, only = sampled_cases(int(only[0].removeprefix("sample:"))), [""]
+    if only[0].startswith("sample:"):  # sample:N or sample:N:OFFSET
+        every, _, offset = only[0].removeprefix("sample:").partition(":")
+        cases, only = sampled_cases(int(every), int(offset or 0)), [""]
     elif only[0].startswith("half:"):
         cases, only = half_of_matrix(int(only[0].removeprefix("half:"))), [""]
     results = {}
