@@ -117,7 +117,7 @@ class ServerState:
         out = []
         with self.lock:
             for table, table_ids in self._split(counts, ids):
-                local = table.partitioning.local_row(table_ids)
+                local = table.shard_rows_of(table_ids)
                 if table.before_read is not None:
                     table.before_read(local)  # deferred steps first
                 out.append(table.server_shard().detach()[local].clone())
@@ -192,7 +192,7 @@ class ServerState:
                 total.index_add_(0, table_ids, values)
             if table.average:
                 values = values / self.world_size
-            table._accumulate(table.partitioning.local_row(table_ids), values)
+            table._accumulate(table.shard_rows_of(table_ids), values)
 
     def _step(self) -> None:
         for table in self.tables:

@@ -539,7 +539,7 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
     local = table.partitioning.local_row(unique)
     if table.before_read is not None:
         table.before_read(local)  # deferred steps first (values and optimizer state)
-    rows = table.server_shard().detach()[local]
+    rows = table.server_shard().detach().index_select(0, local)
     padding = None
     if call.padding_idx is not None:
         target = call.padding_idx + table.num_rows if call.padding_idx < 0 else call.padding_idx
