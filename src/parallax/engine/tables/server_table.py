@@ -479,11 +479,16 @@ class ShardedTable:
                                 f"please report it")
         return self.shard
 
+    @property
+    def _one_partition(self) -> bool:
+        """Whether this server's shard is one partition (from the shard's first row)."""
+        return len(self.blocks) == 1 and self.blocks[0][0] == 0
+
     def shard_rows_of(self, ids: Tensor) -> Tensor:
         """The rows of this server's shard that hold ``ids`` (ids this rank owns)."""
-        if len(self.blocks) == 1 and self.blocks[0][0] == 0:
-            # one partition here, at the shard's start: its local row is the id's quotient
-            # (ids itself with one partition), without the partition tables' lookups
+        if self._one_partition:
+            # its local row is the id's quotient (ids itself with one partition in all),
+            # without the partition tables' lookups
             partitions = self.partitioning.num_partitions
             return ids if partitions == 1 else ids // partitions
         return self.partitioning.local_row(ids)
@@ -500,7 +505,7 @@ class ShardedTable:
     def touched_rows_by_part(self) -> list[Tensor]:
         """Per partition, `touched_rows` in the partition's own row numbers."""
         rows = self.touched_rows()
-        if len(self.blocks) == 1 and self.blocks[0][0] == 0:  # one partition: the shard's rows
+        if self._one_partition:  # the shard's rows are the partition's
             return [rows]
         key = (*self.blocks, self.server_shard().shape[0], rows.dtype, rows.device)
         if self._block_starts is None or self._block_starts[0] != key:
