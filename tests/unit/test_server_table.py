@@ -249,6 +249,41 @@ def test_prefetched_rows_serve_every_lookup_of_the_step(group, worker) -> None:
         table.lookup(torch.tensor([2, 3]))
 
 
+def test_one_pull_of_tables_with_one_and_several_partitions(group, worker,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            ) -> None:
+    """A one-partition table's ids go to their one owner unsorted (no argsort); the other
+    tables' counts come back in one read; values and gradients are the single-device ones."""
+    from parallax.engine.tables import server_table
+    weights = [_weight(10, seed) for seed in range(3)]
+    tables = [ShardedTable(name, weight, num_partitions=partitions, worker=worker, group=group,
+                           traffic=Traffic(worker.rank, worker.machine_of_rank),
+                           sparse_grad=False, average=True)
+              for name, weight, partitions in zip(("a", "b", "c"), weights, (1, 3, 2),
+                                                  strict=True)]
+    sorts, reads = [], []
+    argsort, read_back = torch.argsort, server_table.read_back
+    monkeypatch.setattr(torch, "argsort", lambda *a, **k: sorts.append(1) or argsort(*a, **k))
+    monkeypatch.setattr(server_table, "read_back",
+                        lambda vectors: reads.append(len(vectors)) or read_back(vectors))
+    lookups = [_lookups(10, seed) for seed in range(3)]
+    for table in tables:
+        table.zero_grad()
+    prefetch(tables, [[ids for ids, _ in table_lookups] for table_lookups in lookups])
+    assert (len(sorts), reads) == (2, [2])  # "b" and "c" sorted, their counts read together
+    loss = torch.zeros((), dtype=torch.float64)
+    for table, weight, table_lookups in zip(tables, weights, lookups, strict=True):
+        for ids, coefficient in table_lookups:
+            rows, inverse = table.lookup(ids)
+            assert torch.equal(rows[inverse], weight[ids])
+            loss = loss + (rows[inverse] * coefficient).sum()
+    loss.backward()
+    server_table.push_gradients(tables)
+    for table, weight, table_lookups in zip(tables, weights, lookups, strict=True):
+        torch.testing.assert_close(_dense_shard_grad(table),
+                                   reference_grad(weight, table_lookups)[_shard_order(table)])
+
+
 def test_a_lookup_of_the_very_ids_read_ahead_is_served_without_a_search(group, worker) -> None:
     """The ids tensor a lookup was read ahead from gets the pull's own leaf rows and inverse;
     an equal copy, or that tensor written in place since, is searched among the pulled ids.

@@ -66,6 +66,14 @@ def exchange_counts(message: Tensor, *, group: dist.ProcessGroup | None,
     return received.cpu()
 
 
+def read_back(vectors: Sequence[Tensor]) -> list[list[int]]:
+    """Small integer vectors of one length, read to the host in one transfer (on a GPU each
+    read-back is a wait for the device)."""
+    if len(vectors) <= 1:
+        return [vector.tolist() for vector in vectors]
+    return torch.stack(list(vectors)).tolist()
+
+
 def with_header(header: Tensor, ids_dtype: torch.dtype) -> Tensor:
     """An int64 ``header`` as ``ids_dtype`` values, to open a message of such ids (two int32
     values per int64 where the ids are int32; `header_of` reads it back)."""

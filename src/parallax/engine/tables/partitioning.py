@@ -34,6 +34,14 @@ class RowPartitioning:
         self._offset_of_partition = torch.tensor(offsets, dtype=torch.long)
         self._on_device: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
+    @property
+    def single_owner(self) -> int | None:
+        """The rank holding every row when the table is one partition (else None): a pull
+        then sends all its ids to that rank, in the order they already have."""
+        if self.num_partitions != 1:
+            return None
+        return self.server_ranks[self.server_of_partition(0)]
+
     def server_of_partition(self, partition: int) -> int:
         return (partition + self.first_server) % len(self.server_ranks)
 

@@ -26,7 +26,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options, pooled
 from parallax.engine.tables.bag_use import BagUse
-from parallax.engine.tables.exchange import Hop, Traffic, all_to_all, unique_ids
+from parallax.engine.tables.exchange import Hop, Traffic, all_to_all, read_back, unique_ids
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.reservations import Reservations, open_carrying
@@ -45,7 +45,8 @@ class _Lookup:
 
     ids: Tensor                 # this worker's unique ids
     rows: Tensor                # leaf [unique ids, *row]; its .grad is what gets pushed
-    order: Tensor               # permutation sorting the (merged) ids by owner rank
+    # permutation sorting the (merged) ids by owner rank; None: already sorted (one owner)
+    order: Tensor | None
     recv_local_rows: Tensor     # on a server: the shard rows the received ids address
     merged_inverse: Tensor | None = None  # at a leader: received piece -> merged row
     merged_count: int = 0
@@ -679,15 +680,25 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
     rows in place, as ``F.embedding`` does on one device: the requests of all workers
     together are the global batch's ids, and renormalising is idempotent, so the result is
     exact."""
-    orders, counts = {}, {}
+    world = tables[0].worker.world_size
+    orders: dict[str, Tensor | None] = {}
+    counts: dict[str, list[int]] = {}
+    by_owner: dict[str, Tensor] = {}
     for table, unique, bad_id in zip(tables, uniques, bad_ids, strict=True):
+        single = table.partitioning.single_owner
+        if single is not None:  # one owner: its count is known here, the ids stay in order
+            orders[table.name] = None
+            counts[table.name] = [unique.numel() if r == single else 0 for r in range(world)]
+            continue
         # (a bad id is refused on every rank once the count message is read: until then it
         # only needs an owner)
         owner = table.partitioning.owner_rank(
             unique if bad_id is None else unique.clamp(0, max(table.num_rows - 1, 0)))
         orders[table.name] = torch.argsort(owner, stable=True)
-        counts[table.name] = torch.bincount(owner, minlength=table.worker.world_size).tolist()
-    sorted_ids = {t.name: u.index_select(0, orders[t.name])
+        by_owner[table.name] = torch.bincount(owner, minlength=world)
+    counts.update(zip(by_owner, read_back(list(by_owner.values())), strict=True))
+    counts = {t.name: counts[t.name] for t in tables}  # the tables' order: the message's
+    sorted_ids = {t.name: _by_owner(u, orders[t.name])
                   for t, u in zip(tables, uniques, strict=True)}
     bad = dict(zip(counts, bad_ids, strict=True))
     if lookup:
@@ -717,10 +728,22 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
     back = hop.backward_many(served)
     rows = {}
     for table, unique in zip(tables, uniques, strict=True):
+        order = orders[table.name]
+        if order is None:  # (arrived in the ids' order)
+            if back[table.name].dtype != table.dtype:
+                raise InternalError(f"'{table.name}': rows of {back[table.name].dtype} pulled "
+                                    f"for a table of {table.dtype}; please report it")
+            rows[table.name] = back[table.name]
+            continue
         # (back in the ids' order: one index_copy_, not indexing's Python machinery)
-        rows[table.name] = table._rows(unique.numel()).index_copy_(0, orders[table.name],
-                                                                   back[table.name])
+        rows[table.name] = table._rows(unique.numel()).index_copy_(0, order, back[table.name])
     return rows, hop, lookups
+
+
+def _by_owner(values: Tensor, order: Tensor | None) -> Tensor:
+    """``values`` (one per unique id) sorted by owner rank, as a pull's ``order`` says (None:
+    already)."""
+    return values if order is None else values.index_select(0, order)
 
 
 def push_gradients(tables: Sequence[ShardedTable], verdict: Verdict | None = None,
@@ -758,7 +781,7 @@ def push_gradients(tables: Sequence[ShardedTable], verdict: Verdict | None = Non
                     raise InternalError(f"'{name}': a leader's push without its pull's merge")
                 grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
         hop, payloads = board(aboard, record.direct, {
-            name: grads[name].index_select(0, lookup.order)
+            name: _by_owner(grads[name], lookup.order)
             for name, lookup in record.lookups.items()})
         _deliver(record, alight(aboard, hop.forward_many(payloads)), by_name)
     with phases.phase("server aggregation"):
@@ -814,7 +837,7 @@ def start_push(record: _Pull, names: Sequence[str], riders: Sequence[Rider] = ()
     grads = _gradients_to_push(record, names)
     hop = record.direct if len(names) == len(record.lookups) else record.direct.subset(names)
     hop, payloads = board(riders, hop, {
-        name: grads[name].index_select(0, record.lookups[name].order) for name in names})
+        name: _by_owner(grads[name], record.lookups[name].order) for name in names})
     record.in_flight.append(hop.start_forward_many(payloads))
     record.launched.extend(names)
 
