@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from parallax.engine.tables.verdict import Verdict
 from parallax.model.meta_init import place_on_device
 
 pytestmark = [pytest.mark.gpu,
@@ -45,3 +46,21 @@ def test_constructor_state_follows_the_model_to_the_gpu() -> None:
     want = _train(*_program(), torch.device("cpu"))
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-12, atol=1e-12)
+
+
+def test_the_verdict_is_prepared_without_waiting_for_the_gpu() -> None:
+    """What the host knows goes to the GPU in a copy that does not synchronise the stream."""
+    cuda = torch.device("cuda", 0)
+    loss = torch.tensor(2.0, device=cuda)
+    verdict = Verdict(loss_finite=torch.isfinite(loss).all())
+    bound = torch.ones((), dtype=torch.float64, device=cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        verdict.prepare(names=["a", "b"], reached=[True, False], stale=0, bound=bound,
+                        limit=10.0, world=2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert verdict.waiting is not None
+    verdict.receive(verdict.waiting)
+    assert verdict.finite() and verdict.reached().tolist() == [2.0, 0.0]

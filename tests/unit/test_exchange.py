@@ -14,7 +14,9 @@ from parallax.engine.tables.exchange import (
     Hop,
     Traffic,
     exchange_counts,
+    read_back,
     unique_ids,
+    unique_ids_many,
     wire_id_dtype,
 )
 from parallax.engine.tables.reservations import Reservations, open_carrying
@@ -57,6 +59,28 @@ def test_unique_ids_of_no_ids() -> None:
     """unique_ids: an empty lookup gives empty unique ids and no bad id."""
     unique, inverse, bad = unique_ids(torch.empty(0, 3, dtype=torch.long), 5, "emb", 0)
     assert unique.numel() == 0 and inverse.shape == (0, 3) and bad is None
+
+
+def test_unique_ids_of_several_tables_each_report_their_own_bad_id() -> None:
+    """unique_ids_many: each table's unique ids and inverse as unique_ids gives them, and the
+    ends read together still name the table (an empty one and one of a single id among them)."""
+    ids = [torch.tensor([[3, 1], [3, 0]]), torch.empty(0, dtype=torch.long),
+           torch.tensor([6, 2, 9]), torch.tensor([4], dtype=torch.int32), torch.tensor([-1, 2])]
+    rows = [4, 5, 8, 5, 3]
+    found = unique_ids_many(ids, rows, ["a", "b", "c", "d", "e"], 0)
+    assert [bad for _, _, bad in found] == [None, None, 9, None, -1]
+    for (unique, inverse, bad), table_ids, n in zip(found, ids, rows, strict=True):
+        alone = unique_ids(table_ids, n, "x", 0)
+        assert torch.equal(unique, alone[0]) and torch.equal(inverse, alone[1]) and bad == alone[2]
+        assert inverse.shape == table_ids.shape
+    assert unique_ids_many([], [], [], 0) == []
+
+
+def test_read_back_of_several_vectors_is_one_list_each() -> None:
+    """read_back: each vector's values, in order, for none, one or several vectors."""
+    assert read_back([]) == []
+    assert read_back([torch.tensor([1, 2])]) == [[1, 2]]
+    assert read_back([torch.tensor([1, 2]), torch.tensor([0, 5])]) == [[1, 2], [0, 5]]
 
 
 def test_float_ids_are_refused_naming_parameter_and_rank() -> None:
@@ -149,6 +173,27 @@ def test_counts_of_a_one_rank_group_stay_on_the_host(group: dist.ProcessGroup) -
     hop = Hop.open([4], group=group, traffic=Traffic(0, (0,)), name="emb", num_rows=10,
                    device=torch.device("meta"))
     assert hop.recv_counts == {"emb": [4]}
+
+
+def test_a_one_rank_group_opens_its_carrying_hop_on_the_counts_it_sent(
+        group: dist.ProcessGroup) -> None:
+    """open_carrying in a world of one reads no header back from the device (a `meta` device
+    here, which has no values to read) and still refuses a bad id."""
+    meta = torch.device("meta")
+    rooms = {"a": Reservations(1), "b": Reservations(1)}
+    hop, ids = open_carrying({"a": torch.empty(3, dtype=torch.long, device=meta),
+                              "b": torch.empty(0, dtype=torch.long, device=meta)},
+                             {"a": [3], "b": [0]}, reservations=rooms, group=group,
+                             traffic=Traffic(0, (0,)), num_rows={"a": 9, "b": 4},
+                             bad_ids={"a": None, "b": None})
+    assert hop.recv_counts == {"a": [3], "b": [0]}
+    assert ids["a"].device == meta and ids["a"].shape == (3,)
+    with pytest.raises(SparseIdError, match="'b' got id 7 on rank 0"):
+        open_carrying({"a": torch.empty(1, dtype=torch.long, device=meta),
+                       "b": torch.empty(1, dtype=torch.long, device=meta)},
+                      {"a": [1], "b": [1]}, reservations=rooms, group=group,
+                      traffic=Traffic(0, (0,)), num_rows={"a": 9, "b": 4},
+                      bad_ids={"a": None, "b": 7})
 
 
 def test_hop_carries_tables_of_different_dtype_and_shape_in_one_message(

@@ -252,8 +252,9 @@ def test_prefetched_rows_serve_every_lookup_of_the_step(group, worker) -> None:
 def test_one_pull_of_tables_with_one_and_several_partitions(group, worker,
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             ) -> None:
-    """A one-partition table's ids go to their one owner unsorted (no argsort); the other
-    tables' counts come back in one read; values and gradients are the single-device ones."""
+    """A one-partition table's ids go to their one owner unsorted (no argsort) and its server
+    takes the rows they address as its touched rows (no unique); the other tables' counts come
+    back in one read; values and gradients are the single-device ones."""
     from parallax.engine.tables import server_table
     weights = [_weight(10, seed) for seed in range(3)]
     tables = [ShardedTable(name, weight, num_partitions=partitions, worker=worker, group=group,
@@ -282,6 +283,14 @@ def test_one_pull_of_tables_with_one_and_several_partitions(group, worker,
     for table, weight, table_lookups in zip(tables, weights, lookups, strict=True):
         torch.testing.assert_close(_dense_shard_grad(table),
                                    reference_grad(weight, table_lookups)[_shard_order(table)])
+    # the one sender's rows of the one-partition table are its touched rows as they arrived
+    uniques, unique = [], torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: uniques.append(1) or unique(*a, **k))
+    for table, table_lookups in zip(tables, lookups, strict=True):
+        ids = torch.unique(torch.cat([i.reshape(-1) for i, _ in table_lookups]))
+        held = table.partitioning.local_row(ids)
+        assert torch.equal(table.touched_rows(), held.sort().values)
+    assert len(uniques) == 3 + 2  # the expected ids' three, and "b" and "c" only
 
 
 def test_a_lookup_of_the_very_ids_read_ahead_is_served_without_a_search(group, worker) -> None:

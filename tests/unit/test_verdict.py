@@ -42,6 +42,23 @@ def test_it_cannot_say_finite_for_a_bad_loss_stale_rows_or_a_large_bound(rank_ve
     assert not verdict.finite()
 
 
+def test_a_loss_verdict_kept_on_the_device_is_read_by_no_one_until_summed() -> None:
+    """A tensor loss verdict and the bound stay where they are (a meta device has no values
+    to read: any read-back here would fail); on the CPU a bad one is not finite."""
+    meta = Verdict(loss_finite=torch.tensor(True, device="meta"))
+    meta.prepare(names=["a"], reached=[True], stale=1, limit=1.0, world=2,
+                 bound=torch.zeros((), dtype=torch.float64, device="meta"))
+    assert meta.waiting is not None and meta.waiting.device.type == "meta"
+    assert meta.waiting.shape == (2, 4)
+    for finite in (True, False):
+        verdict = Verdict(loss_finite=torch.tensor(finite))
+        verdict.prepare(names=["a"], reached=[False], stale=0, limit=10.0, world=1,
+                        bound=torch.tensor(1.0, dtype=torch.float64))
+        assert verdict.waiting is not None
+        verdict.receive(verdict.waiting)
+        assert verdict.finite() is finite and verdict.reached().tolist() == [0.0]
+
+
 def test_only_the_first_message_carries_it() -> None:
     verdict = _verdict()
     hop = parallax.engine.tables.exchange.Hop({"t": [1, 0, 2]}, {"t": [0, 1, 1]}, None,

@@ -60,7 +60,7 @@ def exchange_counts(message: Tensor, *, group: dist.ProcessGroup | None,
     the host: on a GPU the trip would cost two copies and a synchronisation for nothing."""
     if dist.get_world_size(group) == 1:
         return message
-    sent = message.to(device)
+    sent = message.to(device, non_blocking=True)  # (a blocking copy would wait on a GPU)
     received = torch.empty_like(sent)
     all_to_all(received, sent, group=group)
     return received.cpu()
@@ -94,17 +94,33 @@ def unique_ids(ids: Tensor, num_rows: int, name: str, rank: int,
     """``(unique, inverse, bad_id)`` of a lookup's ids: sorted unique ids, the index of each
     id among them, and an id outside ``[0, num_rows)`` (or None) for `Hop.open` to report to
     every rank. Ids must be integers: float ids would be truncated silently."""
-    if ids.dtype not in (torch.int64, torch.int32):
-        raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an integer "
-                                f"tensor, got {ids.dtype}")
-    unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
-    bad_id = None
-    if unique.numel():
-        # sorted: the ends, in one read-back (a strided view, not an indexing op)
-        ends = (unique[::unique.numel() - 1] if unique.numel() > 1 else unique).tolist()
-        low, high = ends[0], ends[-1]
-        bad_id = low if low < 0 else high if high >= num_rows else None
-    return unique, inverse.view(ids.shape), bad_id
+    return unique_ids_many([ids], [num_rows], [name], rank)[0]
+
+
+def unique_ids_many(ids: Sequence[Tensor], num_rows: Sequence[int], names: Sequence[str],
+                    rank: int) -> list[tuple[Tensor, Tensor, int | None]]:
+    """`unique_ids` of several tables' ids, with the ends of all their unique ids read back in
+    one transfer (on a GPU each read-back is a wait for the device)."""
+    found = []
+    for table_ids, name in zip(ids, names, strict=True):
+        if table_ids.dtype not in (torch.int64, torch.int32):
+            raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an "
+                                    f"integer tensor, got {table_ids.dtype}")
+        found.append(torch.unique(table_ids.reshape(-1).long(), return_inverse=True))
+    # sorted: each one's ends (a strided view, not an indexing op)
+    ends = [unique[::unique.numel() - 1] if unique.numel() > 1 else unique
+            for unique, _ in found]
+    read = (ends[0].tolist() if len(ends) == 1 else torch.cat(ends).tolist()) if ends else []
+    result, position = [], 0
+    for (unique, inverse), table_ids, rows, end in zip(found, ids, num_rows, ends, strict=True):
+        low_high = read[position:position + end.numel()]
+        position += end.numel()
+        bad_id = None
+        if low_high:
+            low, high = low_high[0], low_high[-1]
+            bad_id = low if low < 0 else high if high >= rows else None
+        result.append((unique, inverse.view(table_ids.shape), bad_id))
+    return result
 
 
 @dataclass

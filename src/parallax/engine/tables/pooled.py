@@ -379,9 +379,10 @@ def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: li
     overflowed = any(sends[k][p] > room_to[k][p] for k in keys for p in range(world))
     header = _header(calls, shares, refused, overflowed)
     fields = len(calls) * _FIELDS * 8 // wire.itemsize  # the header's values, as ``wire``
+    headers = header.to(first.device, non_blocking=True)  # one copy, without a wait
     parts = []
     for peer in range(world):
-        parts.append(with_header(header[peer], wire).to(first.device))
+        parts.append(with_header(headers[peer], wire))
         for key, payload in zip(keys, payloads, strict=True):
             sent = payload[peer][:room_to[key][peer]]
             parts += [sent, sent.new_zeros(room_to[key][peer] - sent.numel())]
@@ -645,20 +646,22 @@ def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:
     return list(records.values())  # dicts keep insertion order: the same on all ranks
 
 
-def bound_of_exchanges(exchanges: Sequence[PooledExchange]) -> Tensor:
+def bound_of_exchanges(exchanges: Sequence[PooledExchange],
+                       device: torch.device | None = None) -> Tensor:
     """A bound on what this rank's pooled gradients add to any element of an owner's
     aggregated gradient (`parallax.engine.tables.verdict`): a row's gradient from one call is
     a sum over the call's ids of a bag's gradient times its weight (divided by the bag's size
-    under ``mean``), so at most ids x largest gradient x max(1, largest weight)."""
-    bound = torch.zeros((), dtype=torch.float64)
+    under ``mean``), so at most ids x largest gradient x max(1, largest weight). Float64, on
+    ``device`` (nothing read back: on a GPU each read-back is a wait)."""
+    bound = torch.zeros((), dtype=torch.float64, device=device)
     for record in exchanges:
         for call, out in zip(record.calls, record.outs, strict=True):
             if out.grad is None or not out.grad.numel() or not call.ids.numel():
                 continue
-            top = out.grad.detach().abs().max().to(torch.float64).cpu()
+            top = out.grad.detach().abs().max().to(bound.device, torch.float64)
             if call.weights is not None and call.weights.numel():
-                top = top * call.weights.detach().abs().max().to(torch.float64).cpu().clamp(
-                    min=1.0)
+                top = top * call.weights.detach().abs().max().to(
+                    bound.device, torch.float64).clamp(min=1.0)
             bound = bound + top * call.ids.numel()
     return bound
 

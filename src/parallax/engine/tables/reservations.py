@@ -99,8 +99,8 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
     room_from = {n: [reservations[n].from_(p) for p in range(world)] for n in names}
     pieces = {n: payloads[n].to(wire).split_with_sizes(send_counts[n]) for n in names}
     overflowed = any(send_counts[n][p] > room_to[n][p] for n in names for p in range(world))
-    headers_out = _headers(names, send_counts, bad_ids, overflowed, world,
-                           like=pieces[names[0]][0])
+    sent_fields, headers_out = _headers(names, send_counts, bad_ids, overflowed, world,
+                                        like=pieces[names[0]][0])
     message = torch.cat([part for peer in range(world) for part in _to_peer(
         peer, names, pieces, room_to, headers_out[peer])])
     send_splits = [header_width + sum(room_to[n][p] for n in names) for p in range(world)]
@@ -108,11 +108,13 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
     out = message.new_empty(sum(recv_splits))
     all_to_all(out, message, recv_splits, send_splits, group=group)
     chunks = out.split_with_sizes(recv_splits)
-    headers = header_of(chunks, len(names) * _HEADER).view(world, len(names), _HEADER)
     for name in names:
         traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
         traffic.record(name, room_to[name], room_from[name], wire.itemsize)
-    fields = headers.tolist()  # [peer][table][count, flags, bad id], on the host already
+    # [peer][table][count, flags, bad id]: a group of one received what it sent (on a GPU a
+    # read-back of it would be a wait for nothing)
+    fields = ([sent_fields] if world == 1 else header_of(chunks, len(names) * _HEADER).view(
+        world, len(names), _HEADER).tolist())
     raise_bad_ids(fields, names, traffic=traffic, num_rows=num_rows)
     recv_counts = {name: [fields[peer][t][0] for peer in range(world)]
                    for t, name in enumerate(names)}
@@ -136,10 +138,11 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
 
 def _headers(names: list[str], send_counts: dict[str, list[int]],
              bad_ids: dict[str, int | None], overflowed: bool, world: int, *,
-             like: Tensor) -> Tensor:
+             like: Tensor) -> tuple[list[list[int]], Tensor]:
     """Every peer's count message, one row per peer: per table its count, flags and bad id
     (int64, viewed in ``like``'s dtype: `with_header`), made on the host at once and moved
-    to ``like``'s device in one copy."""
+    to ``like``'s device in one copy that does not wait for the device; with the fields as
+    the host made them (``[peer * table][field]``)."""
     fields = []
     for peer in range(world):
         for name in names:
@@ -148,7 +151,8 @@ def _headers(names: list[str], send_counts: dict[str, list[int]],
                            (BAD_ID if bad is not None else 0) | (OVERFLOWED if overflowed else 0),
                            0 if bad is None else bad])
     header = torch.tensor(fields, dtype=torch.long)  # one tensor, not one write per field
-    return with_header(header, like.dtype).view(world, -1).to(like.device)
+    moved = with_header(header, like.dtype).view(world, -1).to(like.device, non_blocking=True)
+    return fields, moved
 
 
 def _to_peer(peer: int, names: list[str], pieces: dict[str, tuple[Tensor, ...]],

@@ -26,7 +26,14 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options, pooled
 from parallax.engine.tables.bag_use import BagUse
-from parallax.engine.tables.exchange import Hop, Traffic, all_to_all, read_back, unique_ids
+from parallax.engine.tables.exchange import (
+    Hop,
+    Traffic,
+    all_to_all,
+    read_back,
+    unique_ids,
+    unique_ids_many,
+)
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.reservations import Reservations, open_carrying
@@ -48,6 +55,8 @@ class _Lookup:
     # permutation sorting the (merged) ids by owner rank; None: already sorted (one owner)
     order: Tensor | None
     recv_local_rows: Tensor     # on a server: the shard rows the received ids address
+    # those rows are sorted and distinct (one sender's unique ids, one partition here)
+    local_sorted: bool = False
     merged_inverse: Tensor | None = None  # at a leader: received piece -> merged row
     merged_count: int = 0
     counts: Tensor | None = None  # scale_grad_by_freq: how often the batch looked up each id
@@ -209,6 +218,7 @@ class ShardedTable:
         self._received: list[tuple[Tensor, Tensor]] = []
         # shard rows that received gradient since the last zero_grad (`touched_rows_by_part`)
         self._touched: list[Tensor] = []
+        self._touched_sorted = False  # `_touched` is one entry, sorted and distinct
         self._touched_unique: Tensor | None = None  # `touched_rows`, until more arrive
         # the partitions' first rows as a tensor, and what they were made for
         self._block_starts: tuple[tuple[object, ...], Tensor] | None = None
@@ -419,9 +429,11 @@ class ShardedTable:
         return not self.sparse_grad and len(self.parts) == 1
 
     def _accumulate(self, local_rows: Tensor, grad_rows: Tensor,
-                    touched: Tensor | None = None) -> None:
+                    touched: Tensor | None = None, sorted_distinct: bool = False) -> None:
         """Add ``grad_rows`` at shard rows ``local_rows`` (repeats allowed); ``touched``: those
-        rows, distinct, where the caller has them."""
+        rows, distinct, where the caller has them; ``sorted_distinct``: ``local_rows`` are
+        sorted and distinct already."""
+        self._touched_sorted = sorted_distinct and not self._touched
         self._touched.append(local_rows if touched is None else touched)
         self._touched_unique = None
         if self.sparse_grad or len(self.parts) > 1:
@@ -497,6 +509,8 @@ class ShardedTable:
     def touched_rows(self) -> Tensor:
         """The (sorted, distinct) shard rows that received gradient since the last zero_grad:
         the only rows whose aggregated gradient can be non-zero."""
+        if self._touched_unique is None and self._touched_sorted and len(self._touched) == 1:
+            self._touched_unique = self._touched[0]  # (no unique: on a GPU it is a wait)
         if self._touched_unique is None:
             self._touched_unique = (
                 torch.unique(torch.cat(self._touched)) if self._touched
@@ -608,8 +622,8 @@ def _pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
           ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """`pull`'s ``(rows, inverse)`` per table, and the sorted unique ids the rows are of."""
     first = tables[0]
-    requests = [unique_ids(i, t.num_rows, t.name, t.worker.rank) for t, i in zip(tables, ids,
-                                                                                   strict=True)]
+    requests = unique_ids_many(ids, [t.num_rows for t in tables], [t.name for t in tables],
+                               first.worker.rank)
     uniques = {t.name: unique for t, (unique, _, _) in zip(tables, requests, strict=True)}
     bad_ids = {t.name: bad for t, (_, _, bad) in zip(tables, requests, strict=True)}
     to_leader = None
@@ -723,8 +737,10 @@ def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
                                         options.norm_type)
         served[table.name] = (held.detach().index_select(0, local) if held is not None
                               else table._rows(0))
+        senders = sum(1 for count in hop.recv_counts[table.name] if count)
         lookups[table.name] = _Lookup(recv_ids[table.name], table._rows(0),
-                                      orders[table.name], local)
+                                      orders[table.name], local,
+                                      local_sorted=senders <= 1 and table._one_partition)
     back = hop.backward_many(served)
     rows = {}
     for table, unique in zip(tables, uniques, strict=True):
@@ -798,14 +814,15 @@ def _prepare_verdict(verdict: Verdict, tables: Sequence[ShardedTable], records: 
     the shards holding gradient from before, and a bound on what this rank adds to any
     aggregated element (each pull's rows are distinct: one row per element and message)."""
     rows = bound_of([lookup.rows.grad for record in records
-                     for lookup in record.lookups.values() if lookup.rows.grad is not None])
+                     for lookup in record.lookups.values() if lookup.rows.grad is not None],
+                    tables[0].device)
     first = tables[0]
     verdict.prepare(
         names=[table.name for table in tables],
         reached=[table.has_gradient for table in tables],
         stale=sum(bool(table._touched) for table in tables),
         # (on the exchange's device: the verdict travels in its messages)
-        bound=(rows.to(first.device) + pooled.bound_of_exchanges(exchanges).to(first.device)),
+        bound=rows.to(first.device) + pooled.bound_of_exchanges(exchanges, first.device),
         limit=min(torch.finfo(table.dtype).max for table in tables) / 2,
         world=first.worker.world_size)
 
@@ -868,7 +885,7 @@ def _deliver(record: _Pull, received: dict[str, Tensor],
             table._received_counts.append((lookup.recv_local_rows, counts))
         if table.average:
             values.div_(table.worker.world_size)
-        table._accumulate(lookup.recv_local_rows, values)
+        table._accumulate(lookup.recv_local_rows, values, sorted_distinct=lookup.local_sorted)
 
 
 def _grad_of(param: Tensor) -> Tensor:

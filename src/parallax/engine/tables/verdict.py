@@ -67,12 +67,15 @@ class Verdict:
         """This rank's verdict, one row per peer (float64; see the module), waiting for the
         push's first message."""
         self.names, self.limit = list(names), limit
-        finite = torch.as_tensor(self.loss_finite, device=bound.device)
-        head = torch.stack([(~finite).to(torch.float64),
-                            torch.tensor(float(stale), dtype=torch.float64, device=bound.device)])
-        flags = torch.tensor([float(r) for r in reached], dtype=torch.float64,
-                             device=bound.device)
-        row = torch.cat([head, bound.reshape(1).to(torch.float64), flags])
+        # what the host knows, sent to the device in one copy that does not wait for it
+        # (a blocking copy to a GPU synchronises the stream); then the device's values
+        on_device = isinstance(self.loss_finite, Tensor)
+        loss_bad = 0.0 if on_device or self.loss_finite else 1.0
+        row = torch.tensor([loss_bad, float(stale), 0.0, *(float(r) for r in reached)],
+                           dtype=torch.float64).to(bound.device, non_blocking=True)
+        if isinstance(self.loss_finite, Tensor):
+            row[_LOSS] = (~self.loss_finite).to(torch.float64)
+        row[_BOUND] = bound
         self.waiting = row.expand(world, row.numel()).contiguous()
 
     def receive(self, received: Tensor) -> None:
@@ -100,12 +103,12 @@ class Verdict:
         return self.summed
 
 
-def bound_of(grads: Sequence[Tensor]) -> Tensor:
-    """The sum of the largest magnitudes of ``grads`` (float64; 0 for none): a bound on what
-    they add to any one aggregated element when each row is summed in once."""
+def bound_of(grads: Sequence[Tensor], device: torch.device | None = None) -> Tensor:
+    """The sum of the largest magnitudes of ``grads`` (float64; 0 for none, on ``device``): a
+    bound on what they add to any one aggregated element when each row is summed in once."""
     tops = largest_magnitudes([grad.detach() for grad in grads])
     if not tops:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack(tops).to(torch.float64).sum()  # widened: the sum cannot overflow
 
 
