@@ -69,12 +69,12 @@ class Verdict:
         self.names, self.limit = list(names), limit
         # what the host knows, sent to the device in one copy that does not wait for it
         # (a blocking copy to a GPU synchronises the stream); then the device's values
-        on_device = isinstance(self.loss_finite, Tensor)
-        loss_bad = 0.0 if on_device or self.loss_finite else 1.0
+        loss = self.loss_finite
+        loss_bad = 0.0 if isinstance(loss, Tensor) or loss else 1.0
         row = torch.tensor([loss_bad, float(stale), 0.0, *(float(r) for r in reached)],
                            dtype=torch.float64).to(bound.device, non_blocking=True)
-        if isinstance(self.loss_finite, Tensor):
-            row[_LOSS] = (~self.loss_finite).to(torch.float64)
+        if isinstance(loss, Tensor):
+            row[_LOSS] = (~loss).to(torch.float64)
         row[_BOUND] = bound
         self.waiting = row.expand(world, row.numel()).contiguous()
 
