@@ -199,3 +199,39 @@ def test_a_frozen_rank_is_named_where_every_record_shows_the_same_place(
     assert str(error).startswith("rank 1 did not arrive: rank 0 waited in step 1 (backward")
     assert "no sign of life for 11." in str(error) and "stopped or frozen" in str(error)
     assert CULPRIT.match(f"StalledRankError: {error}").group(2) == "1"
+
+
+class _Explains:
+    """A stand-in `Progress` whose explanation of any error is ``answer`` (or the error)."""
+
+    def __init__(self, answer: BaseException | None) -> None:
+        self.answer = answer
+        self.asked: list[tuple[str, int]] = []
+
+    def explain(self, error: BaseException, step: int) -> BaseException:
+        self.asked.append((str(error), step))
+        return self.answer if self.answer is not None else error
+
+
+def test_the_explainer_explains_a_failed_collective_once_at_the_outermost_use() -> None:
+    from parallax.engine.diagnostics.progress import Explainer
+    named = StalledRankError("rank 1 did not arrive")
+    progress = _Explains(named)
+    explained = Explainer(progress, lambda: 7)  # type: ignore[arg-type]
+    with pytest.raises(StalledRankError) as caught, explained():
+        with explained():
+            raise RuntimeError("[gloo] Timed out waiting 1000ms")
+    assert caught.value is named and isinstance(caught.value.__cause__, RuntimeError)
+    assert progress.asked == [("[gloo] Timed out waiting 1000ms", 7)]
+    with pytest.raises(KeyError), explained():  # not a collective's: as it was, unexplained
+        raise KeyError("x")
+    with pytest.raises(RuntimeError, match="shape mismatch"), explained():
+        raise RuntimeError("shape mismatch")
+    unexplained = Explainer(_Explains(None), lambda: 1)  # type: ignore[arg-type]
+    error = RuntimeError("Connection closed by peer")
+    with pytest.raises(RuntimeError) as same, unexplained():
+        raise error
+    assert same.value is error and len(progress.asked) == 1
+    with explained():  # nothing raised: nothing asked, and the depth is back to none
+        pass
+    assert explained._depth == 0

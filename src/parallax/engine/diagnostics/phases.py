@@ -25,8 +25,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +34,8 @@ from parallax.cluster import TIMELINE_ENV
 from parallax.engine.backward_ends import on_each_backward
 from parallax.engine.diagnostics import failing
 
-__all__ = ["PHASES", "PROFILER_PREFIX", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "active",
-           "phase"]
+__all__ = ["PHASES", "PROFILER_PREFIX", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "Timed",
+           "active", "phase"]
 
 #: the phases of a step, in the order the engine runs them (the progress record: at the
 #: step's start, before its backward and at its end)
@@ -71,23 +69,20 @@ class PhaseClock:
         # wall-clock time of a monotonic reading: events go out on the wall clock
         self._wall_minus_mono = time.time_ns() - time.perf_counter_ns()
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time ``name`` (its self time: nested phases are subtracted); nothing outside a
-        step (an evaluation's pulls are no step's)."""
-        opened = self.open(name)
-        try:
-            yield
-        finally:
-            if opened:
-                self.close(name)
+    def phase(self, name: str) -> Timed:
+        """Time ``name`` (its self time: nested phases are subtracted) over a ``with`` block;
+        nothing outside a step (an evaluation's pulls are no step's)."""
+        return Timed(self, name)
 
     def open(self, name: str) -> bool:
         """Start ``name`` where its end is elsewhere (a backward hook, and the callback at the
         backward's end); `close` ends it. False (nothing started) outside a step or while
         ``name`` is already running."""
-        if self._began is None or any(frame[0] == name for frame in self._stack):
+        if self._began is None:
             return False
+        for frame in self._stack:  # (a loop, not any(): this runs several times a step)
+            if frame[0] == name:
+                return False
         ranged = (torch.ops.profiler._record_function_enter_new(PROFILER_PREFIX + name)
                   if torch._C._autograd._profiler_enabled() else None)
         self._stack.append([name, time.perf_counter_ns(), 0, ranged])
@@ -227,13 +222,31 @@ def active() -> PhaseClock | None:
     return _active
 
 
-@contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Time ``name`` on the running step's clock (nothing outside a step): for engine code
-    that runs inside a step without holding the runner (pulls in a lookup, comm hooks)."""
+def phase(name: str) -> Timed:
+    """Time ``name`` on the running step's clock over a ``with`` block (nothing outside a
+    step): for engine code that runs inside a step without holding the runner (pulls in a
+    lookup, comm hooks)."""
     clock = _active
-    if clock is None or clock.thread != threading.get_ident():
-        yield
-        return
-    with clock.phase(name):
-        yield
+    return Timed(clock if clock is not None and clock.thread == threading.get_ident()
+                 else None, name)
+
+
+class Timed:
+    """A ``with`` block timed as the phase ``name`` of ``clock`` (None: not timed). A class,
+    not a generator context manager: phases open several times a step, and each generator
+    context costs about twice the Python calls."""
+
+    __slots__ = ("clock", "name", "opened")
+
+    def __init__(self, clock: PhaseClock | None, name: str) -> None:
+        self.clock = clock
+        self.name = name
+        self.opened = False
+
+    def __enter__(self) -> None:
+        if self.clock is not None:
+            self.opened = self.clock.open(self.name)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.opened and self.clock is not None:
+            self.clock.close(self.name)

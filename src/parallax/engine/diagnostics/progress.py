@@ -24,7 +24,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -339,17 +339,22 @@ class Explainer:
         self.step = step
         self._depth = 0
 
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
+    def __call__(self) -> Explainer:
+        """The context itself (a class rather than a generator context: several a step)."""
+        return self
+
+    def __enter__(self) -> None:
         self._depth += 1
-        try:
-            yield
-        except (RuntimeError, ValueError) as error:  # gloo's are RuntimeErrors
-            if self._depth > 1 or self.progress is None or not is_collective_failure(error):
-                raise
-            explained = self.progress.explain(error, self.step())
-            if explained is error:
-                raise
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: object) -> None:
+        """Anything raised inside goes on (None: not swallowed), explained where it is a
+        failed collective of the outermost use."""
+        self._depth -= 1
+        # gloo's are RuntimeErrors; an inner use leaves its error to the outermost
+        if (not isinstance(error, (RuntimeError, ValueError)) or self._depth > 0
+                or self.progress is None or not is_collective_failure(error)):
+            return
+        explained = self.progress.explain(error, self.step())
+        if explained is not error:
             raise explained from error
-        finally:
-            self._depth -= 1
