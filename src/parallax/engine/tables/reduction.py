@@ -56,7 +56,10 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
     """Sum ``tensor`` over the ranks of ``group`` (default: all) in place: by one all_to_all
     when ``all_to_all`` (default: `by_all_to_all`; a caller that chose once for a whole
     payload passes its choice), else machine by machine (`hierarchy.all_reduce`, over the
-    whole world) or one flat AllReduce."""
+    whole world) or one flat AllReduce. Over one rank the tensor is its own sum, left as it
+    is (a collective of one would still go through c10d, and on a GPU launch kernels)."""
+    if dist.get_world_size(group) == 1:
+        return
     if by_all_to_all(tensor, group) if all_to_all is None else all_to_all:
         _sum_by_all_to_all(tensor, group)
     elif dist.get_world_size(group) == dist.get_world_size():  # the machines' groups apply
