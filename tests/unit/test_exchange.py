@@ -77,10 +77,13 @@ def test_unique_ids_of_several_tables_each_report_their_own_bad_id() -> None:
 
 
 def test_read_back_of_several_vectors_is_one_list_each() -> None:
-    """read_back: each vector's values, in order, for none, one or several vectors."""
+    """read_back: each vector's values, in order, for none, one or several vectors (of any
+    lengths, empty ones too)."""
     assert read_back([]) == []
     assert read_back([torch.tensor([1, 2])]) == [[1, 2]]
     assert read_back([torch.tensor([1, 2]), torch.tensor([0, 5])]) == [[1, 2], [0, 5]]
+    assert read_back([torch.tensor([7]), torch.tensor([], dtype=torch.long),
+                      torch.tensor([3, 4, 5])]) == [[7], [], [3, 4, 5]]
 
 
 def test_float_ids_are_refused_naming_parameter_and_rank() -> None:

@@ -67,11 +67,15 @@ def exchange_counts(message: Tensor, *, group: dist.ProcessGroup | None,
 
 
 def read_back(vectors: Sequence[Tensor]) -> list[list[int]]:
-    """Small integer vectors of one length, read to the host in one transfer (on a GPU each
-    read-back is a wait for the device)."""
+    """Each of several small 1-D integer tensors' values, read to the host in one transfer
+    (on a GPU each read-back is a wait for the device)."""
     if len(vectors) <= 1:
         return [vector.tolist() for vector in vectors]
-    return torch.stack(list(vectors)).tolist()
+    values, at, out = torch.cat(list(vectors)).tolist(), 0, []
+    for vector in vectors:
+        out.append(values[at:at + vector.numel()])
+        at += vector.numel()
+    return out
 
 
 def with_header(header: Tensor, ids_dtype: torch.dtype) -> Tensor:
@@ -108,13 +112,11 @@ def unique_ids_many(ids: Sequence[Tensor], num_rows: Sequence[int], names: Seque
                                     f"integer tensor, got {table_ids.dtype}")
         found.append(torch.unique(table_ids.reshape(-1).long(), return_inverse=True))
     # sorted: each one's ends (a strided view, not an indexing op)
-    ends = [unique[::unique.numel() - 1] if unique.numel() > 1 else unique
-            for unique, _ in found]
-    read = (ends[0].tolist() if len(ends) == 1 else torch.cat(ends).tolist()) if ends else []
-    result, position = [], 0
-    for (unique, inverse), table_ids, rows, end in zip(found, ids, num_rows, ends, strict=True):
-        low_high = read[position:position + end.numel()]
-        position += end.numel()
+    ends = read_back([unique[::unique.numel() - 1] if unique.numel() > 1 else unique
+                      for unique, _ in found])
+    result = []
+    for (unique, inverse), table_ids, rows, low_high in zip(found, ids, num_rows, ends,
+                                                            strict=True):
         bad_id = None
         if low_high:
             low, high = low_high[0], low_high[-1]
