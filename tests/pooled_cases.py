@@ -1,4 +1,5 @@
-"""Cases of owner-side pooling (`Config.pooled_tables`, `Config.pooled_by_rows`), shared by the
+"""Cases of owner-side pooling (`Config.pooled_tables`, `Config.pooled_by_rows`,
+`Config.pooled_by_columns`), shared by the
 worker (tests/scripts/pooled_worker.py) and the single-device reference (tests/integration/
 test_pooled.py): an EmbeddingBag over variable-length bags with every option the owner must
 reproduce (mode, per-sample weights, padding_idx, include_last_offset, sparse gradients), one
@@ -6,11 +7,14 @@ over fixed-length 2-D bags, a row-path nn.Embedding beside them, an MLP on top."
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+import parallax
 
 GLOBAL_BATCH = 8
 HISTORY_ROWS, USER_ROWS, ITEM_ROWS, DIM = 300, 40, 60, 6
@@ -29,6 +33,8 @@ class Case:
     clip: float | None = None
     pooled: tuple[str, ...] | None = POOLED  # None: the planner decides
     by_rows: tuple[str, ...] = ()  # Config.pooled_by_rows
+    by_columns: tuple[str, ...] = ()  # Config.pooled_by_columns
+    meta: bool = False  # the workers build it in parallax.meta_init (servers make their rows)
     steps: int = 6
 
 
@@ -43,11 +49,20 @@ CASES = [
          pooled=("user.weight",), by_rows=("history.weight",)),
     Case("by-rows-mean-padding-last-offset-adam", mode="mean", padding_idx=0, last_offset=True,
          optimizer="adam", pooled=(), by_rows=POOLED),
+    # pooled by columns: each server a column slice of every bag, put side by side
+    Case("by-columns-sum-weights-momentum-clip", weights=True, optimizer="momentum", clip=0.05,
+         pooled=("user.weight",), by_columns=("history.weight",)),
+    Case("by-columns-max-padding-last-offset-adam", mode="max", padding_idx=0,
+         last_offset=True, optimizer="adam", pooled=(), by_columns=POOLED),
+    Case("by-columns-mean-sparse-adagrad-meta-init", mode="mean", sparse=True,
+         optimizer="adagrad", pooled=("user.weight",), by_columns=("history.weight",),
+         meta=True),
     # the planner pools what saves bytes (its threshold lowered to 0 bytes by the worker)
     Case("planner-decides", mode="mean", padding_idx=0, optimizer="adagrad", pooled=None),
 ]
 RESUMED = "mean-padding-adagrad"  # checkpointed halfway, resumed on another shape
 RESUMED_BY_ROWS = "by-rows-mean-padding-last-offset-adam"  # the same, into ckpt-by-rows
+RESUMED_BY_COLUMNS = "by-columns-max-padding-last-offset-adam"  # into ckpt-by-columns
 
 
 class BagModel(nn.Module):
@@ -68,9 +83,11 @@ class BagModel(nn.Module):
         return self.out(torch.tanh(self.hidden(pooled)))
 
 
-def build(case: Case) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(case: Case, *, deferred: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The case's model and optimizer; ``deferred``: built in `parallax.meta_init`."""
     torch.manual_seed(0)
-    model = BagModel(case).double()
+    with parallax.meta_init(threshold_bytes=0) if deferred else contextlib.nullcontext():
+        model = BagModel(case).double()
     params = model.parameters()
     optimizer = {
         "sgd": lambda: torch.optim.SGD(params, lr=0.3),

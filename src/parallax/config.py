@@ -292,6 +292,16 @@ class Config:
             pooled vector per server and bag; equal to one device up to the order in
             which a bag's rows are added. Not with ``mode="max"`` nor where `pooled_tables`
             would refuse; distinct from `pooled_tables`' names.
+        pooled_by_columns: parameter names of ``nn.EmbeddingBag`` tables held as column
+            slices (TorchRec's column-wise sharding): a table of width d is cut into the most
+            slices K that divide d, at most one per server, slice k on its own server; a
+            worker sends every slice's server all its ids and offsets, each pools its slice
+            of every bag (any ``mode``, per-sample weights too) and the worker puts the
+            slices side by side; their gradients go back after the backward. One table's
+            memory, pooling and update spread over K servers, for ids sent K times; exact
+            like the row path (`parallax.engine.tables.columns`). Refused where
+            `pooled_tables` would refuse; distinct from `pooled_tables`' and
+            `pooled_by_rows`' names.
         server_threads: threads with which a server aggregates and updates its partitions in
             parallel. ``None``: this process's torch thread count.
         partition_search_steps: training steps timed per sample of the partition-count search
@@ -353,6 +363,7 @@ class Config:
     num_partitions: int | None = None
     pooled_tables: tuple[str, ...] | None = None
     pooled_by_rows: tuple[str, ...] = ()
+    pooled_by_columns: tuple[str, ...] = ()
     server_threads: int | None = None
     partition_search_steps: int = 8
     max_partitions: int | None = None
@@ -442,6 +453,14 @@ class Config:
                  "them in pooled_tables")
         self._check_pooling_setup("pooled_by_rows", rows)
         object.__setattr__(self, "pooled_by_rows", tuple(rows))
+        columns = self.pooled_by_columns
+        ok = (isinstance(columns, (tuple, list)) and all(isinstance(n, str) for n in columns)
+              and len(set(columns)) == len(columns)
+              and not set(columns) & (set(names or ()) | set(rows)))
+        _require(ok, "pooled_by_columns", columns, "a tuple of distinct parameter names, "
+                 "none of them in pooled_tables or pooled_by_rows")
+        self._check_pooling_setup("pooled_by_columns", columns)
+        object.__setattr__(self, "pooled_by_columns", tuple(columns))
 
     def _check_pooling_setup(self, field: str, names: Any) -> None:
         """Tables named in ``field`` are pooled by servers, in the synchronous step."""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import parallax
+from parallax.checkpoint.export import export, export_state_dict
 from parallax.errors import SparseIdError, UnsupportedProgramError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +83,19 @@ def test_a_table_pooled_by_rows_stays_partitioned_over_the_servers_as_the_plan_s
     assert moved["inter_sent"] > 0 and moved["inter_received"] > 0
 
 
+def test_a_table_pooled_by_columns_is_sliced_over_the_servers_as_the_plan_says(runs) -> None:
+    """Width 6 over 2 servers: 2 slices of 3 columns, one on each; its bags' ids go to both,
+    its pooled rows come back as two halves (the bytes each way counted)."""
+    trained, _ = runs
+    plan = _plan_rows(trained["by-columns-sum-weights-momentum-clip"]["plan"])
+    assert ("bags pooled by columns: 2 slices, on server ranks 0,2 "
+            "(Config.pooled_by_columns)") in " ".join(plan["history.weight"])
+    assert "PS: 2 partition(s) on server rank(s) 0,2" in plan["history.weight"]
+    assert "bags pooled on owner rank" in " ".join(plan["user.weight"])
+    moved = trained["by-columns-sum-weights-momentum-clip"]["bytes"]["history.weight"]
+    assert moved["inter_sent"] > 0 and moved["inter_received"] > 0
+
+
 def test_pooling_moves_fewer_bytes_across_machines_than_pulling_rows(runs) -> None:
     trained, _ = runs
     pooled, pulled = trained[cases.RESUMED]["bytes"], trained["rows-pulled"]["bytes"]
@@ -128,17 +142,24 @@ def _bytes(text: str) -> float:
 
 @pytest.mark.usefixtures("_shutdown")
 @pytest.mark.parametrize("name, folder", [(cases.RESUMED, "ckpt"),
-                                          (cases.RESUMED_BY_ROWS, "ckpt-by-rows")])
+                                          (cases.RESUMED_BY_ROWS, "ckpt-by-rows"),
+                                          (cases.RESUMED_BY_COLUMNS, "ckpt-by-columns")])
 def test_a_checkpoint_resumes_on_another_shape(runs, name: str, folder: str) -> None:
     """Saved halfway by 4 workers on 2 machines, resumed by this one process (by rows: one
-    server, so one share: the owner pools the whole call)."""
+    server, so one share: the owner pools the whole call; by columns: saved as 2 column
+    slices, resumed as one, the whole rows)."""
     _, checkpoint = runs
     case = next(c for c in cases.CASES if c.name == name)
     model, optimizer = cases.build(case)
     runner = parallax.get_runner(model, optimizer, cases.loss_fn, config=parallax.Config(
-        pooled_tables=case.pooled, pooled_by_rows=case.by_rows, sparsity_warmup_steps=2,
-        partition_cache=None))
+        pooled_tables=case.pooled, pooled_by_rows=case.by_rows,
+        pooled_by_columns=case.by_columns, sparsity_warmup_steps=2, partition_cache=None))
     runner.load(checkpoint.parent / folder)
+    if case.by_columns:  # the checkpoint's rows are column slices: exported whole
+        loaded = runner.state_dict()
+        exported = export(checkpoint.parent / folder, checkpoint.parent / f"{folder}.pt")
+        for state in (export_state_dict(checkpoint.parent / folder), torch.load(exported)):
+            assert _max_error(state, loaded) == 0
     for batch in cases.batches(case)[case.steps // 2:]:
         runner.step(cases.worker_slice(case, batch, 0, 1))
     assert _max_error(runner.state_dict(), cases.single_device(case)) <= 1e-9
@@ -208,11 +229,27 @@ def test_configurations_that_cannot_pool_by_rows_are_refused(config: dict, why: 
         parallax.Config(**config)
 
 
+@pytest.mark.parametrize("config, why", [
+    ({"pooled_by_columns": ("bag.weight",), "pooled_tables": ("bag.weight",)},
+     "none of them in pooled_tables or pooled_by_rows"),
+    ({"pooled_by_columns": ("bag.weight",), "pooled_by_rows": ("bag.weight",)},
+     "none of them in pooled_tables or pooled_by_rows"),
+    ({"pooled_by_columns": ("bag.weight", "bag.weight")}, "a tuple of distinct parameter"),
+    ({"pooled_by_columns": ("bag.weight",), "sync": "async-sparse"}, "sync='async-sparse'"),
+])
+def test_configurations_that_cannot_pool_by_columns_are_refused(config: dict,
+                                                                why: str) -> None:
+    with pytest.raises(ValueError, match=rf"pooled_by_columns.*{why}"):
+        parallax.Config(**config)
+
+
 @pytest.mark.usefixtures("_shutdown")
-def test_a_name_pooled_by_rows_that_is_no_embedding_bag_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"Config.pooled_by_rows names 'embedding.weight', "
+@pytest.mark.parametrize("field", ["pooled_by_rows", "pooled_by_columns"])
+def test_a_name_pooled_by_rows_or_columns_that_is_no_embedding_bag_is_refused(
+        field: str) -> None:
+    with pytest.raises(ValueError, match=rf"Config.{field} names 'embedding.weight', "
                                          r"which is read by 'embedding'"):
-        _runner(Bags(), (), pooled_by_rows=("embedding.weight",))
+        _runner(Bags(), (), **{field: ("embedding.weight",)})
 
 
 @pytest.mark.usefixtures("_shutdown")

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from pooled_cases import (  # noqa: E402
     CASES,
     RESUMED,
+    RESUMED_BY_COLUMNS,
     RESUMED_BY_ROWS,
     batches,
     build,
@@ -34,8 +35,14 @@ architectures.MIN_POOLED_ROWS_BYTES = 1_500
 server_table.SCATTER_ROUND_BYTES = 1024
 
 
+# the cases checkpointed halfway, and where
+FOLDERS = {RESUMED: "ckpt", RESUMED_BY_ROWS: "ckpt-by-rows",
+           RESUMED_BY_COLUMNS: "ckpt-by-columns"}
+
+
 def config(case) -> parallax.Config:
     return parallax.Config(pooled_tables=case.pooled, pooled_by_rows=case.by_rows,
+                           pooled_by_columns=case.by_columns,
                            clip_grad_norm=case.clip,
                            sparsity_warmup_steps=2, partition_cache=None,
                            collective_timeout_s=60)
@@ -44,12 +51,12 @@ def config(case) -> parallax.Config:
 def train(out: Path) -> None:
     results = {}
     for case in CASES:
-        model, optimizer = build(case)
+        model, optimizer = build(case, deferred=case.meta)
         runner = parallax.get_runner(model, optimizer, loss_fn, config=config(case))
         worker = runner.worker
         for step, batch in enumerate(batches(case), 1):
-            if case.name in (RESUMED, RESUMED_BY_ROWS) and step == case.steps // 2 + 1:
-                runner.save(out / ("ckpt" if case.name == RESUMED else "ckpt-by-rows"))
+            if step == case.steps // 2 + 1 and case.name in FOLDERS:
+                runner.save(out / FOLDERS[case.name])
             runner.step(worker_slice(case, batch, worker.rank, worker.world_size))
         moved = {name: dict(counts) for name, counts in runner.traffic.bytes.items()}
         state = runner.state_dict()

@@ -6,12 +6,14 @@ worker's pooled rows must be what its own call gives on the whole table, and the
 gradient the sum of the workers' own backwards, whatever the calls' shapes: a last offset
 short of the ids' end (torch's CPU kernel ends the last bag at the ids' end; the owner
 follows it), weights on some workers only, empty bags, padding; held whole by one owner
-(`Config.pooled_tables`: bit for bit) or by rows on three (`Config.pooled_by_rows`: up to the
-order of the shares' sums)."""
+(`Config.pooled_tables`: bit for bit), by rows on three (`Config.pooled_by_rows`: up to the
+order of the shares' sums) or as three column slices (`Config.pooled_by_columns`: bit for
+bit)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from parallax.engine.tables import pooled
+from parallax.engine.tables.columns import slices_view
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.errors import UnsupportedProgramError
 
@@ -35,28 +38,32 @@ class _Call:
 
 
 class _Table:
-    """What pooling reads of a table: its partitioning, and one owner's rows (`owner`)."""
+    """What pooling reads of a table: its partitioning, and one owner's rows (`owner`); held
+    as ``columns`` column slices, its rows are the slices' (one partition each)."""
 
-    num_rows = ROWS
     before_read = None
 
     def __init__(self, weight: Tensor, owners: int, *, by_rows: bool,
-                 owner: int | None = None) -> None:
+                 owner: int | None = None, columns: int = 1) -> None:
         self.weight = weight
-        self.partitioning = RowPartitioning(ROWS, owners, tuple(range(owners)))
+        self.num_rows = ROWS * columns
+        self.column_slices = columns
+        self.partitioning = RowPartitioning(self.num_rows, owners, tuple(range(owners)))
         self.pools_by_rows = by_rows
         self.owner = owner
+        self.worker = SimpleNamespace(rank=owner)
 
     def at(self, owner: int) -> _Table:
         return _Table(self.weight, self.partitioning.num_partitions,
-                      by_rows=self.pools_by_rows, owner=owner)
+                      by_rows=self.pools_by_rows, owner=owner, columns=self.column_slices)
 
     def own_ids(self) -> Tensor:
         assert self.owner is not None
         return self.partitioning.rows_of_server(self.owner)
 
     def server_shard(self) -> nn.Parameter:
-        return nn.Parameter(self.weight[self.own_ids()].clone())
+        rows = slices_view(self.weight, self.column_slices)
+        return nn.Parameter(rows[self.own_ids()].clone())
 
 
 @st.composite
@@ -120,13 +127,14 @@ def _pool(table: _Table, calls: list[_Call], mode: str, last: bool,
         if out.numel():
             out.backward(g)
     for o, owner in enumerate(owners):
-        pushed = torch.cat([leaf.grad.view(len(owners), -1, DIM)[o] if leaf.grad is not None
-                            else torch.zeros(owned[owner].bags[w], DIM, dtype=torch.float64)
+        width = DIM // table.column_slices
+        pushed = torch.cat([leaf.grad.view(len(owners), -1, width)[o] if leaf.grad is not None
+                            else torch.zeros(owned[owner].bags[w], width, dtype=torch.float64)
                             for w, leaf in enumerate(leaves)])
         rows_grad = owned[owner].backward(pushed) if pushed.numel() else None
         if rows_grad is not None:
             ids = table.at(owner).own_ids()[owned[owner].local_rows]
-            grad.index_add_(0, ids, rows_grad)
+            slices_view(grad, table.column_slices).index_add_(0, ids, rows_grad)
     return [out.detach() for out in outs], grad
 
 
@@ -163,6 +171,17 @@ def test_three_owners_pool_their_rows_shares_and_the_worker_adds_them(case) -> N
     want, want_grad = _alone(weight, *case)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and torch.allclose(g, w, rtol=0, atol=1e-12)
+    assert torch.allclose(got_grad, want_grad, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_calls(["sum", "mean", "max"]))
+def test_three_column_slices_pool_every_bag_and_the_worker_puts_them_side_by_side(
+        case) -> None:
+    weight = torch.randn(ROWS, DIM, dtype=torch.float64)
+    got, got_grad = _pool(_Table(weight, 3, by_rows=False, columns=3), *case)
+    want, want_grad = _alone(weight, *case)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert torch.allclose(got_grad, want_grad, rtol=0, atol=1e-12)
 
 

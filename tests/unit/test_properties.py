@@ -335,6 +335,9 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     "pooled_by_rows": lambda v, arch: isinstance(v, (tuple, list)) and all(
         isinstance(n, str) for n in v) and len(set(v)) == len(v) and (
         not v or arch != "allreduce"),
+    "pooled_by_columns": lambda v, arch: isinstance(v, (tuple, list)) and all(
+        isinstance(n, str) for n in v) and len(set(v)) == len(v) and (
+        not v or arch != "allreduce"),
     "server_threads": lambda v, _: v is None or (_is_int(v) and v >= 1),
     "partition_search_steps": lambda v, _: _is_int(v) and v >= 2,
     "local_aggregation_trial_steps": lambda v, _: _is_int(v) and (v == 0 or v >= 2),
@@ -378,7 +381,8 @@ def test_config_field_constructs_or_names_the_field(field, value, architecture, 
     if RULES[field](value, values["architecture"]):
         config = build(values)
         expected = os.fspath(value) if isinstance(value, os.PathLike) else value
-        if field in ("pooled_tables", "pooled_by_rows") and isinstance(value, list):
+        if (field in ("pooled_tables", "pooled_by_rows", "pooled_by_columns")
+                and isinstance(value, list)):
             expected = tuple(value)  # (a list too)
         assert getattr(config, field) == expected
     else:

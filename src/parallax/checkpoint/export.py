@@ -88,8 +88,10 @@ def read_checkpoint(checkpoint: str | os.PathLike[str]) -> ExportedCheckpoint:
     for name, table in meta.tables.items():
         shape = meta.shape(name)
         values = torch.empty(shape, dtype=_dtype(directory, name, table))
+        # (a table held as column slices: the values' memory as rows of slices)
+        rows_of = values.view(table["num_rows"], *table["row_shape"])
         for ids, rows in _table_shards(directory, manifest, name, table, shape):
-            values[ids] = rows
+            rows_of[ids] = rows.reshape(len(ids), *table["row_shape"])
         state[name] = values
     _add_aliases(directory, meta, state)
     return ExportedCheckpoint(directory=directory, step=manifest.step, state_dict=state)
@@ -280,10 +282,12 @@ def _dtype(directory: Path, name: str, table: Mapping[str, Any]) -> torch.dtype:
 
 def _table_shape(directory: Path, name: str, table: Mapping[str, Any],
                  shape: list[int]) -> tuple[int, ...]:
-    """``(rows, *row shape)`` of table ``name``, checked against its parameter's shape."""
+    """``(rows, *row shape)`` of table ``name``, checked against its parameter's shape: its
+    rows, or, for a table held as column slices (`parallax.engine.tables.columns`), its rows'
+    slices (a whole number of them per row)."""
     num_rows, row_shape = table["num_rows"], table["row_shape"]
     if (not isinstance(num_rows, int) or num_rows < 0 or not isinstance(row_shape, list)
-            or not shape or shape[0] != num_rows or math.prod(shape) != num_rows
+            or not shape or num_rows % max(shape[0], 1) or math.prod(shape) != num_rows
             * math.prod(row_shape)):
         raise CheckpointError(
             f"{directory / MANIFEST_NAME}: table {name!r} of {num_rows!r} rows of shape "
@@ -295,14 +299,15 @@ def _table_shape(directory: Path, name: str, table: Mapping[str, Any],
 def _table_shards(directory: Path, manifest: Manifest, name: str, table: Mapping[str, Any],
                   shape: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Table ``name``'s ``(ids, rows)``, one shard file at a time, rows in the parameter's
-    row shape; raises after the last one if the shards miss or repeat rows."""
+    row shape (the slices' shape, flat, for a table held as column slices); raises after the
+    last one if the shards miss or repeat rows."""
     num_rows, *row_shape = _table_shape(directory, name, table, shape)
     dtype = _dtype(directory, name, table)
     counts = torch.zeros(num_rows, dtype=torch.long)
     for relpath in table["files"]:
         ids, rows = _table_shard(directory, manifest, relpath, name, num_rows, row_shape, dtype)
         counts += torch.bincount(ids, minlength=num_rows)
-        yield ids, rows.reshape(len(ids), *shape[1:])
+        yield ids, rows.reshape(len(ids), *(shape[1:] if num_rows == shape[0] else (-1,)))
         del ids, rows  # the file's mapping goes with the consumer's last reference
     missing, repeated = int((counts == 0).sum()), int((counts > 1).sum())
     if missing or repeated:

@@ -326,13 +326,15 @@ def _prepare(runner: Run, directory: Path) -> _Restore:
             restore.from_model.append(name)
         elif (held := table.held) is not None:
             if held.shard is not None:
-                restore.shards[name] = _assemble_shard(
-                    held, [read(f) for f in meta["tables"][name]["files"]], directory,
-                    runner.worker.rank)
+                pieces = _in_rows_of(held, meta["tables"][name],
+                                     [read(f) for f in meta["tables"][name]["files"]])
+                restore.shards[name] = _assemble_shard(held, pieces, directory,
+                                                       runner.worker.rank)
         else:
-            restore.full[name] = _assemble_full(_replica(table), table.num_rows,
-                                                table.row_shape,
-                                                [read(f) for f in meta["tables"][name]["files"]])
+            info = meta["tables"][name]
+            restore.full[name] = _assemble_full(_replica(table), info["num_rows"],
+                                                tuple(info["row_shape"]),
+                                                [read(f) for f in info["files"]])
     if meta["cluster"]["world_size"] == runner.worker.world_size:
         restore.rng = read(meta["rng_files"][str(runner.worker.rank)])
     if meta.get("extra_file"):
@@ -368,6 +370,22 @@ def _piece_from_model(runner: Run, table: Table, values: Tensor) -> dict[str, An
             "scalars": scalars}
 
 
+def _in_rows_of(table: ShardedTable, info: dict[str, Any],
+                pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``pieces`` of a table saved as ``info`` says, as rows of ``table`` as it is held now:
+    as they are where the rows are alike; else (a table held as column slices on one side,
+    `parallax.engine.tables.columns`: its rows are slices of the program's rows) as one piece
+    of all rows, assembled whole in the saved rows and viewed in the rows held now."""
+    if (info["num_rows"], tuple(info["row_shape"])) == (table.num_rows, table.row_shape):
+        return pieces
+    like = torch.empty(0, dtype=table.dtype, device=table.device)
+    full, state = _assemble_full(like, info["num_rows"], tuple(info["row_shape"]), pieces)
+    shape = (table.num_rows, *table.row_shape)
+    return [{"ids": torch.arange(table.num_rows), "values": full.reshape(shape),
+             "state": {k: v.reshape(shape) for k, v in state.items() if is_per_row(v, full)},
+             "scalars": {k: v for k, v in state.items() if not is_per_row(v, full)}}]
+
+
 def _assemble_shard(table: ShardedTable, pieces: list[dict[str, Any]], directory: Path,
                     rank: int) -> tuple[Tensor, dict[str, Any]]:
     """This server's rows of ``table`` under its current partitioning, and their optimizer
@@ -400,7 +418,7 @@ def _replica(table: Table) -> torch.nn.Parameter:
     return table.replica
 
 
-def _assemble_full(param: torch.nn.Parameter, num_rows: int, row_shape: tuple[int, ...],
+def _assemble_full(param: Tensor, num_rows: int, row_shape: tuple[int, ...],
                    pieces: list[dict[str, Any]]) -> tuple[Tensor, dict[str, Any]]:
     """A parameter every worker holds whole: all its rows and their optimizer state."""
     full = torch.empty(num_rows, *row_shape, dtype=param.dtype, device=param.device)

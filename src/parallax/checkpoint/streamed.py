@@ -48,7 +48,7 @@ class StreamedFile:
         self.tmp = self.out.with_name(
             f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{self.out.name[:200]}")
         self.tables = {name: (tuple(shape), dtype) for name, (shape, dtype) in tables.items()}
-        self.written = {name: 0 for name in self.tables}  # rows, to check every row came
+        self.written = {name: 0 for name in self.tables}  # elements: every row came
         try:
             self._layout(dict(state), dict(aliases or {}))
             self._fd = os.open(self.tmp, os.O_RDWR)
@@ -89,13 +89,18 @@ class StreamedFile:
         return self
 
     def write_rows(self, name: str, ids: Tensor, rows: Tensor) -> None:
-        """Rows ``ids`` (global, distinct) of table ``name`` take the values ``rows``."""
+        """Rows ``ids`` (global, distinct) of table ``name`` take the values ``rows``: rows
+        of the table's shape, or of any width that divides its rows, numbered as the table's
+        memory read in rows of that width (a table held as column slices:
+        `parallax.engine.tables.columns`)."""
         shape, dtype = self.tables[name]
         rows = rows.detach().to("cpu", dtype).contiguous().view(len(ids), -1)
-        row_bytes = int(rows.shape[1]) * rows.element_size()
+        width = int(rows.shape[1])
+        row_bytes = width * rows.element_size()
+        count = math.prod(shape) // max(width, 1)  # the table's rows of this width
         ids = ids.cpu()
         base = self.offsets[name]
-        self.written[name] += len(ids)
+        self.written[name] += rows.numel()
         if len(ids) == 0:
             return
         first = int(ids[0])
@@ -103,11 +108,11 @@ class StreamedFile:
             os.pwrite(self._fd, rows.view(torch.uint8).numpy().data, base + first * row_bytes)
             return
         start = base // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        length = base - start + int(shape[0]) * row_bytes
+        length = base - start + count * row_bytes
         with mmap.mmap(self._fd, length, offset=start) as region:
             for at in range(0, len(ids), _SCATTER_ROWS):
-                view = torch.frombuffer(region, dtype=dtype, count=shape[0] * rows.shape[1],
-                                        offset=base - start).view(shape[0], rows.shape[1])
+                view = torch.frombuffer(region, dtype=dtype, count=count * width,
+                                        offset=base - start).view(count, width)
                 view[ids[at:at + _SCATTER_ROWS]] = rows[at:at + _SCATTER_ROWS]
                 del view  # releases the buffer export, so the region can close
                 region.madvise(mmap.MADV_DONTNEED)  # out of this process; dirty in the cache
@@ -115,11 +120,13 @@ class StreamedFile:
     def __exit__(self, kind: object, error: object, trace: object) -> None:
         try:
             if kind is None:
-                short = {n: (self.written[n], shape[0]) for n, (shape, _) in self.tables.items()
-                         if self.written[n] != shape[0]}
+                short = {n: (self.written[n], math.prod(shape))
+                         for n, (shape, _) in self.tables.items()
+                         if self.written[n] != math.prod(shape)}
                 if short:
-                    raise InternalError(f"parallax internal error: rows written / rows per "
-                                       f"table {short} while streaming {self.out}")
+                    raise InternalError(f"parallax internal error: elements written / "
+                                        f"elements per table {short} while streaming "
+                                        f"{self.out}")
                 os.fsync(self._fd)
         finally:
             os.close(self._fd)

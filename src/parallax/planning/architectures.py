@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.config import ArchitectureName, Config
 from parallax.engine.optimizers.shard_optimizer import take_user_state
+from parallax.engine.tables.columns import column_slices, slices_of_rows, slices_view
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.handles import release
 from parallax.engine.tables.layout import Layout, Placement
@@ -66,8 +67,9 @@ class ParameterCost:
     bags: float | None = None
     pooled: bool = False
     #: the ranks that pool each bag: 1 (`Config.pooled_tables`), the servers holding its
-    #: rows (`Config.pooled_by_rows`)
+    #: rows (`Config.pooled_by_rows`) or its column slices (`Config.pooled_by_columns`)
     pooled_owners: int = 1
+    pooled_by_columns: bool = False
 
     @property
     def total(self) -> float:
@@ -207,7 +209,8 @@ class Hybrid(Architecture):
         if param.pooled:
             return (None if param.bags is None or param.bag_ids is None
                     else cost.pooled_bags(param.bag_ids, param.bags, param.row_bytes, shape,
-                                          owners=param.pooled_owners))
+                                          owners=param.pooled_owners,
+                                          by_columns=param.pooled_by_columns))
         aggregated = self.aggregates_by_default if local_aggregation is None else local_aggregation
         used = param.used_machine if aggregated else param.used
         if used is None:
@@ -381,9 +384,23 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 f"mode='max': pooling by rows adds every server's share of a bag, which gives "
                 f"a sum or a mean, not a max; name it in Config.pooled_tables (pooled whole "
                 f"on one owner) or leave it to the row path")
+    by_columns = sorted(config.pooled_by_columns)
+    for name in by_columns:
+        _check_poolable(name, sparse_uses.get(name), sparse_uses, "pooled_by_columns")
     for name, use in sorted(sparse_uses.items()):
         sparse_grad = use.sparse_grad or config.lazy_sparse_updates
-        if name in owners:
+        if name in by_columns:
+            _drop_unread_copy(params[name], name, worker)
+            table = _column_table(name, params[name], by_columns.index(name), config=config,
+                                  worker=worker, group=group, traffic=traffic,
+                                  sparse_grad=sparse_grad)
+            layout.sparse[name] = table
+            partitioning = table.partitioning
+            layout.placements[name] = Placement("ps", table.column_slices, tuple(
+                servers[partitioning.server_of_partition(k)]
+                for k in range(table.column_slices)))
+            _hand_over_early(layout, table, params[name], optimizers, worker)
+        elif name in owners:
             _drop_unread_copy(params[name], name, worker)
             table = ShardedTable(
                 name, params[name], num_partitions=1, worker=worker, group=group,
@@ -421,6 +438,25 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 first_server=server, initial_rows=_initial_rows(params[name]))
             layout.placements[name] = Placement("ps", 1, (servers[server],))
     return layout
+
+
+def _column_table(name: str, param: nn.Parameter, index: int, *, config: Config,
+                  worker: WorkerInfo, group: dist.ProcessGroup, traffic: Traffic,
+                  sparse_grad: bool) -> ShardedTable:
+    """A table of `Config.pooled_by_columns` (the ``index``-th): its rows cut into the most
+    column slices that divide them, at most one per server, slice k on its own server (each
+    table's first slice one server further on, so the slices of several spread out); the
+    table's rows are the slices' (`parallax.engine.tables.columns`)."""
+    servers = len(worker.server_ranks)
+    slices = column_slices(math.prod(param.shape[1:]), servers)
+    recipe = _initial_rows(param)
+    table = ShardedTable(
+        name, slices_view(param.detach(), slices), num_partitions=slices, worker=worker,
+        group=group, traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
+        first_server=index * slices % servers,
+        initial_rows=None if recipe is None else slices_of_rows(recipe, slices))
+    table.pools, table.column_slices = True, slices
+    return table
 
 
 def _drop_unread_copy(param: nn.Parameter, name: str, worker: WorkerInfo) -> None:

@@ -80,21 +80,24 @@ def ps_rows(rows: float, row_bytes: float, shape: Shape, *, local_aggregation: b
 
 
 def pooled_bags(ids: float, bags: float, row_bytes: float, shape: Shape, *,
-                owners: int = 1) -> float:
+                owners: int = 1, by_columns: bool = False) -> float:
     """Owner-side pooling (`parallax.engine.tables.pooled`) of ``bags`` bags of ``ids`` ids
     in all per worker and step: every worker sends its ids and one offset per bag and owner,
     gets one pooled row per bag and owner and sends its gradient back, plus the header every
     call sends to every rank. ``owners``: 1 for a table held whole (averaged over machines as
     the PS rows are: the owner's machine carries all of it, a hot spot); the servers' count
     for a table pooled by rows, each owner its rows' share of every bag (a worker's ids are
-    split among them, the offsets and pooled rows go to and from each)."""
+    split among them, the offsets and pooled rows go to and from each); ``by_columns``: the
+    owners hold column slices (`Config.pooled_by_columns`): each gets every id and offset,
+    and the pooled rows' slices add up to one row per bag."""
     n = shape.machines
     if n == 1:
         return 0.0
     k = shape.workers_per_machine
     remote = owners * (n - 1) / n  # owners off a worker's machine, on average
-    traffic = 2 * k * (ID_BYTES * (ids * (n - 1) / n + bags * remote)
-                       + 2 * bags * row_bytes * remote)
+    ids_remote, rows_remote = (remote, (n - 1) / n) if by_columns else ((n - 1) / n, remote)
+    traffic = 2 * k * (ID_BYTES * (ids * ids_remote + bags * remote)
+                       + 2 * bags * row_bytes * rows_remote)
     return traffic + count_messages(shape, 1) * POOLED_HEADER_BYTES / COUNT_MESSAGE_BYTES
 
 

@@ -89,14 +89,17 @@ class Plan:
               reasons: dict[str, str] | None = None, local_aggregation: bool | None = None,
               searches: tuple[SearchRecord, ...] = (), small_sums: bool = False,
               pooled: frozenset[str] = frozenset(),
-              pooled_by_rows: frozenset[str] = frozenset()) -> Plan:
+              pooled_by_rows: frozenset[str] = frozenset(),
+              pooled_by_columns: frozenset[str] = frozenset()) -> Plan:
         """``placements[name]`` for every parameter held otherwise than replicated and
         AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it;
         ``local_aggregation`` as `Config.local_aggregation` (None: each architecture's
         default); ``searches`` how the partition groups' counts were chosen; ``small_sums``:
         the run sums small AllReduce payloads by one all_to_all (`cost.Shape.small_sums`);
         ``pooled``: the tables whose bags their owners pool (`Config.pooled_tables`), of which
-        ``pooled_by_rows`` every server holding rows pools its share (`Config.pooled_by_rows`)."""
+        ``pooled_by_rows`` every server holding rows pools its share (`Config.pooled_by_rows`)
+        and of ``pooled_by_columns`` each server of a column slice its slice
+        (`Config.pooled_by_columns`)."""
         shape = cost.Shape(num_machines, max(1, world_size // num_machines),
                            small_sums=small_sums)
         dense_payload = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -130,7 +133,8 @@ class Plan:
                                              local_aggregation, dense_payload,
                                              pooled=name in pooled,
                                              owners=len(servers) if name in pooled_by_rows
-                                             else 1)))
+                                             or name in pooled_by_columns else 1,
+                                             by_columns=name in pooled_by_columns)))
         return cls(tuple(entries), world_size, num_machines, architecture, searches)
 
     def table(self) -> str:
@@ -168,7 +172,7 @@ class Plan:
 def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None, sync: str,
                  shape: cost.Shape, local_aggregation: bool | None,
                  dense_payload: float, *, pooled: bool = False,
-                 owners: int = 1) -> dict[str, float | None]:
+                 owners: int = 1, by_columns: bool = False) -> dict[str, float | None]:
     """Each architecture's predicted bytes for ``param`` (`Architecture.predicted_bytes`);
     ``dense_payload``: the bytes of all dense gradients, summed together."""
     rows = param.shape[0] if param.dim() else 1
@@ -184,7 +188,7 @@ def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None
                           payload=None if is_sparse else dense_payload,
                           bag_ids=measured.bag_ids if measured else None,
                           bags=measured.bags if measured else None, pooled=pooled,
-                          pooled_owners=owners)
+                          pooled_owners=owners, pooled_by_columns=by_columns)
     return {str(name): architecture.predicted_bytes(sized, shape,
                                                     local_aggregation=local_aggregation)
             for name, architecture in ARCHITECTURES.items()}

@@ -78,7 +78,11 @@ class PlanKeeper:
             if config.lazy_sparse_updates else {})
         for name, table in layout.sparse.items():
             servers = layout.placement(name).servers
-            if table.held is not None and table.held.pools_by_rows:
+            if table.held is not None and table.held.column_slices > 1:
+                self.decisions[name] = (f"bags pooled by columns: {table.held.column_slices} "
+                                        f"slices, on server ranks {','.join(map(str, servers))}"
+                                        f" (Config.pooled_by_columns)")
+            elif table.held is not None and table.held.pools_by_rows:
                 self.decisions[name] = (f"bags pooled by rows, each server rank of "
                                         f"{','.join(map(str, servers))} its rows' share "
                                         f"(Config.pooled_by_rows)")
@@ -134,6 +138,9 @@ class PlanKeeper:
                                pooled_by_rows=frozenset(
                                    n for n, t in self.layout.sparse.items()
                                    if t.held is not None and t.held.pools_by_rows),
+                               pooled_by_columns=frozenset(
+                                   n for n, t in self.layout.sparse.items()
+                                   if t.held is not None and t.held.column_slices > 1),
                                reasons=self.decisions,
                                local_aggregation=self.local_aggregation,
                                searches=tuple(self.searches.values()))

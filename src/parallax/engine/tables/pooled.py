@@ -19,6 +19,17 @@ the shares' gradients go back to each server. One table's pooling is spread over
 for one pooled vector per server and bag; the result differs from one device only in the order
 of a bag's sums. ``max`` is refused (a share's sum is no max).
 
+A table named in `Config.pooled_by_columns` (TorchRec's column-wise sharding) is held as K
+column slices, slice k on its own server: the engine sees the ``R x d`` table as the
+``R*K x d/K`` table that views the same memory (row ``r*K + k`` of it is slice k of row r), in
+K partitions by ``id % K`` (partition k is slice k), so the servers, their optimizer (any that
+updates element by element), the gradients and the checkpoints need nothing new. Every owner
+gets every id of every bag (`_shares`) and pools its slice over the bag's whole id list with
+the worker's own mode (``max`` and per-sample weights too); the worker puts the K slices side
+by side (`_added`). Each slice is pooled as one device pools those columns: exact. One big
+table's pooling, memory and update are spread over K servers for the price of sending the ids
+K times (the pooled rows move d numbers a bag, as with one owner).
+
 Exact: the owner computes what the layer computes on one device, every worker's bags of a
 call in one ``embedding_bag`` (each bag with its worker's ids, offsets, ``mode``,
 ``padding_idx`` and weights), on the rows of the unique ids of all workers together: the
@@ -99,6 +110,8 @@ class PoolingTable(Protocol):
     partitioning: RowPartitioning
     #: pooled where its rows live, every server its share (`Config.pooled_by_rows`)
     pools_by_rows: bool
+    #: held as this many column slices, each on its server (`Config.pooled_by_columns`)
+    column_slices: int
     average: bool
     has_gradient: bool
     rows_used: list[int]
@@ -203,13 +216,30 @@ def bag_call(table: PoolingTable, ids: Tensor, offsets: Tensor | None,
 
 def owners_of(table: PoolingTable) -> list[int]:
     """The ranks that pool a table's bags, in rank order: the one server holding it whole
-    (`Config.pooled_tables`), or every server holding some of its rows
-    (`Config.pooled_by_rows`: each pools its rows' share of every bag)."""
+    (`Config.pooled_tables`), every server holding some of its rows
+    (`Config.pooled_by_rows`: each pools its rows' share of every bag), or the server of each
+    column slice (`Config.pooled_by_columns`: each pools its slice of every bag)."""
     partitioning = table.partitioning
-    if not table.pools_by_rows:
+    if not table.pools_by_rows and table.column_slices == 1:
         return [partitioning.server_ranks[partitioning.server_of_partition(0)]]
     return sorted({partitioning.server_ranks[partitioning.server_of_partition(p)]
                    for p in range(partitioning.num_partitions)})
+
+
+def slice_of_owner(table: PoolingTable, rank: int) -> int:
+    """The column slice ``rank`` holds of a table pooled by columns (its one partition)."""
+    partitioning = table.partitioning
+    for k in range(partitioning.num_partitions):
+        if partitioning.server_ranks[partitioning.server_of_partition(k)] == rank:
+            return k
+    raise InternalError(f"parallax internal error: rank {rank} holds no column slice of "
+                        f"'{table.name}'; please report it")
+
+
+def model_rows(table: PoolingTable) -> int:
+    """The rows of the program's table (a table pooled by columns is held as
+    ``rows * column_slices`` rows of its slices)."""
+    return table.num_rows // table.column_slices
 
 
 @dataclass
@@ -227,8 +257,8 @@ def _shares(call: BagCall, owners: list[int], refused: bool) -> dict[int, _Share
     torch refuses (``refused``: `_refusal`) sends nothing to several owners: every rank raises
     for it once the headers are in."""
     starts = call.starts
-    if len(owners) == 1:
-        return {owners[0]: _Share(starts, call.ids, call.weights)}
+    if len(owners) == 1 or call.table.column_slices > 1:  # (every slice's owner: every id)
+        return {owner: _Share(starts, call.ids, call.weights) for owner in owners}
     if refused:
         return {o: _Share(starts[:0], call.ids[:0], None) for o in owners}
     bag = _bag_of_ids(starts, call.ids.numel())
@@ -245,9 +275,16 @@ def _shares(call: BagCall, owners: list[int], refused: bool) -> dict[int, _Share
 def _added(call: BagCall, shares: Tensor, owners: int) -> Tensor:
     """The call's pooled rows from its ``owners``' shares (``[owner, bag, ...]`` flattened,
     in rank order): their sum, divided by each bag's count of ids other than the padding
-    under ``mean`` (an empty bag stays zero, as torch pools it)."""
+    under ``mean`` (an empty bag stays zero, as torch pools it); or, pooled by columns, the
+    column slices side by side in slice order."""
     if owners == 1:
         return shares
+    table = call.table
+    if table.column_slices > 1:
+        ranks = owners_of(table)
+        order = sorted(range(owners), key=lambda i: slice_of_owner(table, ranks[i]))
+        slices = shares.view(owners, call.bags, *shares.shape[1:])
+        return torch.cat([slices[i] for i in order], dim=1)
     total = shares.view(owners, call.bags, *shares.shape[1:]).sum(0)
     if call.mode != "mean":
         return total
@@ -423,7 +460,7 @@ def _header(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: 
         flags, bad = _OVERFLOWED if overflowed else 0, 0
         if call.ids.numel():
             low, high = (int(v) for v in torch.aminmax(call.ids))
-            if low < 0 or high >= call.table.num_rows:
+            if low < 0 or high >= model_rows(call.table):
                 flags, bad = flags | _BAD_ID, low if low < 0 else high
         if call.weights is not None:
             flags |= _HAS_WEIGHTS | (_WEIGHTS_NEED_GRAD if call.weights.requires_grad else 0)
@@ -462,7 +499,7 @@ def _raise_flagged(calls: Sequence[BagCall], received: Tensor) -> None:
             machine = first.traffic.machine_of_rank[peer]
             raise SparseIdError(f"parallax: sparse parameter '{call.table.name}' got id "
                                 f"{int(received[peer, i, _BAD])} on rank {peer} (machine "
-                                f"{machine}), outside its rows [0, {call.table.num_rows})")
+                                f"{machine}), outside its rows [0, {model_rows(call.table)})")
         for peer in (sender_flags & _WEIGHTS_NEED_GRAD).nonzero().flatten().tolist():
             raise UnsupportedProgramError(
                 f"rank {peer}: parameter '{call.table.name}' is pooled on its owner "
@@ -537,13 +574,15 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
     pieces = received.split([n + m for n, m in zip(counts, sizes, strict=True)])
     unique, inverse = torch.unique(torch.cat([p[m:] for p, m in zip(pieces, sizes, strict=True)]),
                                    return_inverse=True)
-    local = table.partitioning.local_row(unique)
+    slices = table.column_slices
+    column = slice_of_owner(table, table.worker.rank) if slices > 1 else 0
+    local = table.partitioning.local_row(unique * slices + column)  # (its slice's row)
     if table.before_read is not None:
         table.before_read(local)  # deferred steps first (values and optimizer state)
     rows = table.server_shard().detach().index_select(0, local)
     padding = None
     if call.padding_idx is not None:
-        target = call.padding_idx + table.num_rows if call.padding_idx < 0 else call.padding_idx
+        target = call.padding_idx % model_rows(table)
         hits = (unique == target).nonzero()
         padding = int(hits[0, 0]) if hits.numel() else None
     has_weights = ((header[:, _FLAGS] & _HAS_WEIGHTS) > 0).tolist()
@@ -558,8 +597,9 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
         start += n
         if sent_weights is not None:  # a worker without weights weighs each id 1, exactly
             weight_parts.append(sent_weights[w] if has_weights[w] else rows.new_ones(n))
-    # one share of several is a sum: the worker adds the shares, then divides under mean
-    mode = "sum" if len(owners_of(table)) > 1 else call.mode
+    # one share of several is a sum: the worker adds the shares, then divides under mean (a
+    # column slice is pooled over the whole bag: the worker's own mode)
+    mode = "sum" if table.pools_by_rows and len(owners_of(table)) > 1 else call.mode
     merged = _Merged(inverse, torch.cat(offsets),
                      torch.cat(weight_parts) if weight_parts else None, padding, mode)
     if mode == "max":  # the gradient goes to each bag's largest: torch's backward finds it

@@ -139,6 +139,9 @@ class ShardedTable:
     pools = False
     #: pooled where its rows live, every server its share (`Config.pooled_by_rows`)
     pools_by_rows = False
+    #: held as this many column slices, slice k as partition k (`Config.pooled_by_columns`:
+    #: the table is then the view of the program's ``R x d`` one as ``R*K x d/K`` rows)
+    column_slices = 1
     measuring = True  # `Table.measuring`
 
     @property
@@ -242,6 +245,8 @@ class ShardedTable:
         worker, partitioning = self.worker, self.partitioning
         mine = (partitioning.shard_rows[worker.server_ranks.index(worker.rank)]
                 if worker.is_server else 0)
+        # (a table pooled by columns is given shaped as the program's: its rows' view)
+        weight = weight.reshape(self.num_rows, *self.row_shape)
         # (off rank 0 ``weight`` may be the program's released copy, on meta: only its dtype)
         device = self.device if weight.device.type == "meta" else weight.device
         out = torch.empty((mine, *self.row_shape), dtype=weight.dtype, device=device)
