@@ -35,6 +35,7 @@ class Case:
     by_rows: tuple[str, ...] = ()  # Config.pooled_by_rows
     by_columns: tuple[str, ...] = ()  # Config.pooled_by_columns
     meta: bool = False  # the workers build it in parallax.meta_init (servers make their rows)
+    free_bytes: int | None = None  # what the planner sees free on every process (None: real)
     steps: int = 6
 
 
@@ -59,6 +60,10 @@ CASES = [
          meta=True),
     # the planner pools what saves bytes (its threshold lowered to 0 bytes by the worker)
     Case("planner-decides", mode="mean", padding_idx=0, optimizer="adagrad", pooled=None),
+    # the history (43,200 B with its gradient and Adagrad's sum) fits no server whole, and a
+    # max is no sum of rows' shares: the planner cuts it into 2 column slices of 21,600 B
+    Case("planner-cuts-columns", mode="max", optimizer="adagrad", pooled=None,
+         free_bytes=30_000),
 ]
 RESUMED = "mean-padding-adagrad"  # checkpointed halfway, resumed on another shape
 RESUMED_BY_ROWS = "by-rows-mean-padding-last-offset-adam"  # the same, into ckpt-by-rows

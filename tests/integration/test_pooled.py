@@ -117,6 +117,19 @@ def test_left_to_the_planner_a_table_is_pooled_where_it_saves_bytes(runs) -> Non
     assert "pooled on an owner: " in lines["user.weight"][5]  # offered, not taken
 
 
+def test_a_max_bag_table_no_server_holds_whole_is_cut_into_column_slices(runs) -> None:
+    """(every process told it has 30,000 B free): the history's bags pool cheaper than its
+    rows, but whole it takes 43,200 B and a max is no sum of shares: the planner cuts it into
+    2 column slices of 21,600 B, one on each server, and it trains on exactly (see
+    test_pooled_tables_train_to_the_single_device_parameters)."""
+    lines = _plan_rows(runs[0]["planner-cuts-columns"]["plan"])
+    assert re.search(r"would take 43,200 B with its gradient and optimizer state, and at most "
+                     r"30,000 B are free on any: pooled by columns instead, 2 slices on their "
+                     r"own servers: predicted [\d,]+ B vs rows [\d,]+ B per step",
+                     lines["history.weight"][5]), lines["history.weight"][5]
+    assert lines["history.weight"][6] == "PS: 2 partition(s) on server rank(s) 0,2"
+
+
 def _plan_rows(plan: str) -> dict[str, list[str]]:
     return {cells[0]: cells for line in plan.splitlines()[3:]
             if len(cells := re.split(r"\s{2,}", line.strip())) > 7}
@@ -362,7 +375,8 @@ def test_the_planner_pools_a_table_whole_only_where_it_fits_one_server(
                         lambda self, table, use, measured, **_: (use.kind == "embedding_bag",
                                                                  "pooling saves bytes"))
     monkeypatch.setattr(architectures.Hybrid, "pools_by_rows",
-                        lambda self, table, use, measured, **_: (by_rows, "by rows saves too"))
+                        lambda self, table, use, measured, **_: (1.0 if by_rows else None,
+                                                                 "by rows saves too"))
     monkeypatch.setattr(plan_keeper, "free_bytes", lambda processes: free)
     case = next(c for c in cases.CASES if c.name == "planner-decides")
     model, optimizer = cases.build(case)

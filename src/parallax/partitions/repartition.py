@@ -3,12 +3,15 @@
 Every server computes which rows its shard holds under the new count, and reads those rows
 (and each per-row optimizer-state tensor) from the old shards with the table's own pull; then
 the table switches to the new partitioning and the server optimizer to the new shard. Training
-goes on exactly as before: only where rows live has changed.
+goes on exactly as before: only where rows live has changed. `to_column_slices` cuts a table
+into column slices the same way (`parallax.engine.tables.columns`): each server of a slice
+reads every row and keeps its slice's columns.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +22,7 @@ from parallax.engine.tables import server_table
 from parallax.engine.tables.server_table import RowPartitioning, ShardedTable
 from parallax.errors import ArgumentError, InternalError
 
-__all__ = ["repartition"]
+__all__ = ["repartition", "to_column_slices"]
 
 
 def repartition(table: ShardedTable, num_partitions: int,
@@ -53,17 +56,58 @@ def repartition(table: ShardedTable, num_partitions: int,
     table.zero_grad()
 
 
-def _read_in_rounds(table: ShardedTable, ids: Tensor, source: Tensor | None = None) -> Tensor:
+def to_column_slices(table: ShardedTable, slices: int, shard_optimizer: ShardOptimizer, *,
+                     first_server: int = 0) -> None:
+    """Hold ``table`` (whole rows, any partitioning) as ``slices`` column slices, slice k on
+    server ``first_server + k`` (collective over all ranks), values and optimizer state kept:
+    each server of a slice reads every row, a round at a time, and keeps its columns."""
+    width = math.prod(table.row_shape)
+    if slices < 2 or width % slices or slices > len(table.worker.server_ranks):
+        raise InternalError(f"'{table.name}': {slices} column slices of rows of {width} "
+                            f"over {len(table.worker.server_ranks)} servers; please report it")
+    worker = table.worker
+    new = RowPartitioning(table.num_rows * slices, slices, worker.server_ranks, first_server)
+    index = worker.server_ranks.index(worker.rank) if worker.is_server else -1
+    mine = [k for k in range(slices) if new.server_of_partition(k) == index]
+    ids = torch.arange(table.num_rows if mine else 0, device=table.device)
+
+    def keep(rows: Tensor) -> Tensor:  # this server's slice of whole rows
+        return rows.reshape(rows.shape[0], slices, width // slices)[:, mine[0] if mine else 0]
+
+    old_shard = table.shard
+    state = shard_optimizer.table_state(table) if old_shard is not None else {}
+    per_row = agree(sorted(key for key, value in state.items() if is_per_row(value, old_shard)),
+                    rank=worker.rank, group=table.group)
+    values = _read_in_rounds(table, ids, keep=keep)
+    moved = {key: _read_in_rounds(table, ids, state.get(key), keep=keep) for key in per_row}
+    table.num_rows, table.row_shape = table.num_rows * slices, (width // slices,)
+    table.column_slices = slices
+    table.partitioning = new
+    table.reservations.reset()
+    table.pooled_reservations.clear()
+    if old_shard is None:
+        return
+    table.set_shard(nn.Parameter(values, requires_grad=old_shard.requires_grad))
+    shard_optimizer.table_repartitioned(table, {
+        key: moved.get(key, value) for key, value in state.items()})
+    table.zero_grad()
+
+
+def _read_in_rounds(table: ShardedTable, ids: Tensor, source: Tensor | None = None, *,
+                    keep: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """``table.read_rows(ids, source)`` (fresh storage), in rounds of at most
     `server_table.SCATTER_ROUND_BYTES` of the whole table, received straight into the
     result: moving a large table onto one owner holds no second copy of it beside the
-    result. Every rank takes as many rounds (counted from the table's size)."""
+    result. Every rank takes as many rounds (counted from the table's size). ``keep``: what
+    of each round's rows is kept (all of them: None)."""
     rounds = max(1, math.ceil(table.num_rows * 8 * math.prod(table.row_shape)
                               / server_table.SCATTER_ROUND_BYTES))
     out: Tensor | None = None
     for k in range(rounds):
         start, stop = ids.numel() * k // rounds, ids.numel() * (k + 1) // rounds
         piece = table.read_rows(ids[start:stop], source)
+        if keep is not None:
+            piece = keep(piece)
         if out is None:
             out = piece.new_empty((ids.numel(), *piece.shape[1:]))
         out[start:stop] = piece

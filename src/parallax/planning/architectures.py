@@ -124,24 +124,41 @@ class Architecture:
         return False, ""
 
     def pools_by_rows(self, table: Table, use: SparseUse, measured: Sparsity, *,
-                      config: Config, worker: WorkerInfo) -> tuple[bool, str]:
-        """For a table `pools_bags` would pool but no server can hold whole: pool it by rows
-        (every server its rows' share, `Config.pooled_by_rows`) where the bytes model
-        predicts that to move fewer bytes than the rows."""
+                      config: Config, worker: WorkerInfo) -> tuple[float | None, str]:
+        """For a table `pools_bags` would pool but no server can hold whole: its predicted
+        bytes per machine and step pooled by rows (every server its rows' share,
+        `Config.pooled_by_rows`) where the bytes model predicts that to move fewer bytes
+        than the rows (else None), and why."""
         predicted = self.pooling_bytes(table, use, measured, config=config, worker=worker,
                                        owners=len(worker.server_ranks))
         if predicted is None:
-            return False, ""
+            return None, ""
         rows, pooled = predicted
-        return pooled < rows, (f"pooled by rows instead, each server its rows' share: "
-                               f"predicted {pooled:,.0f} B vs rows {rows:,.0f} B per step")
+        return pooled if pooled < rows else None, (
+            f"pooled by rows instead, each server its rows' share: predicted {pooled:,.0f} B "
+            f"vs rows {rows:,.0f} B per step")
+
+    def pools_by_columns(self, table: Table, use: SparseUse, measured: Sparsity, *,
+                         config: Config, worker: WorkerInfo,
+                         slices: int) -> tuple[float | None, str]:
+        """As `pools_by_rows`, held as ``slices`` column slices instead, each server of a
+        slice pooling it over every bag (`Config.pooled_by_columns`)."""
+        predicted = self.pooling_bytes(table, use, measured, config=config, worker=worker,
+                                       owners=slices, by_columns=True)
+        if predicted is None or slices < 2:
+            return None, ""
+        rows, pooled = predicted
+        return pooled if pooled < rows else None, (
+            f"pooled by columns instead, {slices} slices on their own servers: predicted "
+            f"{pooled:,.0f} B vs rows {rows:,.0f} B per step")
 
     def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
-                      config: Config, worker: WorkerInfo,
-                      owners: int = 1) -> tuple[float, float] | None:
+                      config: Config, worker: WorkerInfo, owners: int = 1,
+                      by_columns: bool = False) -> tuple[float, float] | None:
         """``(rows, pooled)``: the predicted bytes per machine and step of ``table``'s rows
-        (at their cheapest) and of its bags pooled on an owner; None where the architecture
-        would not pool it (see `pools_bags`)."""
+        (at their cheapest) and of its bags pooled on ``owners`` owners (holding column
+        slices where ``by_columns``); None where the architecture would not pool it (see
+        `pools_bags`)."""
         return None
 
     def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
@@ -257,8 +274,8 @@ class Hybrid(Architecture):
                       f"{rows:,.0f} B, AllReduce {replicated:,.0f} B per step")
 
     def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
-                      config: Config, worker: WorkerInfo,
-                      owners: int = 1) -> tuple[float, float] | None:
+                      config: Config, worker: WorkerInfo, owners: int = 1,
+                      by_columns: bool = False) -> tuple[float, float] | None:
         if (config.pooled_tables is not None or config.sync != "sync" or table.pools
                 or not table.on_servers or use.kind != "embedding_bag"
                 or use.batch_dependent is not None or measured.weights_need_grad
@@ -269,7 +286,7 @@ class Hybrid(Architecture):
         if table.local_aggregation and measured.alpha_machine is not None:
             rows = min(rows, _ps_bytes(table, measured, worker, aggregated=True))
         return rows, cost.pooled_bags(measured.bag_ids, measured.bags, _row_bytes(table),
-                                      _shape(worker), owners=owners)
+                                      _shape(worker), owners=owners, by_columns=by_columns)
 
     def keeps_local_aggregation(self, tables: dict[str, Table], measured: dict[str, Sparsity],
                                 *, config: Config, worker: WorkerInfo) -> tuple[bool, str]:

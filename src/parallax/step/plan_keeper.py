@@ -9,6 +9,7 @@ trains.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from torch import nn
 from parallax.cluster import WorkerInfo
 from parallax.config import Config
 from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, optimizer_of
+from parallax.engine.tables.columns import column_slices
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
 from parallax.errors import PlanComplete
@@ -27,7 +29,7 @@ from parallax.logs import log
 from parallax.model.detect import SparseUse
 from parallax.model.stand_ins import TableLookup
 from parallax.parallelism import Parallelism
-from parallax.partitions.repartition import repartition
+from parallax.partitions.repartition import repartition, to_column_slices
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
 from parallax.planning.architectures import (
     ONE_WORKER,
@@ -278,13 +280,7 @@ class PlanKeeper:
                 too_large = (f"{why}, but held whole on one server it would take "
                              f"{needed[name]:,} B with its gradient and optimizer state, and "
                              f"at most {most_free[name]:,.0f} B are free on any")
-                by_rows, because = self._by_rows(name)
-                if by_rows:  # the rows stay where they are: every server pools its share
-                    held.pools = held.pools_by_rows = True
-                    held.local_aggregation = False
-                    self.decisions[name] = f"{too_large}: {because}"
-                else:
-                    self.decisions[name] = f"{too_large}: its rows stay partitioned"
+                self._pool_spread(name, too_large, needed[name], room, load)
                 continue
             owner = owners[name]
             repartition(held, 1, self.shard_optimizer, first_server=owner)
@@ -293,14 +289,50 @@ class PlanKeeper:
                 partitions=1, servers=(servers[owner],))
             self.decisions[name] = f"{why}; owner rank {servers[owner]}"
 
-    def _by_rows(self, name: str) -> tuple[bool, str]:
-        """Whether to pool ``name`` by rows (`Architecture.pools_by_rows`): not a layer whose
-        ``mode`` is ``"max"`` (the shares are sums)."""
+    def _pool_spread(self, name: str, too_large: str, needed: int, room: dict[int, float],
+                     load: list[int]) -> None:
+        """Pool ``name``, too large for one server, spread over several where that saves
+        bytes: by rows (the rows stay where they are, every server pools its share) or as
+        column slices (each slice moved onto its own server, which must have room for its
+        share of ``needed``), whichever the bytes model predicts cheaper; else its rows stay
+        partitioned. Takes the slices' room from ``room`` and adds their bytes to ``load``."""
+        held = self.layout.sparse[name].held
+        assert held is not None
+        servers = self.worker.server_ranks
+        by_rows, rows_why = self._by_rows(name)
+        slices = column_slices(math.prod(held.row_shape), len(servers))
+        first = min(range(len(servers)), key=lambda s: (load[s], s))
+        on = [(first + k) % len(servers) for k in range(slices)]
+        by_columns, columns_why = (
+            self.architecture.pools_by_columns(held, self.sparse_uses[name],
+                                               self.sparsity[name], config=self.config,
+                                               worker=self.worker, slices=slices)
+            if all(needed / slices <= room[s] for s in on) else (None, ""))
+        if by_columns is not None and (by_rows is None or by_columns < by_rows):
+            to_column_slices(held, slices, self.shard_optimizer, first_server=first)
+            held.pools, held.local_aggregation = True, False
+            for s in on:
+                room[s] -= needed / slices
+                load[s] += self.params[name].nbytes // slices
+            self.layout.placements[name] = self.layout.placement(name)._replace(
+                partitions=slices, servers=tuple(servers[s] for s in on))
+            self.decisions[name] = f"{too_large}: {columns_why}"
+        elif by_rows is not None:
+            held.pools = held.pools_by_rows = True
+            held.local_aggregation = False
+            self.decisions[name] = f"{too_large}: {rows_why}"
+        else:
+            self.decisions[name] = f"{too_large}: its rows stay partitioned"
+
+    def _by_rows(self, name: str) -> tuple[float | None, str]:
+        """``name``'s predicted bytes pooled by rows where that saves bytes
+        (`Architecture.pools_by_rows`; else None): not a layer whose ``mode`` is ``"max"``
+        (the shares are sums)."""
         use = self.sparse_uses[name]
         layer = (self.model.get_submodule(use.module_path) if use.module_path is not None
                  else None)
         if getattr(layer, "mode", None) not in ("sum", "mean"):
-            return False, ""
+            return None, ""
         return self.architecture.pools_by_rows(self.layout.sparse[name], use,
                                                self.sparsity[name], config=self.config,
                                                worker=self.worker)
