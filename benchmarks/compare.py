@@ -102,14 +102,16 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # Config(pooled_tables=()), every table's rows pulled (by default the hybrid decides);
 # "hybrid-tablewise": every EmbeddingBag table pooled on an owner (TorchRec's table-wise);
 # "hybrid-byrows": the long bags pooled by rows (Config.pooled_by_rows: every server its rows'
-# share, TorchRec's row-wise), the other bag tables table-wise. Variants combine with "+"
+# share, TorchRec's row-wise), the other bag tables table-wise; "hybrid-bycolumns": the long
+# bags as column slices (Config.pooled_by_columns, TorchRec's column-wise), the other bag tables
+# table-wise; "torchrec-cw": TorchRec column-wise on every table. Variants combine with "+"
 # ("hybrid-aggregated+pooled": local aggregation for the rows, the long bags pooled).
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
                "hybrid-aggregated",
                "optps-direct", "hybrid-late", "ps-late", "torchrec-rw", "torchrec-tw",
                "torchrec-plan", "plain", "hybrid-plump", "hybrid-qsgd", "hybrid-slim",
                "hybrid-flat", "hybrid-eager", "hybrid-pooled", "hybrid-rows",
-               "hybrid-tablewise", "hybrid-byrows",
+               "hybrid-tablewise", "hybrid-byrows", "hybrid-bycolumns", "torchrec-cw",
                # seed 001's cumulative ablation (issue 38 item 6): variants joined by "+"
                "ps-direct+rows", "hybrid-direct+rows", "hybrid-aggregated+rows",
                "hybrid-aggregated+pooled"]

@@ -230,7 +230,8 @@ def phases_per_rank(runner: Any, world: int) -> dict[str, list[float]]:
 
 
 #: the flags a parallax system's variant may join with "+" (make_step's docstring)
-VARIANT_FLAGS = {"sparse", "lazy", "late", "eager", "pooled", "tablewise", "byrows", "rows",
+VARIANT_FLAGS = {"sparse", "lazy", "late", "eager", "pooled", "tablewise", "byrows",
+                 "bycolumns", "rows",
                  *DENSE_SYNCS, *LOCAL_AGGREGATION}
 
 
@@ -247,7 +248,7 @@ def parallax_config(architecture: str, flags: set[str], workload: Workload,
         pooled: tuple[str, ...] | None = workload.long_bags
     elif "tablewise" in flags:
         pooled = workload.bag_tables
-    elif "byrows" in flags:
+    elif "byrows" in flags or "bycolumns" in flags:
         pooled = tuple(n for n in workload.bag_tables if n not in workload.long_bags)
     elif "rows" in flags:
         pooled = ()
@@ -257,6 +258,8 @@ def parallax_config(architecture: str, flags: set[str], workload: Workload,
                            local_aggregation=aggregation[0] if aggregation else None,
                            overlap_push="late" not in flags, pooled_tables=pooled,
                            pooled_by_rows=workload.long_bags if "byrows" in flags else (),
+                           pooled_by_columns=(workload.long_bags if "bycolumns" in flags
+                                              else ()),
                            dense_sync=syncs[0] if syncs else "hierarchical",
                            sparsity_warmup_steps=alpha_steps)
 

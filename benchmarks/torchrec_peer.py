@@ -34,7 +34,7 @@ from recsys import RecConfig, RecModel, mlp, rec_loss  # noqa: E402
 
 # system -> the sharding type forced on every table; None: TorchRec's planner picks per table
 SHARDINGS: dict[str, str | None] = {"torchrec-rw": "row_wise", "torchrec-tw": "table_wise",
-                                    "torchrec-plan": None}
+                                    "torchrec-cw": "column_wise", "torchrec-plan": None}
 FEATURES = ("user", "item", "genre")
 OPTIMIZERS = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 
