@@ -47,6 +47,10 @@ torchrec-tw torchrec-plan --steps 20 --isolate \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-tablewise hybrid-byrows torchrec-plan --steps 30 --isolate \
 --out $results/compare-recsys-history32-2x2-1gbit-byrows.json"
+  [recsys-history-bycolumns]="$py benchmarks/compare.py --workload recsys --machines 2 \
+--nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
+--systems hybrid hybrid-tablewise hybrid-byrows hybrid-bycolumns torchrec-cw torchrec-plan \
+--steps 30 --isolate --out $results/compare-recsys-history32-2x2-1gbit-bycolumns.json"
   [recsys-riders-100]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --systems hybrid hybrid-tablewise \
 torchrec-tw torchrec-plan --steps 100 --isolate \

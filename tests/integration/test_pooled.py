@@ -92,6 +92,9 @@ def test_a_table_pooled_by_columns_is_sliced_over_the_servers_as_the_plan_says(r
             "(Config.pooled_by_columns)") in " ".join(plan["history.weight"])
     assert "PS: 2 partition(s) on server rank(s) 0,2" in plan["history.weight"]
     assert "bags pooled on owner rank" in " ".join(plan["user.weight"])
+    # α: the program's rows its bags read (the same batches as the case pooled whole)
+    assert plan["history.weight"][4] == _plan_rows(trained[cases.RESUMED]["plan"])[
+        "history.weight"][4]
     moved = trained["by-columns-sum-weights-momentum-clip"]["bytes"]["history.weight"]
     assert moved["inter_sent"] > 0 and moved["inter_received"] > 0
 

@@ -680,9 +680,9 @@ def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:
                 if call.table is table]
         if mine:
             table.has_gradient = table.has_gradient or any(o.grad is not None for _, o in mine)
-            if table.measuring:
-                table.rows_used.append(sum(int(torch.unique(c.ids).numel())
-                                           for c, _ in mine))
+            if table.measuring:  # (the rows of its slices, for a table held as such)
+                table.rows_used.append(table.column_slices * sum(
+                    int(torch.unique(c.ids).numel()) for c, _ in mine))
     return list(records.values())  # dicts keep insertion order: the same on all ranks
 
 
