@@ -466,7 +466,7 @@ class ShardedTable:
         self._received.clear()
         if len(self.parts) > 1:  # group the rows by partition: one slice each
             rows, order = torch.sort(rows, stable=True)
-            values = values[order]
+            values = values.index_select(0, order)  # (rows: faster than values[order])
             starts = torch.tensor([start for start, _ in self.blocks]
                                   + [self.server_shard().shape[0]],
                                   dtype=rows.dtype, device=rows.device)
@@ -643,7 +643,7 @@ def _pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
                   for name, piece in pieces.items()}
         merged_rows, direct, lookups = _pull_direct(tables, [m for m, _ in merged.values()],
                                                     [None] * len(tables), lookup=True)
-        rows = to_leader.backward_many({name: merged_rows[name][inverse]
+        rows = to_leader.backward_many({name: merged_rows[name].index_select(0, inverse)
                                         for name, (_, inverse) in merged.items()})
         for name, (ids_merged, inverse) in merged.items():
             lookups[name].merged_inverse = inverse
