@@ -278,7 +278,9 @@ class Config:
             measured ids and bags per step (`Hybrid.pools_bags`: pooling must move fewer bytes
             than the rows, which move at least ``MIN_POOLED_ROWS_BYTES`` per machine and step,
             and the whole table with its gradient and optimizer state fits in what its owner
-            may still allocate);
+            may still allocate; a table that fits no server whole is pooled by rows or cut
+            into column slices, whichever the bytes model predicts cheaper, where that moves
+            fewer bytes than its rows);
             ``()``: never. Not for tables with ``max_norm`` or ``scale_grad_by_freq``,
             per-sample weights that require a gradient, ``architecture="allreduce"`` or an
             asynchronous ``sync``; a pooled table is never re-partitioned nor moved to
