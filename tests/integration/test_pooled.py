@@ -83,6 +83,15 @@ def test_a_table_pooled_by_rows_stays_partitioned_over_the_servers_as_the_plan_s
     assert moved["inter_sent"] > 0 and moved["inter_received"] > 0
 
 
+def test_an_own_loop_trains_column_slices_to_the_single_device_parameters(runs) -> None:
+    """`parallax.distribute` on 2 x 2, both bag tables as 2 column slices, every worker's
+    slice of a step in two backwards: the single-device parameters."""
+    trained, _ = runs
+    case = next(c for c in cases.CASES if c.name == cases.RESUMED_BY_COLUMNS)
+    state = trained[f"own loop: {case.name}"]["state"]
+    assert _max_error(state, cases.single_device(case)) <= 1e-9
+
+
 def test_a_table_pooled_by_columns_is_sliced_over_the_servers_as_the_plan_says(runs) -> None:
     """Width 6 over 2 servers: 2 slices of 3 columns, one on each; its bags' ids go to both,
     its pooled rows come back as two halves (the bytes each way counted)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from pooled_cases import (  # noqa: E402
     CASES,
     RESUMED,
@@ -68,8 +69,26 @@ def train(out: Path) -> None:
             results[case.name] = {
                 "state": {k: v.detach().clone() for k, v in state.items()},
                 "plan": runner.plan.table(), "bytes": moved}
+    own_loop = own_loop_state(next(c for c in CASES if c.name == RESUMED_BY_COLUMNS))
     if worker.rank == 0:
+        results[f"own loop: {RESUMED_BY_COLUMNS}"] = {"state": own_loop}
         torch.save(results, out / "train.pt")
+
+
+def own_loop_state(case) -> dict:
+    """``case`` trained through `parallax.distribute`, each worker's slice of a step in two
+    halves, each pooled and backpropagated on its own (the owners sum both halves'
+    gradients before the optimizer's step): the exported state (rank 0's)."""
+    model, optimizer = build(case)
+    model, optimizer = parallax.distribute(model, optimizer, config=config(case))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for batch in batches(case):
+        optimizer.zero_grad()
+        for half in range(2):
+            args, targets = worker_slice(case, batch, 2 * rank + half, 2 * world)
+            (loss_fn(model(*args), targets) / 2).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def main() -> None:
