@@ -14,6 +14,9 @@ output, and the next check runs; ``--deadline-s`` caps them all, for a lease of 
   more; with one GPU, two workers share it (``PARALLAX_SHARED_GPU=1``: process groups on gloo,
   since NCCL refuses two ranks on one GPU), which checks the multi-rank CUDA paths but not
   NCCL's own collectives;
+* ``pooled-cuda-2x2``: ``tests/integration/test_pooled.py`` with CUDA visible: bags pooled on
+  their owners (whole, by rows, as column slices) by 2 emulated machines x 2 workers sharing
+  the GPU (gloo), against the single-device CPU reference;
 * ``lm-cuda-1x1``: the benchmark LM, one worker on CUDA, `plain` PyTorch against parallax
   (`hybrid`) and DDP (`ddp-dense`: dense gradients: NCCL cannot AllReduce sparse ones): step times
   and peak memory (``benchmarks/compare.py``);
@@ -104,6 +107,12 @@ def checks(out: Path, gpus: int) -> list[Check]:
               [py, "-m", "parallax.cli", "run", "--machines", "1", "--nproc-per-machine",
                str(max(gpus, 2)), worker, str(out / "equivalence-cuda-1xN.pt"), "sample:3"],
               420, env={} if gpus >= 2 else {"PARALLAX_SHARED_GPU": "1"}),
+        # owner-side pooling on CUDA (every placement: whole, by rows, column slices) on 2
+        # emulated machines x 2 workers sharing the GPU, against the CPU reference
+        Check("pooled-cuda-2x2",
+              [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               str(ROOT / "tests" / "integration" / "test_pooled.py")], 300,
+              env={"PARALLAX_SHARED_GPU": "1"}),
         Check("lm-cuda-1x1",
               [py, str(ROOT / "benchmarks" / "compare.py"), "--workload", "lm", "--machines",
                "1", "--nproc-per-machine", "1", "--rate", "none",

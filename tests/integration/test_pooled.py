@@ -47,8 +47,8 @@ def runs(tmp_path_factory) -> tuple[dict, Path]:
 
 
 def _max_error(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
-    assert got.keys() == want.keys()
-    return max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert got.keys() == want.keys()  # (the reference is on the CPU; a run may be on CUDA)
+    return max(float((got[k].cpu() - want[k].cpu()).abs().max()) for k in want)
 
 
 @pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.name)

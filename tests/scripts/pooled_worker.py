@@ -67,7 +67,7 @@ def train(out: Path) -> None:
         state = runner.state_dict()
         if worker.rank == 0:
             results[case.name] = {
-                "state": {k: v.detach().clone() for k, v in state.items()},
+                "state": {k: v.detach().cpu().clone() for k, v in state.items()},
                 "plan": runner.plan.table(), "bytes": moved}
     own_loop = own_loop_state(next(c for c in CASES if c.name == RESUMED_BY_COLUMNS))
     if worker.rank == 0:
@@ -88,7 +88,7 @@ def own_loop_state(case) -> dict:
             args, targets = worker_slice(case, batch, 2 * rank + half, 2 * world)
             (loss_fn(model(*args), targets) / 2).backward()
         optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def main() -> None:

@@ -33,7 +33,8 @@ def test_without_cuda_it_says_so_and_exits_2(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "gpu-check.json").read_text())
     assert record["environment"]["cuda_available"] is False and record["checks"] == {}
     assert [c["name"] for c in record["plan"]] == [
-        "pytest-gpu", "equivalence-cuda-1x1", "equivalence-cuda-1xN", "lm-cuda-1x1",
+        "pytest-gpu", "equivalence-cuda-1x1", "equivalence-cuda-1xN", "pooled-cuda-2x2",
+        "lm-cuda-1x1",
         "profile-lm-cuda-1x1", "local-aggregation-cpu-2x4", "partitions-cpu-4x1"]
 
 
