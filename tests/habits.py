@@ -53,6 +53,19 @@ class SometimesNet(Net):
         return self.head(self.init_hidden(ids.shape[0]) + ids.shape[1])
 
 
+class ModeNet(Net):
+    """`Net` whose forward branches on the mode: eval reads three ids of each sample (the
+    look-ahead's ids differ by mode), and a number the loop sets scales the output.
+    Traceable (no ``init_hidden``): its lookups are pulled ahead."""
+
+    scale = 1.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            ids = ids[:, :3]
+        return self.head(self.drop(self.embedding(ids).mean(dim=1))) * self.scale
+
+
 def dataset(size: int = 48) -> torch.utils.data.TensorDataset:
     generator = torch.Generator().manual_seed(11)
     return torch.utils.data.TensorDataset(torch.randint(40, (size, 5), generator=generator),
@@ -205,6 +218,21 @@ def _hooks_after(run: Run) -> None:
     _canonical(run)
 
 
+def _eval_between(run: Run) -> None:
+    """An eval forward before every step (its output shifts the step's target, so it must be
+    the eval branch's), and a module attribute the loop changes between steps."""
+    inner = getattr(run.model, "module", run.model)  # one device: the model itself
+    for step, (ids, y) in enumerate(run.batches):
+        inner.scale = 1.0 + step / 4
+        run.model.eval()
+        with torch.no_grad():
+            shift = run.model(ids).mean()
+        run.model.train()
+        run.optimizer.zero_grad()
+        mse(run.model(ids) + shift, y).backward()
+        run.optimizer.step()
+
+
 def _device_of_parameters(run: Run) -> None:
     device = next(run.model.parameters()).device  # where inputs go, as DDP programs ask
     for ids, y in run.batches:
@@ -240,6 +268,12 @@ HABITS: list[Habit] = [
           "dropout's `p`), on `model.module` after `distribute`", "works",
           "the program's own modules run (the embedding layers' parents are copies kept in "
           "step with yours at every forward)", _hooks_after, dropout=0.5, launched=True),
+    Habit("eval_between", "`model.eval()` forwards between steps of a `forward` that "
+          "branches on `self.training`, and a module attribute the loop changes between "
+          "steps (`model.module.scale = ...`)", "works",
+          "each trace parallax takes of your forward (the id look-ahead; the rewrite of "
+          "hand-written gathers) is used only while the flags and numbers it read hold: "
+          "another is taken when they change", _eval_between, net=ModeNet),
     Habit("init_hidden", "`next(model.parameters())` for a hidden state "
           "(`weight.new_zeros(...)`) or for the device", "works",
           "a server-held parameter answers shape, dtype and `new_zeros`/`zeros_like`; "

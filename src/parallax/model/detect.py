@@ -40,9 +40,10 @@ from torch import nn
 from parallax.checks import is_int
 from parallax.engine.tables.lookup_options import BatchDependent
 from parallax.errors import InternalError, UnsupportedProgramError
+from parallax.model.trace_reads import Reads, recording
 
 __all__ = ["BatchDependent", "SparseUse", "batch_dependent_reads", "find_sparse_parameters",
-           "rewrite_gathers", "tracing_once"]
+           "rewrite_gathers", "trace_gathers", "tracing_once"]
 
 logger = logging.getLogger("parallax")
 
@@ -237,6 +238,23 @@ def rewrite_gathers(
     uses: dict[str, SparseUse],
     make_gather: Callable[[str], nn.Module],
 ) -> nn.Module:
+    """`trace_gathers`' module alone."""
+    return trace_gathers(model, uses, make_gather)[0]
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, with parallax's lookup stand-ins (``_parallax_leaf``) as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return (getattr(m, "_parallax_leaf", False)
+                or super().is_leaf_module(m, module_qualified_name))
+
+
+def trace_gathers(
+    model: nn.Module,
+    uses: dict[str, SparseUse],
+    make_gather: Callable[[str], nn.Module],
+) -> tuple[nn.Module, Reads]:
     """Redirect every hand-written row gather on a ``"gather"``-kind parameter to a module.
 
     Module-level embeddings can be swapped by replacing the module, but a gather written in
@@ -250,7 +268,10 @@ def rewrite_gathers(
     Returns ``model`` itself if no use has kind ``"gather"``.  Otherwise returns a new
     ``fx.GraphModule`` that shares (does not copy) every other submodule, parameter and buffer
     with ``model`` and no longer references the sparse parameters, so they can be moved to
-    parameter servers without the dense replicas holding them.
+    parameter servers without the dense replicas holding them; and what the trace read of the
+    modules' Python state (`parallax.model.trace_reads`: the module is what ``model``
+    computes only while those values hold). A ``forward`` that writes a module's attribute is
+    refused: the traced copy would not repeat the write.
 
     Raises ``ValueError`` if a ``"gather"`` parameter is not a parameter of ``model`` or is
     used other than as a row gather (``uses`` is stale), and re-raises the trace error if
@@ -266,9 +287,19 @@ def rewrite_gathers(
             raise UnsupportedProgramError(
                 f"{name!r} is not a parameter of {type(model).__name__}") from exc
     if not gather_params:
-        return model
+        return model, Reads()
 
-    gm = fx.symbolic_trace(model)
+    tracer = _Tracer()
+    with recording(model, lambda m, path: not tracer.is_leaf_module(m, path)) as reads:
+        graph = tracer.trace(model)
+    if reads.writes:
+        module, attribute = reads.writes[0]
+        raise UnsupportedProgramError(
+            f"{type(module).__name__}.forward sets self.{attribute}: parallax runs a model "
+            f"with hand-written row gathers ({sorted(gather_params)}) through a traced copy "
+            f"of its forward, which cannot repeat a Python side effect; move the write out "
+            f"of forward, or read the table through an nn.Embedding")
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     by_id = {id(p): name for name, p in gather_params.items()}
     _refuse_module_reads(model, gm.graph, by_id)
     added: dict[str, str] = {}  # submodule name -> parameter name
@@ -287,7 +318,7 @@ def rewrite_gathers(
 
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return gm, reads
 
 
 def _refuse_module_reads(model: nn.Module, graph: fx.Graph, by_id: dict[int, str]) -> None:

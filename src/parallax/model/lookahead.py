@@ -23,8 +23,9 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from parallax.model.stand_ins import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
+from parallax.model.trace_reads import Reads, recording
 
-__all__ = ["IdProgram", "LookAhead", "build_id_program"]
+__all__ = ["IdProgram", "LookAhead", "build_id_program", "traced_id_program"]
 
 logger = logging.getLogger("parallax")
 
@@ -81,11 +82,26 @@ class _StandInsAsLeaves(fx.Tracer):
 def build_id_program(model: nn.Module) -> IdProgram | None:
     """The ids program of ``model`` (the executed model, with lookup stand-ins), or None when
     some lookup's ids cannot be computed from the inputs alone."""
-    try:
-        graph = _StandInsAsLeaves().trace(model)
-    except Exception as error:  # data-dependent control flow and the like
-        logger.debug("parallax: no id look-ahead, tracing failed: %s", error)
-        return None
+    return traced_id_program(model)[0]
+
+
+def traced_id_program(model: nn.Module) -> tuple[IdProgram | None, Reads]:
+    """`build_id_program`, and what its trace read of the modules' Python state: the program
+    (or its absence) holds only while those values do (`parallax.model.trace_reads`; a
+    ``forward`` that picks its ids under ``if self.training:`` has one program per mode)."""
+    tracer = _StandInsAsLeaves()
+    with recording(model, lambda m, path: not tracer.is_leaf_module(m, path)) as reads:
+        try:
+            graph = tracer.trace(model)
+        except Exception as error:  # data-dependent control flow and the like
+            logger.debug("parallax: no id look-ahead, tracing failed: %s", error)
+            return None, reads
+    return _program(model, graph), reads
+
+
+def _program(model: nn.Module, graph: fx.Graph) -> IdProgram | None:
+    """The ids program of ``model``'s traced ``graph``; None where some lookup's ids are
+    computed otherwise than from the inputs."""
     calls = [node for node in graph.nodes if node.op == "call_module"
              and isinstance(model.get_submodule(node.target), _STAND_INS)]
     if not calls:

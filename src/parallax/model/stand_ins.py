@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from parallax.engine.tables.table import Table
 from parallax.errors import ArgumentTypeError, InternalError
-from parallax.model.detect import SparseUse, rewrite_gathers
+from parallax.model.detect import SparseUse, trace_gathers
+from parallax.model.trace_reads import Reads, TraceCache
 
 
 def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
@@ -43,7 +44,6 @@ def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
             f"its parameters and buffers), but copying it failed: {error}. Keep "
             f"uncopyable objects (files, locks, sockets) out of the model's attributes."
         ) from error
-    executed = rewrite_gathers(executed, sparse_uses, lambda name: ShardedGather(table_of(name)))
     for name, use in sparse_uses.items():
         if use.kind == "gather":
             continue
@@ -60,7 +60,40 @@ def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
                                 f"at {path!r}, not by an embedding layer")
         parent_path, _, child = str(path).rpartition(".")
         executed.get_submodule(parent_path).register_module(child, stand_in)
-    return executed
+    if not any(use.kind == "gather" for use in sparse_uses.values()):
+        return executed
+
+    def trace(source: nn.Module) -> tuple[nn.Module, Reads]:
+        return trace_gathers(source, sparse_uses, lambda name: ShardedGather(table_of(name)))
+    if not share_modules:  # (model parallelism rewrites the traced module's layers in place)
+        return trace(executed)[0]
+    return RetracedRoot(executed, trace)
+
+
+class RetracedRoot(nn.Module):
+    """The root that runs a model whose hand-written gathers fx rewrote
+    (`parallax.model.detect.trace_gathers`): the rewritten trace of ``source`` (the executed
+    copy, which `mirror` keeps in step with the user's module tree) whose Python reads still
+    hold, traced again when none does (`parallax.model.trace_reads`: a trace taken in training
+    mode computes its training branches, whatever the mode later)."""
+
+    source: nn.Module
+
+    def __init__(self, source: nn.Module,
+                 trace: Callable[[nn.Module], tuple[nn.Module, Reads]]) -> None:
+        super().__init__()
+        object.__setattr__(self, "source", source)  # (not a child: its tensors are the traces')
+        self._traces = TraceCache(lambda: trace(source),
+                                  what=f"{type(source).__name__}.forward (hand-written gathers)")
+        first, reads = trace(source)
+        self._traces.seed(first, reads)
+        self.traced = first
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        traced = self._traces.get()
+        if self._modules["traced"] is not traced:  # (the same parameters: only the code differs)
+            self._modules["traced"] = traced
+        return traced(*args, **kwargs)
 
 
 def _ancestors(path: str) -> list[str]:
@@ -83,6 +116,8 @@ def mirror(model: nn.Module, executed: nn.Module, *,
     pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     if not shared_modules:
         return lambda: None
+    if isinstance(executed, RetracedRoot):  # its traces run the source's modules
+        executed = executed.source
     for path, mine in model.named_modules():
         try:
             theirs = executed.get_submodule(path)
@@ -115,6 +150,8 @@ class TableLookup(nn.Module):
     """A stand-in layer: its rows come from ``table`` (`parallax.engine.tables.table.Table`)."""
 
     table: Table
+    #: traced as one call (`parallax.model.detect.trace_gathers`, the id look-ahead)
+    _parallax_leaf = True
 
 
 def table_read_by(module: nn.Module) -> Table:

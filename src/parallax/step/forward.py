@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,8 +22,9 @@ from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.tables import pooled
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
-from parallax.model.lookahead import build_id_program
+from parallax.model.lookahead import IdProgram, traced_id_program
 from parallax.model.stand_ins import ShardedEmbeddingBag, table_read_by
+from parallax.model.trace_reads import TraceCache
 from parallax.step.sync_modes import SyncMode
 
 __all__ = ["Forward", "evaluating", "mean_loss", "numel", "shapes", "to_device"]
@@ -39,12 +41,20 @@ class Forward:
         self.module = module
         self.sync_mode = sync_mode
         self.phases = phases
-        # All lookups' ids from the inputs, when the model allows: one pull for all tables.
-        self.id_program = build_id_program(executed) if layout.sparse else None
+        # All lookups' ids from the inputs, when the model allows: one pull for all tables
+        # (one program per state of the Python values its trace read, e.g. the mode)
+        self._id_programs = (TraceCache(partial(traced_id_program, executed),
+                                        what="the id look-ahead")
+                             if layout.sparse else None)
         # ps/optps: dense parameters too come from the servers, whole, each step
         self.whole_pulls = {name: (table, torch.arange(table.num_rows, device=device),
                                    params[name].shape)
                             for name, table in layout.pulled_whole.items()}
+
+    @property
+    def id_program(self) -> IdProgram | None:
+        """The id program for the modules' state now (None: lookups pull one by one)."""
+        return self._id_programs.get() if self._id_programs is not None else None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with self._pulled_ahead(args, kwargs), self.phases.phase("forward"):
@@ -59,9 +69,10 @@ class Forward:
         """Pull the rows this forward will read; inside, lookups read them."""
         wanted: dict[str, tuple[Table, list[Tensor]]] = {}
         bags: list[pooled.BagCall] = []
-        if self.id_program is not None:
+        program = self.id_program
+        if program is not None:
             with self.phases.phase("id look-ahead"):
-                for path, ids, bag_args in self.id_program(*args, **kwargs):
+                for path, ids, bag_args in program(*args, **kwargs):
                     layer = self.executed.get_submodule(path)
                     table = table_read_by(layer)
                     held = table.held

@@ -1,0 +1,168 @@
+"""What a ``torch.fx`` trace read of the modules' Python state, so a trace is used only while
+that state holds.
+
+A trace runs ``forward``'s Python once and keeps only the tensor operations: every branch on a
+flag (``if self.training:``), every number read off a module (``self.scale``) is fixed at its
+value then. A module tree traced in training mode and run in eval mode would silently compute
+the training branch. `recording` watches a trace: every plain value (bool, int, float, str,
+None) any traced module's attribute gave, and every attribute the trace wrote (undone after
+it: tracing must not change the program's modules). `Reads.hold` then says whether the
+modules still give those values; `TraceCache` keeps one trace per state seen and makes a new
+one when none holds (`parallax.model.stand_ins.RetracedRoot`, the id look-ahead of
+`parallax.step.forward`).
+
+Written here because ``torch.fx`` has no record of the Python values a trace read (its
+``Tracer.getattr`` hook sees parameters, buffers and submodules only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from torch import nn
+
+__all__ = ["Reads", "TraceCache", "note", "recording"]
+
+logger = logging.getLogger("parallax")
+
+_PLAIN = (bool, int, float, str, type(None))
+_MISSING = object()
+_active: list[Reads] = []  # the recordings under way (innermost last)
+_subclasses: dict[type, type] = {}
+
+
+@dataclass
+class Reads:
+    """The plain values a trace read off modules (first value per module and attribute), and
+    the attributes it wrote (``(module, name)``, in order)."""
+
+    entries: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict)
+    writes: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    def hold(self) -> bool:
+        """Whether every module still gives the value the trace read."""
+        return all(_same(_attribute(module, name), value)
+                   for module, name, value in self.entries.values())
+
+    def add(self, module: nn.Module, name: str, value: Any) -> None:
+        self.entries.setdefault((id(module), name), (module, name, value))
+
+    def describe(self) -> str:
+        return ", ".join(f"{type(m).__name__}.{n}={v!r}" for m, n, v in self.entries.values()
+                         if not n.startswith("_"))
+
+
+def _attribute(module: nn.Module, name: str) -> Any:
+    try:
+        return object.__getattribute__(module, name)
+    except AttributeError:
+        return _MISSING
+
+
+def _same(now: Any, then: Any) -> bool:
+    if type(now) is not type(then):
+        return False
+    if isinstance(then, float) and math.isnan(then):
+        return math.isnan(now)
+    return bool(now == then)
+
+
+def note(reads: Reads) -> None:
+    """Count ``reads`` as read by the recordings under way (a module that chooses among traces
+    by them, while itself traced)."""
+    for active in _active:
+        for module, name, value in reads.entries.values():
+            active.add(module, name, value)
+
+
+def _recording_class(cls: type) -> type:
+    """``cls`` with attribute reads and writes reported to the recordings under way; the same
+    module and name, so that fx's rule for leaf modules (by ``__module__``) sees ``cls``."""
+    base: Any = cls  # (its own __getattribute__ and __setattr__, whatever they are)
+    if cls not in _subclasses:
+        def __getattribute__(self: nn.Module, name: str) -> Any:
+            value = base.__getattribute__(self, name)
+            if _active and isinstance(value, _PLAIN) and not name.startswith("__"):
+                for active in _active:
+                    active.add(self, name, value)
+            return value
+
+        def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+            for active in _active:
+                active.writes.append((self, name))
+            base.__setattr__(self, name, value)
+
+        _subclasses[cls] = type(cls.__name__, (cls,), {
+            "__getattribute__": __getattribute__, "__setattr__": __setattr__,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _subclasses[cls]
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module, traced_into: Callable[[nn.Module, str], bool]) -> Iterator[Reads]:
+    """Record what a trace of ``model`` inside this block reads and writes on the modules it
+    runs the Python of (``traced_into(module, qualified name)``: the tracer's non-leaves).
+    What it wrote is set back afterwards."""
+    reads = Reads()
+    swapped = [(module, type(module)) for path, module in model.named_modules()
+               if traced_into(module, path)]
+    before: dict[tuple[int, str], tuple[nn.Module, str, Any]] = {}
+    for module, cls in swapped:
+        object.__setattr__(module, "__class__", _recording_class(cls))
+        before.update({(id(module), k): (module, k, v) for k, v in module.__dict__.items()})
+    _active.append(reads)
+    try:
+        yield reads
+    finally:
+        _active.remove(reads)
+        for module, cls in swapped:
+            object.__setattr__(module, "__class__", cls)
+        for module, name in reads.writes:  # the trace's writes undone
+            old = before.get((id(module), name))
+            if old is not None:
+                object.__setattr__(module, name, old[2])
+            elif name in module.__dict__:
+                del module.__dict__[name]
+
+
+T = TypeVar("T")
+
+
+class TraceCache(Generic[T]):
+    """Traces (``make()``: the thing made and what its trace read) kept per state of the
+    modules: `get` returns one whose reads hold, making a new one when none does (at most
+    ``size`` kept, the least recently used dropped)."""
+
+    def __init__(self, make: Callable[[], tuple[T, Reads]], *, what: str, size: int = 8):
+        self.make = make
+        self.what = what
+        self.size = size
+        self.entries: list[tuple[Reads, T]] = []
+        self.made = 0
+
+    def get(self) -> T:
+        for i, (reads, made) in enumerate(self.entries):
+            if reads.hold():
+                if i:
+                    self.entries.insert(0, self.entries.pop(i))
+                note(reads)
+                return made
+        made, reads = self.make()
+        self.made += 1
+        if self.made > 1:
+            logger.info("parallax: %s traced again (trace %d): the Python values it read "
+                        "changed (%s)", self.what, self.made, reads.describe() or "-")
+        self.entries.insert(0, (reads, made))
+        del self.entries[self.size:]
+        note(reads)
+        return made
+
+    def seed(self, made: T, reads: Reads) -> None:
+        """Keep an already made trace."""
+        self.entries.insert(0, (reads, made))
+        self.made += 1

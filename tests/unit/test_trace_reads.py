@@ -1,0 +1,148 @@
+"""A trace is used only while the Python values it read hold (`parallax.model.trace_reads`).
+
+fx fixes every flag and number ``forward`` reads off a module at its value during the trace:
+a model with hand-written gathers (run through its fx rewrite) traced in training mode would
+compute its training branch in eval mode, silently; a look-ahead traced in training mode
+would pull the training branch's ids in eval mode and fail. Here: what a trace reads and
+writes, one trace per state, and both paths in one process against the plain program, through
+``train()``/``eval()`` and an attribute the loop changes between steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+import parallax
+from parallax.errors import UnsupportedProgramError
+from parallax.model.trace_reads import TraceCache, recording
+
+
+class Branchy(nn.Module):
+    """A hand-written gather, a branch on the mode and a number read off the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(40, 4, dtype=torch.float64))
+        self.out = nn.Linear(4, 3).double()
+        self.scale = 1.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pooled = F.embedding(ids, self.weight).mean(dim=1)
+        if self.training:
+            pooled = pooled * 2.0
+        return self.out(pooled * self.scale)
+
+
+class PicksIds(nn.Module):
+    """An nn.Embedding whose ids depend on the mode: the look-ahead's program does too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(40, 4).double()
+        self.out = nn.Linear(4, 3).double()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            ids = ids[:, :2]
+        return self.out(self.embedding(ids).mean(dim=1))
+
+
+class Counts(Branchy):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(ids)
+
+
+def _trace(model: nn.Module) -> tuple[fx.Graph, object]:
+    tracer = fx.Tracer()
+    with recording(model, lambda m, path: not tracer.is_leaf_module(m, path)) as reads:
+        graph = tracer.trace(model)
+    return graph, reads
+
+
+def test_a_trace_holds_while_the_values_it_read_do() -> None:
+    model = Branchy()
+    _, reads = _trace(model)
+    assert reads.hold()
+    model.eval()
+    assert not reads.hold()
+    model.train()
+    assert reads.hold()
+    model.scale = 0.5
+    assert not reads.hold()
+    model.scale = 1  # an int is not the float read
+    assert not reads.hold()
+
+
+def test_what_a_trace_writes_is_recorded_and_undone() -> None:
+    model = Counts()
+    model.calls = 7
+    _, reads = _trace(model)
+    assert [(type(m).__name__, name) for m, name in reads.writes] == [("Counts", "calls")]
+    assert model.calls == 7 and type(model) is Counts  # as before the trace
+
+
+def test_the_cache_traces_once_per_state() -> None:
+    model = Branchy()
+    made = []
+
+    def make() -> tuple[str, object]:
+        made.append(model.training)
+        return f"trace {len(made)}", _trace(model)[1]
+
+    cache = TraceCache(make, what="test")
+    for mode in (True, False, True, False, True):
+        model.train(mode)
+        cache.get()
+    assert made == [True, False]
+
+
+@pytest.fixture
+def _shutdown():
+    yield
+    parallax.shutdown()
+
+
+@pytest.mark.usefixtures("_shutdown")
+@pytest.mark.parametrize("model_class", [Branchy, PicksIds])
+def test_eval_and_an_attribute_changed_by_the_loop_run_as_the_plain_program(
+        model_class: type[nn.Module]) -> None:
+    torch.manual_seed(0)
+    plain = model_class()
+    mine = copy.deepcopy(plain)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    model, opt = parallax.distribute(mine, torch.optim.SGD(mine.parameters(), lr=0.1),
+                                     config=parallax.Config(partition_cache=None))
+    generator = torch.Generator().manual_seed(1)
+    for step in range(6):
+        ids = torch.randint(0, 40, (4, 5), generator=generator)
+        y = torch.randint(0, 3, (4,), generator=generator)
+        for net, optimizer, own in ((plain, plain_opt, plain), (model, opt, mine)):
+            if hasattr(own, "scale"):  # set by the loop between steps, on its own module
+                own.scale = 1.0 + step / 4  # (as under DDP: model.module.scale)
+            net.train(step % 3 != 2)  # an eval forward every third step
+            optimizer.zero_grad()
+            loss = F.cross_entropy(net(ids), y)
+            if net.training:
+                loss.backward()
+                optimizer.step()
+        got, want = model.state_dict(), plain.state_dict()
+        assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-12) for k in want), step
+        model.eval(), plain.eval()
+        with torch.no_grad():
+            assert torch.allclose(model(ids), plain(ids), rtol=0, atol=1e-12)
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_a_forward_that_writes_an_attribute_beside_hand_written_gathers_is_refused() -> None:
+    model = Counts()
+    with pytest.raises(UnsupportedProgramError, match=r"Counts.forward sets self.calls: "
+                                                      r"parallax runs a model with hand-written "
+                                                      r"row gathers \(\['weight'\]\)"):
+        parallax.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            config=parallax.Config(partition_cache=None))
