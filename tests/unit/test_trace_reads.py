@@ -146,3 +146,34 @@ def test_a_forward_that_writes_an_attribute_beside_hand_written_gathers_is_refus
                                                       r"row gathers \(\['weight'\]\)"):
         parallax.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             config=parallax.Config(partition_cache=None))
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_evaluate_between_steps_of_the_runner_reads_the_tables_that_train() -> None:
+    """`Runner.step` with one worker: after the warm-up the hybrid moves the table to
+    AllReduce (a table replaced under the traces); evaluation between steps then traces the
+    eval branch with the new table, and training goes on with it."""
+    torch.manual_seed(0)
+    plain = Branchy()
+    mine = copy.deepcopy(plain)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    runner = parallax.get_runner(mine, torch.optim.SGD(mine.parameters(), lr=0.1),
+                                 lambda out, y: F.cross_entropy(out, y),
+                                 config=parallax.Config(partition_cache=None,
+                                                        sparsity_warmup_steps=2))
+    generator = torch.Generator().manual_seed(1)
+    for step in range(6):
+        ids = torch.randint(0, 40, (4, 5), generator=generator)
+        y = torch.randint(0, 3, (4,), generator=generator)
+        runner.step((ids, y))
+        plain_opt.zero_grad()
+        F.cross_entropy(plain(ids), y).backward()
+        plain_opt.step()
+        plain.eval()
+        with torch.no_grad():
+            want = float(F.cross_entropy(plain(ids), y))
+        plain.train()
+        assert abs(runner.evaluate([(ids, y)]) - want) <= 1e-12, step
+    assert "replicated" in runner.plan.table().split("weight", 1)[1].splitlines()[0]
+    got, want_state = runner.state_dict(), plain.state_dict()
+    assert all(torch.allclose(got[k], want_state[k], rtol=0, atol=1e-12) for k in want_state)

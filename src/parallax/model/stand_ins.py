@@ -89,6 +89,12 @@ class RetracedRoot(nn.Module):
         self._traces.seed(first, reads)
         self.traced = first
 
+    def forget_other_traces(self) -> None:
+        """Keep only the trace in use (another is traced afresh when needed): a table was
+        replaced, and the gather stand-ins of the traces kept still read the old one."""
+        current = self._modules["traced"]
+        self._traces.entries = [(r, t) for r, t in self._traces.entries if t is current]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         traced = self._traces.get()
         if self._modules["traced"] is not traced:  # (the same parameters: only the code differs)

@@ -27,7 +27,7 @@ from parallax.engine.tables.table import Table
 from parallax.errors import PlanComplete
 from parallax.logs import log
 from parallax.model.detect import SparseUse
-from parallax.model.stand_ins import TableLookup
+from parallax.model.stand_ins import RetracedRoot, TableLookup
 from parallax.parallelism import Parallelism
 from parallax.partitions.repartition import repartition, to_column_slices
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
@@ -396,6 +396,8 @@ class PlanKeeper:
         for module in self.executed.modules():
             if isinstance(module, TableLookup) and module.table is old:
                 module.table = new
+        if isinstance(self.executed, RetracedRoot):  # (its other traces' stand-ins: old)
+            self.executed.forget_other_traces()
 
     # ---- the partition search ----------------------------------------------------------------
     def _start_search(self) -> None:
