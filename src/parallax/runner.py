@@ -226,6 +226,7 @@ class Runner:
         with self._explained():
             self.order.check(Call.FORWARD, self.global_step + 1)
             output = self.forward_pass(args, kwargs)
+        self._mirror.back()  # what the forward set on the copies it ran: the program's
         if self.order.enabled and torch.is_grad_enabled():
             self.phases.time_backward_of(output)  # the own loop's loss.backward()
             self.backward_push.arm()  # replicated tables' .grad ready after it, as DDP's

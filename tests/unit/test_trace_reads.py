@@ -177,3 +177,91 @@ def test_evaluate_between_steps_of_the_runner_reads_the_tables_that_train() -> N
     assert "replicated" in runner.plan.table().split("weight", 1)[1].splitlines()[0]
     got, want_state = runner.state_dict(), plain.state_dict()
     assert all(torch.allclose(got[k], want_state[k], rtol=0, atol=1e-12) for k in want_state)
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_wrapping_a_model_runs_none_of_its_forward_s_side_effects() -> None:
+    """Finding the sparse parameters and the look-ahead trace the forward: the call counter
+    it bumps stays as it was; a forward that runs bumps the program's own module's."""
+
+    class Counted(PicksIds):
+        calls = 0
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return super().forward(ids)
+
+    model = Counted()
+    model, _ = parallax.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   config=parallax.Config(partition_cache=None))
+    assert model.module.calls == 0
+    model(torch.randint(0, 40, (2, 5)))
+    assert model.module.calls == 1
+
+
+class Tallied(PicksIds):
+    """Keeps a call counter (which changes nothing it computes), and makes a tensor of a
+    number (a trace keeps that tensor as a constant of its own)."""
+
+    calls = 0
+    offset = 0.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls < 0:
+            raise AssertionError("never")
+        return super().forward(ids) + torch.tensor(self.offset, dtype=torch.float64)
+
+
+class Scaled(Tallied):
+    """Its output depends on its call counter (the ids do not)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * (1.0 + 0.01 * (self.calls % 3))
+
+
+def test_a_trace_equal_to_a_kept_one_drops_the_values_they_differ_in() -> None:
+    model = Tallied()
+    made = []
+
+    def make() -> tuple[fx.GraphModule, object]:
+        tracer = fx.Tracer()
+        with recording(model, lambda m, path: not tracer.is_leaf_module(m, path)) as reads:
+            traced = fx.GraphModule(model, tracer.trace(model))
+        made.append(1)
+        return traced, reads
+
+    from parallax.model.trace_reads import same_traced
+    cache = TraceCache(make, what="test", same=same_traced)
+    first = cache.get()
+    for calls in range(1, 6):
+        model.calls = calls
+        assert cache.get() is not None
+    assert len(made) == 2  # the counter changed once more than it mattered: then no longer
+    model.offset = 0.5  # the constant differs: a trace of its own, not merged
+    second = cache.get()
+    assert second is not first and len(made) == 3
+    zeros = torch.zeros(1, 5, dtype=torch.long)
+    assert torch.allclose(second(zeros) - first(zeros), torch.tensor(0.5, dtype=torch.float64))
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_a_forward_that_keeps_a_counter_runs_as_the_plain_program() -> None:
+    torch.manual_seed(0)
+    plain = Scaled()
+    mine = copy.deepcopy(plain)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    model, opt = parallax.distribute(mine, torch.optim.SGD(mine.parameters(), lr=0.1),
+                                     config=parallax.Config(partition_cache=None))
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        ids = torch.randint(0, 40, (4, 5), generator=generator)
+        y = torch.randint(0, 3, (4,), generator=generator)
+        for net, optimizer in ((plain, plain_opt), (model, opt)):
+            optimizer.zero_grad()
+            F.cross_entropy(net(ids), y).backward()
+            optimizer.step()
+    assert mine.calls == plain.calls == 5
+    got, want = model.state_dict(), plain.state_dict()
+    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-12) for k in want)
+    assert model.runner.forward_pass._id_programs.made <= 2

@@ -74,17 +74,26 @@ def _read_trace(model: nn.Module) -> fx.GraphModule:
     `rewrite_gathers`, which edits its trace, takes its own)."""
     key = id(model)
     if key not in _sharing:
-        return fx.symbolic_trace(model)
+        return _symbolic_trace(model)
     known = _sharing[key]
     if known is None:
         try:
-            known = fx.symbolic_trace(model)
+            known = _symbolic_trace(model)
         except Exception as error:  # tracing runs the user's code: raised again to each
             known = error
         _sharing[key] = known
     if isinstance(known, Exception):
         raise known
     return known
+
+
+def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    """``fx.symbolic_trace(model)``, leaving the program's modules as they were: what the
+    trace's run of ``forward`` wrote on them (a call counter) is undone."""
+    tracer = fx.Tracer()
+    with recording(model, lambda m, path: not tracer.is_leaf_module(m, path)):
+        graph = tracer.trace(model)
+        return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 SparseKind = Literal["embedding", "embedding_bag", "gather"]
@@ -292,14 +301,14 @@ def trace_gathers(
     tracer = _Tracer()
     with recording(model, lambda m, path: not tracer.is_leaf_module(m, path)) as reads:
         graph = tracer.trace(model)
-    if reads.writes:
-        module, attribute = reads.writes[0]
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    if reads.program_writes:
+        module, attribute = reads.program_writes[0]
         raise UnsupportedProgramError(
             f"{type(module).__name__}.forward sets self.{attribute}: parallax runs a model "
             f"with hand-written row gathers ({sorted(gather_params)}) through a traced copy "
             f"of its forward, which cannot repeat a Python side effect; move the write out "
             f"of forward, or read the table through an nn.Embedding")
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     by_id = {id(p): name for name, p in gather_params.items()}
     _refuse_module_reads(model, gm.graph, by_id)
     added: dict[str, str] = {}  # submodule name -> parameter name

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from parallax.model.stand_ins import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
-from parallax.model.trace_reads import Reads, recording
+from parallax.model.trace_reads import Reads, recording, same_traced
 
 __all__ = ["IdProgram", "LookAhead", "build_id_program", "traced_id_program"]
 
@@ -63,6 +63,14 @@ class IdProgram:
     #: per call, whether the program's outputs hold its bag arguments (after its ids)
     bag_args: tuple[bool, ...]
 
+    @staticmethod
+    def same(a: IdProgram | None, b: IdProgram | None) -> bool:
+        """Two programs (or absences of one) that compute the same ids."""
+        if a is None or b is None:
+            return a is b
+        return (a.paths, a.bag_args) == (b.paths, b.bag_args) and same_traced(a.module,
+                                                                             b.module)
+
     def __call__(self, *args: Any, **kwargs: Any) -> list[LookAhead]:
         with torch.no_grad():
             outputs = iter(self.module(*args, **kwargs))
@@ -96,7 +104,7 @@ def traced_id_program(model: nn.Module) -> tuple[IdProgram | None, Reads]:
         except Exception as error:  # data-dependent control flow and the like
             logger.debug("parallax: no id look-ahead, tracing failed: %s", error)
             return None, reads
-    return _program(model, graph), reads
+        return _program(model, graph), reads
 
 
 def _program(model: nn.Module, graph: fx.Graph) -> IdProgram | None:

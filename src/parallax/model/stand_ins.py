@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from parallax.engine.tables.table import Table
 from parallax.errors import ArgumentTypeError, InternalError
 from parallax.model.detect import SparseUse, trace_gathers
-from parallax.model.trace_reads import Reads, TraceCache
+from parallax.model.trace_reads import Reads, TraceCache, same_traced
 
 
 def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
@@ -84,7 +84,8 @@ class RetracedRoot(nn.Module):
         super().__init__()
         object.__setattr__(self, "source", source)  # (not a child: its tensors are the traces')
         self._traces = TraceCache(lambda: trace(source),
-                                  what=f"{type(source).__name__}.forward (hand-written gathers)")
+                                  what=f"{type(source).__name__}.forward (hand-written gathers)",
+                                  same=same_traced)
         first, reads = trace(source)
         self._traces.seed(first, reads)
         self.traced = first
@@ -111,17 +112,42 @@ def _ancestors(path: str) -> list[str]:
 _OWN = frozenset({"_modules", "_parameters", "_buffers"})  # the copy's own (same tensors)
 
 
-def mirror(model: nn.Module, executed: nn.Module, *,
-           shared_modules: bool = True) -> Callable[[], None]:
-    """A call that brings each copied module of ``executed`` (`executed_copy` with
-    ``shared_modules``) in step with the user's: every attribute but its children and
-    tensors (hooks, flags, plain values set after `parallax.distribute`). A root that fx
-    rewrote (hand-written gathers) has no such twin. Without ``shared_modules`` (model
-    parallelism: the executed layers carry their own parameters and hooks) nothing is
-    brought over."""
+class Mirror:
+    """Keeps each copied module of the executed tree in step with the user's: called before a
+    forward, every attribute but its children and tensors (hooks, flags, plain values set
+    after `parallax.distribute`) goes to the copy; `back` after it, what the forward set on a
+    copy (a call counter, a cached value) goes to the user's module, as if it had run."""
+
+    def __init__(self, pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        self.pairs = pairs
+        self._before: list[dict[str, Any]] = []
+
+    def __call__(self) -> None:
+        for source, target in self.pairs:
+            for key, value in source.items():
+                if key not in _OWN and target.get(key) is not value:
+                    target[key] = value
+        self._before = [dict(target) for _, target in self.pairs]
+
+    def back(self) -> None:
+        for (source, target), before in zip(self.pairs, self._before, strict=False):
+            for key, value in target.items():
+                if key not in _OWN and before.get(key, _ABSENT) is not value:
+                    source[key] = value
+
+
+_ABSENT = object()
+
+
+def mirror(model: nn.Module, executed: nn.Module, *, shared_modules: bool = True) -> Mirror:
+    """The `Mirror` of each copied module of ``executed`` (`executed_copy` with
+    ``shared_modules``) and the user's module at its path (a root that fx rewrote for
+    hand-written gathers: its source, whose modules its traces run). Without
+    ``shared_modules`` (model parallelism: the executed layers carry their own parameters and
+    hooks) nothing is brought over."""
     pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     if not shared_modules:
-        return lambda: None
+        return Mirror([])
     if isinstance(executed, RetracedRoot):  # its traces run the source's modules
         executed = executed.source
     for path, mine in model.named_modules():
@@ -131,13 +157,7 @@ def mirror(model: nn.Module, executed: nn.Module, *,
             continue
         if theirs is not mine and type(theirs) is type(mine):
             pairs.append((mine.__dict__, theirs.__dict__))
-
-    def bring_in_step() -> None:
-        for source, target in pairs:
-            for key, value in source.items():
-                if key not in _OWN and target.get(key) is not value:
-                    target[key] = value
-    return bring_in_step
+    return Mirror(pairs)
 
 
 def _padding_row(table: Table, ids: Tensor, inverse: Tensor,

@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-__all__ = ["Reads", "TraceCache", "note", "recording"]
+__all__ = ["Reads", "TraceCache", "note", "recording", "same_traced"]
 
 logger = logging.getLogger("parallax")
 
@@ -34,15 +35,22 @@ _PLAIN = (bool, int, float, str, type(None))
 _MISSING = object()
 _active: list[Reads] = []  # the recordings under way (innermost last)
 _subclasses: dict[type, type] = {}
+_LOGGED = 3  # traces of one cache logged (info)
+_COSTLY = 20  # a cache traced this often warns once
 
 
-@dataclass
+@dataclass(eq=False)
 class Reads:
     """The plain values a trace read off modules (first value per module and attribute), and
     the attributes it wrote (``(module, name)``, in order)."""
 
     entries: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict)
     writes: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def program_writes(self) -> list[tuple[nn.Module, str]]:
+        """The writes of the program's ``forward`` (not fx's own tensor constants)."""
+        return [(m, n) for m, n in self.writes if not n.startswith("_tensor_constant")]
 
     def hold(self) -> bool:
         """Whether every module still gives the value the trace read."""
@@ -51,6 +59,11 @@ class Reads:
 
     def add(self, module: nn.Module, name: str, value: Any) -> None:
         self.entries.setdefault((id(module), name), (module, name, value))
+
+    def common(self, other: Reads) -> Reads:
+        """The reads both made with the same value (what two equal traces depend on)."""
+        return Reads({key: entry for key, entry in self.entries.items()
+                      if key in other.entries and _same(other.entries[key][2], entry[2])})
 
     def describe(self) -> str:
         return ", ".join(f"{type(m).__name__}.{n}={v!r}" for m, n, v in self.entries.values()
@@ -107,7 +120,8 @@ def _recording_class(cls: type) -> type:
 def recording(model: nn.Module, traced_into: Callable[[nn.Module, str], bool]) -> Iterator[Reads]:
     """Record what a trace of ``model`` inside this block reads and writes on the modules it
     runs the Python of (``traced_into(module, qualified name)``: the tracer's non-leaves).
-    What it wrote is set back afterwards."""
+    What it wrote is set back afterwards, fx's tensor constants on the root too: make the
+    ``GraphModule`` (which takes its own copy of them) inside the block."""
     reads = Reads()
     swapped = [(module, type(module)) for path, module in model.named_modules()
                if traced_into(module, path)]
@@ -119,7 +133,7 @@ def recording(model: nn.Module, traced_into: Callable[[nn.Module, str], bool]) -
     try:
         yield reads
     finally:
-        _active.remove(reads)
+        del _active[next(i for i, r in enumerate(_active) if r is reads)]
         for module, cls in swapped:
             object.__setattr__(module, "__class__", cls)
         for module, name in reads.writes:  # the trace's writes undone
@@ -130,16 +144,40 @@ def recording(model: nn.Module, traced_into: Callable[[nn.Module, str], bool]) -
                 del module.__dict__[name]
 
 
+def same_traced(a: nn.Module, b: nn.Module) -> bool:
+    """Two ``fx.GraphModule`` traces that compute alike: the same code, and the same tensor
+    constants (a trace keeps a tensor it made from a module's value as an attribute of its
+    own, which its code only names)."""
+    if getattr(a, "code", None) != getattr(b, "code", ...):
+        return False
+    mine, theirs = _own_tensors(a), _own_tensors(b)
+    return mine.keys() == theirs.keys() and all(
+        mine[k].dtype == theirs[k].dtype and mine[k].shape == theirs[k].shape
+        and torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def _own_tensors(module: nn.Module) -> dict[str, Tensor]:
+    """A trace's tensors of its own (fx registers its constants as buffers), not its
+    children's."""
+    return {**{k: v for k, v in module.__dict__.items() if isinstance(v, Tensor)},
+            **{k: v for k, v in module._buffers.items() if v is not None}}
+
+
 T = TypeVar("T")
 
 
 class TraceCache(Generic[T]):
     """Traces (``make()``: the thing made and what its trace read) kept per state of the
     modules: `get` returns one whose reads hold, making a new one when none does (at most
-    ``size`` kept, the least recently used dropped)."""
+    ``size`` kept, the least recently used dropped). A new trace ``same`` as a kept one
+    (the same code) shows that the values in which their reads differ did not matter: the
+    kept one stays, depending only on the values both read alike (a call counter read by
+    ``forward`` costs one trace more, not one per call)."""
 
-    def __init__(self, make: Callable[[], tuple[T, Reads]], *, what: str, size: int = 8):
+    def __init__(self, make: Callable[[], tuple[T, Reads]], *, what: str,
+                 same: Callable[[T, T], bool] = lambda a, b: False, size: int = 8):
         self.make = make
+        self.same = same
         self.what = what
         self.size = size
         self.entries: list[tuple[Reads, T]] = []
@@ -154,9 +192,19 @@ class TraceCache(Generic[T]):
                 return made
         made, reads = self.make()
         self.made += 1
-        if self.made > 1:
+        for i, (kept_reads, kept) in enumerate(self.entries):
+            if self.same(kept, made):
+                self.entries[i] = (kept_reads.common(reads), kept)
+                note(self.entries[i][0])
+                return kept
+        if 1 < self.made <= _LOGGED:
             logger.info("parallax: %s traced again (trace %d): the Python values it read "
                         "changed (%s)", self.what, self.made, reads.describe() or "-")
+        elif self.made == _COSTLY:
+            logger.warning("parallax: %s traced %d times: a value it reads keeps changing "
+                           "(%s); each change costs a trace of forward. Pass such a value "
+                           "as an argument of forward instead", self.what, self.made,
+                           reads.describe() or "-")
         self.entries.insert(0, (reads, made))
         del self.entries[self.size:]
         note(reads)

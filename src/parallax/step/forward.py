@@ -44,7 +44,7 @@ class Forward:
         # All lookups' ids from the inputs, when the model allows: one pull for all tables
         # (one program per state of the Python values its trace read, e.g. the mode)
         self._id_programs = (TraceCache(partial(traced_id_program, executed),
-                                        what="the id look-ahead")
+                                        what="the id look-ahead", same=IdProgram.same)
                              if layout.sparse else None)
         # ps/optps: dense parameters too come from the servers, whole, each step
         self.whole_pulls = {name: (table, torch.arange(table.num_rows, device=device),
