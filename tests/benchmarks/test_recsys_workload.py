@@ -166,4 +166,4 @@ def test_peer_unavailable_is_structured():
     assert error.as_dict() == {"system": "torchrec-rw", "stage": "shard",
                                "error": "ValueError: no ROW_WISE"}
     with pytest.raises(ValueError, match="unknown TorchRec system"):
-        peer.make_torchrec_step("torchrec-cw", CFG)
+        peer.make_torchrec_step("torchrec-grid", CFG)

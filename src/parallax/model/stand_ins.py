@@ -96,11 +96,17 @@ class RetracedRoot(nn.Module):
         current = self._modules["traced"]
         self._traces.entries = [(r, t) for r, t in self._traces.entries if t is current]
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def select(self) -> nn.Module:
+        """The trace for the modules' state now (its parameters are every trace's; only the
+        code differs). Named as the program's module is: what to call with parameters
+        swapped in by name (``torch.func.functional_call``)."""
         traced = self._traces.get()
-        if self._modules["traced"] is not traced:  # (the same parameters: only the code differs)
+        if self._modules["traced"] is not traced:
             self._modules["traced"] = traced
-        return traced(*args, **kwargs)
+        return traced
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.select()(*args, **kwargs)
 
 
 def _ancestors(path: str) -> list[str]:

@@ -23,7 +23,7 @@ from parallax.engine.tables import pooled
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
 from parallax.model.lookahead import IdProgram, traced_id_program
-from parallax.model.stand_ins import ShardedEmbeddingBag, table_read_by
+from parallax.model.stand_ins import RetracedRoot, ShardedEmbeddingBag, table_read_by
 from parallax.model.trace_reads import TraceCache
 from parallax.step.sync_modes import SyncMode
 
@@ -62,7 +62,10 @@ class Forward:
                 return self.module()(*args, **kwargs)
             pulled = {name: table.lookup(rows)[0].view(shape)
                       for name, (table, rows, shape) in self.whole_pulls.items()}
-            return torch.func.functional_call(self.module(), pulled, args, kwargs)
+            module = self.module()
+            if isinstance(module, RetracedRoot):  # (the parameters under the program's names)
+                module = module.select()
+            return torch.func.functional_call(module, pulled, args, kwargs)
 
     def _pulled_ahead(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                       ) -> contextlib.ExitStack:
