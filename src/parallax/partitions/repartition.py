@@ -38,22 +38,10 @@ def repartition(table: ShardedTable, num_partitions: int,
                           else first_server)
     mine = (new.rows_of_server(worker.server_ranks.index(worker.rank)) if worker.is_server
             else torch.empty(0, dtype=torch.long)).to(table.device)
-    old_shard = table.shard
-    state = shard_optimizer.table_state(table) if old_shard is not None else {}
-    # Rank 0 is a server: its state's keys (and which are per-row) are everyone's.
-    per_row = agree(sorted(key for key, value in state.items() if is_per_row(value, old_shard)),
-                    rank=worker.rank, group=table.group)
-    values = _read_in_rounds(table, mine)
-    moved = {key: _read_in_rounds(table, mine, state.get(key)) for key in per_row}
-    table.partitioning = new
-    table.reservations.reset()  # (on every rank: repartitioning is collective)
-    table.pooled_reservations.clear()
-    if old_shard is None:
-        return
-    table.set_shard(nn.Parameter(values, requires_grad=old_shard.requires_grad))
-    shard_optimizer.table_repartitioned(table, {
-        key: moved.get(key, value) for key, value in state.items()})
-    table.zero_grad()
+
+    def switch() -> None:
+        table.partitioning = new
+    _move(table, shard_optimizer, mine, switch)
 
 
 def to_column_slices(table: ShardedTable, slices: int, shard_optimizer: ShardOptimizer, *,
@@ -74,16 +62,28 @@ def to_column_slices(table: ShardedTable, slices: int, shard_optimizer: ShardOpt
     def keep(rows: Tensor) -> Tensor:  # this server's slice of whole rows
         return rows.reshape(rows.shape[0], slices, width // slices)[:, mine[0] if mine else 0]
 
+    def switch() -> None:
+        table.num_rows, table.row_shape = table.num_rows * slices, (width // slices,)
+        table.column_slices = slices
+        table.partitioning = new
+    _move(table, shard_optimizer, ids, switch, keep=keep)
+
+
+def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
+          switch: Callable[[], None], *, keep: Callable[[Tensor], Tensor] | None = None) -> None:
+    """Read this rank's rows ``ids`` (what ``keep`` keeps of each) and their per-row
+    optimizer state from ``table`` as it is held, ``switch()`` it to where its rows go, and
+    hold what was read as this server's shard (collective over all ranks)."""
+    worker = table.worker
     old_shard = table.shard
     state = shard_optimizer.table_state(table) if old_shard is not None else {}
+    # Rank 0 is a server: its state's keys (and which are per-row) are everyone's.
     per_row = agree(sorted(key for key, value in state.items() if is_per_row(value, old_shard)),
                     rank=worker.rank, group=table.group)
     values = _read_in_rounds(table, ids, keep=keep)
     moved = {key: _read_in_rounds(table, ids, state.get(key), keep=keep) for key in per_row}
-    table.num_rows, table.row_shape = table.num_rows * slices, (width // slices,)
-    table.column_slices = slices
-    table.partitioning = new
-    table.reservations.reset()
+    switch()
+    table.reservations.reset()  # (on every rank: moving rows is collective)
     table.pooled_reservations.clear()
     if old_shard is None:
         return

@@ -129,28 +129,34 @@ class Architecture:
         bytes per machine and step pooled by rows (every server its rows' share,
         `Config.pooled_by_rows`) where the bytes model predicts that to move fewer bytes
         than the rows (else None), and why."""
-        predicted = self.pooling_bytes(table, use, measured, config=config, worker=worker,
-                                       owners=len(worker.server_ranks))
-        if predicted is None:
-            return None, ""
-        rows, pooled = predicted
-        return pooled if pooled < rows else None, (
-            f"pooled by rows instead, each server its rows' share: predicted {pooled:,.0f} B "
-            f"vs rows {rows:,.0f} B per step")
+        return self._spread(table, use, measured, config=config, worker=worker,
+                            owners=len(worker.server_ranks), by_columns=False,
+                            how="pooled by rows instead, each server its rows' share")
 
     def pools_by_columns(self, table: Table, use: SparseUse, measured: Sparsity, *,
                          config: Config, worker: WorkerInfo,
                          slices: int) -> tuple[float | None, str]:
         """As `pools_by_rows`, held as ``slices`` column slices instead, each server of a
         slice pooling it over every bag (`Config.pooled_by_columns`)."""
+        if slices < 2:
+            return None, ""
+        return self._spread(table, use, measured, config=config, worker=worker, owners=slices,
+                            by_columns=True,
+                            how=f"pooled by columns instead, {slices} slices on their own "
+                                f"servers")
+
+    def _spread(self, table: Table, use: SparseUse, measured: Sparsity, *, config: Config,
+                worker: WorkerInfo, owners: int, by_columns: bool,
+                how: str) -> tuple[float | None, str]:
+        """A pooling over ``owners`` servers' predicted bytes where it moves fewer than the
+        rows (else None), and why (``how``, then the bytes)."""
         predicted = self.pooling_bytes(table, use, measured, config=config, worker=worker,
-                                       owners=slices, by_columns=True)
-        if predicted is None or slices < 2:
+                                       owners=owners, by_columns=by_columns)
+        if predicted is None:
             return None, ""
         rows, pooled = predicted
         return pooled if pooled < rows else None, (
-            f"pooled by columns instead, {slices} slices on their own servers: predicted "
-            f"{pooled:,.0f} B vs rows {rows:,.0f} B per step")
+            f"{how}: predicted {pooled:,.0f} B vs rows {rows:,.0f} B per step")
 
     def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
                       config: Config, worker: WorkerInfo, owners: int = 1,
