@@ -265,3 +265,25 @@ def test_a_forward_that_keeps_a_counter_runs_as_the_plain_program() -> None:
     got, want = model.state_dict(), plain.state_dict()
     assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-12) for k in want)
     assert model.runner.forward_pass._id_programs.made <= 2
+
+
+class _NoSubclasses(type(nn.Module)):
+    def __new__(mcls, name: str, bases: tuple, namespace: dict) -> type:  # noqa: N804
+        if "__getattribute__" in namespace:
+            raise TypeError(f"{name}: no subclasses that watch attributes")
+        return super().__new__(mcls, name, bases, namespace)
+
+
+class Odd(PicksIds, metaclass=_NoSubclasses):
+    """A module class whose metaclass refuses the watching subclass: traced unwatched."""
+
+
+@pytest.mark.usefixtures("_shutdown")
+def test_a_module_that_cannot_be_watched_is_traced_as_it_is() -> None:
+    model = Odd()
+    model, opt = parallax.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     config=parallax.Config(partition_cache=None))
+    ids, y = torch.randint(0, 40, (4, 5)), torch.randint(0, 3, (4,))
+    F.cross_entropy(model(ids), y).backward()
+    opt.step()
+    assert model.runner.forward_pass.id_program is not None  # (looked ahead all the same)

@@ -123,11 +123,18 @@ def recording(model: nn.Module, traced_into: Callable[[nn.Module, str], bool]) -
     What it wrote is set back afterwards, fx's tensor constants on the root too: make the
     ``GraphModule`` (which takes its own copy of them) inside the block."""
     reads = Reads()
-    swapped = [(module, type(module)) for path, module in model.named_modules()
-               if traced_into(module, path)]
+    swapped: list[tuple[nn.Module, type]] = []
     before: dict[tuple[int, str], tuple[nn.Module, str, Any]] = {}
-    for module, cls in swapped:
-        object.__setattr__(module, "__class__", _recording_class(cls))
+    for path, module in model.named_modules():
+        cls = type(module)
+        if not traced_into(module, path):
+            continue
+        try:  # (a class with its own metaclass, a scripted module: not watched)
+            object.__setattr__(module, "__class__", _recording_class(cls))
+        except Exception as error:  # (any refusal: the module is left as it is)
+            logger.debug("parallax: %s not watched while traced: %s", cls.__name__, error)
+            continue
+        swapped.append((module, cls))
         before.update({(id(module), k): (module, k, v) for k, v in module.__dict__.items()})
     _active.append(reads)
     try:
