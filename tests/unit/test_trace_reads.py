@@ -10,6 +10,7 @@ writes, one trace per state, and both paths in one process against the plain pro
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -108,20 +109,32 @@ def _shutdown():
     parallax.shutdown()
 
 
+def _batches(steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The same ``steps`` batches (ids, classes) for the plain and the distributed program."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        yield (torch.randint(0, 40, (4, 5), generator=generator),
+               torch.randint(0, 3, (4,), generator=generator))
+
+
+def _side_by_side(model_class: type[nn.Module]) -> tuple[
+        nn.Module, torch.optim.Optimizer, nn.Module, nn.Module, torch.optim.Optimizer]:
+    """The plain program's model and SGD, and a copy of them through `parallax.distribute`:
+    ``(plain, plain_opt, mine, model, opt)``, ``mine`` the program's own module."""
+    torch.manual_seed(0)
+    plain = model_class()
+    mine = copy.deepcopy(plain)
+    model, opt = parallax.distribute(mine, torch.optim.SGD(mine.parameters(), lr=0.1),
+                                     config=parallax.Config(partition_cache=None))
+    return plain, torch.optim.SGD(plain.parameters(), lr=0.1), mine, model, opt
+
+
 @pytest.mark.usefixtures("_shutdown")
 @pytest.mark.parametrize("model_class", [Branchy, PicksIds])
 def test_eval_and_an_attribute_changed_by_the_loop_run_as_the_plain_program(
         model_class: type[nn.Module]) -> None:
-    torch.manual_seed(0)
-    plain = model_class()
-    mine = copy.deepcopy(plain)
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    model, opt = parallax.distribute(mine, torch.optim.SGD(mine.parameters(), lr=0.1),
-                                     config=parallax.Config(partition_cache=None))
-    generator = torch.Generator().manual_seed(1)
-    for step in range(6):
-        ids = torch.randint(0, 40, (4, 5), generator=generator)
-        y = torch.randint(0, 3, (4,), generator=generator)
+    plain, plain_opt, mine, model, opt = _side_by_side(model_class)
+    for step, (ids, y) in enumerate(_batches(6)):
         for net, optimizer, own in ((plain, plain_opt, plain), (model, opt, mine)):
             if hasattr(own, "scale"):  # set by the loop between steps, on its own module
                 own.scale = 1.0 + step / 4  # (as under DDP: model.module.scale)
@@ -161,10 +174,7 @@ def test_evaluate_between_steps_of_the_runner_reads_the_tables_that_train() -> N
                                  lambda out, y: F.cross_entropy(out, y),
                                  config=parallax.Config(partition_cache=None,
                                                         sparsity_warmup_steps=2))
-    generator = torch.Generator().manual_seed(1)
-    for step in range(6):
-        ids = torch.randint(0, 40, (4, 5), generator=generator)
-        y = torch.randint(0, 3, (4,), generator=generator)
+    for step, (ids, y) in enumerate(_batches(6)):
         runner.step((ids, y))
         plain_opt.zero_grad()
         F.cross_entropy(plain(ids), y).backward()
@@ -247,16 +257,8 @@ def test_a_trace_equal_to_a_kept_one_drops_the_values_they_differ_in() -> None:
 
 @pytest.mark.usefixtures("_shutdown")
 def test_a_forward_that_keeps_a_counter_runs_as_the_plain_program() -> None:
-    torch.manual_seed(0)
-    plain = Scaled()
-    mine = copy.deepcopy(plain)
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    model, opt = parallax.distribute(mine, torch.optim.SGD(mine.parameters(), lr=0.1),
-                                     config=parallax.Config(partition_cache=None))
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(5):
-        ids = torch.randint(0, 40, (4, 5), generator=generator)
-        y = torch.randint(0, 3, (4,), generator=generator)
+    plain, plain_opt, mine, model, opt = _side_by_side(Scaled)
+    for ids, y in _batches(5):
         for net, optimizer in ((plain, plain_opt), (model, opt)):
             optimizer.zero_grad()
             F.cross_entropy(net(ids), y).backward()
