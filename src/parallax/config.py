@@ -304,6 +304,10 @@ class Config:
             like the row path (`parallax.engine.tables.columns`). Refused where
             `pooled_tables` would refuse; distinct from `pooled_tables`' and
             `pooled_by_rows`' names.
+        link_gbit: the inter-machine link's rate in Gbit/s each way (full duplex), for the
+            plan's predicted link times (its bytes per machine and step at this rate;
+            `parallax.planning.link`). ``None``: measured once after the warm-up by timed
+            all_to_alls across machines (a few MB).
         server_threads: threads with which a server aggregates and updates its partitions in
             parallel. ``None``: this process's torch thread count.
         partition_search_steps: training steps timed per sample of the partition-count search
@@ -366,6 +370,7 @@ class Config:
     pooled_tables: tuple[str, ...] | None = None
     pooled_by_rows: tuple[str, ...] = ()
     pooled_by_columns: tuple[str, ...] = ()
+    link_gbit: float | None = None
     server_threads: int | None = None
     partition_search_steps: int = 8
     max_partitions: int | None = None
@@ -427,6 +432,10 @@ class Config:
             value = getattr(self, name)
             if value is not None:
                 _require(is_int(value) and value >= 1, name, value, "None or an int >= 1")
+        if self.link_gbit is not None:
+            value = self.link_gbit
+            ok = is_number(value) and math.isfinite(value) and value > 0
+            _require(ok, "link_gbit", value, "None or a finite number > 0 (Gbit/s each way)")
         trial = self.local_aggregation_trial_steps
         _require(is_int(trial) and (trial == 0 or trial >= 2), "local_aggregation_trial_steps",
                  trial, "0 or an int >= 2 (the first half of each sample's steps is discarded)")

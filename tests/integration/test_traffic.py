@@ -123,3 +123,9 @@ def test_parallax_plan_runs_the_warmup_prints_and_writes_the_plan(tmp_path: Path
     assert {p["name"] for p in sparse} == {"embedding.weight", "bag.weight"}
     assert all(0 < p["alpha"] <= 1 for p in sparse)
     assert 0 < plan["alpha_model"] <= 1
+    # the link is probed after the warm-up and the times are the bytes at its rate
+    assert plan["link"]["source"].startswith("measured") and plan["link"]["bytes_per_s"] > 0
+    assert plan["predicted_seconds"]["hybrid"] == pytest.approx(
+        plan["predicted_bytes"]["hybrid"] / plan["link"]["bytes_per_s"])
+    assert "hybrid link time/step" in proc.stdout and "predicted link time per step (the " \
+        "bytes at the link" in proc.stdout

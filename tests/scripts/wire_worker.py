@@ -18,6 +18,7 @@ from traffic_worker import Model  # noqa: E402
 
 import parallax  # noqa: E402
 from parallax.launch.fast_exit import exit_now  # noqa: E402
+from parallax.planning import link  # noqa: E402
 from parallax.step.hooks import DENSE_SYNC_ACCOUNTS  # noqa: E402
 
 STEPS = 8
@@ -67,6 +68,9 @@ def main() -> None:
         machines = len(runner.worker.server_ranks)
         results[name] = {"wire": float(wire) / machines / STEPS, "accounted": accounted,
                          "dense_sync": dense_sync}
+    probed = link.measure(runner.worker, dist.group.WORLD)  # the plan's link probe
+    assert probed is not None
+    results["link"] = {"bytes_per_s": probed.bytes_per_s, "latency_s": probed.latency_s}
     if runner.worker.rank == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
     parallax.shutdown()

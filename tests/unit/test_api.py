@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import parallax
 from parallax.engine.optimizers.shard_optimizer import as_optimizer_list
 from parallax.model.detect import find_sparse_parameters
+from parallax.planning import link
 from parallax.planning.plan import Plan
 
 
@@ -66,6 +67,33 @@ def test_plan_table_and_json_name_every_parameter() -> None:
     assert "hidden.weight" in table and "replicated, AllReduce" in table
     parsed = json.loads(plan.to_json())
     assert {p["name"] for p in parsed["parameters"]} == {n for n, _ in model.named_parameters()}
+
+
+def test_plan_times_are_its_bytes_at_the_link_rate() -> None:
+    model = Mixed()
+    sparse = find_sparse_parameters(model)
+    build = dict(placements={n: ("ps", 2, (0, 2)) for n in sparse}, world_size=4)
+    unknown = Plan.build(model, sparse, num_machines=2, **build)
+    assert "predicted link time per step: ? (the link is measured after the warm-up" \
+        in unknown.table()
+    plan = Plan.build(model, sparse, num_machines=2, link=link.given(0.5), **build)
+    parsed = json.loads(plan.to_json())
+    assert parsed["link"]["bytes_per_s"] == 2 * 0.5e9 / 8  # both ways of 0.5 Gbit/s
+    for p in parsed["parameters"]:
+        for name, seconds in p["predicted_seconds"].items():
+            bytes_ = p["predicted_bytes"][name]
+            assert seconds == (None if bytes_ is None else bytes_ / 125e6), (p["name"], name)
+    dense = next(p for p in parsed["parameters"] if p["name"] == "hidden.weight")
+    assert f"{dense['predicted_seconds']['hybrid'] * 1e6:.1f} us" in plan.table()
+    assert "hybrid link time/step" in plan.table()
+    assert "link 0.5 Gbit/s each way (Config.link_gbit)" in plan.table()
+    alone = Plan.build(model, sparse, num_machines=1, link=None, **build)
+    assert "predicted link time per step: none (one machine)" in alone.table()
+    alone_dense = next(p for p in json.loads(alone.to_json())["parameters"]
+                       if p["name"] == "hidden.weight")
+    assert alone_dense["predicted_seconds"]["allreduce"] == 0.0
+    with pytest.raises(parallax.ConfigError, match="link_gbit"):
+        parallax.Config(link_gbit=0)
 
 
 def test_tied_embedding_is_planned_dense() -> None:

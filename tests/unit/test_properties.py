@@ -338,6 +338,7 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     "pooled_by_columns": lambda v, arch: isinstance(v, (tuple, list)) and all(
         isinstance(n, str) for n in v) and len(set(v)) == len(v) and (
         not v or arch != "allreduce"),
+    "link_gbit": lambda v, _: v is None or _finite_positive(v),
     "server_threads": lambda v, _: v is None or (_is_int(v) and v >= 1),
     "partition_search_steps": lambda v, _: _is_int(v) and v >= 2,
     "local_aggregation_trial_steps": lambda v, _: _is_int(v) and (v == 0 or v >= 2),
@@ -409,6 +410,7 @@ def valid_configs(draw: st.DrawFn) -> Config:
         "clip_grad_norm": st.none() | positive,
         "seed": st.integers(0, 2**32 - 1),
         "num_partitions": st.none() | st.integers(1, 1024),
+        "link_gbit": st.none() | positive,
         "server_threads": st.none() | st.integers(1, 64),
         "partition_search_steps": st.integers(2, 100),
         "max_partitions": st.none() | st.integers(1, 1024),

@@ -2,8 +2,8 @@
 
 Besides the decision, every parameter carries its size, its measured α (sparse parameters, once
 the warm-up steps have run) and the inter-machine bytes per machine and step that the papers'
-Table 3 predicts under each of the four architectures (`parallax.planning.cost`), so the plan
-answers
+Table 3 predicts under each of the four architectures (`parallax.planning.cost`), and the time
+those bytes take on the link (`parallax.planning.link`: given or measured), so the plan answers
 "why is this faster" with numbers that `Runner.stats()` measures.
 """
 
@@ -20,6 +20,7 @@ from parallax.model.detect import SparseUse
 from parallax.partitions.tuner import SearchRecord
 from parallax.planning import cost
 from parallax.planning.architectures import ARCHITECTURES, ParameterCost
+from parallax.planning.link import Link
 from parallax.planning.sparsity import Sparsity
 
 
@@ -66,6 +67,9 @@ class Plan:
     num_machines: int
     architecture: str = "hybrid"
     searches: tuple[SearchRecord, ...] = ()
+    #: the link the predicted times assume (`parallax.planning.link`); None: not known yet
+    #: (measured after the warm-up) or one machine
+    link: Link | None = None
 
     @property
     def alpha_model(self) -> float | None:
@@ -82,6 +86,13 @@ class Plan:
         known = [v for v in values if v is not None]
         return None if len(known) < len(values) else sum(known)
 
+    def seconds(self, bytes_per_step: float | None) -> float | None:
+        """The link time of ``bytes_per_step`` inter-machine bytes per machine (0 on one
+        machine; None while the link or the bytes are unknown)."""
+        if self.num_machines == 1 and bytes_per_step is not None:
+            return 0.0
+        return None if self.link is None else self.link.seconds(bytes_per_step)
+
     @classmethod
     def build(cls, model: nn.Module, sparse: dict[str, SparseUse], *,
               placements: dict[str, Placement], world_size: int, num_machines: int,
@@ -90,7 +101,8 @@ class Plan:
               searches: tuple[SearchRecord, ...] = (), small_sums: bool = False,
               pooled: frozenset[str] = frozenset(),
               pooled_by_rows: frozenset[str] = frozenset(),
-              pooled_by_columns: frozenset[str] = frozenset()) -> Plan:
+              pooled_by_columns: frozenset[str] = frozenset(),
+              link: Link | None = None) -> Plan:
         """``placements[name]`` for every parameter held otherwise than replicated and
         AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it;
         ``local_aggregation`` as `Config.local_aggregation` (None: each architecture's
@@ -99,7 +111,7 @@ class Plan:
         ``pooled``: the tables whose bags their owners pool (`Config.pooled_tables`), of which
         ``pooled_by_rows`` every server holding rows pools its share (`Config.pooled_by_rows`)
         and of ``pooled_by_columns`` each server of a column slice its slice
-        (`Config.pooled_by_columns`)."""
+        (`Config.pooled_by_columns`); ``link``: what the predicted times assume."""
         shape = cost.Shape(num_machines, max(1, world_size // num_machines),
                            small_sums=small_sums)
         dense_payload = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -135,14 +147,16 @@ class Plan:
                                              owners=len(servers) if name in pooled_by_rows
                                              or name in pooled_by_columns else 1,
                                              by_columns=name in pooled_by_columns)))
-        return cls(tuple(entries), world_size, num_machines, architecture, searches)
+        return cls(tuple(entries), world_size, num_machines, architecture, searches, link)
 
     def table(self) -> str:
         header = ("parameter", "shape", "bytes", "kind", "alpha", "why", "lives on",
-                  *(f"{a} B/step" for a in map(str, ARCHITECTURES)))
+                  *(f"{a} B/step" for a in map(str, ARCHITECTURES)),
+                  f"{self.architecture} link time/step")
         rows = [(p.name, "x".join(map(str, p.shape)) or "scalar", _size(p.bytes),
                  "sparse" if p.sparse else "dense", _alpha(p), p.reason, p.placement,
-                 *(_size(p.predicted_bytes.get(a)) for a in map(str, ARCHITECTURES)))
+                 *(_size(p.predicted_bytes.get(a)) for a in map(str, ARCHITECTURES)),
+                 _time(self.seconds(p.predicted_bytes.get(self.architecture))))
                 for p in self.parameters]
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -156,15 +170,31 @@ class Plan:
         totals = ", ".join(f"{a} {_size(self.predicted_total(a))}" for a in map(str, ARCHITECTURES))
         footer = (f"predicted inter-machine bytes per machine and step (B/step columns: per "
                   f"parameter, papers' Table 3 for this engine): {totals}")
-        searched = [record.summary() for record in self.searches]
-        return "\n".join([title, *lines, footer, *searched])
+        return "\n".join([title, *lines, footer, self._times_line(),
+                          *(record.summary() for record in self.searches)])
+
+    def _times_line(self) -> str:
+        if self.num_machines == 1:
+            return "predicted link time per step: none (one machine)"
+        if self.link is None:
+            return ("predicted link time per step: ? (the link is measured after the warm-up; "
+                    "or set Config.link_gbit)")
+        times = ", ".join(f"{a} {_time(self.seconds(self.predicted_total(a)))}"
+                          for a in map(str, ARCHITECTURES))
+        return (f"predicted link time per step (the bytes at the {self.link.describe()}): "
+                f"{times}")
 
     def to_json(self) -> str:
         return json.dumps({
             "architecture": self.architecture, "world_size": self.world_size,
             "num_machines": self.num_machines, "alpha_model": self.alpha_model,
             "predicted_bytes": {a: self.predicted_total(a) for a in map(str, ARCHITECTURES)},
-            "parameters": [asdict(p) for p in self.parameters],
+            "link": None if self.link is None else asdict(self.link),
+            "predicted_seconds": {a: self.seconds(self.predicted_total(a))
+                                  for a in map(str, ARCHITECTURES)},
+            "parameters": [{**asdict(p), "predicted_seconds": {
+                a: self.seconds(b) for a, b in p.predicted_bytes.items()}}
+                for p in self.parameters],
             "partition_searches": [record.to_dict() for record in self.searches],
         }, indent=2)
 
@@ -204,6 +234,14 @@ def _alpha(p: ParameterPlan) -> str:
     if not p.sparse:
         return "1"
     return "?" if p.alpha is None else f"{p.alpha:.3f}"
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds == 0:
+        return "0"
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
 def _size(value: float | None) -> str:

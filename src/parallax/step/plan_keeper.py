@@ -31,6 +31,7 @@ from parallax.model.stand_ins import RetracedRoot, TableLookup
 from parallax.parallelism import Parallelism
 from parallax.partitions.repartition import repartition, to_column_slices
 from parallax.partitions.tuner import PartitionTuner, SearchRecord, build_tuner
+from parallax.planning import link
 from parallax.planning.architectures import (
     ONE_WORKER,
     Architecture,
@@ -75,6 +76,8 @@ class PlanKeeper:
         #: off once α is measured: `Architecture.keeps_local_aggregation`)
         self.local_aggregation = architecture.aggregates_locally(config)
         self.sparsity: dict[str, Sparsity] = {}
+        #: the link the plan's times assume: given, or measured after the warm-up
+        self.link = None if config.link_gbit is None else link.given(config.link_gbit)
         self.decisions: dict[str, str] = (
             dict.fromkeys(sparse_uses, "lazy: touched rows only")
             if config.lazy_sparse_updates else {})
@@ -145,7 +148,7 @@ class PlanKeeper:
                                    if t.held is not None and t.held.column_slices > 1),
                                reasons=self.decisions,
                                local_aggregation=self.local_aggregation,
-                               searches=tuple(self.searches.values()))
+                               searches=tuple(self.searches.values()), link=self.link)
 
     # ---- the step hook -----------------------------------------------------------------------
     @property
@@ -182,6 +185,8 @@ class PlanKeeper:
         self._completed = True
         tables = self.layout.sparse
         self.sparsity = measure(tables, self.worker, self.group, self.worker.device)
+        if self.link is None:
+            self.link = link.measure(self.worker, self.group)
         self._stop_measuring()
         self._pool_bags()
         self._decide_local_aggregation()
