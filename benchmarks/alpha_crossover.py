@@ -44,7 +44,9 @@ def worker(out: str) -> None:
         for placement, threshold in (("ps", 1.0), ("allreduce", 0.0)):
             torch.manual_seed(0)
             model = Model()
-            config = parallax.Config(sparsity_warmup_steps=1, alpha_threshold=threshold)
+            # (rows pulled or AllReduced: the crossover measured; its bags would pool)
+            config = parallax.Config(sparsity_warmup_steps=1, alpha_threshold=threshold,
+                                     pooled_tables=())
             runner = parallax.get_runner(model, torch.optim.Adam(model.parameters(), lr=1e-3),
                                          nn.functional.cross_entropy, config=config)
             used = max(1, int(alpha * ROWS))

@@ -3,7 +3,8 @@
 worker (tests/scripts/pooled_worker.py) and the single-device reference (tests/integration/
 test_pooled.py): an EmbeddingBag over variable-length bags with every option the owner must
 reproduce (mode, per-sample weights, padding_idx, include_last_offset, sparse gradients), one
-over fixed-length 2-D bags, a row-path nn.Embedding beside them, an MLP on top."""
+over fixed-length 2-D bags, an nn.Embedding whose rows are averaged (or summed) over pairs of
+ids beside them, an MLP on top."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Case:
     by_columns: tuple[str, ...] = ()  # Config.pooled_by_columns
     meta: bool = False  # the workers build it in parallax.meta_init (servers make their rows)
     free_bytes: int | None = None  # what the planner sees free on every process (None: real)
+    item_reduce: str = "mean"  # how the items' nn.Embedding rows are reduced over each pair
     steps: int = 6
 
 
@@ -58,6 +60,9 @@ CASES = [
     Case("by-columns-mean-sparse-adagrad-meta-init", mode="mean", sparse=True,
          optimizer="adagrad", pooled=("user.weight",), by_columns=("history.weight",),
          meta=True),
+    # an nn.Embedding whose rows are only summed over each row of ids: its owner pools them
+    Case("embedding-pooled-sum-adam", optimizer="adam", item_reduce="sum",
+         pooled=(*POOLED, "item.weight")),
     # the planner pools what saves bytes (its threshold lowered to 0 bytes by the worker)
     Case("planner-decides", mode="mean", padding_idx=0, optimizer="adagrad", pooled=None),
     # the history (43,200 B with its gradient and Adagrad's sum) fits no server whole, and a
@@ -78,13 +83,16 @@ class BagModel(nn.Module):
                                        include_last_offset=case.last_offset, sparse=case.sparse)
         self.user = nn.EmbeddingBag(USER_ROWS, DIM, mode="mean", sparse=case.sparse)
         self.item = nn.Embedding(ITEM_ROWS, DIM, sparse=case.sparse)
+        self.item_reduce = case.item_reduce
         self.hidden = nn.Linear(3 * DIM, 8)
         self.out = nn.Linear(8, 3)
 
     def forward(self, history: Tensor, offsets: Tensor, weights: Tensor | None,
                 users: Tensor, items: Tensor) -> Tensor:
+        rows = self.item(items)
+        item = rows.mean(dim=1) if self.item_reduce == "mean" else torch.sum(rows, 1)
         pooled = torch.cat([self.history(history, offsets, per_sample_weights=weights),
-                            self.user(users), self.item(items).mean(dim=1)], dim=1)
+                            self.user(users), item], dim=1)
         return self.out(torch.tanh(self.hidden(pooled)))
 
 

@@ -272,6 +272,11 @@ class Config:
             ids and offsets to the owner and gets one pooled vector per bag back, and sends
             that vector's gradient back after the backward, instead of pulling every row its
             bags read and pushing every row's gradient (`parallax.engine.tables.pooled`).
+            Also ``nn.Embedding`` tables whose rows the program only sums or averages over
+            each row of ids (``emb(ids).mean(1)``; no ``padding_idx``): each row of ids is a
+            bag, and any other use of the rows is refused naming the table
+            (`parallax.model.bag_reductions`; the hybrid takes such a table by itself only
+            where the warm-up saw nothing but those sums and means).
             Fewer bytes for long bags over big tables; exact like the row path. Owners are
             chosen largest table first onto the least loaded server; the plan shows them.
             ``None`` (default): the hybrid decides after the warm-up, per bag table, from its

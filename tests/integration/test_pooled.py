@@ -68,7 +68,9 @@ def test_each_pooled_table_lives_whole_on_its_own_owner_as_the_plan_says(runs) -
     assert "PS: 1 partition(s) on server rank(s) 0" in lines["history.weight"]
     assert "bags pooled on owner rank 2" in lines["user.weight"]
     assert "PS: 1 partition(s) on server rank(s) 2" in lines["user.weight"]
-    assert "pooled" not in lines["item.weight"]  # an nn.Embedding pulls its rows
+    # the items' nn.Embedding, not named in Config.pooled_tables, pulls its rows
+    assert "bags pooled" not in lines["item.weight"]
+    assert "PS: 2 partition(s) on server rank(s) 0,2" in lines["item.weight"]
 
 
 def test_a_table_pooled_by_rows_stays_partitioned_over_the_servers_as_the_plan_says(
@@ -119,14 +121,16 @@ def test_pooling_moves_fewer_bytes_across_machines_than_pulling_rows(runs) -> No
 
 def test_left_to_the_planner_a_table_is_pooled_where_it_saves_bytes(runs) -> None:
     """(the floor of rows' bytes lowered to 1,500 B for these tiny tables): the history's
-    bags move fewer bytes pooled than its rows; the user bags would too, but their rows move
-    less than the floor."""
+    bags move fewer bytes pooled than its rows; the user bags' rows move less than the floor,
+    but with the items' rows only averaged over pairs (bags an owner pools too) pooling both
+    leaves no table pulling rows: they are pooled with the history's."""
     lines = _plan_rows(runs[0]["planner-decides"]["plan"])
     assert re.search(r"bags pooled on an owner: predicted [\d,]+ B vs rows [\d,]+ B, "
                      r"AllReduce [\d,]+ B per step; owner rank 0", lines["history.weight"][5])
     assert lines["history.weight"][6] == "PS: 1 partition(s) on server rank(s) 0"
-    assert lines["user.weight"][6] == "PS: 2 partition(s) on server rank(s) 0,2"
-    assert "pooled on an owner: " in lines["user.weight"][5]  # offered, not taken
+    for name in ("user.weight", "item.weight"):
+        assert "bags pooled with the other tables'" in lines[name][5], lines[name]
+        assert lines[name][6] == "PS: 1 partition(s) on server rank(s) 2", lines[name]
 
 
 def test_a_max_bag_table_no_server_holds_whole_is_cut_into_column_slices(runs) -> None:
@@ -157,7 +161,8 @@ def test_the_plan_predicts_pooling_s_bytes_and_offers_it_for_pulled_bags(runs) -
         assert offered is not None, pulled[name]
         assert offered.group(1) == pooled[name][hybrid]  # what pinning it then predicts
         assert _bytes(pooled[name][hybrid]) < _bytes(pulled[name][hybrid])
-    assert "pooled" not in pulled["item.weight"][5]  # an nn.Embedding has no bags
+    # the items' nn.Embedding rows are only averaged over pairs: their bags are offered too
+    assert "pooled on an owner: " in pulled["item.weight"][5]
 
 
 def _bytes(text: str) -> float:
@@ -216,13 +221,19 @@ def _shutdown():
 
 
 @pytest.mark.usefixtures("_shutdown")
-@pytest.mark.parametrize("name, message", [
-    ("nope.weight", r"'nope.weight', which is not a sparse parameter; it takes .*'bag.weight'"),
-    ("embedding.weight", r"'embedding.weight', which is read by 'embedding'"),
+@pytest.mark.parametrize("field, name, message", [
+    ("pooled_tables", "nope.weight", r"'nope.weight', which is not a sparse parameter; it "
+                                     r"takes .* whose rows the program only sums or averages "
+                                     r".*\['bag.weight', 'embedding.weight'\]"),
+    # an nn.Embedding's bags pool whole on one owner only
+    ("pooled_by_rows", "embedding.weight", r"'embedding.weight', which is read by 'embedding'; "
+                                           r"it takes .*nn.EmbeddingBag tables: \['bag.weight'\]"),
 ])
-def test_a_name_that_is_no_embedding_bag_is_refused(name: str, message: str) -> None:
+def test_a_name_that_is_no_poolable_table_is_refused(field: str, name: str,
+                                                     message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _runner(Bags(), (name,))
+        _runner(Bags(), () if field != "pooled_tables" else (name,), **(
+            {field: (name,)} if field != "pooled_tables" else {}))
 
 
 @pytest.mark.usefixtures("_shutdown")
@@ -477,13 +488,27 @@ class _AllBags(torch.nn.Module):
         return self.out(torch.cat([self.history(history), self.user(users)], dim=1))
 
 
+class _TokenRows(_AllBags):
+    """The same bags beside an nn.Embedding whose rows are read one by one: it cannot pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(40, 3)
+        self.out = torch.nn.Linear(15, 3)
+
+    def forward(self, history: torch.Tensor, users: torch.Tensor) -> torch.Tensor:
+        first = self.tokens(users % 40)[:, 0]
+        return self.out(torch.cat([self.history(history), self.user(users), first], dim=1))
+
+
 @pytest.mark.usefixtures("_shutdown")
-@pytest.mark.parametrize("model_class, user_pooled", [(_AllBags, True), (None, False)])
+@pytest.mark.parametrize("model_class, user_pooled", [(_AllBags, True), (_TokenRows, False)])
 def test_once_a_table_pools_the_planner_pools_the_rest_where_no_row_exchange_is_left(
         monkeypatch, model_class, user_pooled) -> None:
     """(one process: the bytes rule pools the history, stood in for) With every other table
     able to pool, pooling them too leaves no row exchange (3 collectives a step); with a
-    table that cannot pool (the cases' nn.Embedding of items) the rest keep their rows."""
+    table that cannot pool (an nn.Embedding whose rows are read one by one) the rest keep
+    their rows."""
     from parallax.planning import architectures
 
     monkeypatch.setattr(architectures.Hybrid, "pools_bags",
@@ -491,16 +516,11 @@ def test_once_a_table_pools_the_planner_pools_the_rest_where_no_row_exchange_is_
                                                                  "pooling saves bytes"))
     config = parallax.Config(partition_cache=None, sparsity_warmup_steps=1, num_partitions=2,
                              alpha_threshold=1.0)  # the others stay on the servers (one worker)
-    if model_class is None:
-        case = next(c for c in cases.CASES if c.name == "planner-decides")
-        model, optimizer = cases.build(case)
-        batch = cases.worker_slice(case, cases.batches(case)[0], 0, 1)
-    else:
-        torch.manual_seed(0)
-        model = model_class().double()
-        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
-        batch = ((torch.randint(300, (16, 8)), torch.randint(50, (16, 1))),
-                 torch.randint(3, (16,)))
+    torch.manual_seed(0)
+    model = model_class().double()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    batch = ((torch.randint(300, (16, 8)), torch.randint(50, (16, 1))),
+             torch.randint(3, (16,)))
     runner = parallax.get_runner(model, optimizer, cases.loss_fn, config=config)
     runner.step(batch)
     lines = _plan_rows(runner.plan.table())

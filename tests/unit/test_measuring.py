@@ -39,11 +39,39 @@ def test_use_is_counted_over_the_warmup_only(single_process, warmup: int) -> Non
         for table in runner.layout.sparse.values():
             counted = min(step, warmup)
             assert len(table.rows_used) == counted and table.measuring == (step < warmup)
-            if table.name == "bag.weight":
-                assert table.bag_use.bags == 6 * counted
+            # the embedding's rows are averaged over each row of ids: bags too
+            assert table.bag_use.bags == 6 * counted, table.name
+            assert not table.bag_use.rows_read_otherwise
     if warmup:
         assert all(p.alpha is not None and p.alpha > 0 for p in runner.plan.parameters
                    if p.sparse)
+        # ... so the plan offers to pool the embedding's bags as the bag layer's
+        reasons = {p.name: p.reason for p in runner.plan.parameters}
+        assert all("pooled on an owner: " in reasons[n] for n in ("embedding.weight",
+                                                                  "bag.weight"))
+    parallax.shutdown()
+
+
+class _Tokens(_Model):
+    def forward(self, ids: Tensor) -> Tensor:  # the first id's row read alone
+        rows = self.embedding(ids)
+        return self.out(self.bag(ids) + rows.mean(dim=1) + rows[:, 0]).squeeze(1)
+
+
+def test_rows_read_otherwise_are_no_bags(single_process) -> None:
+    torch.manual_seed(0)
+    model = _Tokens()
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss, config=parallax.Config(
+                                     sparsity_warmup_steps=2, partition_cache=None,
+                                     alpha_threshold=1.0))
+    for _ in range(2):
+        runner.step((torch.randint(40, (6, 3)), torch.rand(6)))
+    table = runner.layout.sparse["embedding.weight"]
+    assert table.bag_use.rows_read_otherwise
+    reasons = {p.name: p.reason for p in runner.plan.parameters}
+    assert "pooled on an owner" not in reasons["embedding.weight"]
+    assert "pooled on an owner" in reasons["bag.weight"]
     parallax.shutdown()
 
 

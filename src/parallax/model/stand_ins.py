@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.engine.tables.table import Table
-from parallax.errors import ArgumentTypeError, InternalError
+from parallax.errors import ArgumentTypeError, InternalError, UnsupportedProgramError
+from parallax.model.bag_reductions import pooled_rows, watched
 from parallax.model.detect import SparseUse, trace_gathers
 from parallax.model.trace_reads import Reads, TraceCache, same_traced
 
@@ -202,9 +203,26 @@ class ShardedEmbedding(TableLookup):
         self.padding_idx = padding_idx
 
     def forward(self, ids: Tensor) -> Tensor:
+        if self.table.pools:  # its owners pool the bags the program sums (bag_reductions)
+            if ids.dim() != 2 or self.padding_idx is not None:
+                raise UnsupportedProgramError(
+                    f"the bags of '{self.table.name}' are pooled where the table lives "
+                    f"(Config.pooled_tables), but its nn.Embedding is called with ids of "
+                    f"shape {tuple(ids.shape)}" + (f" and padding_idx={self.padding_idx}"
+                                                   if self.padding_idx is not None else "")
+                    + ": an owner pools rows of ids (batch x bag) without a padding id "
+                    "(the padding row counts in a mean here, not in an nn.EmbeddingBag's); "
+                    "leave it out of Config.pooled_tables")
+            return pooled_rows(self.table, ids)
         rows, inverse = self.table.lookup(ids)
         padding = _padding_row(self.table, ids, inverse, self.padding_idx)
-        return F.embedding(inverse, rows, padding_idx=padding)
+        out = F.embedding(inverse, rows, padding_idx=padding)
+        if not (torch.is_grad_enabled() and self.table.measuring):
+            return out
+        if ids.dim() != 2 or self.padding_idx is not None:  # (no bags an owner pools alike)
+            self.table.bag_use.rows_read_otherwise = True
+            return out
+        return watched(out, ids, self.table.bag_use)  # are they only pooled over bags?
 
     def extra_repr(self) -> str:
         return f"'{self.table.name}', rows={self.table.num_rows}, padding_idx={self.padding_idx}"

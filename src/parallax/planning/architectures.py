@@ -178,6 +178,9 @@ class Architecture:
 #: The hybrid's reason for replicating a table on one worker (the runner keeps the table on
 #: the servers in the own loop: `parallax.step.plan_keeper`)
 ONE_WORKER = "one worker: no exchange, the replica is updated where touched"
+#: the layers whose bags an owner pools: nn.EmbeddingBag, and nn.Embedding where the program
+#: only sums or averages its rows over each row of ids (`parallax.model.bag_reductions`)
+POOLABLE_KINDS = ("embedding_bag", "embedding")
 
 # The leader hop costs a second exchange each way, a merge and a fan-out per step; measured on
 # the LM at 2 machines x 2 workers, 1 Gbit/s (benchmarks/HISTORY.md), a 6 % byte saving cost
@@ -283,8 +286,9 @@ class Hybrid(Architecture):
                       config: Config, worker: WorkerInfo, owners: int = 1,
                       by_columns: bool = False) -> tuple[float, float] | None:
         if (config.pooled_tables is not None or config.sync != "sync" or table.pools
-                or not table.on_servers or use.kind != "embedding_bag"
+                or not table.on_servers or use.kind not in POOLABLE_KINDS
                 or use.batch_dependent is not None or measured.weights_need_grad
+                or measured.rows_read_otherwise
                 or measured.bags is None or measured.bag_ids is None):
             return None
         # the rows at their cheapest: through the leader hop or not (decided after this)
@@ -517,12 +521,15 @@ def _check_poolable(name: str, use: SparseUse | None, sparse_uses: dict[str, Spa
                     field: str) -> None:
     """Refuse a name of ``Config.<field>`` that is not an ``nn.EmbeddingBag`` table whose bags
     an owner can pool exactly."""
-    if use is None or use.kind != "embedding_bag":
+    kinds = POOLABLE_KINDS if field == "pooled_tables" else ("embedding_bag",)
+    if use is None or use.kind not in kinds:
         what = "not a sparse parameter" if use is None else f"read by {use.kind!r}"
+        layers = ("nn.EmbeddingBag tables, or nn.Embedding tables whose rows the program only "
+                  "sums or averages over each row of ids" if len(kinds) > 1
+                  else "nn.EmbeddingBag tables")
         raise ArgumentError(
             f"Config.{field} names {name!r}, which is {what}; it takes the parameter names "
-            f"of nn.EmbeddingBag tables: "
-            f"{sorted(n for n, u in sparse_uses.items() if u.kind == 'embedding_bag')}")
+            f"of {layers}: {sorted(n for n, u in sparse_uses.items() if u.kind in kinds)}")
     if use.batch_dependent is not None:
         raise UnsupportedProgramError(
             f"Config.{field} names {name!r}, whose layer has "

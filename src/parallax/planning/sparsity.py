@@ -33,13 +33,16 @@ class Sparsity:
     bags: float | None = None
     #: some worker's bag call had per-sample weights that require a gradient
     weights_need_grad: bool = False
+    #: an ``nn.Embedding``'s rows were used otherwise than summed or averaged over bags on
+    #: some worker (`parallax.model.bag_reductions`; its bags are then not counted)
+    rows_read_otherwise: bool = False
 
 
 def measure(tables: dict[str, Table], worker: WorkerInfo,
             group: dist.ProcessGroup, device: torch.device) -> dict[str, Sparsity]:
     """α and α_m of every table from its recorded usage (collective)."""
     names = sorted(tables)
-    values = torch.zeros(len(names), 5, dtype=torch.float64, device=device)
+    values = torch.zeros(len(names), 6, dtype=torch.float64, device=device)
     for i, name in enumerate(names):
         table = tables[name]
         if table.rows_used:
@@ -48,6 +51,7 @@ def measure(tables: dict[str, Table], worker: WorkerInfo,
             values[i, 2] = table.bag_use.ids / steps
             values[i, 3] = table.bag_use.bags / steps
         values[i, 4] = float(table.bag_use.weights_need_grad)
+        values[i, 5] = float(table.bag_use.rows_read_otherwise)
         if table.machine_rows_used:
             used = table.machine_rows_used
             values[i, 1] = sum(used) / len(used) / table.num_rows
@@ -57,12 +61,13 @@ def measure(tables: dict[str, Table], worker: WorkerInfo,
     result = {}
     for i, name in enumerate(names):
         aggregated = tables[name].on_servers and tables[name].local_aggregation
-        bags = float(values[i, 3]) / worker.world_size
+        otherwise = bool(values[i, 5] > 0)
+        bags = 0.0 if otherwise else float(values[i, 3]) / worker.world_size
         result[name] = Sparsity(
             float(values[i, 0]) / worker.world_size,
             float(values[i, 1]) / machines if aggregated else None,
             float(values[i, 2]) / worker.world_size if bags else None, bags or None,
-            bool(values[i, 4] > 0))
+            bool(values[i, 4] > 0), otherwise)
     return result
 
 

@@ -79,9 +79,10 @@ class Forward:
                     layer = self.executed.get_submodule(path)
                     table = table_read_by(layer)
                     held = table.held
-                    if held is not None and held.pools and isinstance(layer,
-                                                                      ShardedEmbeddingBag):
-                        if bag_args is not None:  # (else the layer's call pools it)
+                    if held is not None and held.pools:
+                        # (an nn.Embedding's bags: pooled when the program sums its rows,
+                        # `parallax.model.bag_reductions`; a bag layer's here, ahead)
+                        if isinstance(layer, ShardedEmbeddingBag) and bag_args is not None:
                             bags.append(pooled.bag_call(
                                 held, ids, *bag_args, mode=layer.mode,
                                 padding_idx=layer.padding_idx,

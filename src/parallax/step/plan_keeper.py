@@ -246,7 +246,10 @@ class PlanKeeper:
     def _pool_bags(self) -> None:
         """Hold whole on one server, and pool there, the bag tables the architecture says
         pool cheaper (`Architecture.pools_bags`; collective): largest first, each onto the
-        server holding the fewest pooled bytes so far."""
+        server holding the fewest pooled bytes so far (a table no server holds whole spread
+        over several where that saves bytes: `_pool_spread`). Then, where all of them pool,
+        the other server-held tables too if that leaves no table pulling rows
+        (`_pooled_with_them`), in the room left."""
         servers = self.worker.server_ranks
         load = [0] * len(servers)
         for name, table in self.layout.sparse.items():
@@ -262,9 +265,20 @@ class PlanKeeper:
                                                      config=self.config, worker=self.worker)
             if pool:
                 chosen[name] = why
-        if chosen:
-            chosen.update(self._pooled_with_them(chosen))
-        room = self._room_on_servers() if chosen else {}
+        if not chosen:
+            return
+        room = self._room_on_servers()
+        self._place(chosen, room, load, spread=True)
+        if all(self.layout.sparse[name].pools for name in chosen):
+            self._place(self._pooled_with_them(chosen), room, load, spread=False)
+
+    def _place(self, chosen: dict[str, str], room: dict[int, float], load: list[int], *,
+               spread: bool) -> None:
+        """Pool the ``chosen`` tables (name: why) whole on the servers with ``room`` for them,
+        largest first onto the least ``load``; one that fits none is spread where
+        ``spread`` (`_pool_spread`), else keeps its rows. Takes from ``room``, adds to
+        ``load``."""
+        servers = self.worker.server_ranks
         needed = {name: self._bytes_held_whole(name) for name in chosen}
         most_free: dict[str, float] = {}
 
@@ -285,7 +299,10 @@ class PlanKeeper:
                 too_large = (f"{why}, but held whole on one server it would take "
                              f"{needed[name]:,} B with its gradient and optimizer state, and "
                              f"at most {most_free[name]:,.0f} B are free on any")
-                self._pool_spread(name, too_large, needed[name], room, load)
+                if spread:
+                    self._pool_spread(name, too_large, needed[name], room, load)
+                else:
+                    self.decisions[name] = f"{too_large}: its rows stay partitioned"
                 continue
             owner = owners[name]
             repartition(held, 1, self.shard_optimizer, first_server=owner)
@@ -303,6 +320,10 @@ class PlanKeeper:
         partitioned. Takes the slices' room from ``room`` and adds their bytes to ``load``."""
         held = self.layout.sparse[name].held
         assert held is not None
+        if self.sparse_uses[name].kind != "embedding_bag":
+            self.decisions[name] = (f"{too_large}: its rows stay partitioned (an "
+                                    f"nn.Embedding's bags pool on one owner)")
+            return
         servers = self.worker.server_ranks
         by_rows, rows_why = self._by_rows(name)
         slices = column_slices(math.prod(held.row_shape), len(servers))

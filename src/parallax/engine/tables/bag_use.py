@@ -1,4 +1,5 @@
-"""`BagUse`: what a table's ``nn.EmbeddingBag`` calls read, counted for the plan."""
+"""`BagUse`: what a table's ``nn.EmbeddingBag`` calls read (or an ``nn.Embedding``'s rows
+summed over bags: `parallax.model.bag_reductions`), counted for the plan."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ __all__ = ["BagUse"]
 
 @dataclass
 class BagUse:
-    """The ids and bags of a table's ``nn.EmbeddingBag`` calls with gradients, summed over
-    the steps `Table.rows_used` counts (what predicts pooling's bytes:
-    `parallax.planning.cost.pooled_bags`)."""
+    """The ids and bags of a table's ``nn.EmbeddingBag`` calls with gradients (or of the sums
+    and means over bags of its ``nn.Embedding`` rows), summed over the steps `Table.rows_used`
+    counts (what predicts pooling's bytes: `parallax.planning.cost.pooled_bags`)."""
 
     ids: int = 0
     bags: int = 0
     #: some call's per-sample weights required a gradient (its bags cannot be pooled)
     weights_need_grad: bool = False
+    #: an ``nn.Embedding``'s rows were used otherwise than summed or averaged over bags
+    rows_read_otherwise: bool = False
 
     def add(self, ids: Tensor, offsets: Tensor | None, include_last_offset: bool,
             weights: Tensor | None = None) -> None:

@@ -1,0 +1,133 @@
+"""`parallax.model.bag_reductions`: an nn.Embedding's rows watched through the warm-up are
+the same tensor (values and gradients), and only a sum or mean over each row of ids counts as
+bags; any other use marks the rows as read otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from parallax.engine.tables.bag_use import BagUse
+from parallax.model.bag_reductions import WatchedRows, watched
+
+IDS = torch.tensor([[0, 2, 2], [1, 3, 0]])  # 2 bags of 3 ids
+
+
+def _rows() -> tuple[Tensor, Tensor]:
+    weight = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    return weight, F.embedding(IDS, weight)
+
+
+POOLED: dict[str, Callable[[Tensor], Tensor]] = {
+    "sum(1)": lambda r: r.sum(1), "mean(dim=1)": lambda r: r.mean(dim=1),
+    "torch.sum(-2)": lambda r: torch.sum(r, -2), "torch.mean(dim=(1,))": lambda r: torch.mean(
+        r, dim=(1,)), "shape then sum": lambda r: r.sum(1) * (r.shape[1] / r.size(1))}
+OTHERWISE: dict[str, Callable[[Tensor], Tensor]] = {
+    "sum over the batch": lambda r: r.sum(0), "keepdim": lambda r: r.sum(1, keepdim=True),
+    "sum of everything": lambda r: r.sum(), "slice": lambda r: r[:, 0],
+    "elementwise then sum": lambda r: (r * 2).sum(1), "max": lambda r: r.max(1).values,
+    "another dtype": lambda r: r.sum(1, dtype=torch.float32).double(),
+    "an lstm's input": lambda r: r.transpose(0, 1).sum(0)}
+
+
+@pytest.mark.parametrize("use", POOLED, ids=str)
+def test_a_sum_or_mean_over_bags_counts_the_bags_and_changes_nothing(use: str) -> None:
+    weight, rows = _rows()
+    bag_use = BagUse()
+    plain = POOLED[use](rows)
+    plain.sum().backward()
+    want = weight.grad.clone()
+    weight.grad = None
+    out = POOLED[use](watched(F.embedding(IDS, weight), IDS, bag_use))
+    assert type(out) is Tensor and torch.equal(out, plain)  # (plain: only the rows watched)
+    out.sum().backward()
+    assert torch.equal(weight.grad, want)
+    assert (bag_use.ids, bag_use.bags, bag_use.rows_read_otherwise) == (6, 2, False)
+
+
+@pytest.mark.parametrize("use", OTHERWISE, ids=str)
+def test_any_other_use_marks_the_rows_read_otherwise(use: str) -> None:
+    _, rows = _rows()
+    bag_use = BagUse()
+    out = OTHERWISE[use](watched(rows, IDS, bag_use))
+    assert torch.equal(out, OTHERWISE[use](rows))
+    assert bag_use.rows_read_otherwise, use
+
+
+def test_the_rows_are_the_lookup_itself() -> None:
+    _, rows = _rows()
+    out = watched(rows, IDS, BagUse())
+    assert isinstance(out, WatchedRows) and out.data_ptr() == rows.data_ptr()
+    assert out.grad_fn is not None and out.shape == (2, 3, 5)
+
+
+class _Averaged(torch.nn.Module):
+    """Items averaged (or summed) over each row of ids, the rows of which pool on an owner."""
+
+    def __init__(self, reduce: str, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.reduce = reduce
+        self.items = torch.nn.Embedding(30, 4, padding_idx=padding_idx)
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = self.items(ids)
+        if self.reduce == "slice":  # a row read alone: no bag an owner could pool
+            return self.out(rows[:, 0])
+        pooled = rows.mean(dim=1) if self.reduce == "mean" else torch.sum(rows, 1)
+        return self.out(pooled * (rows.shape[1] / rows.size(1)))  # (metadata reads)
+
+
+def _train(model: torch.nn.Module, runner: object | None, steps: int = 4) -> None:
+    generator = torch.Generator().manual_seed(3)
+    optimizer = None if runner is not None else torch.optim.Adagrad(model.parameters(), lr=0.5)
+    for _ in range(steps):
+        batch = (torch.randint(30, (6, 3), generator=generator),
+                 torch.randint(2, (6,), generator=generator))
+        if runner is not None:
+            runner.step(batch)  # type: ignore[attr-defined]
+            continue
+        assert optimizer is not None
+        optimizer.zero_grad()
+        F.cross_entropy(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_an_embedding_pinned_to_pool_trains_as_one_device(single_process, reduce: str) -> None:
+    import parallax
+
+    torch.manual_seed(0)
+    model, reference = _Averaged(reduce).double(), _Averaged(reduce).double()
+    reference.load_state_dict(model.state_dict())
+    runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.5),
+                                 F.cross_entropy, config=parallax.Config(
+                                     pooled_tables=("items.weight",), partition_cache=None))
+    _train(model, runner)
+    _train(reference, None)
+    assert runner.layout.sparse["items.weight"].pools
+    state = runner.state_dict()
+    for name, value in reference.state_dict().items():
+        assert float((state[name] - value).abs().max()) <= 1e-12, name
+    parallax.shutdown()
+
+
+@pytest.mark.parametrize("padding_idx, reduce, match", [
+    (None, "slice", r"the bags of 'items.weight' are pooled .* applies __getitem__ to them"),
+    (0, "mean", r"'items.weight' .* padding_idx=0")])
+def test_a_pooled_embedding_read_otherwise_is_refused(single_process, padding_idx: int | None,
+                                                      reduce: str, match: str) -> None:
+    import parallax
+    from parallax.errors import UnsupportedProgramError
+
+    model = _Averaged(reduce, padding_idx).double()
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                 F.cross_entropy, config=parallax.Config(
+                                     pooled_tables=("items.weight",), partition_cache=None))
+    with pytest.raises(UnsupportedProgramError, match=match):
+        _train(model, runner, steps=1)
+    parallax.shutdown()
