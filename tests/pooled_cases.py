@@ -49,7 +49,7 @@ CASES = [
     Case("rows-pulled", mode="mean", padding_idx=0, optimizer="adagrad", pooled=()),
     # pooled by rows: each server its rows' share of every bag, added by the worker
     Case("by-rows-sum-weights-adagrad", weights=True, optimizer="adagrad",
-         pooled=("user.weight",), by_rows=("history.weight",)),
+         pooled=("user.weight",), by_rows=("history.weight", "item.weight")),
     Case("by-rows-mean-padding-last-offset-adam", mode="mean", padding_idx=0, last_offset=True,
          optimizer="adam", pooled=(), by_rows=POOLED),
     # pooled by columns: each server a column slice of every bag, put side by side
@@ -58,8 +58,8 @@ CASES = [
     Case("by-columns-max-padding-last-offset-adam", mode="max", padding_idx=0,
          last_offset=True, optimizer="adam", pooled=(), by_columns=POOLED),
     Case("by-columns-mean-sparse-adagrad-meta-init", mode="mean", sparse=True,
-         optimizer="adagrad", pooled=("user.weight",), by_columns=("history.weight",),
-         meta=True),
+         optimizer="adagrad", pooled=("user.weight",),
+         by_columns=("history.weight", "item.weight"), meta=True),
     # an nn.Embedding whose rows are only summed over each row of ids: its owner pools them
     Case("embedding-pooled-sum-adam", optimizer="adam", item_reduce="sum",
          pooled=(*POOLED, "item.weight")),

@@ -290,7 +290,8 @@ class Config:
             per-sample weights that require a gradient, ``architecture="allreduce"`` or an
             asynchronous ``sync``; a pooled table is never re-partitioned nor moved to
             AllReduce.
-        pooled_by_rows: parameter names of ``nn.EmbeddingBag`` tables pooled where their rows
+        pooled_by_rows: parameter names of ``nn.EmbeddingBag`` tables (or ``nn.Embedding``
+            tables as `pooled_tables` takes them) pooled where their rows
             live, partitioned over every server as on the row path (TorchRec's row-wise
             sharding): a worker sends each server the ids of its rows, each server pools its
             share of every bag (a sum) and sends it back, and the worker adds the shares (and
@@ -299,7 +300,8 @@ class Config:
             pooled vector per server and bag; equal to one device up to the order in
             which a bag's rows are added. Not with ``mode="max"`` nor where `pooled_tables`
             would refuse; distinct from `pooled_tables`' names.
-        pooled_by_columns: parameter names of ``nn.EmbeddingBag`` tables held as column
+        pooled_by_columns: parameter names of ``nn.EmbeddingBag`` tables (or ``nn.Embedding``
+            tables as `pooled_tables` takes them) held as column
             slices (TorchRec's column-wise sharding): a table of width d is cut into the most
             slices K that divide d, at most one per server, slice k on its own server; a
             worker sends every slice's server all its ids and offsets, each pools its slice

@@ -77,8 +77,9 @@ def test_a_table_pooled_by_rows_stays_partitioned_over_the_servers_as_the_plan_s
         runs) -> None:
     trained, _ = runs
     plan = _plan_rows(trained["by-rows-sum-weights-adagrad"]["plan"])
-    assert "bags pooled by rows, each server rank of 0,2 its rows' share" in " ".join(
-        plan["history.weight"])
+    for name in ("history.weight", "item.weight"):  # (the items' nn.Embedding rows too)
+        assert "bags pooled by rows, each server rank of 0,2 its rows' share" in " ".join(
+            plan[name]), plan[name]
     assert "PS: 2 partition(s) on server rank(s) 0,2" in plan["history.weight"]
     assert "bags pooled on owner rank" in " ".join(plan["user.weight"])
     moved = trained["by-rows-sum-weights-adagrad"]["bytes"]["history.weight"]
@@ -225,9 +226,6 @@ def _shutdown():
     ("pooled_tables", "nope.weight", r"'nope.weight', which is not a sparse parameter; it "
                                      r"takes .* whose rows the program only sums or averages "
                                      r".*\['bag.weight', 'embedding.weight'\]"),
-    # an nn.Embedding's bags pool whole on one owner only
-    ("pooled_by_rows", "embedding.weight", r"'embedding.weight', which is read by 'embedding'; "
-                                           r"it takes .*nn.EmbeddingBag tables: \['bag.weight'\]"),
 ])
 def test_a_name_that_is_no_poolable_table_is_refused(field: str, name: str,
                                                      message: str) -> None:
@@ -281,11 +279,10 @@ def test_configurations_that_cannot_pool_by_columns_are_refused(config: dict,
 
 @pytest.mark.usefixtures("_shutdown")
 @pytest.mark.parametrize("field", ["pooled_by_rows", "pooled_by_columns"])
-def test_a_name_pooled_by_rows_or_columns_that_is_no_embedding_bag_is_refused(
-        field: str) -> None:
-    with pytest.raises(ValueError, match=rf"Config.{field} names 'embedding.weight', "
-                                         r"which is read by 'embedding'"):
-        _runner(Bags(), (), **{field: ("embedding.weight",)})
+def test_a_name_pooled_by_rows_or_columns_that_is_no_table_is_refused(field: str) -> None:
+    with pytest.raises(ValueError, match=rf"Config.{field} names 'out.weight', which is not "
+                                         r"a sparse parameter"):
+        _runner(Bags(), (), **{field: ("out.weight",)})
 
 
 @pytest.mark.usefixtures("_shutdown")

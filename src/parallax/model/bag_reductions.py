@@ -20,6 +20,7 @@ not exist on the worker: exact or refused, never zeros).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -96,7 +97,7 @@ class PooledRows(Tensor):
     """The output of an ``nn.Embedding`` whose table's owners pool its bags: shaped as the
     rows (batch x bag x width; no memory: every element one zero), a sum or mean over the
     bags is ``table.pool_bags`` of ``ids``; its metadata reads as the rows'; anything else is
-    refused (`UnsupportedProgramError`)."""
+    refused (`UnsupportedProgramError`). An ``nn.Embedding``'s rows are vectors (``width``)."""
 
     _parallax_table: Table
     _parallax_ids: Tensor
@@ -128,8 +129,10 @@ class PooledRows(Tensor):
 
 def pooled_rows(table: Table, ids: Tensor) -> Tensor:
     """`PooledRows` standing for the rows ``table`` would look up for ``ids`` (batch x bag)."""
+    # (a table held as column slices: its rows are the slices', the program's K times wider)
+    width = math.prod(table.row_shape) * getattr(table, "column_slices", 1)
     rows = torch.zeros((), dtype=table.dtype, device=ids.device).expand(
-        *ids.shape, *table.row_shape).as_subclass(PooledRows)
+        *ids.shape, width).as_subclass(PooledRows)
     rows._parallax_table = table
     rows._parallax_ids = ids
     return rows

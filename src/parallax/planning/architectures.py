@@ -521,15 +521,13 @@ def _check_poolable(name: str, use: SparseUse | None, sparse_uses: dict[str, Spa
                     field: str) -> None:
     """Refuse a name of ``Config.<field>`` that is not an ``nn.EmbeddingBag`` table whose bags
     an owner can pool exactly."""
-    kinds = POOLABLE_KINDS if field == "pooled_tables" else ("embedding_bag",)
-    if use is None or use.kind not in kinds:
+    if use is None or use.kind not in POOLABLE_KINDS:
         what = "not a sparse parameter" if use is None else f"read by {use.kind!r}"
-        layers = ("nn.EmbeddingBag tables, or nn.Embedding tables whose rows the program only "
-                  "sums or averages over each row of ids" if len(kinds) > 1
-                  else "nn.EmbeddingBag tables")
         raise ArgumentError(
             f"Config.{field} names {name!r}, which is {what}; it takes the parameter names "
-            f"of {layers}: {sorted(n for n, u in sparse_uses.items() if u.kind in kinds)}")
+            f"of nn.EmbeddingBag tables, or of nn.Embedding tables whose rows the program only "
+            f"sums or averages over each row of ids: "
+            f"{sorted(n for n, u in sparse_uses.items() if u.kind in POOLABLE_KINDS)}")
     if use.batch_dependent is not None:
         raise UnsupportedProgramError(
             f"Config.{field} names {name!r}, whose layer has "

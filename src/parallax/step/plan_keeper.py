@@ -320,10 +320,6 @@ class PlanKeeper:
         partitioned. Takes the slices' room from ``room`` and adds their bytes to ``load``."""
         held = self.layout.sparse[name].held
         assert held is not None
-        if self.sparse_uses[name].kind != "embedding_bag":
-            self.decisions[name] = (f"{too_large}: its rows stay partitioned (an "
-                                    f"nn.Embedding's bags pool on one owner)")
-            return
         servers = self.worker.server_ranks
         by_rows, rows_why = self._by_rows(name)
         slices = column_slices(math.prod(held.row_shape), len(servers))
@@ -353,11 +349,11 @@ class PlanKeeper:
     def _by_rows(self, name: str) -> tuple[float | None, str]:
         """``name``'s predicted bytes pooled by rows where that saves bytes
         (`Architecture.pools_by_rows`; else None): not a layer whose ``mode`` is ``"max"``
-        (the shares are sums)."""
+        (the shares are sums; an ``nn.Embedding``'s bags are sums or means)."""
         use = self.sparse_uses[name]
         layer = (self.model.get_submodule(use.module_path) if use.module_path is not None
                  else None)
-        if getattr(layer, "mode", None) not in ("sum", "mean"):
+        if getattr(layer, "mode", "sum") not in ("sum", "mean"):
             return None, ""
         return self.architecture.pools_by_rows(self.layout.sparse[name], use,
                                                self.sparsity[name], config=self.config,
