@@ -149,7 +149,10 @@ def test_a_staleness_wait_names_the_worker_that_hangs(tmp_path: Path) -> None:
     assert_no_worker_left(tmp_path)
 
 
-FAULT_TIMEOUT_S = 20  # faulty_worker.py's collective timeout in mode uneven (8 s in hang*)
+# faulty_worker.py's collective timeout in modes uneven and raise-async (8 s in hang*): far
+# above what a run that does not wait for it takes on 2 loaded cores (15-26 s seen)
+FAULT_TIMEOUT_S = 60
+HANG_TIMEOUT_S = 8
 
 
 @pytest.mark.parametrize("machines", [1, 2])
@@ -182,7 +185,7 @@ def test_a_hung_rank_is_named_not_the_rank_whose_wait_expired(tmp_path: Path, mo
                                  "arrive"), proc.stderr[-3000:]
     assert re.search(f"rank 1's last record is: {where}", proc.stderr), proc.stderr[-3000:]
     assert not any(line.startswith("parallax: rank 0") for line in summary)
-    assert seconds < FAULT_TIMEOUT_S + 30, "every process ends soon after the timeout"
+    assert seconds < HANG_TIMEOUT_S + 42, "every process ends soon after the timeout"
     assert_no_worker_left(tmp_path)
 
 

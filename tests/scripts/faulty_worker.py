@@ -7,7 +7,7 @@ Usage: faulty_worker.py MODE OUT_DIR, MODE one of
   mismatch rank 1 builds another Config and model head than rank 0
   nan      rank 1's loss is NaN in step 3 (nan-skip: with Config(nonfinite="skip"))
   export   no fault: train, export, and check the export reproduces the runner's outputs
-  uneven   rank 1 has one batch more than the others (collective timeout 20 s)
+  uneven   rank 1 has one batch more than the others (collective timeout 60 s)
   hang     rank 1 sleeps 120 s in its loop before step 4 (collective timeout 10 s)
   hang-loss  rank 1 sleeps 120 s in its loss function in step 4 (collective timeout 10 s)
   raise-async  as raise, under Config(sync="async") (no collective holds the others)
@@ -57,12 +57,12 @@ def main() -> None:
 
     if mode == "nan-skip":
         config = parallax.Config(collective_timeout_s=60, nonfinite="skip")
-    if mode == "uneven":
-        config = parallax.Config(collective_timeout_s=20)
+    if mode == "uneven":  # (60 s: a run that waited for it is told from one that did not)
+        config = parallax.Config(collective_timeout_s=60)
     if mode in ("hang", "hang-loss"):  # 8 s: as the async hang's, proven on 2 loaded cores
         config = parallax.Config(collective_timeout_s=8)
     if mode.endswith("-async"):
-        config = parallax.Config(collective_timeout_s=8 if mode == "hang-async" else 20,
+        config = parallax.Config(collective_timeout_s=8 if mode == "hang-async" else 60,
                                  sync="async", architecture="ps",
                                  max_staleness=1 if mode == "hang-async" else None)
     runner = parallax.get_runner(model, optimizer, loss, config=config)
