@@ -272,8 +272,9 @@ class Config:
             ids and offsets to the owner and gets one pooled vector per bag back, and sends
             that vector's gradient back after the backward, instead of pulling every row its
             bags read and pushing every row's gradient (`parallax.engine.tables.pooled`).
-            Also ``nn.Embedding`` tables whose rows the program only sums or averages over
-            each row of ids (``emb(ids).mean(1)``; no ``padding_idx``): each row of ids is a
+            Also ``nn.Embedding`` tables (and parameters read by hand-written gathers) whose
+            rows the program only sums or averages over each row of ids
+            (``emb(ids).mean(1)``, ``w[ids].sum(1)``; no ``padding_idx``): each row of ids is a
             bag, and any other use of the rows is refused naming the table
             (`parallax.model.bag_reductions`; the hybrid takes such a table by itself only
             where the warm-up saw nothing but those sums and means).

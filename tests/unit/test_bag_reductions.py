@@ -97,19 +97,37 @@ def _train(model: torch.nn.Module, runner: object | None, steps: int = 4) -> Non
         optimizer.step()
 
 
-@pytest.mark.parametrize("reduce", ["mean", "sum"])
-def test_an_embedding_pinned_to_pool_trains_as_one_device(single_process, reduce: str) -> None:
+class _Gathered(torch.nn.Module):
+    """The same bags read by hand-written gathers (fx finds them): ``w[ids]``, F.embedding."""
+
+    def __init__(self, reduce: str) -> None:
+        super().__init__()
+        self.reduce = reduce
+        self.items = torch.nn.Parameter(torch.randn(30, 4))
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.reduce == "mean":
+            return self.out(F.embedding(ids, self.items).mean(dim=1))
+        return self.out(self.items[ids].sum(1))
+
+
+@pytest.mark.parametrize("model_class, reduce, name", [
+    (_Averaged, "mean", "items.weight"), (_Averaged, "sum", "items.weight"),
+    (_Gathered, "mean", "items"), (_Gathered, "sum", "items")])
+def test_a_table_pinned_to_pool_trains_as_one_device(single_process, model_class: type,
+                                                     reduce: str, name: str) -> None:
     import parallax
 
     torch.manual_seed(0)
-    model, reference = _Averaged(reduce).double(), _Averaged(reduce).double()
+    model, reference = model_class(reduce).double(), model_class(reduce).double()
     reference.load_state_dict(model.state_dict())
     runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.5),
                                  F.cross_entropy, config=parallax.Config(
-                                     pooled_tables=("items.weight",), partition_cache=None))
+                                     pooled_tables=(name,), partition_cache=None))
     _train(model, runner)
     _train(reference, None)
-    assert runner.layout.sparse["items.weight"].pools
+    assert runner.layout.sparse[name].pools
     state = runner.state_dict()
     for name, value in reference.state_dict().items():
         assert float((state[name] - value).abs().max()) <= 1e-12, name
@@ -130,4 +148,21 @@ def test_a_pooled_embedding_read_otherwise_is_refused(single_process, padding_id
                                      pooled_tables=("items.weight",), partition_cache=None))
     with pytest.raises(UnsupportedProgramError, match=match):
         _train(model, runner, steps=1)
+    parallax.shutdown()
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_a_gathers_bags_are_counted_in_the_warmup(single_process, reduce: str) -> None:
+    """(the fx-rewritten forward runs the gather's stand-in: its rows are watched alike)"""
+    import parallax
+
+    model = _Gathered(reduce).double()
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                 F.cross_entropy, config=parallax.Config(
+                                     sparsity_warmup_steps=2, alpha_threshold=1.0,
+                                     partition_cache=None))
+    _train(model, runner, steps=2)
+    use = runner.layout.sparse["items"].bag_use
+    assert (use.bags, use.ids, use.rows_read_otherwise) == (12, 36, False)
+    assert "pooled on an owner" in {p.name: p.reason for p in runner.plan.parameters}["items"]
     parallax.shutdown()

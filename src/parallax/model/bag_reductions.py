@@ -119,7 +119,7 @@ class PooledRows(Tensor):
                                        include_last_offset=False)
         name = _table_named(args, kwargs)
         raise UnsupportedProgramError(
-            f"the bags of '{name}' are pooled where the table lives (its nn.Embedding rows "
+            f"the bags of '{name}' are pooled where the table lives (its looked-up rows "
             f"were only summed or averaged over each row of ids in the warm-up, or "
             f"Config.pooled_tables names it), so the rows exist only as those sums or means; "
             f"this forward applies {getattr(func, '__name__', func)!s} to them. Keep the "

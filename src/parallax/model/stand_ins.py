@@ -203,26 +203,7 @@ class ShardedEmbedding(TableLookup):
         self.padding_idx = padding_idx
 
     def forward(self, ids: Tensor) -> Tensor:
-        if self.table.pools:  # its owners pool the bags the program sums (bag_reductions)
-            if ids.dim() != 2 or self.padding_idx is not None:
-                raise UnsupportedProgramError(
-                    f"the bags of '{self.table.name}' are pooled where the table lives "
-                    f"(Config.pooled_tables), but its nn.Embedding is called with ids of "
-                    f"shape {tuple(ids.shape)}" + (f" and padding_idx={self.padding_idx}"
-                                                   if self.padding_idx is not None else "")
-                    + ": an owner pools rows of ids (batch x bag) without a padding id "
-                    "(the padding row counts in a mean here, not in an nn.EmbeddingBag's); "
-                    "leave it out of Config.pooled_tables")
-            return pooled_rows(self.table, ids)
-        rows, inverse = self.table.lookup(ids)
-        padding = _padding_row(self.table, ids, inverse, self.padding_idx)
-        out = F.embedding(inverse, rows, padding_idx=padding)
-        if not (torch.is_grad_enabled() and self.table.measuring):
-            return out
-        if ids.dim() != 2 or self.padding_idx is not None:  # (no bags an owner pools alike)
-            self.table.bag_use.rows_read_otherwise = True
-            return out
-        return watched(out, ids, self.table.bag_use)  # are they only pooled over bags?
+        return _rows_for_bags(self.table, ids, self.padding_idx)
 
     def extra_repr(self) -> str:
         return f"'{self.table.name}', rows={self.table.num_rows}, padding_idx={self.padding_idx}"
@@ -267,6 +248,30 @@ class ShardedGather(TableLookup):
         self.table = table
 
     def forward(self, ids: Tensor, padding_idx: int | None = None) -> Tensor:
-        rows, inverse = self.table.lookup(ids)
-        padding = _padding_row(self.table, ids, inverse, padding_idx)
-        return F.embedding(inverse, rows, padding_idx=padding)
+        return _rows_for_bags(self.table, ids, padding_idx)
+
+
+def _rows_for_bags(table: Table, ids: Tensor, padding_idx: int | None) -> Tensor:
+    """The rows of ``ids`` (an ``nn.Embedding`` or a gather), pulled; watched in the warm-up
+    for sums and means over bags, and, once the table's owners pool those, a stand-in whose
+    sum or mean is theirs (`parallax.model.bag_reductions`)."""
+    if table.pools:
+        if ids.dim() != 2 or padding_idx is not None:
+            raise UnsupportedProgramError(
+                f"the bags of '{table.name}' are pooled where the table lives "
+                f"(Config.pooled_tables), but its rows are looked up with ids of shape "
+                f"{tuple(ids.shape)}" + (f" and padding_idx={padding_idx}"
+                                         if padding_idx is not None else "")
+                + ": an owner pools rows of ids (batch x bag) without a padding id "
+                "(the padding row counts in a mean here, not in an nn.EmbeddingBag's); "
+                "leave it out of Config.pooled_tables")
+        return pooled_rows(table, ids)
+    rows, inverse = table.lookup(ids)
+    padding = _padding_row(table, ids, inverse, padding_idx)
+    out = F.embedding(inverse, rows, padding_idx=padding)
+    if not (torch.is_grad_enabled() and table.measuring):
+        return out
+    if ids.dim() != 2 or padding_idx is not None:  # (no bags an owner pools alike)
+        table.bag_use.rows_read_otherwise = True
+        return out
+    return watched(out, ids, table.bag_use)  # are they only pooled over bags?

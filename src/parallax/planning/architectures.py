@@ -178,9 +178,10 @@ class Architecture:
 #: The hybrid's reason for replicating a table on one worker (the runner keeps the table on
 #: the servers in the own loop: `parallax.step.plan_keeper`)
 ONE_WORKER = "one worker: no exchange, the replica is updated where touched"
-#: the layers whose bags an owner pools: nn.EmbeddingBag, and nn.Embedding where the program
-#: only sums or averages its rows over each row of ids (`parallax.model.bag_reductions`)
-POOLABLE_KINDS = ("embedding_bag", "embedding")
+#: the lookups whose bags an owner pools: nn.EmbeddingBag, and nn.Embedding or a hand-written
+#: gather where the program only sums or averages its rows over each row of ids
+#: (`parallax.model.bag_reductions`)
+POOLABLE_KINDS = ("embedding_bag", "embedding", "gather")
 
 # The leader hop costs a second exchange each way, a merge and a fan-out per step; measured on
 # the LM at 2 machines x 2 workers, 1 Gbit/s (benchmarks/HISTORY.md), a 6 % byte saving cost
@@ -525,8 +526,8 @@ def _check_poolable(name: str, use: SparseUse | None, sparse_uses: dict[str, Spa
         what = "not a sparse parameter" if use is None else f"read by {use.kind!r}"
         raise ArgumentError(
             f"Config.{field} names {name!r}, which is {what}; it takes the parameter names "
-            f"of nn.EmbeddingBag tables, or of nn.Embedding tables whose rows the program only "
-            f"sums or averages over each row of ids: "
+            f"of nn.EmbeddingBag tables, or of tables looked up by nn.Embedding or a gather "
+            f"whose rows the program only sums or averages over each row of ids: "
             f"{sorted(n for n, u in sparse_uses.items() if u.kind in POOLABLE_KINDS)}")
     if use.batch_dependent is not None:
         raise UnsupportedProgramError(
