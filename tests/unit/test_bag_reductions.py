@@ -31,7 +31,9 @@ OTHERWISE: dict[str, Callable[[Tensor], Tensor]] = {
     "sum of everything": lambda r: r.sum(), "slice": lambda r: r[:, 0],
     "elementwise then sum": lambda r: (r * 2).sum(1), "max": lambda r: r.max(1).values,
     "another dtype": lambda r: r.sum(1, dtype=torch.float32).double(),
-    "an lstm's input": lambda r: r.transpose(0, 1).sum(0)}
+    "an lstm's input": lambda r: r.transpose(0, 1).sum(0),
+    "in a list": lambda r: torch.cat([r, r], dim=2).sum(1),
+    "as a keyword": lambda r: torch.add(torch.zeros(2, 3, 5, dtype=r.dtype), other=r).sum(1)}
 
 
 @pytest.mark.parametrize("use", POOLED, ids=str)

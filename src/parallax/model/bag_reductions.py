@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -72,7 +72,7 @@ class WatchedRows(Tensor):
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        watched = next((a for a in args if isinstance(a, WatchedRows)), None)
+        watched = _first(WatchedRows, args, kwargs)  # (in a list too: torch.cat([rows, x]))
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
             if watched is not None and func not in _METADATA:
@@ -94,10 +94,10 @@ def watched(rows: Tensor, ids: Tensor, bag_use: BagUse) -> Tensor:
 
 
 class PooledRows(Tensor):
-    """The output of an ``nn.Embedding`` whose table's owners pool its bags: shaped as the
-    rows (batch x bag x width; no memory: every element one zero), a sum or mean over the
-    bags is ``table.pool_bags`` of ``ids``; its metadata reads as the rows'; anything else is
-    refused (`UnsupportedProgramError`). An ``nn.Embedding``'s rows are vectors (``width``)."""
+    """The output of a lookup (an ``nn.Embedding``'s or a gather's) whose table's owners pool
+    its bags: shaped as the rows (batch x bag x width; no memory: every element one zero), a
+    sum or mean over the bags is ``table.pool_bags`` of ``ids``; its metadata reads as the
+    rows'; anything else is refused (`UnsupportedProgramError`)."""
 
     _parallax_table: Table
     _parallax_ids: Tensor
@@ -117,7 +117,8 @@ class PooledRows(Tensor):
                     table.bag_use.add(ids, None, False)
                 return table.pool_bags(ids, None, None, mode=mode, padding_idx=None,
                                        include_last_offset=False)
-        name = _table_named(args, kwargs)
+        pooled = _first(PooledRows, args, kwargs)
+        name = "?" if pooled is None else pooled._parallax_table.name
         raise UnsupportedProgramError(
             f"the bags of '{name}' are pooled where the table lives (its looked-up rows "
             f"were only summed or averaged over each row of ids in the warm-up, or "
@@ -138,13 +139,16 @@ def pooled_rows(table: Table, ids: Tensor) -> Tensor:
     return rows
 
 
-def _table_named(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-    """The table of the first `PooledRows` among the arguments (lists and tuples too)."""
+T = TypeVar("T")
+
+
+def _first(cls: type[T], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> T | None:
+    """The first ``cls`` among a torch function's arguments, lists and tuples searched too."""
     todo = [*args, *kwargs.values()]
     while todo:
         value = todo.pop(0)
-        if isinstance(value, PooledRows):
-            return value._parallax_table.name
+        if isinstance(value, cls):
+            return value
         if isinstance(value, (list, tuple)):
             todo.extend(value)
-    return "?"
+    return None
