@@ -78,8 +78,10 @@ def main() -> None:
             torch.manual_seed(0)
             model = TwoDepths().double()
             optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+            # (pooled_tables=(): the embedding's rows are only averaged over each row of
+            # tokens, bags the hybrid would pool on an owner; this is the rows' early push)
             config = parallax.Config(sparsity_warmup_steps=WARMUP, overlap_push=overlap,
-                                     partition_cache=None, **options)
+                                     partition_cache=None, pooled_tables=(), **options)
             runner = parallax.get_runner(model, optimizer, loss_fn, config=config)
             worker = runner.worker
             for step in range(STEPS):
