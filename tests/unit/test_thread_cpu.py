@@ -40,7 +40,10 @@ def test_the_thread_that_computes_is_charged() -> None:
     # the helper is gone by now: a thread's ticks leave /proc with it, so only the main
     # thread's are certain; the ended threads never count against it
     assert spent["main"] < 0.3 + 0.3 + 0.1, spent
-    assert spent["gloo"] == 0.0
+    # nothing here is gloo's: a helper or waiter mislabelled so would add 0.2 s or more; a
+    # process group an earlier test in this process made may leave a gloo thread that ticks
+    # once (0.01 s seen in a fresh-clone CI run)
+    assert spent["gloo"] < 0.05, spent
 
 
 def _step(waits: list[float]) -> None:
