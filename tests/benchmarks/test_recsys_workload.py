@@ -59,6 +59,26 @@ def test_history_bags_hold_items_their_user_rated():
     assert RecModel(cfg)(*inputs).shape == (4,)
 
 
+def test_history_as_an_embedding_is_the_bag_model():
+    """``history_lookup="embedding"``: an nn.Embedding summed over each sample's ids, the same
+    values and gradients as the history bag (the benchmark compares the two ways of writing
+    one model); anything else is refused by name."""
+    bag_cfg = replace(CFG, history=6, hash_multiplier=10)
+    torch.manual_seed(0)
+    bag = RecModel(bag_cfg)
+    summed = RecModel(replace(bag_cfg, history_lookup="embedding"))
+    assert isinstance(summed.history, torch.nn.Embedding)
+    summed.load_state_dict(bag.state_dict())
+    inputs, labels = make_batch(data(), bag_cfg, torch.arange(40))
+    for model in (bag, summed):
+        rec_loss(model(*inputs), labels).backward()
+    torch.testing.assert_close(summed(*inputs), bag(*inputs), rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(bag.named_parameters(), summed.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="history_lookup"):
+        RecConfig(history_lookup="gather")
+
+
 def test_hash_ids_identity_and_range():
     ids = torch.arange(50)
     assert torch.equal(hash_ids(ids, 50, 1), ids)
@@ -128,7 +148,8 @@ def test_torchrec_model_equals_rec_model():
     peer = pytest.importorskip("torchrec_peer")
     if not peer.torchrec_available():
         pytest.skip("torchrec / fbgemm-gpu not installed (benchmarks/setup_bench.sh)")
-    for cfg in (CFG, replace(CFG, history=7)):
+    for cfg in (CFG, replace(CFG, history=7),
+                replace(CFG, history=7, history_lookup="embedding")):
         torch.manual_seed(0)
         model = RecModel(cfg)
         twin = peer.TorchRecModel(cfg)

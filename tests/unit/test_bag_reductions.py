@@ -117,10 +117,16 @@ class _Gathered(torch.nn.Module):
 @pytest.mark.parametrize("model_class, reduce, name", [
     (_Averaged, "mean", "items.weight"), (_Averaged, "sum", "items.weight"),
     (_Gathered, "mean", "items"), (_Gathered, "sum", "items")])
-def test_a_table_pinned_to_pool_trains_as_one_device(single_process, model_class: type,
-                                                     reduce: str, name: str) -> None:
+def test_a_table_pinned_to_pool_trains_as_one_device(single_process, monkeypatch,
+                                                     model_class: type, reduce: str,
+                                                     name: str) -> None:
     import parallax
+    from parallax.engine.tables import pooled
 
+    ahead = []
+    pool_ahead = pooled.pool_ahead
+    monkeypatch.setattr(pooled, "pool_ahead", lambda calls: ahead.append(len(calls)) or
+                        pool_ahead(calls))
     torch.manual_seed(0)
     model, reference = model_class(reduce).double(), model_class(reduce).double()
     reference.load_state_dict(model.state_dict())
@@ -130,6 +136,58 @@ def test_a_table_pinned_to_pool_trains_as_one_device(single_process, model_class
     _train(model, runner)
     _train(reference, None)
     assert runner.layout.sparse[name].pools
+    # an Embedding's bags pooled before each forward, by the id look-ahead (a gather's are
+    # pooled when reduced: the forward fx rewrote to read gathers has no id look-ahead)
+    assert ahead == ([1] * 4 if model_class is _Averaged else [])
+    state = runner.state_dict()
+    for name, value in reference.state_dict().items():
+        assert float((state[name] - value).abs().max()) <= 1e-12, name
+    parallax.shutdown()
+
+
+class _Twice(torch.nn.Module):
+    """One table looked up twice per forward; the second lookup's rows reduced first, the
+    first's twice (a sum and a mean of the same rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = torch.nn.Embedding(30, 4)
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, ids: Tensor, more: Tensor) -> Tensor:
+        first, second = self.items(ids), self.items(more)
+        return self.out(second.mean(1) + first.sum(1) - 0.5 * first.mean(1))
+
+
+def test_pooled_lookups_are_pooled_ahead_in_one_exchange_a_step(single_process,
+                                                                 monkeypatch) -> None:
+    """The id look-ahead pools every lookup of a pooled Embedding before the forward, all in
+    one exchange (as a bag layer's), whatever order and however often the program then
+    reduces their rows: the same parameters as one device."""
+    import parallax
+    from parallax.engine.tables import pooled
+
+    exchanges = []
+    pool_many = pooled.pool_many
+    monkeypatch.setattr(pooled, "pool_many",
+                        lambda calls: exchanges.append(len(calls)) or pool_many(calls))
+    torch.manual_seed(0)
+    model, reference = _Twice().double(), _Twice().double()
+    reference.load_state_dict(model.state_dict())
+    runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.5),
+                                 F.cross_entropy, config=parallax.Config(
+                                     pooled_tables=("items.weight",), partition_cache=None))
+    optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        inputs = (torch.randint(30, (6, 3), generator=generator),
+                  torch.randint(30, (6, 5), generator=generator))
+        targets = torch.randint(2, (6,), generator=generator)
+        runner.step((inputs, targets))
+        optimizer.zero_grad()
+        F.cross_entropy(reference(*inputs), targets).backward()
+        optimizer.step()
+    assert exchanges == [2] * 4  # both lookups, one exchange a step (not one a reduction)
     state = runner.state_dict()
     for name, value in reference.state_dict().items():
         assert float((state[name] - value).abs().max()) <= 1e-12, name

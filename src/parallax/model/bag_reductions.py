@@ -13,9 +13,13 @@ a branch the trace did not take. Outside the warm-up the rows are a plain tensor
 
 Once the table pools (the planner's choice on that count, or `Config.pooled_tables`), the
 stand-in returns `PooledRows` instead: no rows are pulled; a sum or mean over the bags is the
-owners' pooled vectors (``table.pool_bags``, with its gradient sent back after the backward,
-as an ``nn.EmbeddingBag``'s), and any other use is refused with the table's name (the rows do
-not exist on the worker: exact or refused, never zeros).
+owners' pooled vectors (with its gradient sent back after the backward, as an
+``nn.EmbeddingBag``'s), and any other use is refused with the table's name (the rows do not
+exist on the worker: exact or refused, never zeros). Where the forward's id look-ahead sees
+the lookup (`parallax.step.forward`), the owners pool its bags' sums before the forward, in
+the one exchange of its bag layers' calls, and a mean is that sum divided by the bag's length
+(`parallax.engine.tables.pooled.rows_reduced`); otherwise the reduction pools them itself
+(``table.pool_bags``: one more exchange).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch import Tensor
 
 from parallax.engine.tables.bag_use import BagUse
+from parallax.engine.tables.pooled import rows_reduced
 from parallax.engine.tables.table import Table
 from parallax.errors import UnsupportedProgramError
 
@@ -101,6 +106,8 @@ class PooledRows(Tensor):
 
     _parallax_table: Table
     _parallax_ids: Tensor
+    #: the rows' sums over each bag, pooled ahead of the forward (None: pooled when reduced)
+    _parallax_summed: Tensor | None
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
@@ -115,6 +122,8 @@ class PooledRows(Tensor):
                 table, ids = rows._parallax_table, rows._parallax_ids
                 if torch.is_grad_enabled() and table.measuring:
                     table.bag_use.add(ids, None, False)
+                if rows._parallax_summed is not None:  # pooled ahead, with the other bags
+                    return rows_reduced(rows._parallax_summed, mode, ids.shape[1])
                 return table.pool_bags(ids, None, None, mode=mode, padding_idx=None,
                                        include_last_offset=False)
         pooled = _first(PooledRows, args, kwargs)
@@ -128,14 +137,17 @@ class PooledRows(Tensor):
             f"them with .sum(1) or .mean(1) alone")
 
 
-def pooled_rows(table: Table, ids: Tensor) -> Tensor:
-    """`PooledRows` standing for the rows ``table`` would look up for ``ids`` (batch x bag)."""
+def pooled_rows(table: Table, ids: Tensor, summed: Tensor | None = None) -> Tensor:
+    """`PooledRows` standing for the rows ``table`` would look up for ``ids`` (batch x bag);
+    ``summed``: their sums over each bag, pooled ahead of the forward (its id look-ahead),
+    which a sum or mean of them then reads instead of pooling them there."""
     # (a table held as column slices: its rows are the slices', the program's K times wider)
     width = math.prod(table.row_shape) * getattr(table, "column_slices", 1)
     rows = torch.zeros((), dtype=table.dtype, device=ids.device).expand(
         *ids.shape, width).as_subclass(PooledRows)
     rows._parallax_table = table
     rows._parallax_ids = ids
+    rows._parallax_summed = summed
     return rows
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from parallax.engine.tables import pooled
 from parallax.engine.tables.table import Table
 from parallax.errors import ArgumentTypeError, InternalError, UnsupportedProgramError
 from parallax.model.bag_reductions import pooled_rows, watched
@@ -265,7 +266,11 @@ def _rows_for_bags(table: Table, ids: Tensor, padding_idx: int | None) -> Tensor
                 + ": an owner pools rows of ids (batch x bag) without a padding id "
                 "(the padding row counts in a mean here, not in an nn.EmbeddingBag's); "
                 "leave it out of Config.pooled_tables")
-        return pooled_rows(table, ids)
+        # (pooled ahead with the forward's other bags when the id look-ahead saw this lookup)
+        held = table.held
+        ahead = (pooled.serve_ahead(pooled.rows_ahead_call(held, ids))
+                 if held is not None and held.pooled_ahead else None)
+        return pooled_rows(table, ids, ahead)
     rows, inverse = table.lookup(ids)
     padding = _padding_row(table, ids, inverse, padding_idx)
     out = F.embedding(inverse, rows, padding_idx=padding)

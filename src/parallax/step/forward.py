@@ -23,7 +23,13 @@ from parallax.engine.tables import pooled
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
 from parallax.model.lookahead import IdProgram, traced_id_program
-from parallax.model.stand_ins import RetracedRoot, ShardedEmbeddingBag, table_read_by
+from parallax.model.stand_ins import (
+    RetracedRoot,
+    ShardedEmbedding,
+    ShardedEmbeddingBag,
+    ShardedGather,
+    table_read_by,
+)
 from parallax.model.trace_reads import TraceCache
 from parallax.step.sync_modes import SyncMode
 
@@ -80,13 +86,15 @@ class Forward:
                     table = table_read_by(layer)
                     held = table.held
                     if held is not None and held.pools:
-                        # (an nn.Embedding's bags: pooled when the program sums its rows,
-                        # `parallax.model.bag_reductions`; a bag layer's here, ahead)
                         if isinstance(layer, ShardedEmbeddingBag) and bag_args is not None:
                             bags.append(pooled.bag_call(
                                 held, ids, *bag_args, mode=layer.mode,
                                 padding_idx=layer.padding_idx,
                                 include_last_offset=layer.include_last_offset))
+                        elif _rows_summed_or_averaged(layer, ids):
+                            # (an nn.Embedding's or a gather's rows, only summed or averaged
+                            # over each row of ids: `parallax.model.bag_reductions`)
+                            bags.append(pooled.rows_ahead_call(held, ids))
                     elif table.on_servers:  # replicated tables look up locally
                         wanted.setdefault(table.name, (table, []))[1].append(ids)
         for name, (table, rows, _) in self.whole_pulls.items():
@@ -100,6 +108,14 @@ class Forward:
                 pooled.pool_ahead(bags)
             stack.callback(_forget_pooled_ahead, bags)
         return stack
+
+
+def _rows_summed_or_averaged(layer: nn.Module, ids: Tensor) -> bool:
+    """Whether a lookup of a pooling table by ``layer`` returns rows whose sums or means the
+    owners pool (`parallax.model.stand_ins`: an ``nn.Embedding`` without ``padding_idx`` or a
+    gather, with ids of batch x bag; any other such lookup is refused in the forward)."""
+    return ids.dim() == 2 and (isinstance(layer, ShardedGather) or isinstance(
+        layer, ShardedEmbedding) and layer.padding_idx is None)
 
 
 def _forget_pooled_ahead(calls: list[pooled.BagCall]) -> None:

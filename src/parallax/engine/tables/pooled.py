@@ -341,6 +341,22 @@ def pool_ahead(calls: Sequence[BagCall]) -> None:
         call.table.pooled_ahead.append((call, out))
 
 
+def rows_ahead_call(table: PoolingTable, ids: Tensor) -> BagCall:
+    """The call that pools ahead the rows an ``nn.Embedding`` or a gather of ``table`` looks
+    up for ``ids`` (batch x bag): their sums over each row of ids. Which reduction the
+    program applies is known only when it applies it (`parallax.model.bag_reductions`): a
+    mean is the sum divided by the bag's length there (`rows_reduced`)."""
+    return bag_call(table, ids, None, None, mode="sum", padding_idx=None,
+                    include_last_offset=False)
+
+
+def rows_reduced(summed: Tensor, mode: str, bag_length: int) -> Tensor:
+    """The ``mode`` ("sum" or "mean") of looked-up rows over each bag of ``bag_length`` ids,
+    from their ``summed`` rows pooled ahead: a new tensor (the same rows may be reduced
+    again), the mean as torch averages, the sum divided by the length."""
+    return summed.clone() if mode == "sum" else summed / bag_length
+
+
 def serve_ahead(call: BagCall) -> Tensor:
     """The pooled rows of ``call``, pooled ahead for this forward."""
     table = call.table
