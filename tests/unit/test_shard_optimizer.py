@@ -398,3 +398,33 @@ def test_a_pull_serves_caught_up_rows(group, worker) -> None:
     with torch.no_grad():
         rows, inverse = table.lookup(every)
     torch.testing.assert_close(rows[inverse], weight.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_adagrad_rebuilt_over_carried_state_makes_no_second_copy_of_it(monkeypatch) -> None:
+    """Adagrad makes every parameter's accumulators in its constructor; a server optimizer
+    rebuilt over partitions whose state is carried over (a table moved onto its owner) is
+    built over storage-less stand-ins of them, so it allocates no second copy of that state,
+    holds the carried tensors themselves, and steps as Adagrad with that state does."""
+    from parallax.engine.optimizers.shard_optimizer import _constructed
+
+    carried, fresh = nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(4, 3))
+    twin = nn.Parameter(carried.detach().clone())
+    state = {"step": torch.tensor(2.0), "sum": torch.full((5, 3), 7.0)}
+    made = []
+    full_like = torch.full_like
+    monkeypatch.setattr(torch, "full_like", lambda t, *a, **k: made.append(t.device.type)
+                        or full_like(t, *a, **k))
+    built = _constructed(torch.optim.Adagrad, [{"params": [carried, fresh], "lr": 0.1}],
+                         {"initial_accumulator_value": 0.5}, {carried: state})
+    assert made == ["meta", "cpu"]  # the carried part's stand-in, the fresh part for real
+    assert built.param_groups[0]["params"][0] is carried
+    assert built.param_groups[0]["params"][1] is fresh
+    assert built.state[carried] is state and set(built.state) == {carried, fresh}
+    assert torch.equal(built.state[fresh]["sum"], torch.full((4, 3), 0.5))
+    reference = torch.optim.Adagrad([twin], lr=0.1, initial_accumulator_value=0.5)
+    reference.state[twin] = {key: value.clone() for key, value in state.items()}
+    for param in (carried, fresh, twin):
+        param.grad = torch.ones_like(param)
+    built.step()
+    reference.step()
+    assert torch.equal(carried, twin) and float(built.state[carried]["step"]) == 3.0

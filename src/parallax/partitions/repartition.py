@@ -89,7 +89,7 @@ def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
         return
     table.set_shard(nn.Parameter(values, requires_grad=old_shard.requires_grad))
     shard_optimizer.table_repartitioned(table, {
-        key: moved.get(key, value) for key, value in state.items()})
+        key: moved.get(key, value) for key, value in state.items()}, owned=True)
     table.zero_grad()
 
 

@@ -201,11 +201,8 @@ class ShardOptimizer:
                     if parts:
                         groups.append({**_hyper_parameters(user_group), "params": parts})
                         indices.append(index)
-                server_opt = optimizer_class(user_opt)(groups, **_constructor_arguments(user_opt))
-                for group in server_opt.param_groups:
-                    for part in group["params"]:
-                        if part in states:
-                            server_opt.state[part] = states[part]
+                server_opt = _constructed(optimizer_class(user_opt), groups,
+                                          _constructor_arguments(user_opt), states)
                 self._slots.append((server_opt, user_opt, indices))
         live = {part for table in self._tables.values() for part in table.parts}
         self._deferred = {part: rows for part, rows in self._deferred.items() if part in live}
@@ -385,17 +382,54 @@ class ShardOptimizer:
                 del server_opt.state[stale]
         self.table_repartitioned(table, state)
 
-    def table_repartitioned(self, table: ServerTable, state: dict[str, Any]) -> None:
+    def table_repartitioned(self, table: ServerTable, state: dict[str, Any], *,
+                            owned: bool = False) -> None:
         """Update ``table``'s new partitions from now on, with its shard's optimizer ``state``
-        (as `table_state` returned it, rows already in the new shard's order)."""
+        (as `table_state` returned it, rows already in the new shard's order). ``owned``: its
+        per-row tensors are this call's to keep (read for it, referenced nowhere else), so a
+        shard of one partition holds them as they are rather than a copy beside them."""
         states: dict[Tensor, Any] = {}
         if state:
+            whole = owned and len(table.parts) == 1
             for part, (start, stop) in zip(table.parts, table.blocks, strict=True):
                 states[part] = {
-                    key: (value[start:stop].clone() if is_per_row(value, table.shard)
+                    key: ((value if whole else value[start:stop].clone())
+                          if is_per_row(value, table.shard)
                           else value.clone() if isinstance(value, Tensor) else value)
                     for key, value in state.items()}
         self._rebuild(states)
+
+
+#: optimizer classes whose constructor makes each parameter's state (Adagrad's accumulators)
+_EAGER_STATE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adagrad,)
+
+
+def _constructed(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
+                 arguments: dict[str, Any], states: Mapping[Tensor, Any],
+                 ) -> torch.optim.Optimizer:
+    """``cls(groups, **arguments)`` whose parameters found in ``states`` hold that state. A
+    constructor that makes every parameter's state itself (`_EAGER_STATE`) is given
+    storage-less stand-ins of those parameters and the real ones after: it would otherwise
+    allocate a second copy of every carried state beside it (moving one table onto its
+    owner rebuilds the server optimizers over all of a server's tables: that copy was the
+    move's peak memory). The others' state comes from the constructor as usual."""
+    eager = issubclass(cls, _EAGER_STATE)
+    stand_ins = {part: nn.Parameter(torch.empty_like(part, device="meta"),
+                                    requires_grad=part.requires_grad)
+                 for group in groups for part in group["params"]
+                 if eager and part in states}
+    built = cls([{**group, "params": [stand_ins.get(part, part) for part in group["params"]]}
+                 for group in groups], **arguments)
+    made = dict(built.state)
+    built.state.clear()
+    for group, given in zip(built.param_groups, groups, strict=True):
+        group["params"] = list(given["params"])
+        for part in group["params"]:
+            if part in states:
+                built.state[part] = states[part]
+            elif part in made:
+                built.state[part] = made[part]
+    return built
 
 
 def take_user_state(table: ServerTable, param: nn.Parameter,
