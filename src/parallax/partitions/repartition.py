@@ -76,6 +76,9 @@ def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
     hold what was read as this server's shard (collective over all ranks)."""
     worker = table.worker
     old_shard = table.shard
+    if old_shard is not None:  # the moved table starts without gradient: free it first
+        for part in table.parts:
+            part.grad = None
     state = shard_optimizer.table_state(table) if old_shard is not None else {}
     # Rank 0 is a server: its state's keys (and which are per-row) are everyone's.
     per_row = agree(sorted(key for key, value in state.items() if is_per_row(value, old_shard)),
