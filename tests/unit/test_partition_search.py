@@ -147,6 +147,51 @@ def test_repartition_in_process_keeps_training_and_checks_its_argument() -> None
         torch.testing.assert_close(trained[name], value, msg=name)
 
 
+def test_a_moved_table_holds_no_gradient_while_its_rows_are_read(monkeypatch) -> None:
+    """Moving a table (here 3 -> 2 partitions, Adagrad) frees its old partitions' gradient
+    before reading the rows (the moved table starts without one: it is memory the move's
+    peak need not hold), and training goes on as one device's."""
+    import torch
+    from torch import nn
+
+    import parallax
+    from parallax.partitions import repartition
+
+    held_while_read = []
+    read = repartition._read_in_rounds
+
+    def spied(table, *args, **kwargs):  # type: ignore[no-untyped-def]
+        held_while_read.append([p.grad is not None for p in (table.shard, *table.parts)])
+        return read(table, *args, **kwargs)
+
+    monkeypatch.setattr(repartition, "_read_in_rounds", spied)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Embedding(30, 4), nn.Flatten(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Embedding(30, 4), nn.Flatten(), nn.Linear(8, 1))
+    model.load_state_dict(reference.state_dict())
+    runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss,
+                                 config=parallax.Config(alpha_threshold=1.0, num_partitions=3))
+    try:
+        optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(5):
+            ids, target = torch.randint(30, (5, 2), generator=generator), torch.rand(5, 1)
+            runner.step((ids, target))
+            optimizer.zero_grad()
+            nn.functional.mse_loss(reference(ids), target).backward()
+            optimizer.step()
+            if step == 2:
+                held_while_read.clear()
+                runner.repartition(2)
+                assert held_while_read and not any(map(any, held_while_read))
+        trained = runner.state_dict()
+    finally:
+        parallax.shutdown()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[name], value, msg=name)
+
+
 def test_balanced_choice_keeps_every_server_equally_loaded() -> None:
     # t(P) = 1 + 36/P + P: minimum at P = 6, which 4 servers cannot share evenly
     timed, calls = recorder(curve(1.0, 36.0, 1.0))

@@ -77,6 +77,7 @@ def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
     worker = table.worker
     old_shard = table.shard
     if old_shard is not None:  # the moved table starts without gradient: free it first
+        old_shard.grad = None  # (its partitions' gradients may view it)
         for part in table.parts:
             part.grad = None
     state = shard_optimizer.table_state(table) if old_shard is not None else {}
