@@ -136,9 +136,7 @@ def test_a_table_pinned_to_pool_trains_as_one_device(single_process, monkeypatch
     _train(model, runner)
     _train(reference, None)
     assert runner.layout.sparse[name].pools
-    # an Embedding's bags pooled before each forward, by the id look-ahead (a gather's are
-    # pooled when reduced: the forward fx rewrote to read gathers has no id look-ahead)
-    assert ahead == ([1] * 4 if model_class is _Averaged else [])
+    assert ahead == [1] * 4  # pooled before each forward, by the id look-ahead
     state = runner.state_dict()
     for name, value in reference.state_dict().items():
         assert float((state[name] - value).abs().max()) <= 1e-12, name

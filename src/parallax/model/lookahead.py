@@ -22,7 +22,12 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from parallax.model.stand_ins import ShardedEmbedding, ShardedEmbeddingBag, ShardedGather
+from parallax.model.stand_ins import (
+    RetracedRoot,
+    ShardedEmbedding,
+    ShardedEmbeddingBag,
+    ShardedGather,
+)
 from parallax.model.trace_reads import Reads, recording, same_traced
 
 __all__ = ["IdProgram", "LookAhead", "build_id_program", "traced_id_program"]
@@ -97,19 +102,24 @@ def traced_id_program(model: nn.Module) -> tuple[IdProgram | None, Reads]:
     """`build_id_program`, and what its trace read of the modules' Python state: the program
     (or its absence) holds only while those values do (`parallax.model.trace_reads`; a
     ``forward`` that picks its ids under ``if self.training:`` has one program per mode)."""
+    # A model whose hand-written gathers fx rewrote runs its rewritten trace: traced here in
+    # its stead (the root's forward takes *args, which fx cannot trace), its lookups named by
+    # their path under the root
+    traced, prefix = ((model.select(), "traced.") if isinstance(model, RetracedRoot)
+                      else (model, ""))
     tracer = _StandInsAsLeaves()
-    with recording(model, lambda m, path: not tracer.is_leaf_module(m, path)) as reads:
+    with recording(traced, lambda m, path: not tracer.is_leaf_module(m, path)) as reads:
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace(traced)
         except Exception as error:  # data-dependent control flow and the like
             logger.debug("parallax: no id look-ahead, tracing failed: %s", error)
             return None, reads
-        return _program(model, graph), reads
+        return _program(traced, graph, prefix), reads
 
 
-def _program(model: nn.Module, graph: fx.Graph) -> IdProgram | None:
-    """The ids program of ``model``'s traced ``graph``; None where some lookup's ids are
-    computed otherwise than from the inputs."""
+def _program(model: nn.Module, graph: fx.Graph, prefix: str = "") -> IdProgram | None:
+    """The ids program of ``model``'s traced ``graph`` (its lookups' paths after ``prefix``);
+    None where some lookup's ids are computed otherwise than from the inputs."""
     calls = [node for node in graph.nodes if node.op == "call_module"
              and isinstance(model.get_submodule(node.target), _STAND_INS)]
     if not calls:
@@ -134,8 +144,8 @@ def _program(model: nn.Module, graph: fx.Graph) -> IdProgram | None:
             env[node] = program.node_copy(node, lambda n: env[n])
     program.output(tuple(env[node] if isinstance(node, fx.Node) else node
                          for node in outputs))
-    return IdProgram(fx.GraphModule(model, program), tuple(str(c.target) for c in calls),
-                     tuple(known))
+    return IdProgram(fx.GraphModule(model, program),
+                     tuple(prefix + str(c.target) for c in calls), tuple(known))
 
 
 def _bag_args(call: fx.Node) -> tuple[Any, Any] | None:
