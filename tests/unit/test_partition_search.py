@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -113,7 +115,12 @@ def test_time_steps_discards_the_first_half() -> None:
         time_steps(lambda: None, 1)
 
 
-def test_repartition_in_process_keeps_training_and_checks_its_argument() -> None:
+def _trains_as_one_device(optimizer: type, config: object, steps: int, *,
+                          move: Callable[[object], None],
+                          after: Callable[[object], None] = lambda runner: None) -> None:
+    """An embedding and a linear layer trained by a runner under ``config`` beside the same
+    program on one device (``optimizer``, lr 0.1, ``steps`` steps), ``move(runner)`` after
+    the third step and ``after(runner)`` at the end: the parameters must agree."""
     import torch
     from torch import nn
 
@@ -123,23 +130,20 @@ def test_repartition_in_process_keeps_training_and_checks_its_argument() -> None
     reference = nn.Sequential(nn.Embedding(30, 4), nn.Flatten(), nn.Linear(8, 1))
     model = nn.Sequential(nn.Embedding(30, 4), nn.Flatten(), nn.Linear(8, 1))
     model.load_state_dict(reference.state_dict())
-    runner = parallax.get_runner(model, torch.optim.Adam(model.parameters(), lr=0.1),
-                                 nn.functional.mse_loss,  # the table stays on the servers:
-                                 config=parallax.Config(alpha_threshold=1.0))
+    runner = parallax.get_runner(model, optimizer(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss, config=config)
     try:
-        optimizer = torch.optim.Adam(reference.parameters(), lr=0.1)
+        one_device = optimizer(reference.parameters(), lr=0.1)
         generator = torch.Generator().manual_seed(1)
-        for step in range(6):
+        for step in range(steps):
             ids, target = torch.randint(30, (5, 2), generator=generator), torch.rand(5, 1)
             runner.step((ids, target))
-            optimizer.zero_grad()
+            one_device.zero_grad()
             nn.functional.mse_loss(reference(ids), target).backward()
-            optimizer.step()
+            one_device.step()
             if step == 2:
-                runner.repartition(7)
-        assert [p.partitions for p in runner.plan.parameters if p.sparse] == [7]
-        with pytest.raises(ValueError, match=r"'0.weight'.*\[1, 30\]"):
-            runner.repartition(31)
+                move(runner)
+        after(runner)
         trained = runner.state_dict()
     finally:
         parallax.shutdown()
@@ -147,12 +151,26 @@ def test_repartition_in_process_keeps_training_and_checks_its_argument() -> None
         torch.testing.assert_close(trained[name], value, msg=name)
 
 
+def test_repartition_in_process_keeps_training_and_checks_its_argument() -> None:
+    import torch
+
+    import parallax
+
+    def checked(runner) -> None:  # type: ignore[no-untyped-def]
+        assert [p.partitions for p in runner.plan.parameters if p.sparse] == [7]
+        with pytest.raises(ValueError, match=r"'0.weight'.*\[1, 30\]"):
+            runner.repartition(31)
+
+    # (alpha_threshold=1.0: the table stays on the servers)
+    _trains_as_one_device(torch.optim.Adam, parallax.Config(alpha_threshold=1.0), 6,
+                          move=lambda runner: runner.repartition(7), after=checked)
+
+
 def test_a_moved_table_holds_no_gradient_while_its_rows_are_read(monkeypatch) -> None:
     """Moving a table (here 3 -> 2 partitions, Adagrad) frees its old partitions' gradient
     before reading the rows (the moved table starts without one: it is memory the move's
     peak need not hold), and training goes on as one device's."""
     import torch
-    from torch import nn
 
     import parallax
     from parallax.partitions import repartition
@@ -164,32 +182,14 @@ def test_a_moved_table_holds_no_gradient_while_its_rows_are_read(monkeypatch) ->
         held_while_read.append([p.grad is not None for p in (table.shard, *table.parts)])
         return read(table, *args, **kwargs)
 
+    def moved(runner) -> None:  # type: ignore[no-untyped-def]
+        held_while_read.clear()
+        runner.repartition(2)
+        assert held_while_read and not any(map(any, held_while_read))
+
     monkeypatch.setattr(repartition, "_read_in_rounds", spied)
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Embedding(30, 4), nn.Flatten(), nn.Linear(8, 1))
-    model = nn.Sequential(nn.Embedding(30, 4), nn.Flatten(), nn.Linear(8, 1))
-    model.load_state_dict(reference.state_dict())
-    runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.1),
-                                 nn.functional.mse_loss,
-                                 config=parallax.Config(alpha_threshold=1.0, num_partitions=3))
-    try:
-        optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.1)
-        generator = torch.Generator().manual_seed(1)
-        for step in range(5):
-            ids, target = torch.randint(30, (5, 2), generator=generator), torch.rand(5, 1)
-            runner.step((ids, target))
-            optimizer.zero_grad()
-            nn.functional.mse_loss(reference(ids), target).backward()
-            optimizer.step()
-            if step == 2:
-                held_while_read.clear()
-                runner.repartition(2)
-                assert held_while_read and not any(map(any, held_while_read))
-        trained = runner.state_dict()
-    finally:
-        parallax.shutdown()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(trained[name], value, msg=name)
+    _trains_as_one_device(torch.optim.Adagrad,
+                          parallax.Config(alpha_threshold=1.0, num_partitions=3), 5, move=moved)
 
 
 def test_balanced_choice_keeps_every_server_equally_loaded() -> None:
