@@ -252,12 +252,20 @@ class ShardedGather(TableLookup):
         return _rows_for_bags(self.table, ids, padding_idx)
 
 
+def bag_shaped(ids: Tensor, padding_idx: int | None) -> bool:
+    """Whether a lookup of ``ids`` with ``padding_idx`` reads rows whose sums or means over
+    each row of ids an owner may pool as it pools an ``nn.EmbeddingBag``'s: ids of batch x
+    bag, no padding id (the padding row counts in an ``nn.Embedding``'s mean, not in a
+    bag's). The one rule the lookups here and the forward's look-ahead share."""
+    return ids.dim() == 2 and padding_idx is None
+
+
 def _rows_for_bags(table: Table, ids: Tensor, padding_idx: int | None) -> Tensor:
     """The rows of ``ids`` (an ``nn.Embedding`` or a gather), pulled; watched in the warm-up
     for sums and means over bags, and, once the table's owners pool those, a stand-in whose
     sum or mean is theirs (`parallax.model.bag_reductions`)."""
     if table.pools:
-        if ids.dim() != 2 or padding_idx is not None:
+        if not bag_shaped(ids, padding_idx):
             raise UnsupportedProgramError(
                 f"the bags of '{table.name}' are pooled where the table lives "
                 f"(Config.pooled_tables), but its rows are looked up with ids of shape "
@@ -276,7 +284,7 @@ def _rows_for_bags(table: Table, ids: Tensor, padding_idx: int | None) -> Tensor
     out = F.embedding(inverse, rows, padding_idx=padding)
     if not (torch.is_grad_enabled() and table.measuring):
         return out
-    if ids.dim() != 2 or padding_idx is not None:  # (no bags an owner pools alike)
+    if not bag_shaped(ids, padding_idx):  # (no bags an owner pools alike)
         table.bag_use.rows_read_otherwise = True
         return out
     return watched(out, ids, table.bag_use)  # are they only pooled over bags?

@@ -28,6 +28,7 @@ from parallax.model.stand_ins import (
     ShardedEmbedding,
     ShardedEmbeddingBag,
     ShardedGather,
+    bag_shaped,
     table_read_by,
 )
 from parallax.model.trace_reads import TraceCache
@@ -113,9 +114,11 @@ class Forward:
 def _rows_summed_or_averaged(layer: nn.Module, ids: Tensor) -> bool:
     """Whether a lookup of a pooling table by ``layer`` returns rows whose sums or means the
     owners pool (`parallax.model.stand_ins`: an ``nn.Embedding`` without ``padding_idx`` or a
-    gather, with ids of batch x bag; any other such lookup is refused in the forward)."""
-    return ids.dim() == 2 and (isinstance(layer, ShardedGather) or isinstance(
-        layer, ShardedEmbedding) and layer.padding_idx is None)
+    gather, with ids of batch x bag; any other such lookup is refused in the forward). A
+    gather's ``padding_idx`` comes with its call, refused there when given."""
+    if isinstance(layer, ShardedEmbedding):
+        return bag_shaped(ids, layer.padding_idx)
+    return isinstance(layer, ShardedGather) and bag_shaped(ids, None)
 
 
 def _forget_pooled_ahead(calls: list[pooled.BagCall]) -> None:
