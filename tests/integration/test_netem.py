@@ -84,9 +84,15 @@ def test_wire_bytes_agree_with_engine_accounting(tmp_path: Path) -> None:
     assert "machine 1 link (1gbit): sent" in proc.stderr
     results = json.loads(out.read_text())
     # the plan's link probe (`parallax.planning.link`) reads the emulated 1 Gbit/s each way:
-    # 250 MB/s sent plus received per machine, less what headers and the hosts' CPU take
+    # 250 MB/s sent plus received per machine, less what headers and the hosts' CPU take, and
+    # more by at most tc's burst: a call's first `_burst_bytes` each way may leave at once
+    # (half the probe's bytes go each way; a CI run read 1.086x with this 250 kB burst)
+    from parallax.planning.link import PROBE_BYTES
+
+    each_way = PROBE_BYTES / 2
+    most = each_way / (each_way - netem._burst_bytes("1gbit"))
     probed = results.pop("link")
-    assert 0.6 * 250e6 <= probed["bytes_per_s"] <= 1.05 * 250e6, probed
+    assert 0.6 * 250e6 <= probed["bytes_per_s"] <= most * 250e6, (probed, most)
     assert 0 < probed["latency_s"] < 0.05, probed
     assert set(results) == {"optps", "ps", "qsgd", "plump", "slim"}  # dense syncs too
     for run, result in results.items():
