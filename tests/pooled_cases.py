@@ -155,7 +155,8 @@ def worker_slice(case: Case, batch: Batch, rank: int, world: int) -> tuple[tuple
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
-    return F.cross_entropy(output, target)
+    # as a GPU program moves its targets (an own loop's output is on the worker's device)
+    return F.cross_entropy(output, target.to(output.device))
 
 
 def single_device(case: Case) -> dict[str, Tensor]:

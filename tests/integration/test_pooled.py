@@ -349,7 +349,8 @@ def test_a_forward_pools_all_its_bag_calls_in_one_exchange(monkeypatch) -> None:
     assert exchanges == [["history.weight", "user.weight"]]
     exchanges.clear()
     args, _ = cases.worker_slice(case, batch, 0, 1)
-    runner._executed.history(*args[:2], per_sample_weights=args[2])  # called on its own
+    ids, offsets, weights = (a.to(runner.device) for a in args[:3])  # as the step moves them
+    runner._executed.history(ids, offsets, per_sample_weights=weights)  # called on its own
     assert exchanges == [["history.weight"]]
 
 
