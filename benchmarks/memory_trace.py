@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from workloads import Workload  # noqa: E402
 
 import parallax  # noqa: E402
+from parallax.engine.optimizers.shard_optimizer import ShardOptimizer  # noqa: E402
 from parallax.partitions import repartition  # noqa: E402
 
 
@@ -46,7 +47,9 @@ def report(point: str) -> None:
 
 
 def traced_moves() -> None:
-    """Report around every table move (the function the hybrid's placement changes use)."""
+    """Report around every table move (the function the hybrid's placement changes use), and
+    inside it: after its rows are read, after its optimizer state is read, when the new shard
+    is set and when the optimizer holds the carried state."""
     move = repartition._move
 
     def reported(table, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -55,6 +58,22 @@ def traced_moves() -> None:
         report(f"after moving {table.name}")
 
     repartition._move = reported
+    read = repartition._read_in_rounds
+
+    def read_reported(table, ids, source=None, **kwargs):  # type: ignore[no-untyped-def]
+        rows = read(table, ids, source, **kwargs)
+        report(f"  read {'state' if source is not None else 'values'} of {table.name}")
+        return rows
+
+    repartition._read_in_rounds = read_reported
+    repartitioned = ShardOptimizer.table_repartitioned
+
+    def repartitioned_reported(self, table, *args, **kwargs):  # type: ignore[no-untyped-def]
+        report(f"  new shard of {table.name} set")
+        repartitioned(self, table, *args, **kwargs)
+        report(f"  optimizer state of {table.name} carried")
+
+    ShardOptimizer.table_repartitioned = repartitioned_reported  # type: ignore[method-assign]
 
 
 def main() -> None:

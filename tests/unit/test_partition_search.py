@@ -192,6 +192,41 @@ def test_a_moved_table_holds_no_gradient_while_its_rows_are_read(monkeypatch) ->
                           parallax.Config(alpha_threshold=1.0, num_partitions=3), 5, move=moved)
 
 
+@pytest.mark.parametrize("optimizer_name, before, after", [("Adagrad", 3, 2), ("Adam", 1, 2)])
+def test_a_moved_table_frees_its_old_rows_and_state_as_soon_as_they_are_read(
+        monkeypatch, optimizer_name: str, before: int, after: int) -> None:
+    """The old shard's memory goes once its rows are read, before the optimizer state is
+    (the new owner never holds the old rows, the whole table and its state at once); the
+    old per-row state (Adagrad's sums, Adam's two moments) once it is read; training goes on
+    as one device's."""
+    import torch
+
+    import parallax
+    from parallax.partitions import repartition
+
+    old: dict[str, list] = {}
+    shard_bytes_while_state_read = []
+    read = repartition._read_in_rounds
+
+    def spied(table, ids, source=None, **kwargs):  # type: ignore[no-untyped-def]
+        if source is not None:
+            shard_bytes_while_state_read.append(old["shard"][0].untyped_storage().nbytes())
+        return read(table, ids, source, **kwargs)
+
+    def moved(runner) -> None:  # type: ignore[no-untyped-def]
+        (table,) = [t for t in runner.tables.values() if hasattr(t, "shard")]
+        old["shard"] = [table.shard]
+        old["state"] = runner.shard_optimizer.per_row_state(table)
+        assert len(old["state"]) == before * (1 if optimizer_name == "Adagrad" else 2)
+        runner.repartition(after)
+        assert shard_bytes_while_state_read and not any(shard_bytes_while_state_read)
+        assert [s.untyped_storage().nbytes() for s in old["state"]] == [0] * len(old["state"])
+
+    monkeypatch.setattr(repartition, "_read_in_rounds", spied)
+    _trains_as_one_device(getattr(torch.optim, optimizer_name), parallax.Config(
+        alpha_threshold=1.0, num_partitions=before), 6, move=moved)
+
+
 def test_balanced_choice_keeps_every_server_equally_loaded() -> None:
     # t(P) = 1 + 36/P + P: minimum at P = 6, which 4 servers cannot share evenly
     timed, calls = recorder(curve(1.0, 36.0, 1.0))

@@ -85,7 +85,15 @@ def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
     per_row = agree(sorted(key for key, value in state.items() if is_per_row(value, old_shard)),
                     rank=worker.rank, group=table.group)
     values = _read_in_rounds(table, ids, keep=keep)
+    # Every rank has read its rows from the old shard (the rounds are collective, each
+    # round's rows copied out before it ends): its memory goes before the state is read, so
+    # the new owner never holds the old half, the whole table and its whole state at once.
+    if old_shard is not None:
+        _free([old_shard])
     moved = {key: _read_in_rounds(table, ids, state.get(key), keep=keep) for key in per_row}
+    if old_shard is not None:  # likewise the old per-row state (the rebuild drops it)
+        _free([*shard_optimizer.per_row_state(table),
+               *(state[key] for key in per_row if key in state)])
     switch()
     table.reservations.reset()  # (on every rank: moving rows is collective)
     table.pooled_reservations.clear()
@@ -97,15 +105,29 @@ def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
     table.zero_grad()
 
 
+#: the most bytes of a table (counted at 8 an element) read per round of a move: each round's
+#: rows are a transient copy beside the moved table (a quarter of a scatter's round: the
+#: owner's peak at a move is its whole table, its state and one round)
+MOVE_ROUND_BYTES = server_table.SCATTER_ROUND_BYTES // 4
+
+
+def _free(tensors: list[Tensor]) -> None:
+    """Release the memory of ``tensors`` (and of every view of them) while objects that are
+    about to be dropped still refer to them: their storage resized to nothing, as FSDP frees
+    a parameter's memory. Nothing may read them afterwards (a read fails loudly: no data)."""
+    for tensor in tensors:
+        tensor.untyped_storage().resize_(0)
+
+
 def _read_in_rounds(table: ShardedTable, ids: Tensor, source: Tensor | None = None, *,
                     keep: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """``table.read_rows(ids, source)`` (fresh storage), in rounds of at most
-    `server_table.SCATTER_ROUND_BYTES` of the whole table, received straight into the
+    `MOVE_ROUND_BYTES` of the whole table, received straight into the
     result: moving a large table onto one owner holds no second copy of it beside the
     result. Every rank takes as many rounds (counted from the table's size). ``keep``: what
     of each round's rows is kept (all of them: None)."""
     rounds = max(1, math.ceil(table.num_rows * 8 * math.prod(table.row_shape)
-                              / server_table.SCATTER_ROUND_BYTES))
+                              / MOVE_ROUND_BYTES))
     out: Tensor | None = None
     for k in range(rounds):
         start, stop = ids.numel() * k // rounds, ids.numel() * (k + 1) // rounds

@@ -347,6 +347,12 @@ class ShardOptimizer:
                 joined[key] = torch.cat([state[key] for state in states])
         return joined
 
+    def per_row_state(self, table: ServerTable) -> list[Tensor]:
+        """The per-row tensors of the optimizer state of ``table``'s partitions as held now
+        (a move frees them once it has read them: `parallax.partitions.repartition`)."""
+        return [value for part in table.parts for value in self._state_of(part).values()
+                if is_per_row(value, part)]
+
     def remove_table(self, table: ServerTable) -> dict[str, Any]:
         """Stop updating ``table``; return its shard's optimizer state (for moving it)."""
         state = self.table_state(table)
