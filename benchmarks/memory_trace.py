@@ -83,7 +83,10 @@ def main() -> None:
     traced_moves()
     workload = Workload("recsys", options)
     report("start")
-    model, optimizer = workload.model_and_optimizer(False, deferred=True)
+    # PARALLAX_TRACE_EAGER=1: built as the single-device program builds it (compare.py's
+    # ``-eager`` systems), not in parallax.meta_init()
+    eager = os.environ.get("PARALLAX_TRACE_EAGER", "") not in ("", "0")
+    model, optimizer = workload.model_and_optimizer(False, deferred=not eager)
     report("built")
     runner = parallax.get_runner(model, optimizer, workload.loss,
                                  config=parallax.Config(partition_cache=None))

@@ -8,6 +8,7 @@ optimizer."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -428,3 +429,46 @@ def test_adagrad_rebuilt_over_carried_state_makes_no_second_copy_of_it(monkeypat
     built.step()
     reference.step()
     assert torch.equal(carried, twin) and float(built.state[carried]["step"]) == 3.0
+
+
+def test_servers_built_over_the_programs_adagrad_state_make_none_of_their_own(
+        monkeypatch) -> None:
+    """A model built as the single-device program builds it, with Adagrad (whose
+    constructor makes each parameter's accumulators): the servers' optimizer is built over
+    the program's state taken for each table, so it makes no accumulators of its own for
+    the table's rows beside that state (it did: the program-built model's peak memory), and
+    training goes on as one device's."""
+    import parallax
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Embedding(40, 4), nn.Flatten(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Embedding(40, 4), nn.Flatten(), nn.Linear(8, 1))
+    model.load_state_dict(reference.state_dict())
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.25)
+    with torch.no_grad():  # a program's state that no fresh constructor would make
+        optimizer.state[model[0].weight]["sum"].uniform_(0.5, 1.5)
+    one_device = torch.optim.Adagrad(reference.parameters(), lr=0.1,
+                                     initial_accumulator_value=0.25)
+    # (a copy: the loaded tensors would be the program's, which its dense layer updates)
+    one_device.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    made = []
+    full_like = torch.full_like
+    monkeypatch.setattr(torch, "full_like", lambda t, *a, **k: made.append(
+        (tuple(t.shape), t.device.type)) or full_like(t, *a, **k))
+    runner = parallax.get_runner(model, optimizer, F.mse_loss,
+                                 config=parallax.Config(alpha_threshold=1.0))
+    monkeypatch.setattr(torch, "full_like", full_like)
+    try:
+        assert ((40, 4), "cpu") not in made, made  # the table's rows: none made for real
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            ids, target = torch.randint(40, (5, 2), generator=generator), torch.rand(5, 1)
+            runner.step((ids, target))
+            one_device.zero_grad()
+            F.mse_loss(reference(ids), target).backward()
+            one_device.step()
+        trained = runner.state_dict()
+    finally:
+        parallax.shutdown()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -106,9 +106,9 @@ def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
 
 
 #: the most bytes of a table (counted at 8 an element) read per round of a move: each round's
-#: rows are a transient copy beside the moved table (a quarter of a scatter's round: the
-#: owner's peak at a move is its whole table, its state and one round)
-MOVE_ROUND_BYTES = server_table.SCATTER_ROUND_BYTES // 4
+#: rows are a transient copy beside the moved table (the owner's peak at a move is its whole
+#: table, its state and one round)
+MOVE_ROUND_BYTES = server_table.SCATTER_ROUND_BYTES
 
 
 def _free(tensors: list[Tensor]) -> None:

@@ -33,12 +33,17 @@ def hand_over(tables: dict[str, Table], params: dict[str, nn.Parameter],
     for table in tables.values():
         table.pool = pool
     held = held_tables(tables)
+    # the state taken already is held from the start (no constructor-made state beside it)
+    ready = {name: state for name, state in taken.items()
+             if name in held and state and held[name].shard is not None}
     shard_optimizer = ShardOptimizer(optimizers, {
         id(params[name]): table for name, table in held.items() if table.shard is not None},
-        pool)
+        pool, states=ready)
     for name, table in held.items():
         param = params[name]
-        shard_optimizer.adopt_user_state(table, param, optimizers, taken.pop(name, None))
+        state = taken.pop(name, None)
+        if name not in ready:
+            shard_optimizer.adopt_user_state(table, param, optimizers, state)
         release(param, name=name, device=worker.device, rank=worker.rank)
         forget(param)  # a meta_init recipe, replayed by the servers already
     return shard_optimizer

@@ -155,9 +155,13 @@ class ShardOptimizer:
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer],
-                 tables: dict[int, ServerTable], pool: PartitionPool = SERIAL):
+                 tables: dict[int, ServerTable], pool: PartitionPool = SERIAL, *,
+                 states: Mapping[str, dict[str, Any]] | None = None):
         """``tables`` maps ``id(original parameter)`` to its table, for the tables with a
-        shard on this server."""
+        shard on this server; ``states``: by table name, the shard's optimizer state to start
+        from (as `table_state` returns it; this call's to keep): the server optimizers are
+        built holding it, so a constructor that makes state (Adagrad's) makes none for them
+        (it used to, beside the state adopted after: the program-built model's peak)."""
         self.pool = pool
         # Per table: the user optimizer and the index of the param group holding its
         # parameter (an index: load_state_dict replaces the group dicts).
@@ -174,7 +178,10 @@ class ShardOptimizer:
         self._slots: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer, list[int]]] = []
         # per partition under deferred SGD: the steps its untouched rows still owe
         self._deferred: dict[nn.Parameter, DeferredRows] = {}
-        self._rebuild({})
+        self._rebuild({part: part_state
+                       for name, state in (states or {}).items() if name in self._tables
+                       for part, part_state in _part_states(self._tables[name], state,
+                                                            owned=True).items()})
         for name, table in self._tables.items():
             table.before_read = lambda rows, table=table: self.catch_up(table, rows)
             # torch's own optimizers read gradients and never write them
@@ -394,16 +401,24 @@ class ShardOptimizer:
         (as `table_state` returned it, rows already in the new shard's order). ``owned``: its
         per-row tensors are this call's to keep (read for it, referenced nowhere else), so a
         shard of one partition holds them as they are rather than a copy beside them."""
-        states: dict[Tensor, Any] = {}
-        if state:
-            whole = owned and len(table.parts) == 1
-            for part, (start, stop) in zip(table.parts, table.blocks, strict=True):
-                states[part] = {
-                    key: ((value if whole else value[start:stop].clone())
-                          if is_per_row(value, table.shard)
-                          else value.clone() if isinstance(value, Tensor) else value)
-                    for key, value in state.items()}
-        self._rebuild(states)
+        self._rebuild(_part_states(table, state, owned=owned))
+
+
+def _part_states(table: ServerTable, state: dict[str, Any], *,
+                 owned: bool) -> dict[Tensor, Any]:
+    """``table``'s whole-shard optimizer ``state`` (`ShardOptimizer.table_state`'s form) as
+    each of its partitions' state; ``owned``: a shard of one partition keeps the per-row
+    tensors as they are (else each partition holds its own copy of its rows)."""
+    states: dict[Tensor, Any] = {}
+    if state:
+        whole = owned and len(table.parts) == 1
+        for part, (start, stop) in zip(table.parts, table.blocks, strict=True):
+            states[part] = {
+                key: ((value if whole else value[start:stop].clone())
+                      if is_per_row(value, table.shard)
+                      else value.clone() if isinstance(value, Tensor) else value)
+                for key, value in state.items()}
+    return states
 
 
 #: optimizer classes whose constructor makes each parameter's state (Adagrad's accumulators)

@@ -118,8 +118,11 @@ def _version_of(ids: Tensor) -> int | None:
 
 
 #: the most bytes of a table (or of its optimizer state) rank 0 sends per round of
-#: `ShardedTable.scatter_from_rank0`: its transient copy beside the program's table
-SCATTER_ROUND_BYTES = 64 * 2**20
+#: `ShardedTable.scatter_from_rank0`: its transient copy beside the program's table. Small:
+#: glibc keeps freed rounds in its heap (its mmap threshold rises to a freed block's size, up
+#: to 32 MiB), so a round's size stays resident; 16 MiB rather than 64 took rank 0's peak
+#: 100 MiB lower on the recommender built as the program builds it (BENCHMARKS.md)
+SCATTER_ROUND_BYTES = 16 * 2**20
 
 
 def _round_bounds(count: int, k: int, rounds: int) -> tuple[int, int]:
