@@ -752,12 +752,12 @@ def _backward_at_owner(call: BagCall, owned: _Owned, grads: Tensor) -> None:
     of its step there); else summed per unique row first."""
     table = call.table
     if owned.per_id is not None and table.sums_as_rows_arrive:
-        found = owned.per_id(grads)
+        # averaged per bag before each id takes its bag's gradient: one division a bag, not
+        # one an id (the history workload's owner divided 32 ids' rows a bag)
+        found = owned.per_id(grads / table.worker.world_size if table.average else grads)
         if found is None:
             return
         positions, per_id = found
-        if table.average:
-            per_id = per_id / table.worker.world_size
         table._accumulate(owned.local_rows[positions], per_id, touched=owned.local_rows)
         return
     rows_grad = owned.backward(grads)
