@@ -75,12 +75,13 @@ def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
     optimizer state from ``table`` as it is held, ``switch()`` it to where its rows go, and
     hold what was read as this server's shard (collective over all ranks)."""
     worker = table.worker
-    old_shard = table.shard
+    old_shard, old_parts = table.shard, list(table.parts)
     if old_shard is not None:  # the moved table starts without gradient: free it first
         old_shard.grad = None  # (its partitions' gradients may view it)
         for part in table.parts:
             part.grad = None
     state = shard_optimizer.table_state(table) if old_shard is not None else {}
+    old_state = shard_optimizer.per_row_state(table) if old_shard is not None else []
     # Rank 0 is a server: its state's keys (and which are per-row) are everyone's.
     per_row = agree(sorted(key for key, value in state.items() if is_per_row(value, old_shard)),
                     rank=worker.rank, group=table.group)
@@ -89,11 +90,10 @@ def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
     # round's rows copied out before it ends): its memory goes before the state is read, so
     # the new owner never holds the old half, the whole table and its whole state at once.
     if old_shard is not None:
-        _free([old_shard])
+        _free([old_shard, *old_parts])
     moved = {key: _read_in_rounds(table, ids, state.get(key), keep=keep) for key in per_row}
     if old_shard is not None:  # likewise the old per-row state (the rebuild drops it)
-        _free([*shard_optimizer.per_row_state(table),
-               *(state[key] for key in per_row if key in state)])
+        _free([*old_state, *(state[key] for key in per_row if key in state)])
     switch()
     table.reservations.reset()  # (on every rank: moving rows is collective)
     table.pooled_reservations.clear()
@@ -112,11 +112,14 @@ MOVE_ROUND_BYTES = server_table.SCATTER_ROUND_BYTES
 
 
 def _free(tensors: list[Tensor]) -> None:
-    """Release the memory of ``tensors`` (and of every view of them) while objects that are
-    about to be dropped still refer to them: their storage resized to nothing, as FSDP frees
-    a parameter's memory. Nothing may read them afterwards (a read fails loudly: no data)."""
+    """Release the memory of ``tensors`` while objects about to be dropped (the old
+    partitions in the optimizer until its rebuild, the old state) still refer to them: each
+    holds no rows from now on (its data swapped for an empty tensor of its dtype and row
+    shape; its storage goes with the last tensor viewing it: pass every view). A read after
+    is an index error, never stale values. (Not FSDP's ``untyped_storage().resize_(0)``: a
+    view of a storage resized to nothing crashes the process when read.)"""
     for tensor in tensors:
-        tensor.untyped_storage().resize_(0)
+        tensor.data = tensor.data.new_empty((0, *tensor.shape[1:]))
 
 
 def _read_in_rounds(table: ShardedTable, ids: Tensor, source: Tensor | None = None, *,
