@@ -105,12 +105,6 @@ def _move(table: ShardedTable, shard_optimizer: ShardOptimizer, ids: Tensor,
     table.zero_grad()
 
 
-#: the most bytes of a table (counted at 8 an element) read per round of a move: each round's
-#: rows are a transient copy beside the moved table (the owner's peak at a move is its whole
-#: table, its state and one round)
-MOVE_ROUND_BYTES = server_table.SCATTER_ROUND_BYTES
-
-
 def _free(tensors: list[Tensor]) -> None:
     """Release the memory of ``tensors`` while objects about to be dropped (the old
     partitions in the optimizer until its rebuild, the old state) still refer to them: each
@@ -125,12 +119,12 @@ def _free(tensors: list[Tensor]) -> None:
 def _read_in_rounds(table: ShardedTable, ids: Tensor, source: Tensor | None = None, *,
                     keep: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """``table.read_rows(ids, source)`` (fresh storage), in rounds of at most
-    `MOVE_ROUND_BYTES` of the whole table, received straight into the
+    `server_table.SCATTER_ROUND_BYTES` of the whole table, received straight into the
     result: moving a large table onto one owner holds no second copy of it beside the
     result. Every rank takes as many rounds (counted from the table's size). ``keep``: what
     of each round's rows is kept (all of them: None)."""
     rounds = max(1, math.ceil(table.num_rows * 8 * math.prod(table.row_shape)
-                              / MOVE_ROUND_BYTES))
+                              / server_table.SCATTER_ROUND_BYTES))
     out: Tensor | None = None
     for k in range(rounds):
         start, stop = ids.numel() * k // rounds, ids.numel() * (k + 1) // rounds
