@@ -15,6 +15,17 @@ would take for the step's forward and backward; not measured here). Latency per 
 is left out (the optimistic side of ``extrapolate.py``'s two). Time on this host is CPU-bound
 with 16 processes on 2 cores, so the measured step times are not reported as such.
 
+Beside them, the **floor** of any exact exchange of float32 rows (`exchange_floor`), from the
+same workers' batches (the seeds of ``compare_worker.data_seed``): each row a machine reads
+from another machine's server comes in once and its gradient goes back once; a row's home is
+either fixed before the step and spread evenly over the machines (``id % machines``: the
+engine's round-robin partitions spread rows as evenly, so the same count in expectation)
+or, as a bound no placement can beat, the best home for that very step (one reader of a
+shared row pays, a row read by one machine costs nothing); the dense gradient costs a
+ring AllReduce's ``2 (M-1)/M`` of its size each way. Ids, headers and TCP/IP are left out, so
+the floor is below anything a wire can carry. ``--floor-only`` recomputes it against the last
+record without launching anything.
+
 Writes ``benchmarks/results/regime-<M>x<K>.json`` and ``.md``.
 """
 
@@ -30,6 +41,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import compare  # noqa: E402
+import torch  # noqa: E402
+from workloads import LMConfig, SampledSoftmaxLM, zipf_lm_batch  # noqa: E402
 
 SYSTEMS = ["hybrid", "torchrec-rw", "torchrec-tw"]
 
@@ -40,6 +53,36 @@ def modelled_ms(wire_bytes: float, rate_gbit: float, compute_ms: float,
     return compute_ms + seconds_per_byte_1gbit / rate_gbit * wire_bytes * 1e3
 
 
+def exchange_floor(machines: int, per_machine: int, steps: int, seed: int = 0) -> dict:
+    """Payload bytes per machine and step that an exact exchange cannot go below (module
+    docstring), averaged over ``steps`` steps of the LM's default batches."""
+    cfg = LMConfig()
+    model = SampledSoftmaxLM(cfg)
+    row_bytes = cfg.emb * 4  # both tables' rows are 128 float32 (emb == hidden)
+    dense = sum(p.numel() for p in model.lstm.parameters()) * 4
+    generators = [torch.Generator().manual_seed(1000 * (1 + seed) + rank)
+                  for rank in range(machines * per_machine)]
+    engine_home = any_home = 0.0
+    for _ in range(steps):
+        batches = [zipf_lm_batch(cfg, g)[0] for g in generators]
+        for table in range(2):  # 0: the input embedding (tokens), 1: the softmax (candidates)
+            read = [torch.unique(torch.cat([batches[m * per_machine + k][table].reshape(-1)
+                                            for k in range(per_machine)]))
+                    for m in range(machines)]
+            readers = torch.bincount(torch.cat(read))
+            # a row read from another machine: in once, its gradient out once, each counted
+            # on both links (sent + received per machine is what the wire counters add up)
+            engine_home += 4 * row_bytes * sum(int((ids % machines != m).sum())
+                                               for m, ids in enumerate(read))
+            any_home += 4 * row_bytes * int((readers - 1).clamp(min=0).sum())
+    ring = 2 * 2 * (machines - 1) / machines * dense
+    per = steps * machines
+    return {"row_bytes": row_bytes, "dense_bytes": dense, "dense_ring_bytes": ring,
+            "rows_engine_home": engine_home / per, "rows_any_home": any_home / per,
+            "floor_engine_home": engine_home / per + ring, "floor_any_home": any_home / per + ring,
+            "steps": steps, "ids_headers_tcp": "left out"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--machines", type=int, default=2)
@@ -47,15 +90,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--gpu-compute-ms", type=float, default=1.0)
     parser.add_argument("--rates", type=float, nargs="+", default=[10.0, 100.0])
+    parser.add_argument("--floor-only", action="store_true",
+                        help="no launch: the floor against the last record of this shape")
     args = parser.parse_args()
     shape = f"{args.machines}x{args.nproc_per_machine}"
     out = HERE / "results" / f"regime-{shape}.json"
     runs = HERE / "results" / f"regime-{shape}-compare.json"
-    subprocess.run([sys.executable, str(HERE / "compare.py"), "--workload", "lm",
-                    "--machines", str(args.machines), "--nproc-per-machine",
-                    str(args.nproc_per_machine), "--rate", "1gbit", "--systems", *SYSTEMS,
-                    "--steps", str(args.steps), "--repeats", "1", "--isolate", "--no-plot",
-                    "--out", str(runs)], check=True)
+    if not args.floor_only:
+        subprocess.run([sys.executable, str(HERE / "compare.py"), "--workload", "lm",
+                        "--machines", str(args.machines), "--nproc-per-machine",
+                        str(args.nproc_per_machine), "--rate", "1gbit", "--systems",
+                        *SYSTEMS,
+                        "--steps", str(args.steps), "--repeats", "1", "--isolate",
+                        "--no-plot", "--out", str(runs)], check=True)
     records = {r["system"]: r for r in json.loads(runs.read_text()) if "unavailable" not in r}
     fit = json.loads((HERE / "results" / "extrapolation.json").read_text())["final_fit"]
     beta = fit["seconds_per_byte"]
@@ -71,12 +118,25 @@ def main() -> None:
     base = next(r for r in rows if r["system"] == "torchrec-rw")["wire_bytes_per_machine_step"]
     for row in rows:
         row["bytes_vs_torchrec_rw"] = row["wire_bytes_per_machine_step"] / base
-    record = {**compare.provenance(), "shape": shape, "steps": args.steps,
+    floor = exchange_floor(args.machines, args.nproc_per_machine, args.steps + 3)
+    hybrid = next((r for r in rows if r["system"] == "hybrid"), None)
+    if hybrid is not None and hybrid["engine_bytes_per_machine_step"]:
+        floor["hybrid_engine_over_floor"] = (hybrid["engine_bytes_per_machine_step"]
+                                             / floor["floor_engine_home"])
+    floor["floor_engine_home_vs_torchrec_rw"] = floor["floor_engine_home"] / base
+    floor["floor_any_home_vs_torchrec_rw"] = floor["floor_any_home"] / base
+    measured = compare.provenance()
+    if args.floor_only and out.exists():  # the rows were measured then: keep what made them
+        earlier = json.loads(out.read_text())
+        measured = {key: earlier[key] for key in ("commit", "dirty", "command", "host",
+                                                  "finished") if key in earlier}
+        floor["computed_by"] = compare.provenance()
+    record = {**measured, "shape": shape, "steps": args.steps,
               "assumptions": {"gpu_compute_ms": args.gpu_compute_ms,
                               "seconds_per_byte_1gbit": beta,
                               "model": "t = c + beta(1 Gbit/s) * (1 Gbit/s / r) * B; "
                                        "no per-collective latency"},
-              "rows": rows}
+              "rows": rows, "exact_exchange_floor": floor}
     out.write_text(json.dumps(record, indent=1))
     lines = [f"{shape}, LM, wire bytes per machine and step (measured, emulated 1 Gbit/s) and "
              f"modelled step times (c = {args.gpu_compute_ms:g} ms, assumed)", "",
@@ -87,6 +147,15 @@ def main() -> None:
         lines.append(f"| {row['system']} | {row['wire_bytes_per_machine_step']:,.0f} | "
                      f"{row['bytes_vs_torchrec_rw']:.2f}x | "
                      + " | ".join(f"{v:.2f}" for v in row["modelled_step_ms"].values()) + " |")
+    lines += ["", "Floor of any exact exchange of float32 rows (payload; ids, headers and TCP/IP "
+              "left out), B/machine/step:", "",
+              "| home of a row | rows | dense ring | floor | vs TorchRec row-wise's wire |",
+              "|---|---|---|---|---|"]
+    for home in ("engine_home", "any_home"):
+        where = "fixed, spread evenly" if home == "engine_home" else "best for the step"
+        lines.append(f"| {where} | {floor['rows_' + home]:,.0f} | "
+                     f"{floor['dense_ring_bytes']:,.0f} | {floor['floor_' + home]:,.0f} | "
+                     f"{floor[f'floor_{home}_vs_torchrec_rw']:.3f}x |")
     text = "\n".join(lines)
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
