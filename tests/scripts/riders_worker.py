@@ -1,51 +1,34 @@
 """Worker of the riders tests (`parallax.engine.tables.riders`): the equivalence suite's Mixed
-model (two tables, a small dense MLP whose gradients are summed by one all_to_all) and the same
-with a wide MLP (a mid-sized dense sum: scattered, `parallax.engine.tables.reduction`), each
-trained for the same steps through `Runner.step` (its dense sum and the step's verdict ride in
-the push) and through the own-loop door (DDP's hook sums the dense part; the verdict rides).
-Rank 0 saves, per model, both runs' parameters, how many steps' dense sums rode, whether the
-sum went scattered, how many full finiteness checks ran, and the single-device program's
-parameters for the global batch.
+model (two tables, a small dense MLP whose gradients are summed by one all_to_all) trained for
+the same steps through `Runner.step` (its dense sum and the step's verdict ride in the push)
+and through the own-loop door (DDP's hook sums the dense part; the verdict rides). Rank 0 saves
+both runs' parameters, how many steps' dense sums rode, how many full finiteness checks ran,
+and the single-device program's parameters for the global batch.
 
 Usage: parallax run --machines 1 --nproc-per-machine 2 riders_worker.py OUT.pt"""
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from equivalence_cases import Case, Mixed, global_batches, loss_fn, worker_slice  # noqa: E402
-from torch import nn  # noqa: E402
 
 import parallax  # noqa: E402
-from parallax.cluster import current_worker  # noqa: E402
 from parallax.launch.fast_exit import exit_now  # noqa: E402
 from parallax.step import gradients as step_gradients  # noqa: E402
 
 CASE = Case("mixed", "adagrad")
-#: the wide MLP's width: 14 x 2,700 float64 (~300 kB) is above what one all_to_all sums at 2
-#: ranks (192 KiB) and below the scattered sum's 1 MiB
-WIDE = 2_700
 
 
-class WideMixed(Mixed):
-    def __init__(self) -> None:
-        super().__init__()
-        self.hidden = nn.Linear(9, WIDE)
-        self.out = nn.Linear(WIDE, 4)
+def build() -> tuple[Mixed, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Mixed().double()
+    return model, torch.optim.Adagrad(model.parameters(), lr=0.1)
 
 
-def builder(kind: type[Mixed]) -> Callable[[], tuple[Mixed, torch.optim.Optimizer]]:
-    def build() -> tuple[Mixed, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = kind().double()
-        return model, torch.optim.Adagrad(model.parameters(), lr=0.1)
-    return build
-
-
-def single_device(build) -> dict[str, torch.Tensor]:
+def single_device() -> dict[str, torch.Tensor]:
     model, optimizer = build()
     for x, y in global_batches(CASE):
         optimizer.zero_grad()
@@ -54,18 +37,20 @@ def single_device(build) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def trained(build, checks: list) -> dict:
+def main() -> None:
+    checks = []
+    original = step_gradients.find_nonfinite
+    step_gradients.find_nonfinite = lambda *a, **k: checks.append(1) or original(*a, **k)
+    results: dict = {}
     config = parallax.Config(partition_cache=None)
-    checks.clear()
+
     model, optimizer = build()
     runner = parallax.get_runner(model, optimizer, loss_fn, config=config)
     worker = runner.worker
     for batch in global_batches(CASE):
         runner.step(worker_slice(batch, worker.rank, worker.world_size))
-    state = runner.dense.state
-    results = {"step": {"state": runner.state_dict(), "ridden": runner.dense.ridden,
-                        "checks": len(checks),
-                        "scattered": state is not None and state.scattered_sums}}
+    results["step"] = {"state": runner.state_dict(), "ridden": runner.dense.ridden,
+                       "checks": len(checks)}
 
     checks.clear()
     model, optimizer = build()
@@ -78,17 +63,7 @@ def trained(build, checks: list) -> dict:
     results["own loop"] = {"state": distributed.state_dict(),
                            "ridden": distributed.runner.dense.ridden, "checks": len(checks)}
     if worker.rank == 0:
-        results["single"] = single_device(build)
-    return results
-
-
-def main() -> None:
-    checks: list = []
-    original = step_gradients.find_nonfinite
-    step_gradients.find_nonfinite = lambda *a, **k: checks.append(1) or original(*a, **k)
-    results = {size: trained(builder(kind), checks)
-               for size, kind in (("small", Mixed), ("mid-sized", WideMixed))}
-    if current_worker().rank == 0:
+        results["single"] = single_device()
         results["steps"] = len(global_batches(CASE))
         torch.save(results, sys.argv[1])
     parallax.shutdown()

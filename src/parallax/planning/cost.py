@@ -9,7 +9,6 @@ machines (a dense parameter on a PS loads its own server's machine most: Table 3
 |---|---|---|
 | dense | AllReduce (ring over the N machines' leaders) | ``4 w (N-1) / N`` |
 | dense, small (CPU) | AllReduce by one all_to_all (`allreduce_dense`) | ``2 k (W-k) w`` |
-| dense, mid-sized (CPU) | scattered sum (`allreduce_dense`) | ``2 k (W-k) w / W + 2 (W-1) w / W`` |
 | sparse | PS | ``2 k U (N-1)/N (8 + 2r)``: ids out, rows back, gradient rows out |
 | sparse | PS + local aggregation | ``2 U_m (N-1)/N (8 + 2r)``: one sender per machine |
 | dense | PS (whole on one server) | as sparse PS with ``U = w / r`` (every row, every step) |
@@ -59,17 +58,10 @@ def allreduce_dense(w: float, shape: Shape, *, payload: float | None = None) -> 
     bytes (default: ``w`` alone): reduced inside machines and a ring among machines, or, for
     a small payload under ``shape.small_sums``, one all_to_all in which each of a machine's
     ``k`` workers sends ``w`` to the ``W - k`` workers of other machines and receives as
-    much; a mid-sized dense sum (``payload`` given) goes scattered
-    (`parallax.engine.tables.reduction.scattered`)."""
+    much."""
     k = shape.workers_per_machine
     if shape.small_sums and reduction.small(w if payload is None else payload, shape.world):
         return 2 * k * (shape.world - k) * w
-    if shape.small_sums and payload is not None and reduction.scattered(payload, shape.world):
-        # the dense sum scattered: each part to its rank, then gloo's ring all_gather, which
-        # crosses each machine's link once each way
-        world = shape.world
-        gathered = 2 * (world - 1) * w / world if shape.machines > 1 else 0.0
-        return 2 * k * (world - k) * w / world + gathered
     n = shape.machines
     return 4 * w * (n - 1) / n
 

@@ -70,12 +70,10 @@ def wrap_dense(module: nn.Module, *, device: torch.device, sync: str, average: b
     rank = dist.get_rank()
     generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + rank) % 2**63)
     payload = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    gloo = device.type == "cpu" and "gloo" in str(dist.get_backend())
+    small_sums = (device.type == "cpu" and "gloo" in str(dist.get_backend())
+                  and reduction.small(payload, dist.get_world_size()))
     state = DenseSyncState(traffic, names, dist.get_world_size(), average,
-                           codec=codec_of(qsgd), generator=generator,
-                           small_sums=gloo and reduction.small(payload, dist.get_world_size()),
-                           scattered_sums=gloo and reduction.scattered(
-                               payload, dist.get_world_size()))
+                           codec=codec_of(qsgd), generator=generator, small_sums=small_sums)
     ddp.register_comm_hook(state, HOOKS[DenseSyncName(sync)])
     return ddp, state
 

@@ -1,4 +1,4 @@
-"""Dense gradients summed in the push, not in collectives of their own (`Runner.step`).
+"""Small dense gradients summed in the push, not in a collective of their own (`Runner.step`).
 
 When all dense gradients together are small, `hierarchical` sums them by one all_to_all
 (`parallax.engine.tables.reduction`): each rank sends its buffer to every rank and adds the
@@ -7,11 +7,7 @@ backward; so under `Runner.step`, which runs the backward and the push itself wi
 of the user's in between, the dense gradients ride in the push's first message
 (`parallax.engine.tables.riders`) and the comm hook leaves each bucket as it is. Each rank
 adds the same copies in the same order and divides alike: the gradients are the bits the
-all_to_all sum gives, one collective fewer per step. When they are mid-sized (a scattered
-sum, `reduction.scattered`), each rank's ``j``-th part rides to rank ``j`` instead, and one
-all_gather after the push returns the summed parts: the bits of the hook's scattered sum,
-two collectives fewer (the hook's all_to_all, and the three of the machines' sum it replaces
-in the hook cost one more).
+all_to_all sum gives, one collective fewer per step.
 
 Not where the user's code may read the gradients between the backward and the push (their
 own loop: they would see this worker's gradients, not the sum), nor for large dense parts
@@ -45,36 +41,26 @@ def can_defer(params: Sequence[nn.Parameter], *, small_sums: bool,
 
 class DenseRider:
     """This rank's dense gradients (``params`` in a fixed order, the same on every rank) for
-    every peer (``scattered``: each peer's part only); `receive` writes the sum (averaged
-    when ``average``) back into each ``.grad``."""
+    every peer; `receive` writes the sum (averaged when ``average``) back into each
+    ``.grad``."""
 
     key = DENSE_KEY
 
     def __init__(self, params: Sequence[nn.Parameter], names: dict[int, str], *, world: int,
-                 average: bool, traffic: Traffic, scattered: bool = False) -> None:
+                 average: bool, traffic: Traffic) -> None:
         self.params = list(params)
         self.world = world
         self.average = average
-        self.scattered = scattered
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         for param, grad in zip(self.params, grads, strict=True):
-            name = names.get(id(param), "dense")
-            if scattered:
-                reduction.account_scattered(grad, traffic=traffic, name=name)
-            else:
-                reduction.account(grad, traffic=traffic, name=name, all_to_all=True)
-        flat = torch.cat([grad.detach().reshape(-1) for grad in grads])
-        self.numel = flat.numel()
-        self.waiting: Tensor | None = (reduction.parts(flat, world) if scattered else
-                                       flat.reshape(1, -1).expand(world, -1).contiguous())
+            reduction.account(grad, traffic=traffic, name=names.get(id(param), "dense"),
+                              all_to_all=True)
+        flat = torch.cat([grad.detach().reshape(-1) for grad in grads]).reshape(1, -1)
+        self.waiting: Tensor | None = flat.expand(world, -1).contiguous()
 
     def receive(self, received: Tensor) -> None:
-        """Every rank's gradients (or its part of them): the sum in rank order, as
-        `reduction.all_reduce` adds (scattered: this rank's part, then every part from its
-        rank by an all_gather, collective: every rank receives the push's riders alike)."""
+        """Every rank's gradients: the sum in rank order, as `reduction.all_reduce` adds."""
         total = rank_order_sum(received)
-        if self.scattered:
-            total = reduction.gather_parts(total, self.numel)
         if self.average:
             total.div_(self.world)
         pieces = total.split_with_sizes([param.numel() for param in self.params])

@@ -3,9 +3,7 @@ machines' leaders, broadcast back (`parallax.engine.tables.hierarchy`): Table 3'
 bytes on each machine's link, which the plan predicts. When all dense gradients together are
 small, each bucket is summed by one all_to_all instead (`parallax.engine.tables.reduction`: there
 three collectives cost more than the bytes; chosen once for the model, as the plan predicts),
-or, when mid-sized, scattered (an all_to_all of parts and an all_gather,
-`parallax.engine.tables.reduction.scattered`); under `Runner.step` either may be left for the
-push to carry (`parallax.engine.dense_sync.deferred`).
+or, under `Runner.step`, left for the push to sum (`parallax.engine.dense_sync.deferred`).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations are real types.
@@ -34,15 +32,9 @@ def hierarchical_allreduce(state: DenseSyncState, bucket: GradBucket,
         began = time.perf_counter()
         buffer = bucket.buffer()
         for name, piece in state.pieces(bucket):
-            if state.scattered_sums:
-                reduction.account_scattered(piece, traffic=state.traffic, name=name)
-            else:
-                reduction.account(piece, traffic=state.traffic, name=name,
-                                  all_to_all=state.small_sums)
-        if state.scattered_sums:
-            reduction.sum_scattered(buffer)
-        else:
-            reduction.all_reduce(buffer, all_to_all=state.small_sums)
+            reduction.account(piece, traffic=state.traffic, name=name,
+                              all_to_all=state.small_sums)
+        reduction.all_reduce(buffer, all_to_all=state.small_sums)
         done.set_result(state.finish(buffer))
         state.seconds += time.perf_counter() - began
     return done

@@ -20,7 +20,7 @@ class DenseSyncState:
     the sum by ``world`` (DDP's mean); ``codec`` and ``generator``: a quantising hook's
     codec and the generator of its random rounding (this rank's own); ``seconds``: time the
     synchronous hooks spent (collectives, encoding and decoding), for `Runner.stats`;
-    ``small_sums``, ``scattered_sums``: see the fields."""
+    ``small_sums``: see the field."""
 
     traffic: Traffic
     names: dict[int, str]
@@ -32,9 +32,6 @@ class DenseSyncState:
     #: sum the buckets by one all_to_all (`parallax.engine.tables.reduction.small`: the dense
     #: gradients together are small), else ring by ring
     small_sums: bool = False
-    #: sum the buckets scattered (`parallax.engine.tables.reduction.scattered`: the dense
-    #: gradients together are mid-sized, on CPU over gloo), else ring by ring
-    scattered_sums: bool = False
     #: the coming backward's buckets are left as they are, their sum rides in the push
     #: (`parallax.engine.dense_sync.deferred`); ``deferred``: a hook did leave one
     deferring: bool = False

@@ -109,7 +109,7 @@ class HookSync(DenseSync):
         dense = [p for p in executed.parameters() if p.requires_grad]
         self._deferrable = (
             self.state is not None and config.dense_sync == DenseSyncName.HIERARCHICAL
-            and can_defer(dense, small_sums=self.state.small_sums or self.state.scattered_sums,
+            and can_defer(dense, small_sums=self.state.small_sums,
                           find_unused_parameters=config.find_unused_parameters))
         self._dense = dense
         self._traffic = traffic
@@ -129,8 +129,7 @@ class HookSync(DenseSync):
         state.deferring = state.deferred = False
         self.ridden += 1
         return [DenseRider(self._dense, state.names, world=self._world,
-                           average=self.config.average_dense, traffic=self._traffic,
-                           scattered=state.scattered_sums)]
+                           average=self.config.average_dense, traffic=self._traffic)]
 
     def end_step(self, step: int) -> None:
         if self.state is not None:  # (a step whose backward raised leaves nothing armed)

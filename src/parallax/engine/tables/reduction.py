@@ -18,19 +18,8 @@ float32), so it is used where each rank sends at most `ALL_TO_ALL_MAX_SENT_BYTES
 over gloo (NCCL's AllReduce has no such per-round cost). Both sides of the choice depend only
 on the payload's size and the group, so every rank chooses alike.
 
-A mid-sized dense sum (`scattered`: above the all_to_all's bytes, each rank sending at most
-`SCATTERED_MAX_SENT_BYTES` in all) goes *scattered*: an all_to_all in which each rank sends
-its ``j``-th ``1/W`` of the payload to rank ``j``, each rank adds the ``W`` pieces of its part
-in rank order, and an all_gather returns every part to every rank. Two collectives instead
-of the machines' three (reduce inside, ring among leaders, broadcast), at ``2 (W-1)/W`` of the
-payload sent per rank; under `Runner.step` the first of them rides in the push
-(`parallax.engine.dense_sync.deferred`), which leaves one. Used for the dense gradients only
-(`parallax.engine.dense_sync`), where the profile of the LM showed the three collectives
-after the backward costing 13–17 ms of a 75 ms step (BENCHMARKS.md, Table 4's re-run).
-
 Every rank adds the pieces in rank order, so every rank gets bitwise the same sum (replicas
-must stay equal); a scattered sum adds each element's ``W`` values in the same order as the
-all_to_all's, so the two give the same bits.
+must stay equal).
 """
 
 from __future__ import annotations
@@ -42,63 +31,17 @@ from parallax.engine.tables import hierarchy
 from parallax.engine.tables.exchange import Traffic, all_to_all
 from parallax.engine.tables.riders import rank_order_sum
 
-__all__ = ["ALL_TO_ALL_MAX_SENT_BYTES", "SCATTERED_MAX_SENT_BYTES", "account",
-           "account_scattered", "all_reduce", "by_all_to_all", "gather_parts", "parts",
-           "scattered", "small", "sum_scattered"]
+__all__ = ["ALL_TO_ALL_MAX_SENT_BYTES", "account", "all_reduce", "by_all_to_all", "small"]
 
 #: the most bytes one rank sends in an all_to_all sum, ``(W-1)`` copies of its payload: a
 #: 64 KiB payload at 4 ranks, about half the measured crossover at 1 Gbit/s (see the module)
 ALL_TO_ALL_MAX_SENT_BYTES = 192 * 1024
 
 
-#: the most bytes one rank sends in a scattered sum, ``2 (W-1)/W`` of the payload: the LM's
-#: 528 kB of dense gradient at 4 ranks (792 kB) goes scattered, the NMT's 10 MB does not
-SCATTERED_MAX_SENT_BYTES = 1024 * 1024
-
-
 def small(payload_bytes: float, world: int) -> bool:
     """Whether a sum of ``payload_bytes`` over ``world`` ranks is small enough to go by one
     all_to_all (the rule the plan's byte predictions follow too)."""
     return world > 1 and (world - 1) * payload_bytes <= ALL_TO_ALL_MAX_SENT_BYTES
-
-
-def scattered(payload_bytes: float, world: int) -> bool:
-    """Whether a dense sum of ``payload_bytes`` over ``world`` ranks goes scattered (see the
-    module): not `small`, and at most `SCATTERED_MAX_SENT_BYTES` sent per rank."""
-    return (world > 1 and not small(payload_bytes, world)
-            and 2 * (world - 1) * payload_bytes / world <= SCATTERED_MAX_SENT_BYTES)
-
-
-def parts(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """``tensor`` flattened into ``[world, ceil(n / world)]``, zero-padded at the end: row
-    ``j`` is the part rank ``j`` sums in a scattered sum."""
-    flat = tensor.detach().reshape(-1)
-    width = -(-flat.numel() // world)
-    padded = flat.new_zeros(world * width)
-    padded[:flat.numel()] = flat
-    return padded.view(world, width)
-
-
-def gather_parts(mine: torch.Tensor, numel: int,
-                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Every rank's summed part (``mine``: this rank's), put back in order: the first
-    ``numel`` values of the sum (an all_gather, collective)."""
-    world = dist.get_world_size(group)
-    gathered = mine.new_empty(world * mine.numel())
-    dist.all_gather(list(gathered.view(world, -1).unbind(0)), mine, group=group)
-    return gathered[:numel]
-
-
-def sum_scattered(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """``tensor`` summed over ``group`` in place by a scattered sum (see the module)."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    sent = parts(tensor, world)
-    received = torch.empty_like(sent)
-    all_to_all(received, sent, group=group)
-    total = gather_parts(rank_order_sum(received), tensor.numel(), group)
-    tensor.copy_(total.view_as(tensor))
 
 
 def by_all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
@@ -132,15 +75,6 @@ def _sum_by_all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None) ->
     received = torch.empty_like(copies)
     all_to_all(received, copies, group=group)
     tensor.copy_(rank_order_sum(received).view_as(tensor))  # the same sum on every rank
-
-
-def account_scattered(tensor: torch.Tensor, *, traffic: Traffic, name: str) -> None:
-    """Record, under ``name``, the bytes a scattered sum moves for ``tensor`` (a payload or a
-    parameter's piece of it): its ``1/W`` to every peer, and gloo's ring all_gather."""
-    world = len(traffic.machine_of_rank)
-    payload = tensor.numel() * tensor.element_size()
-    traffic.record(name, [1] * world, [1] * world, payload // world)
-    traffic.record_ring_allgather(name, payload // world)
 
 
 def account(tensor: torch.Tensor, *, traffic: Traffic, name: str, all_to_all: bool) -> None:
