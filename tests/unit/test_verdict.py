@@ -3,13 +3,15 @@ only where the aggregated gradient provably is, and the full check decides every
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 import parallax
 from parallax.engine.tables.riders import alight, board
-from parallax.engine.tables.verdict import VERDICT_KEY, Verdict, bound_of
+from parallax.engine.tables.verdict import VERDICT_KEY, Verdict, bound_of, largest_magnitudes
 from parallax.step import gradients as step_gradients
 
 
@@ -161,3 +163,25 @@ def test_the_bound_is_the_sum_of_the_largest_magnitudes_and_keeps_bad_values() -
         poisoned = [g.clone() for g in grads]
         poisoned[1][0] = bad
         assert not torch.isfinite(bound_of(poisoned))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_largest_magnitudes_on_the_cpu_are_the_infinity_norms(dtype) -> None:
+    """The CPU's `aminmax` route gives what torch's infinity norm gives, value for value
+    (signed zeros, subnormals, NaN and infinities anywhere, one value, empty left out)."""
+    generator = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(shape, generator=generator).to(dtype) * scale
+               for shape, scale in (((3, 5), 1.0), ((1,), -2.0), ((0, 4), 1.0), ((64,), 1e-40),
+                                    ((2, 2, 3), 1e4))]
+    tensors.append(torch.tensor([-0.0, 0.0], dtype=dtype))
+    tensors.append(-tensors[0].abs())  # the largest magnitude at the minimum
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = tensors[0].clone()
+        poisoned.view(-1)[4] = bad
+        tensors.append(poisoned)
+    got = largest_magnitudes(tensors)
+    expected = torch._foreach_norm([t for t in tensors if t.numel()], math.inf)
+    assert len(got) == len(expected) == len(tensors) - 1
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == e.dtype == dtype and g.shape == ()
+        assert torch.equal(g, e) or (g.isnan() and e.isnan()), (g, e)

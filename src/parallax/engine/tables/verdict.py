@@ -113,10 +113,22 @@ def bound_of(grads: Sequence[Tensor], device: torch.device | None = None) -> Ten
 
 
 def largest_magnitudes(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Each non-empty tensor's largest magnitude (0-dim, its dtype), in one foreach kernel per
-    device and dtype, as torch's clip_grad_norm_ computes norms: NaN and infinities survive a
-    max, and a max of finite values cannot overflow. Empty tensors (no infinity norm of
-    nothing) are left out."""
+    """Each non-empty tensor's largest magnitude (0-dim, its dtype): NaN and infinities survive
+    a max, and a max of finite values cannot overflow. Empty tensors (no infinity norm of
+    nothing) are left out. On a GPU one foreach kernel per device and dtype, as torch's
+    clip_grad_norm_ computes norms; on the CPU from each tensor's ``aminmax``, the same
+    values: the CPU's infinity norm is not vectorised (one 512 x 128 float32 gradient: 339 µs
+    against 52 µs, one thread; 12.8M values: 58 against 7 ms), and the LM's step took it
+    twice a rank (the pulled rows' bound and the dense gradients' check)."""
     values = [tensor for tensor in tensors if tensor.numel()]
-    return list(torch._foreach_norm(values, math.inf)) if values else []
+    if not values:
+        return []
+    if all(v.device.type == "cpu" and v.dtype.is_floating_point for v in values):
+        return [_largest_magnitude(value) for value in values]
+    return list(torch._foreach_norm(values, math.inf))
+
+
+def _largest_magnitude(tensor: Tensor) -> Tensor:
+    low, high = torch.aminmax(tensor)  # (a NaN anywhere makes both NaN)
+    return torch.maximum(low.abs(), high.abs())
 
