@@ -471,7 +471,9 @@ def _header(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: 
     """This rank's header to every peer, ``[peer, call, field]``: counts to each of a call's
     owners, flags and bad ids to every rank."""
     world = calls[0].table.worker.world_size
-    message = torch.zeros(world, len(calls), _FIELDS, dtype=torch.long)
+    # built as lists, made a tensor once: an element assignment into a tensor costs a few
+    # microseconds each, and a step's header took some thirty
+    message = [[[0] * _FIELDS for _ in calls] for _ in range(world)]
     for i, (call, mine, no) in enumerate(zip(calls, shares, refused, strict=True)):
         flags, bad = _OVERFLOWED if overflowed else 0, 0
         if call.ids.numel():
@@ -481,12 +483,13 @@ def _header(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: 
         if call.weights is not None:
             flags |= _HAS_WEIGHTS | (_WEIGHTS_NEED_GRAD if call.weights.requires_grad else 0)
         flags |= _REFUSED if no else 0
-        message[:, i, _FLAGS], message[:, i, _BAD] = flags, bad
+        for peer in range(world):
+            message[peer][i][_FLAGS], message[peer][i][_BAD] = flags, bad
         for owner, share in mine.items():
-            message[owner, i, _IDS] = share.ids.numel()
-            message[owner, i, _OFFSETS] = share.starts.numel()
-            message[owner, i, _BAGS] = call.bags
-    return message
+            fields = message[owner][i]
+            fields[_IDS], fields[_OFFSETS] = share.ids.numel(), share.starts.numel()
+            fields[_BAGS] = call.bags
+    return torch.tensor(message, dtype=torch.long)
 
 
 def _record_open(calls: Sequence[BagCall], keys: list[str], room_to: dict[str, list[int]],
@@ -503,6 +506,8 @@ def _record_open(calls: Sequence[BagCall], keys: list[str], room_to: dict[str, l
 
 def _raise_flagged(calls: Sequence[BagCall], received: Tensor) -> None:
     """Raise, on every rank alike, what any sender's header flags (``[sender, call, field]``)."""
+    if not bool((received[:, :, _FLAGS] & (_REFUSED | _BAD_ID | _WEIGHTS_NEED_GRAD)).any()):
+        return  # (the common case, in one operator rather than three per call)
     first = calls[0].table
     for i, call in enumerate(calls):
         sender_flags = received[:, i, _FLAGS]
