@@ -57,9 +57,10 @@ def exchange_floor(machines: int, per_machine: int, steps: int, seed: int = 0) -
     """Payload bytes per machine and step that an exact exchange cannot go below (module
     docstring), averaged over ``steps`` steps of the LM's default batches."""
     cfg = LMConfig()
-    model = SampledSoftmaxLM(cfg)
-    row_bytes = cfg.emb * 4  # both tables' rows are 128 float32 (emb == hidden)
-    dense = sum(p.numel() for p in model.lstm.parameters()) * 4
+    with torch.device("meta"):  # (its sizes only: no 100 MB of tables)
+        model = SampledSoftmaxLM(cfg)
+    row_bytes = [model.embedding.weight[0].nbytes, model.softmax.weight[0].nbytes]
+    dense = sum(p.nbytes for p in model.lstm.parameters())
     generators = [torch.Generator().manual_seed(1000 * (1 + seed) + rank)
                   for rank in range(machines * per_machine)]
     engine_home = any_home = 0.0
@@ -72,9 +73,9 @@ def exchange_floor(machines: int, per_machine: int, steps: int, seed: int = 0) -
             readers = torch.bincount(torch.cat(read))
             # a row read from another machine: in once, its gradient out once, each counted
             # on both links (sent + received per machine is what the wire counters add up)
-            engine_home += 4 * row_bytes * sum(int((ids % machines != m).sum())
-                                               for m, ids in enumerate(read))
-            any_home += 4 * row_bytes * int((readers - 1).clamp(min=0).sum())
+            engine_home += 4 * row_bytes[table] * sum(int((ids % machines != m).sum())
+                                                      for m, ids in enumerate(read))
+            any_home += 4 * row_bytes[table] * int((readers - 1).clamp(min=0).sum())
     ring = 2 * 2 * (machines - 1) / machines * dense
     per = steps * machines
     return {"row_bytes": row_bytes, "dense_bytes": dense, "dense_ring_bytes": ring,
