@@ -42,7 +42,8 @@ sys.path.insert(0, str(HERE))
 
 import compare  # noqa: E402
 import torch  # noqa: E402
-from workloads import LMConfig, SampledSoftmaxLM, zipf_lm_batch  # noqa: E402
+from compare_worker import data_seed  # noqa: E402
+from workloads import SampledSoftmaxLM, Workload, zipf_lm_batch  # noqa: E402
 
 SYSTEMS = ["hybrid", "torchrec-rw", "torchrec-tw"]
 
@@ -56,12 +57,13 @@ def modelled_ms(wire_bytes: float, rate_gbit: float, compute_ms: float,
 def exchange_floor(machines: int, per_machine: int, steps: int, seed: int = 0) -> dict:
     """Payload bytes per machine and step that an exact exchange cannot go below (module
     docstring), averaged over ``steps`` steps of the LM's default batches."""
-    cfg = LMConfig()
+    workload = Workload("lm", {"seed": seed})  # the workers' own batches (`data_seed`)
+    cfg = workload.cfg
     with torch.device("meta"):  # (its sizes only: no 100 MB of tables)
         model = SampledSoftmaxLM(cfg)
     row_bytes = [model.embedding.weight[0].nbytes, model.softmax.weight[0].nbytes]
     dense = sum(p.nbytes for p in model.lstm.parameters())
-    generators = [torch.Generator().manual_seed(1000 * (1 + seed) + rank)
+    generators = [torch.Generator().manual_seed(data_seed(workload, rank))
                   for rank in range(machines * per_machine)]
     engine_home = any_home = 0.0
     for _ in range(steps):
