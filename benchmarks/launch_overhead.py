@@ -4,6 +4,7 @@ launcher's own).
 
     python benchmarks/launch_overhead.py [--machines 1] [--nproc-per-machine 2] [--repeats 7]
                                          [--emulate-network RATE] [--label NAME] [--out FILE]
+                                         [--no-warm-up]
 
 Each repeat launches ``launch_worker.py`` (a tiny embedding model, one step) and takes wall-clock
 marks: the command's start, each worker's first line, its runner built, its step done, its
@@ -75,11 +76,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--emulate-network", metavar="RATE", default=None,
                         help="each machine in a network namespace (needs root), e.g. 1gbit")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="skip the first launch that warms the page cache (a smoke run)")
     parser.add_argument("--label", default="this checkout")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "launch_overhead.json")
     args = parser.parse_args()
     rate = args.emulate_network
-    one_launch(args.machines, args.nproc_per_machine, rate)  # warm the page cache
+    if not args.no_warm_up:
+        one_launch(args.machines, args.nproc_per_machine, rate)  # warm the page cache
     runs = []
     for i in range(args.repeats):
         runs.append(one_launch(args.machines, args.nproc_per_machine, rate))

@@ -172,7 +172,8 @@ def test_launch_overhead_smoke(tmp_path: Path) -> None:
     """launch_overhead.py: the parts of a launch are measured, positive, and add up to it;
     its CPU seconds (every process of the launch) are counted beside them."""
     out = tmp_path / "launch.json"
-    run_script("launch_overhead.py", "--repeats", "1", "--label", "smoke", "--out", str(out))
+    run_script("launch_overhead.py", "--nproc-per-machine", "1", "--repeats", "1", "--no-warm-up",
+               "--label", "smoke", "--out", str(out))
     (record,) = json.loads(out.read_text())
     parts = record["parts"]
     assert record["label"] == "smoke" and len(record["provenance"]["commit"]) == 40
