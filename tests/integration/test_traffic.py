@@ -34,7 +34,7 @@ def traffic(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("run", ["allreduce", "ps", "optps", "hybrid", "hybrid-nolocalagg",
-                                 "hybrid-apart"])
+                                 "hybrid-flat", "hybrid-apart"])
 def test_measured_inter_machine_bytes_match_the_plan(traffic, run: str) -> None:
     result = traffic[run]
     parameters = {"embedding.weight", "dense.weight", "dense.bias"}

@@ -17,7 +17,8 @@ from parallax.launch.fast_exit import exit_now
 ROWS, DIM, USED, SHIFT, STEPS, BATCH = 1000, 16, 40, 20, 6, 4
 TRIAL_STEPS = 8  # warm-up 2, the trial's 2 + 2, then 2 with its choice
 RUNS = {"allreduce": {}, "ps": {}, "optps": {}, "hybrid": {},
-        "hybrid-nolocalagg": {"local_aggregation": False}}
+        "hybrid-nolocalagg": {"local_aggregation": False},
+        "hybrid-flat": {"dense_sync": "flat"}}  # the dense part by one ring over every rank
 # The default hybrid where the workers of a machine share no row: merging saves nothing, so the
 # leader hop is dropped once α_m is measured (bytes counted after the warm-up only).
 APART = "hybrid-apart"

@@ -42,6 +42,36 @@ def test_allreduce_crosses_machines_once_per_machine(machines: int, workers: int
         4 * W * (n - 1) / n)
 
 
+@pytest.mark.parametrize("machines,workers", [(2, 1), (2, 2), (4, 2), (2, 4)])
+def test_a_flat_ring_leaves_and_enters_each_machine_once(machines: int, workers: int) -> None:
+    """``dense_sync="flat"``: one ring over all W ranks, each machine's ranks consecutive in
+    it, whatever the payload's size (DDP's flat hook sums no payload by all_to_all)."""
+    shape = cost.Shape(machines, workers, small_sums=True, flat_dense=True)
+    world = machines * workers
+    for size in (W, 64.0):
+        assert cost.allreduce_dense(size, shape, flat=True) == pytest.approx(
+            4 * size * (world - 1) / world)
+    # one worker per machine: the ring is the machines' ring, Table 3's figure
+    if workers == 1:
+        assert cost.allreduce_dense(W, shape, flat=True) == cost.allreduce_dense(W, shape)
+    assert cost.allreduce_dense(W, cost.Shape(1, workers), flat=True) == 0
+
+
+def test_the_plan_predicts_the_flat_ring_for_dense_parameters_only() -> None:
+    """A run with ``dense_sync="flat"``: its dense parameters' AllReduce column is the flat
+    ring's; a sparse table summed as a replica keeps the machine-by-machine sum."""
+    from types import SimpleNamespace
+
+    from parallax.planning.architectures import Hybrid
+
+    shape = cost.Shape(2, 2, flat_dense=True)
+    dense = SimpleNamespace(sparse=False, sync="allreduce", total=W, payload=W)
+    replica = SimpleNamespace(sparse=True, sync="allreduce", total=W, payload=None)
+    assert Hybrid().predicted_bytes(dense, shape, local_aggregation=None) == pytest.approx(3 * W)
+    assert Hybrid().predicted_bytes(replica, shape, local_aggregation=None) == pytest.approx(
+        2 * W)
+
+
 def _aggregating_table(rows: int = 10_000) -> object:
     from types import SimpleNamespace
 

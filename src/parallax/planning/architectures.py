@@ -232,7 +232,8 @@ class Hybrid(Architecture):
     def predicted_bytes(self, param: ParameterCost, shape: cost.Shape, *,
                         local_aggregation: bool | None) -> float | None:
         if not param.sparse or param.sync == "allreduce":
-            return cost.allreduce_dense(param.total, shape, payload=param.payload)
+            return cost.allreduce_dense(param.total, shape, payload=param.payload,
+                                        flat=shape.flat_dense and not param.sparse)
         if param.pooled:
             return (None if param.bags is None or param.bag_ids is None
                     else cost.pooled_bags(param.bag_ids, param.bags, param.row_bytes, shape,
@@ -348,7 +349,8 @@ class AllReduce(Architecture):
     def predicted_bytes(self, param: ParameterCost, shape: cost.Shape, *,
                         local_aggregation: bool | None) -> float | None:
         if not param.sparse:
-            return cost.allreduce_dense(param.total, shape, payload=param.payload)
+            return cost.allreduce_dense(param.total, shape, payload=param.payload,
+                                        flat=shape.flat_dense and not param.sparse)
         if param.used is None:
             return None
         return cost.allgatherv_rows(param.used, param.row_bytes, shape)

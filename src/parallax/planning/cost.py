@@ -9,6 +9,7 @@ machines (a dense parameter on a PS loads its own server's machine most: Table 3
 |---|---|---|
 | dense | AllReduce (ring over the N machines' leaders) | ``4 w (N-1) / N`` |
 | dense, small (CPU) | AllReduce by one all_to_all (`allreduce_dense`) | ``2 k (W-k) w`` |
+| dense, ``dense_sync="flat"`` | one ring over all ``W`` ranks (DDP's default) | ``4 w (W-1) / W`` |
 | sparse | PS | ``2 k U (N-1)/N (8 + 2r)``: ids out, rows back, gradient rows out |
 | sparse | PS + local aggregation | ``2 U_m (N-1)/N (8 + 2r)``: one sender per machine |
 | dense | PS (whole on one server) | as sparse PS with ``U = w / r`` (every row, every step) |
@@ -41,6 +42,10 @@ class Shape:
     #: small AllReduce payloads go by one all_to_all (`parallax.engine.tables.reduction.small`: a
     #: run on CPU over gloo); False: every AllReduce is a ring, as in the papers
     small_sums: bool = False
+    #: the dense parameters' gradients go by one ring over every rank (`Config.dense_sync`
+    #: ``"flat"``), not machine by machine; a replicated table's sum is machine by machine
+    #: either way (`parallax.engine.tables.reduction`)
+    flat_dense: bool = False
 
     @property
     def world(self) -> int:
@@ -53,13 +58,18 @@ def count_messages(shape: Shape, exchanges: int) -> float:
     return exchanges * 2 * COUNT_MESSAGE_BYTES * k * (shape.world - k)
 
 
-def allreduce_dense(w: float, shape: Shape, *, payload: float | None = None) -> float:
+def allreduce_dense(w: float, shape: Shape, *, payload: float | None = None,
+                    flat: bool = False) -> float:
     """`parallax.engine.tables.reduction.all_reduce` of ``w`` bytes within a sum of ``payload``
     bytes (default: ``w`` alone): reduced inside machines and a ring among machines, or, for
     a small payload under ``shape.small_sums``, one all_to_all in which each of a machine's
     ``k`` workers sends ``w`` to the ``W - k`` workers of other machines and receives as
-    much."""
+    much. ``flat``: one ring over all ``W`` ranks instead (`Config.dense_sync` ``"flat"``,
+    whatever the size): a machine's ranks are consecutive in the ring, so it leaves and
+    enters each machine once, each time with ``2 w (W-1) / W``."""
     k = shape.workers_per_machine
+    if flat:
+        return 0.0 if shape.machines == 1 else 4 * w * (shape.world - 1) / shape.world
     if shape.small_sums and reduction.small(w if payload is None else payload, shape.world):
         return 2 * k * (shape.world - k) * w
     n = shape.machines

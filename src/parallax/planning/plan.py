@@ -99,6 +99,7 @@ class Plan:
               architecture: str = "hybrid", sparsity: dict[str, Sparsity] | None = None,
               reasons: dict[str, str] | None = None, local_aggregation: bool | None = None,
               searches: tuple[SearchRecord, ...] = (), small_sums: bool = False,
+              flat_dense: bool = False,
               pooled: frozenset[str] = frozenset(),
               pooled_by_rows: frozenset[str] = frozenset(),
               pooled_by_columns: frozenset[str] = frozenset(),
@@ -108,12 +109,14 @@ class Plan:
         ``local_aggregation`` as `Config.local_aggregation` (None: each architecture's
         default); ``searches`` how the partition groups' counts were chosen; ``small_sums``:
         the run sums small AllReduce payloads by one all_to_all (`cost.Shape.small_sums`);
+        ``flat_dense``: its dense gradients go by one ring over every rank
+        (`Config.dense_sync` ``"flat"``, `cost.Shape.flat_dense`);
         ``pooled``: the tables whose bags their owners pool (`Config.pooled_tables`), of which
         ``pooled_by_rows`` every server holding rows pools its share (`Config.pooled_by_rows`)
         and of ``pooled_by_columns`` each server of a column slice its slice
         (`Config.pooled_by_columns`); ``link``: what the predicted times assume."""
         shape = cost.Shape(num_machines, max(1, world_size // num_machines),
-                           small_sums=small_sums)
+                           small_sums=small_sums, flat_dense=flat_dense)
         dense_payload = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                             if p.requires_grad and n not in sparse)
         sparsity = sparsity or {}

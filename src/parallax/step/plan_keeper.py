@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallax.cluster import WorkerInfo
-from parallax.config import Config
+from parallax.config import Config, DenseSyncName
 from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, optimizer_of
 from parallax.engine.tables.columns import column_slices
 from parallax.engine.tables.layout import Layout
@@ -138,6 +138,7 @@ class PlanKeeper:
                                num_machines=len(self.worker.server_ranks),
                                architecture=self.config.architecture, sparsity=self.sparsity,
                                small_sums=self.worker.device.type == "cpu",
+                               flat_dense=self.config.dense_sync == DenseSyncName.FLAT,
                                pooled=frozenset(n for n, t in self.layout.sparse.items()
                                                 if t.pools),
                                pooled_by_rows=frozenset(

@@ -1,8 +1,8 @@
 """``flat``: one ring AllReduce over all ranks per bucket, as DDP's default hook does.
 
 Every rank sends ``2 w (W-1) / W`` bytes of a ``w``-byte bucket; with ``k`` workers per machine
-the ring crosses machines as often as ranks do, so machine links carry more than under
-``hierarchical`` (the plan's byte predictions assume ``hierarchical``).
+the ring leaves and enters each machine once, ``4 w (W-1) / W`` on its link against
+``hierarchical``'s ``4 w (N-1) / N`` (the plan predicts it so: `parallax.planning.cost`).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations are real types.
