@@ -66,6 +66,15 @@ class ModeNet(Net):
         return self.head(self.drop(self.embedding(ids).mean(dim=1))) * self.scale
 
 
+class CompiledHeadNet(Net):
+    """`Net` whose dense head the program compiles (``torch.compile``, the eager backend: no
+    C++ toolchain needed; the wrapping is what parallax meets, whatever the backend)."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__(dropout)
+        self.head = torch.compile(self.head, backend="eager")  # type: ignore[assignment]
+
+
 def dataset(size: int = 48) -> torch.utils.data.TensorDataset:
     generator = torch.Generator().manual_seed(11)
     return torch.utils.data.TensorDataset(torch.randint(40, (size, 5), generator=generator),
@@ -278,6 +287,10 @@ HABITS: list[Habit] = [
           "(`weight.new_zeros(...)`) or for the device", "works",
           "a server-held parameter answers shape, dtype and `new_zeros`/`zeros_like`; "
           "`.device` is the worker's device", _device_of_parameters),
+    Habit("compiled_dense", "`torch.compile` of a submodule without tables before `distribute` "
+          "(`model.head = torch.compile(model.head)`)", "works",
+          "the compiled submodule holds only DDP's replicated parameters and runs compiled",
+          _canonical, net=CompiledHeadNet),
     Habit("no_sync", "DDP's `with model.no_sync():` for gradient accumulation", "works",
           "dense gradients AllReduced once, rows pushed once per step", _accumulate,
           launched=True),
@@ -358,6 +371,11 @@ HABITS: list[Habit] = [
           "`model.load_state_dict(...)` after", None),
     Habit("move_after", "`model.to(...)`/`.double()` after `distribute`", "refused",
           "(a no-op when nothing changes) would leave the servers' rows; move before", None),
+    Habit("compiled_model", "`model = torch.compile(model)` (or of a submodule holding a "
+          "table) before `distribute`", "refused",
+          "the compiled code would read the program's own module, whose tables went to "
+          "parallax; pass the module before `torch.compile` (`model._orig_mod`), or compile "
+          "only the submodules without tables", None),
     Habit("torch_scaler", "`torch.amp.GradScaler`", "refused",
           "would unscale and check only the replicated gradients; use `parallax.GradScaler`",
           None),

@@ -19,7 +19,7 @@ from parallax.engine.optimizers.shard_optimizer import (
 from parallax.errors import ArgumentTypeError
 from parallax.launch.elastic import install_error_recorder, launch
 from parallax.model.detect import find_sparse_parameters, tracing_once
-from parallax.model.exactness import check_exact
+from parallax.model.exactness import check_exact, check_not_compiled
 from parallax.planning.architectures import server_held
 from parallax.runner import LossFn, Runner
 from parallax.session import join, single_process_worker
@@ -84,7 +84,9 @@ def _check_before_launch(model: torch.nn.Module, optimizers: list[torch.optim.Op
     with tracing_once(model):  # both read the model's trace: one trace
         sparse = find_sparse_parameters(model)
         check_exact(model, sparse, config)
-    check_per_shard(optimizers, server_held(model, sparse, config))
+    held = server_held(model, sparse, config)
+    check_not_compiled(model, [*sparse, *held])
+    check_per_shard(optimizers, held)
     if config.lazy_sparse_updates:
         params = dict(model.named_parameters())
         check_lazy(optimizers, {name: params[name] for name in sparse})

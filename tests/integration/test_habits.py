@@ -286,6 +286,21 @@ def test_moving_or_casting_after_distribute_is_refused(single_process) -> None:
     _refused(lambda: model.module.float(), *NAMED, "before parallax.distribute")
 
 
+@tries("compiled_model")
+def test_a_compiled_module_holding_a_table_is_refused(single_process) -> None:
+    for compile_what in ("model", "submodule"):
+        model, optimizer, _ = build(BY_KEY["canonical"])
+        if compile_what == "model":
+            model, where = torch.compile(model, backend="eager"), "the model itself"
+            table = "'_orig_mod.embedding.weight'"
+        else:
+            model.embedding = torch.compile(model.embedding, backend="eager")
+            where, table = "module 'embedding'", "'embedding._orig_mod.weight'"
+        _refused(lambda m=model, o=optimizer: parallax.distribute(
+                     m, o, config=parallax.Config(partition_cache=None)),
+                 "rank 0", where, table, "torch.compile", "._orig_mod")
+
+
 @tries("torch_scaler")
 def test_torchs_grad_scaler_is_refused(single_process) -> None:
     model, optimizer, _ = build(BY_KEY["canonical"])

@@ -8,9 +8,19 @@ also read densely, a frozen table with ``max_norm``) would be replicated by DDP,
 worker would apply the option to its own part of the batch: frequencies counted per worker,
 rows renormalised only where this worker looked — replicas that drift apart. Those programs
 are refused here, with the parameter, where it is read and the option.
+
+A module compiled by ``torch.compile`` (an ``OptimizedModule``) that holds a parameter parallax
+takes over (a sparse table, or a parameter on the servers) is refused too
+(`check_not_compiled`): its compiled code reads the program's own module, whose taken
+parameters no longer hold their rows, so it would fail (a device mismatch inside dynamo) or
+read stale values; a compiled submodule that holds only DDP's replicated parameters (an MLP
+beside the tables) runs as it is.
 """
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -19,7 +29,7 @@ from parallax.engine.tables.lookup_options import check_batch_dependent
 from parallax.errors import UnsupportedProgramError
 from parallax.model.detect import SparseUse, batch_dependent_reads
 
-__all__ = ["check_exact"]
+__all__ = ["check_exact", "check_not_compiled"]
 
 
 def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse], config: Config) -> None:
@@ -57,3 +67,31 @@ def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse], config: Con
                 "CPU kernel divides rows by the count of another id (pytorch/pytorch#190063, "
                 "fixed after 2.13) and refuses mode='max'. Use nn.Embedding with "
                 "scale_grad_by_freq and pool it yourself, or drop the option.")
+
+
+def check_not_compiled(model: nn.Module, taken: Iterable[str], rank: int | None = None) -> None:
+    """Raise `UnsupportedProgramError` if a ``torch.compile``'d module of ``model`` (the model
+    itself or a submodule) holds one of the ``taken`` parameters (its sparse tables and the
+    servers' parameters; see the module docstring), naming the module, the parameter and
+    what to compile instead (and ``rank``, in a worker)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # nothing was compiled in this process
+        return
+    held = set(taken)
+    for path, module in model.named_modules(remove_duplicate=False):
+        if not isinstance(module, eval_frame.OptimizedModule):
+            continue
+        prefix = f"{path}." if path else ""
+        inside = [f"{prefix}{name}" for name, _ in module.named_parameters(
+            remove_duplicate=False) if f"{prefix}{name}" in held]
+        if inside:
+            what = "the model itself is" if not path else f"module {path!r} is"
+            where = "" if rank is None else f"rank {rank}: "
+            raise UnsupportedProgramError(
+                f"{where}{what} compiled by torch.compile and holds parameter {inside[0]!r}, which "
+                f"parallax takes over (an embedding table, or a parameter on its servers): "
+                f"the compiled code would read the program's own copy, which no longer holds "
+                f"its rows. Pass the module before "
+                f"torch.compile (a compiled module's original is its ._orig_mod), or compile "
+                f"only submodules without embedding tables (e.g. the MLP beside them): those "
+                f"run compiled as they are.")
