@@ -66,6 +66,17 @@ class ModeNet(Net):
         return self.head(self.drop(self.embedding(ids).mean(dim=1))) * self.scale
 
 
+class BatchNormNet(Net):
+    """`Net` with a BatchNorm layer before its head."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__(dropout)
+        self.norm = nn.BatchNorm1d(6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embedding(ids).mean(dim=1)))
+
+
 class CompiledHeadNet(Net):
     """`Net` whose dense head the program compiles (``torch.compile``, the eager backend: no
     C++ toolchain needed; the wrapping is what parallax meets, whatever the backend)."""
@@ -291,6 +302,11 @@ HABITS: list[Habit] = [
           "(`model.head = torch.compile(model.head)`)", "works",
           "the compiled submodule holds only DDP's replicated parameters and runs compiled",
           _canonical, net=CompiledHeadNet),
+    Habit("batchnorm", "`nn.BatchNorm1d`/`2d` layers in training mode", "differs",
+          "each worker normalises its own batch by that batch's statistics (running "
+          "statistics from rank 0), as under DDP; parallax says so at the start (exact on one "
+          "worker); `nn.SyncBatchNorm` (GPU) normalises by the global batch", _canonical,
+          net=BatchNormNet),
     Habit("no_sync", "DDP's `with model.no_sync():` for gradient accumulation", "works",
           "dense gradients AllReduced once, rows pushed once per step", _accumulate,
           launched=True),

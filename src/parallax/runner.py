@@ -38,7 +38,11 @@ from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.pool import default_threads, shared_pool
 from parallax.errors import ArgumentTypeError
 from parallax.model.detect import SparseUse, find_sparse_parameters, tracing_once
-from parallax.model.exactness import check_exact, check_not_compiled
+from parallax.model.exactness import (
+    check_exact,
+    check_not_compiled,
+    warn_per_worker_statistics,
+)
 from parallax.model.meta_init import place_on_device
 from parallax.model.stand_ins import executed_copy, mirror
 from parallax.parallelism import Parallelism, build_parallelism
@@ -115,6 +119,8 @@ class Runner:
         self.architecture = architecture_of(config)
         server_held = self.architecture.server_held(model, self.sparse_uses)
         check_not_compiled(model, [*self.sparse_uses, *server_held], self.worker.rank)
+        if self.worker.rank == 0:
+            warn_per_worker_statistics(model, self.worker.world_size)
         place_on_device(model, server_held, self.optimizers, self.device)
         self._params = dict(model.named_parameters())  # the objects never change
         self.layout = build_layout(model, self.sparse_uses, config=config, worker=self.worker,

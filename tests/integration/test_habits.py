@@ -286,6 +286,22 @@ def test_moving_or_casting_after_distribute_is_refused(single_process) -> None:
     _refused(lambda: model.module.float(), *NAMED, "before parallax.distribute")
 
 
+@tries("batchnorm")
+def test_batchnorm_layers_are_named_at_the_start_when_several_workers_train(caplog) -> None:
+    """Exact on one worker (test_a_working_habit_trains_as_one_device); on several each
+    worker's batch statistics differ from the global batch's, which rank 0 says once."""
+    from parallax.model.exactness import warn_per_worker_statistics
+
+    model = BY_KEY["batchnorm"].net()
+    with caplog.at_level("WARNING", logger="parallax"):
+        assert warn_per_worker_statistics(model, 1) == []
+        assert not caplog.records
+        assert warn_per_worker_statistics(model, 4) == ["norm"]
+    message = caplog.records[-1].getMessage()
+    assert "'norm' is a BatchNorm layer" in message and "4 workers" in message
+    assert "as under DDP" in message and "SyncBatchNorm" in message
+
+
 @tries("compiled_model")
 def test_a_compiled_module_holding_a_table_is_refused(single_process) -> None:
     for compile_what in ("model", "submodule"):

@@ -9,6 +9,10 @@ worker would apply the option to its own part of the batch: frequencies counted 
 rows renormalised only where this worker looked — replicas that drift apart. Those programs
 are refused here, with the parameter, where it is read and the option.
 
+What trains differently on several workers, as under DDP, is said once at the start
+(`warn_per_worker_statistics`): a BatchNorm layer normalises each worker's batch by that
+batch's own statistics, not the global batch's.
+
 A module compiled by ``torch.compile`` (an ``OptimizedModule``) that holds a parameter parallax
 takes over (a sparse table, or a parameter on the servers) is refused too
 (`check_not_compiled`): its compiled code reads the program's own module, whose taken
@@ -27,9 +31,10 @@ from torch import nn
 from parallax.config import Config
 from parallax.engine.tables.lookup_options import check_batch_dependent
 from parallax.errors import UnsupportedProgramError
+from parallax.logs import log
 from parallax.model.detect import SparseUse, batch_dependent_reads
 
-__all__ = ["check_exact", "check_not_compiled"]
+__all__ = ["check_exact", "check_not_compiled", "warn_per_worker_statistics"]
 
 
 def check_exact(model: nn.Module, sparse_uses: dict[str, SparseUse], config: Config) -> None:
@@ -95,3 +100,24 @@ def check_not_compiled(model: nn.Module, taken: Iterable[str], rank: int | None 
                 f"torch.compile (a compiled module's original is its ._orig_mod), or compile "
                 f"only submodules without embedding tables (e.g. the MLP beside them): those "
                 f"run compiled as they are.")
+
+
+def warn_per_worker_statistics(model: nn.Module, world_size: int) -> list[str]:
+    """Log (once, where called: rank 0) each BatchNorm layer of ``model``: on ``world_size``
+    > 1 workers it normalises by each worker's batch, as under DDP, so training differs from
+    one device's. Returns the modules' names."""
+    if world_size == 1:
+        return []
+    names = [name or "the model" for name, module in model.named_modules()
+             if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+    if names:
+        log.warning(
+            f"parallax: {', '.join(repr(n) for n in names[:3])}"
+            f"{f' and {len(names) - 3} more' if len(names) > 3 else ''} "
+            f"{'is a BatchNorm layer' if len(names) == 1 else 'are BatchNorm layers'}: in "
+            f"training mode each of the {world_size} workers normalises its own batch by that "
+            f"batch's statistics (running statistics from rank 0), as under DDP, so training "
+            f"differs from one device with the global batch (nn.SyncBatchNorm, on GPUs, "
+            f"normalises by the global batch's statistics; parallax verify shows the "
+            f"difference)")
+    return names
