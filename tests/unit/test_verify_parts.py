@@ -99,6 +99,33 @@ def test_a_program_that_never_stepped_compares_nothing(tmp_path: Path) -> None:
     assert "NOTHING COMPARED" in report(result, VerifyOptions("train.py"))
 
 
+def test_the_reference_run_hints_at_autocast_once_a_module_runs_under_it(
+        tmp_path: Path, single_process, monkeypatch) -> None:
+    import json
+
+    from parallax.verify.record import RUN_FILE
+
+    verification = Verification(str(tmp_path), "reference", 3, 2)
+    monkeypatch.setenv(VERIFY_ENV, verification.to_env())
+    single_process_worker()
+    model = nn.Sequential(nn.Embedding(5, 2), nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = reference_pair(verification, model, [optimizer], timeout=timedelta(seconds=30))
+    hints = lambda: json.loads((tmp_path / RUN_FILE).read_text())["hints"]  # noqa: E731
+    ids = torch.tensor([[0, 1]])
+    wrapped(ids).sum().backward()
+    optimizer.step()
+    assert not any("autocast" in hint for hint in hints())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        wrapped(ids).float().sum().backward()
+    optimizer.step()
+    autocast = [hint for hint in hints() if "autocast" in hint]
+    assert autocast == [autocast[0]] and "(cpu, bfloat16)" in autocast[0]
+    with pytest.raises(VerifyComplete):  # the last step ends the run (and the hook)
+        wrapped(ids).sum().backward()
+        optimizer.step()
+
+
 def test_the_reference_records_plain_pytorch_steps_and_stops(tmp_path: Path,
                                                              single_process) -> None:
     """Two optimizers: a step is both having stepped; the run ends after the last step."""

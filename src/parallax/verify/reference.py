@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from parallax.errors import VerifyComplete
 from parallax.model.wrapper import ModuleWrapper
-from parallax.verify.record import StateRecorder, Verification, describe_run
+from parallax.verify.record import StateRecorder, Verification, add_hint, describe_run
 from parallax.verify.run import note_unsharded
 
 __all__ = ["ReferenceModel", "reference_pair"]
@@ -83,11 +84,33 @@ def reference_pair(verification: Verification, model: nn.Module,
             recorder.record(wrapped.state_dict())
             note_unsharded(recorder)
             if recorder.done:
+                autocast_hook.remove()
                 raise VerifyComplete(verification.steps)
 
     for optimizer in optimizers:
         optimizer.register_step_post_hook(after_step)
+    autocast_hook = _hint_at_autocast()
     return wrapped
+
+
+def _hint_at_autocast() -> RemovableHandle:
+    """Add a hint the first time a module runs under ``torch.autocast`` (a global forward
+    hook, until then or until the run's last step): its low-precision results depend on the
+    batch's split (each worker's partial sums are rounded before the sum over workers, as
+    under DDP), so the runs agree only to that precision."""
+    def seen(module: nn.Module, args: Any, output: Any) -> None:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+                add_hint(f"the program computes under torch.autocast ({device}, {dtype}): "
+                         f"each worker's partial sums are rounded to {dtype} before the sum "
+                         f"over workers, as under DDP, so the runs agree only to {dtype}'s "
+                         f"precision; verify without autocast to check the rest")
+                handle.remove()
+                return
+
+    handle = nn.modules.module.register_module_forward_hook(seen)
+    return handle
 
 
 def _leave() -> None:
