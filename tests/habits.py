@@ -175,6 +175,13 @@ def _parallax_clip(run: Run) -> None:
     _loop(run, run.optimizer.zero_grad, clip_and_step)
 
 
+def _parallax_clip_value(run: Run) -> None:
+    def clip_and_step() -> None:
+        parallax.clip_grad_value_(run.model.parameters(), 0.02)
+        run.optimizer.step()
+    _loop(run, run.optimizer.zero_grad, clip_and_step)
+
+
 def _torch_clip_dense(run: Run) -> None:
     def clip_and_step() -> None:
         torch.nn.utils.clip_grad_norm_(run.model.head.parameters(), 0.05)
@@ -322,6 +329,9 @@ HABITS: list[Habit] = [
     Habit("parallax_clip", "`parallax.clip_grad_norm_(model.parameters(), c)`", "works",
           "the single-device global norm, servers' rows included", _parallax_clip,
           launched=True),
+    Habit("parallax_clip_value", "`parallax.clip_grad_value_(model.parameters(), v)`", "works",
+          "the aggregated gradients clamped, servers' rows included, as on one device",
+          _parallax_clip_value, launched=True),
     Habit("torch_clip_dense", "`torch.nn.utils.clip_grad_norm_` over dense parameters only",
           "works", "their gradients are the AllReduced ones", _torch_clip_dense,
           launched=True),
@@ -368,6 +378,9 @@ HABITS: list[Habit] = [
     Habit("torch_clip_all", "`torch.nn.utils.clip_grad_norm_(model.parameters(), c)`",
           "refused", "torch would skip the servers' rows and clip by a smaller norm; use "
           "`parallax.clip_grad_norm_`", None),
+    Habit("torch_clip_value_all", "`torch.nn.utils.clip_grad_value_(model.parameters(), v)`",
+          "refused", "torch would skip the servers' rows; use `parallax.clip_grad_value_`",
+          None),
     Habit("inner_zero_grad", "`model.module.zero_grad()`", "refused",
           "would leave the servers' rows; use `model.zero_grad()`", None),
     Habit("manual_update", "`p.data.add_(p.grad, alpha=-lr)` by hand", "refused",

@@ -26,7 +26,7 @@ from parallax.lazy import submodule_attributes as _submodule_attributes
 if TYPE_CHECKING:
     from parallax.api import get_runner
     from parallax.config import QSGD, Config, SlimDP
-    from parallax.distributed import GradScaler, clip_grad_norm_, distribute
+    from parallax.distributed import GradScaler, clip_grad_norm_, clip_grad_value_, distribute
     from parallax.errors import (
         ArgumentError,
         ArgumentTypeError,
@@ -58,7 +58,8 @@ if TYPE_CHECKING:
 _HOMES = {
     "get_runner": "parallax.api",
     **dict.fromkeys(("QSGD", "Config", "SlimDP"), "parallax.config"),
-    **dict.fromkeys(("GradScaler", "clip_grad_norm_", "distribute"), "parallax.distributed"),
+    **dict.fromkeys(("GradScaler", "clip_grad_norm_", "clip_grad_value_", "distribute"),
+                    "parallax.distributed"),
     **dict.fromkeys(("ArgumentError", "ArgumentTypeError", "AsyncServerError", "CheckpointError",
                      "ConfigError", "InternalError", "LostRankError", "NetemError",
                      "NonFiniteError", "OptimizerError", "ParallaxError", "PlanComplete",
@@ -77,7 +78,8 @@ __all__ = ["ArgumentError", "ArgumentTypeError", "AsyncServerError", "Checkpoint
            "OptimizerError", "ParallaxError", "PlanComplete", "QSGD", "ResourceError", "Runner",
            "SlimDP", "SparseIdError", "StalledRankError", "LostRankError", "UnevenInputsError",
            "UnsupportedProgramError", "UsageError", "VerifyComplete", "clip_grad_norm_",
-           "distribute", "get_runner", "meta_init", "partition", "partitioner", "shard", "shutdown"]
+           "clip_grad_value_", "distribute", "get_runner", "meta_init", "partition", "partitioner",
+           "shard", "shutdown"]
 try:  # one source: pyproject.toml's, as installed
     __version__ = _metadata.version("parallax-torch")
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed

@@ -24,7 +24,7 @@ import os
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +42,7 @@ from parallax.verify import record as verify
 from parallax.verify.reference import reference_pair
 
 __all__ = ["DistributedModel", "DistributedOptimizer", "GradScaler", "clip_grad_norm_",
-           "distribute"]
+           "clip_grad_value_", "distribute"]
 
 # Each parameter of a distributed model knows its runner (weakly): how clip_grad_norm_ finds
 # it. An attribute, not a table keyed by id: ids of dead parameters are reused.
@@ -150,23 +150,54 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Parameter, max_norm:
     refused on them); on parameters of no distributed model this is torch's own, so the same
     program runs on one device.
     """
-    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    runners = {id(r): r for p in params
-               if (ref := getattr(p, _RUNNER_ATTRIBUTE, None)) is not None
-               and (r := ref()) is not None}
-    if not runners:  # a plain model (the single-device run of the same program): torch's
+    params = _parameter_list(parameters)
+    runner = _runner_of(params, "clip_grad_norm_")
+    if runner is None:  # a plain model (the single-device run of the same program): torch's
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     if float(norm_type) != 2.0:
         raise UnsupportedProgramError(
             f"parallax.clip_grad_norm_ clips by the L2 norm (norm_type=2.0), got norm_type="
             f"{norm_type!r}")
-    if len(runners) != 1:
-        raise UnsupportedProgramError(
-            "parallax.clip_grad_norm_ takes parameters of one model returned by "
-            f"parallax.distribute (got parameters of {len(runners)} such model(s)); for other "
-            "models use torch.nn.utils.clip_grad_norm_")
-    (runner,) = runners.values()
     return torch.tensor(runner.clip_grad_norm(float(max_norm), params), dtype=torch.float64)
+
+
+def clip_grad_value_(parameters: Iterable[nn.Parameter] | nn.Parameter, clip_value: float,
+                     foreach: bool | None = None) -> None:
+    """``torch.nn.utils.clip_grad_value_`` for a distributed model: clamps the *aggregated*
+    gradients to ``[-clip_value, clip_value]``, the servers' rows included, as on one device.
+    Collective (it pushes the step's gradients if ``optimizer.step()`` has not yet).
+
+    ``torch.nn.utils.clip_grad_value_`` itself would skip the server-held parameters (it is
+    refused on them); on parameters of no distributed model this is torch's own, so the same
+    program runs on one device.
+    """
+    params = _parameter_list(parameters)
+    runner = _runner_of(params, "clip_grad_value_")
+    if runner is None:  # a plain model (the single-device run of the same program): torch's
+        torch.nn.utils.clip_grad_value_(params, clip_value, foreach=foreach)
+        return
+    runner.clip_grad_value(float(clip_value), params)
+
+
+def _parameter_list(parameters: Iterable[nn.Parameter] | nn.Parameter) -> list[nn.Parameter]:
+    """``parameters`` as torch's clipping functions take them: one tensor, or an iterable."""
+    if isinstance(parameters, Tensor):  # a tensor, Parameter or not, is one parameter
+        return [cast(nn.Parameter, parameters)]
+    return list(parameters)
+
+
+def _runner_of(params: list[nn.Parameter], what: str) -> Runner | None:
+    """The runner of the distributed model ``params`` belong to (None: a plain model's);
+    refused when they belong to several."""
+    runners = {id(r): r for p in params
+               if (ref := getattr(p, _RUNNER_ATTRIBUTE, None)) is not None
+               and (r := ref()) is not None}
+    if len(runners) > 1:
+        raise UnsupportedProgramError(
+            f"parallax.{what} takes parameters of one model returned by parallax.distribute "
+            f"(got parameters of {len(runners)} such model(s)); for other models use "
+            f"torch.nn.utils.{what}")
+    return next(iter(runners.values()), None)
 
 
 def _no_loss(output: Any, target: Any) -> Tensor:

@@ -300,6 +300,13 @@ class Runner:
         norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective."""
         return self.round.clip(max_norm, parameters)
 
+    def clip_grad_value(self, value: float,
+                        parameters: Iterable[nn.Parameter] | None = None) -> None:
+        """Clamp the aggregated gradients of ``parameters`` (default: all) to ``[-value,
+        value]``, as ``clip_grad_value_`` does on one device. Collective (it pushes the
+        step's gradients first)."""
+        self.round.clamp(value, parameters)
+
     @property
     def global_step(self) -> int:
         """Steps trained since the start of training (across resumes)."""

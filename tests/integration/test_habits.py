@@ -146,6 +146,14 @@ def test_torchs_clip_grad_norm_over_every_parameter_is_refused(single_process) -
              "parallax.clip_grad_norm_")
 
 
+@tries("torch_clip_value_all")
+def test_torchs_clip_grad_value_over_every_parameter_is_refused(single_process) -> None:
+    model, _ = _distributed_net(single_process)
+    message = _refused(lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 0.1),
+                       *NAMED, "parallax.clip_grad_value_")
+    assert "clip_grad_norm_" not in message  # the fix keeps clipping by value
+
+
 @tries("retained_graph")
 def test_a_second_backward_through_one_forward_is_refused(single_process) -> None:
     """Also for two losses of one output; a backward per forward (accumulation) still works."""

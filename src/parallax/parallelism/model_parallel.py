@@ -73,6 +73,10 @@ class ShardedGradNorm:
             local = _local(self.param.grad)
             local.mul_(factor.to(local.dtype))
 
+    def clamp_grad(self, value: float) -> None:
+        if self.param.grad is not None:
+            _local(self.param.grad).clamp_(-value, value)
+
 
 class ModelParallel:
     """The ``model`` and ``2d`` parallelisms (a `Grid` with a model degree above 1): see the

@@ -116,6 +116,25 @@ class StepGradients:
             table.grad_rescaled()
         return norm
 
+    def clamp(self, value: float, parameters: Iterable[nn.Parameter] | None = None) -> None:
+        """Clamp the aggregated gradients of ``parameters`` (default: all) to ``[-value,
+        value]`` element by element, as ``clip_grad_value_`` does on one device. Each rank
+        clamps what it holds (the replicas alike): no collective."""
+        wanted = None if parameters is None else {id(p) for p in parameters}
+        tables = [t for name, t in self.tables().items()
+                  if wanted is None or id(self.params[name]) in wanted]
+        for param in self.replicated:
+            grad = param.grad
+            if grad is not None and (wanted is None or id(param) in wanted):
+                (grad._values() if grad.is_sparse else grad).clamp_(-value, value)
+        for table in tables:
+            table.clamp_grad(value)
+            if isinstance(table, ReplicatedTable) and table.grad_is_ours():
+                table.grad_rescaled()  # zero rows stayed zero
+        for part in self.parallelism.norm_parts().values():
+            if wanted is None or id(part.param) in wanted:
+                part.clamp_grad(value)
+
     def unscale_tables(self, optimizers: Sequence[torch.optim.Optimizer],
                        inv_scale: Tensor) -> bool:
         """Multiply the aggregated rows of the tables ``optimizers`` update by ``inv_scale``;

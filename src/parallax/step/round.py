@@ -103,16 +103,26 @@ class StepRound:
 
     def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None) -> float:
         """See `Runner.clip_grad_norm`: the gradients made ready, then clipped."""
-        what = "clipping by the global norm of the aggregated gradients"
+        self._require_aggregated("clipping by the global norm of the aggregated gradients")
+        self.gradients_ready()
+        with self.explained():
+            return self.gradients.clip(max_norm, parameters)
+
+    def clamp(self, value: float, parameters: Iterable[nn.Parameter] | None = None) -> None:
+        """See `Runner.clip_grad_value`: the gradients made ready, then clamped."""
+        self._require_aggregated("clipping the aggregated gradients by value")
+        self.gradients_ready()
+        with self.explained():
+            self.gradients.clamp(value, parameters)
+
+    def _require_aggregated(self, what: str) -> None:
+        """Refuse ``what`` where no aggregated gradient exists to act on."""
         self.sync_mode.require_aligned(
             what, "the servers apply each worker's push on its own; Config(clip_grad_norm=...) "
                   "clips each push (sync='async')")
         self.dense.require_aggregated(
             what, "each worker updates its own dense copy from its own gradients, there is no "
                   "aggregated dense gradient; use dense_sync='hierarchical' or 'qsgd' to clip")
-        self.gradients_ready()
-        with self.explained():
-            return self.gradients.clip(max_norm, parameters)
 
     def update(self, optimizers: Sequence[torch.optim.Optimizer], *,
                loss: Tensor | None = None) -> None:

@@ -149,6 +149,12 @@ class AsyncTable:
             if rows.grad is not None:
                 rows.grad.mul_(factor.to(rows.grad.dtype))
 
+    def clamp_grad(self, value: float) -> None:
+        """Clamp this worker's own gradient rows (before the push) to ``[-value, value]``."""
+        for _, rows in self._pending:
+            if rows.grad is not None:
+                rows.grad.clamp_(-value, value)
+
     def own_nonfinite(self) -> bool:
         """Whether this worker's own gradient rows hold a NaN or an infinity."""
         return any(rows.grad is not None and not bool(torch.isfinite(rows.grad).all())

@@ -146,9 +146,13 @@ def _callers_between(caller: Any) -> set[str]:
 
 # (functions on the way, or the operation's name) -> what the program does, and the fix
 _HABITS: list[tuple[frozenset[str], str, str]] = [
-    (frozenset({"clip_grad_norm_", "get_total_norm", "_get_total_norm", "clip_grad_value_"}),
-     "torch.nn.utils.clip_grad_norm_/clip_grad_value_ would skip it (its gradient rows are "
-     "on the servers) and clip by a different norm",
+    (frozenset({"clip_grad_value_"}),
+     "torch.nn.utils.clip_grad_value_ would skip it (its gradient rows are on the servers)",
+     "clip with parallax.clip_grad_value_(model.parameters(), clip_value) (the aggregated "
+     "gradients, servers' rows included, as on one device)"),
+    (frozenset({"clip_grad_norm_", "get_total_norm", "_get_total_norm"}),
+     "torch.nn.utils.clip_grad_norm_ would skip it (its gradient rows are on the servers) "
+     "and clip by a different norm",
      "clip with parallax.clip_grad_norm_(model.parameters(), max_norm) (the single-device "
      "global norm, servers' rows included) or Config(clip_grad_norm=...)"),
     (frozenset({"zero_grad"}),

@@ -305,6 +305,9 @@ class ReplicatedTable:
     def scale_grad(self, factor: Tensor) -> None:
         """Nothing: the runner scales replicated gradients with the dense ones."""
 
+    def clamp_grad(self, value: float) -> None:
+        """Nothing: the runner clamps replicated gradients with the dense ones."""
+
     def full_weight(self, source: Tensor | None = None) -> Tensor:
         return self.param.detach().clone()
 

@@ -587,6 +587,19 @@ class ShardedTable:
             else:
                 grad[rows] = grad[rows] * factor
 
+    def clamp_grad(self, value: float) -> None:
+        """Clamp the aggregated gradient to ``[-value, value]``: a dense one at its touched
+        rows (the others are zero), a sparse one's values (coalesced: one value per
+        element)."""
+        for grad in self._gradients():
+            rows = self._rows_to_read(grad)
+            if grad.is_sparse:
+                grad._values().clamp_(-value, value)
+            elif rows is None:
+                grad.clamp_(-value, value)
+            else:
+                grad[rows] = grad[rows].clamp(-value, value)
+
     def _rows_to_read(self, grad: Tensor) -> Tensor | None:
         """The rows of a dense aggregated ``grad`` that can be non-zero, when they are fewer
         than all; None: read it whole (sparse, or every row touched)."""

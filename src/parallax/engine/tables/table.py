@@ -91,6 +91,10 @@ class Table(Protocol):
 
     def scale_grad(self, factor: Tensor) -> None: ...
 
+    def clamp_grad(self, value: float) -> None:
+        """Clamp the aggregated gradient this process holds to ``[-value, value]`` element by
+        element (``clip_grad_value_``)."""
+
     def full_weight(self, source: Tensor | None = None) -> Tensor:
         """The whole parameter (or per-row ``source``, e.g. optimizer state), on every rank
         (collective)."""
