@@ -141,10 +141,14 @@ class _RunnerRef:
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Parameter, max_norm: float,
-                    norm_type: float = 2.0) -> Tensor:
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a distributed model: clips by the L2 norm of the
     *aggregated* gradients, the servers' rows included, as on one device; returns the norm.
     Collective (it pushes the step's gradients if ``optimizer.step()`` has not yet).
+    ``error_if_nonfinite``: a NaN or infinite norm raises `NonFiniteError` (a
+    ``RuntimeError``, as torch's) on every rank before anything is clipped; ``foreach`` is
+    torch's choice of kernel, taken for the plain model and ignored for a distributed one.
 
     ``torch.nn.utils.clip_grad_norm_`` itself would skip the server-held parameters (it is
     refused on them); on parameters of no distributed model this is torch's own, so the same
@@ -153,12 +157,16 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Parameter, max_norm:
     params = _parameter_list(parameters)
     runner = _runner_of(params, "clip_grad_norm_")
     if runner is None:  # a plain model (the single-device run of the same program): torch's
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                              error_if_nonfinite=error_if_nonfinite,
+                                              foreach=foreach)
     if float(norm_type) != 2.0:
         raise UnsupportedProgramError(
             f"parallax.clip_grad_norm_ clips by the L2 norm (norm_type=2.0), got norm_type="
             f"{norm_type!r}")
-    return torch.tensor(runner.clip_grad_norm(float(max_norm), params), dtype=torch.float64)
+    return torch.tensor(runner.clip_grad_norm(float(max_norm), params,
+                                              error_if_nonfinite=error_if_nonfinite),
+                        dtype=torch.float64)
 
 
 def clip_grad_value_(parameters: Iterable[nn.Parameter] | nn.Parameter, clip_value: float,

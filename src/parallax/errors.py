@@ -34,9 +34,11 @@ class InternalError(ParallaxError, RuntimeError):
     """One of parallax's own invariants failed: a bug of ours; the message asks to report it."""
 
 
-class NonFiniteError(ParallaxError, FloatingPointError):
+class NonFiniteError(ParallaxError, FloatingPointError, RuntimeError):
     """A step's loss or aggregated gradient is NaN or infinite under
-    ``Config(nonfinite="raise")`` (names the ranks or parameters; nothing was updated)."""
+    ``Config(nonfinite="raise")`` (names the ranks or parameters; nothing was updated), or
+    `parallax.clip_grad_norm_` found a non-finite norm with ``error_if_nonfinite=True`` (a
+    ``RuntimeError`` too, as torch's own raises there)."""
 
 
 class ConfigError(ParallaxError, ValueError):

@@ -295,10 +295,12 @@ class Runner:
         self.round.optimizers_done(optimizers)
 
     def clip_grad_norm(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None,
-                       ) -> float:
+                       *, error_if_nonfinite: bool = False) -> float:
         """Clip the aggregated gradients of ``parameters`` (default: all) by their global L2
-        norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective."""
-        return self.round.clip(max_norm, parameters)
+        norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective.
+        ``error_if_nonfinite``: raise `NonFiniteError` on a NaN or infinite norm, nothing
+        clipped."""
+        return self.round.clip(max_norm, parameters, error_if_nonfinite=error_if_nonfinite)
 
     def clip_grad_value(self, value: float,
                         parameters: Iterable[nn.Parameter] | None = None) -> None:

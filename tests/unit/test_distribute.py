@@ -189,6 +189,30 @@ def test_a_server_held_table_read_outside_the_model_is_refused(single_process):
         weight.pow(2).sum()
 
 
+def test_a_non_finite_norm_raises_when_asked_and_clips_nothing(single_process):
+    """``error_if_nonfinite=True``, as torch's: a NaN in a server-held table's aggregated
+    gradient raises a RuntimeError naming the norm, and no gradient is scaled (under
+    ``Config(nonfinite="ignore")``: the default check raises at the push already)."""
+    torch.manual_seed(0)
+    model, reference = Tagged().double(), Tagged().double()
+    reference.load_state_dict(model.state_dict())
+    model, _ = parallax.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   config=parallax.Config(partition_cache=None,
+                                                          nonfinite="ignore"))
+    ids, y = _batch(2)
+    nn.functional.cross_entropy(model(ids)["logits"] * float("nan"), y).backward()
+    nn.functional.cross_entropy(reference(ids)["logits"] * float("nan"), y).backward()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, error_if_nonfinite=True)
+    head = model.module.head.weight.grad.clone()
+    with pytest.raises(parallax.NonFiniteError, match="norm of order 2.0 .* is nan") as error:
+        parallax.clip_grad_norm_(model.parameters(), 0.01, error_if_nonfinite=True)
+    assert isinstance(error.value, RuntimeError)
+    torch.testing.assert_close(model.module.head.weight.grad, head, equal_nan=True)
+    norm = parallax.clip_grad_norm_(model.parameters(), 0.01, foreach=True)  # torch's default
+    assert torch.isnan(norm)
+
+
 def test_norms_other_than_l2_are_refused(single_process):
     model, _, _, _ = _pair()
     with pytest.raises(UnsupportedProgramError, match="norm_type=2.0"):

@@ -94,9 +94,12 @@ class StepGradients:
             if mine is None or id(param) in mine:
                 clear_grad(param, set_to_none)
 
-    def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None) -> float:
+    def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None, *,
+             error_if_nonfinite: bool = False) -> float:
         """Clip the aggregated gradients of ``parameters`` (default: all) by their global L2
-        norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective."""
+        norm, as ``clip_grad_norm_`` does on one device; returns the norm. Collective.
+        ``error_if_nonfinite``: a NaN or infinite norm raises (every rank has the same norm)
+        before anything is scaled."""
         wanted = None if parameters is None else {id(p) for p in parameters}
         everything_of = self.tables()
         tables = [t for name, t in everything_of.items()
@@ -111,7 +114,7 @@ class StepGradients:
         norm = clip_by_global_norm(
             max_norm, grads, [*tables, *chosen],
             tables_squared=self.tables_squared if everything else None,
-            group=self.group, device=self.device)
+            group=self.group, device=self.device, error_if_nonfinite=error_if_nonfinite)
         for table in ours:
             table.grad_rescaled()
         return norm

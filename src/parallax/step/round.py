@@ -101,12 +101,14 @@ class StepRound:
             self._synced = True
         return self._applies
 
-    def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None) -> float:
+    def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None, *,
+             error_if_nonfinite: bool = False) -> float:
         """See `Runner.clip_grad_norm`: the gradients made ready, then clipped."""
         self._require_aggregated("clipping by the global norm of the aggregated gradients")
         self.gradients_ready()
         with self.explained():
-            return self.gradients.clip(max_norm, parameters)
+            return self.gradients.clip(max_norm, parameters,
+                                       error_if_nonfinite=error_if_nonfinite)
 
     def clamp(self, value: float, parameters: Iterable[nn.Parameter] | None = None) -> None:
         """See `Runner.clip_grad_value`: the gradients made ready, then clamped."""

@@ -18,6 +18,7 @@ from torch import Tensor
 from parallax.engine.tables import reduction
 from parallax.engine.tables.table import Table
 from parallax.engine.tables.verdict import largest_magnitudes
+from parallax.errors import NonFiniteError
 
 __all__ = ["NonFinite", "all_finite", "all_finite_together", "clip_by_global_norm",
            "find_nonfinite", "finite_together"]
@@ -77,10 +78,12 @@ def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
 
 def clip_by_global_norm(max_norm: float, dense_grads: Sequence[Tensor], tables: Sequence[Table],
                         *, tables_squared: Tensor | None, group: dist.ProcessGroup,
-                        device: torch.device) -> float:
+                        device: torch.device, error_if_nonfinite: bool = False) -> float:
     """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` as ``clip_grad_norm_``
     does on one device; ``tables_squared`` when `find_nonfinite` summed it already.
-    Returns the norm before clipping (collective unless ``tables_squared`` is given)."""
+    Returns the norm before clipping (collective unless ``tables_squared`` is given).
+    ``error_if_nonfinite``: raise `NonFiniteError` on a NaN or infinite norm (the same on
+    every rank), nothing scaled, as torch's ``error_if_nonfinite=True``."""
     if tables_squared is not None:
         squared = tables_squared.clone()
     else:
@@ -93,6 +96,11 @@ def clip_by_global_norm(max_norm: float, dense_grads: Sequence[Tensor], tables: 
         values = grad._values() if grad.is_sparse else grad
         squared += torch.linalg.vector_norm(values, dtype=torch.float64) ** 2
     total = squared.sqrt()
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise NonFiniteError(
+            f"the total norm of order 2.0 of the aggregated gradients is {float(total)}, so "
+            f"it cannot be clipped (nothing was): to scale the gradients by the non-finite "
+            f"norm anyway, set error_if_nonfinite=False, as with torch's clip_grad_norm_")
     factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in dense_grads:
         grad.mul_(factor.to(grad.dtype))
