@@ -182,6 +182,15 @@ def _parallax_clip_value(run: Run) -> None:
     _loop(run, run.optimizer.zero_grad, clip_and_step)
 
 
+def _join(run: Run) -> None:
+    """The loop inside DDP's ``join()`` (one device: no DDP, no join)."""
+    from parallax.distributed import DistributedModel
+
+    distributed = isinstance(run.model, DistributedModel)
+    with run.model.join() if distributed else contextlib.nullcontext():
+        _canonical(run)
+
+
 def _torch_clip_dense(run: Run) -> None:
     def clip_and_step() -> None:
         torch.nn.utils.clip_grad_norm_(run.model.head.parameters(), 0.05)
@@ -305,6 +314,10 @@ HABITS: list[Habit] = [
           "(`weight.new_zeros(...)`) or for the device", "works",
           "a server-held parameter answers shape, dtype and `new_zeros`/`zeros_like`; "
           "`.device` is the worker's device", _device_of_parameters),
+    Habit("ddp_join", "DDP's `with model.join():` around the loop", "works",
+          "every worker takes the same steps (`parallax.shard` gives each the same batches); "
+          "a rank that runs out early is named at the others' next step, inside `join()` as "
+          "outside, instead of being shadowed", _join, launched=True),
     Habit("compiled_dense", "`torch.compile` of a submodule without tables before `distribute` "
           "(`model.head = torch.compile(model.head)`)", "works",
           "the compiled submodule holds only DDP's replicated parameters and runs compiled",

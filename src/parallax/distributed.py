@@ -290,6 +290,18 @@ class DistributedModel(ModuleWrapper):
               else contextlib.nullcontext()):
             yield
 
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Iterator[None]:
+        """DDP's ``join()`` context for uneven inputs, accepted so that a DDP loop runs as it
+        is: every worker must take the same steps (`parallax.shard` gives each the same
+        batches), because a worker that ran out would make the global batch one device never
+        sees. Inside it as outside, a rank that runs out early is named at the others' next
+        step (`UnevenInputsError` once it has ended its training; the own loop's order check
+        if it calls something collective instead); nothing is shadowed (DDP's arguments
+        change nothing here)."""
+        yield
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:  # type: ignore[override]
         """The plain single-device ``state_dict`` of the user's module (collective)."""
         if args or kwargs:

@@ -53,6 +53,11 @@ class ReferenceModel(ModuleWrapper):
               else contextlib.nullcontext()):
             yield
 
+    @contextlib.contextmanager
+    def join(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """DDP's ``join()``: one process has no uneven inputs."""
+        yield
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:  # type: ignore[override]
         return self.plain.state_dict(*args, **kwargs)
 
