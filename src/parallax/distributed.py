@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
 from torch.nn.parallel import DistributedDataParallel
@@ -36,6 +37,7 @@ from parallax.config import Config
 from parallax.engine.optimizers.shard_optimizer import as_optimizer_list, parameter_ids
 from parallax.engine.tables import handles
 from parallax.errors import UnsupportedProgramError, UsageError
+from parallax.logs import log
 from parallax.model.wrapper import ModuleWrapper
 from parallax.runner import Runner
 from parallax.verify import record as verify
@@ -111,6 +113,12 @@ def _retire_ddp(ddp: DistributedDataParallel,
     parallax synchronises the dense gradients itself (with DDP, inside)."""
     if ddp.find_unused_parameters:
         config = dataclasses.replace(config or Config(), find_unused_parameters=True)
+    hooks = [getattr(hook, "__name__", repr(hook)) for hook, _ in getattr(ddp, "_comm_hooks", [])]
+    if hooks and dist.get_rank() == 0:
+        log.warning(f"parallax: the DDP wrapper's comm hook(s) {hooks} are not used: parallax "
+                    f"synchronises the dense gradients itself (Config.dense_sync; the "
+                    f"single-device program's exact sums by default; docs/extending.md adds a "
+                    f"comm hook of your own as a dense_sync kind)")
     ddp.reducer = None  # type: ignore[assignment]  # its destructor removes its gradient hooks
     ddp.logger = None  # it holds the reducer too
     ddp.forward = _retired_forward  # type: ignore[method-assign]
@@ -289,6 +297,15 @@ class DistributedModel(ModuleWrapper):
         with (module.no_sync() if isinstance(module, DistributedDataParallel)
               else contextlib.nullcontext()):
             yield
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """DDP's ``register_comm_hook``: refused, naming the way that works (parallax runs
+        the dense sync, `Config.dense_sync`)."""
+        raise UnsupportedProgramError(
+            f"rank {self.runner.worker.rank}, {handles.program_line()}: register_comm_hook on "
+            f"a parallax model: parallax synchronises the dense gradients itself "
+            f"(Config.dense_sync: 'hierarchical', 'flat', 'qsgd', ...); a hook of your own "
+            f"becomes a dense_sync kind (docs/extending.md, 'A comm hook')")
 
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,

@@ -247,6 +247,12 @@ def test_a_ddp_program_trains_as_one_device_with_the_wrap_alone(launched: Path) 
     device reading the same sampler's global order."""
     assert_equal(torch.load(launched / "ddp.pt"), _one_device_sampler_run(), "ddp program")
     assert (launched / "ddp-retired.txt").read_text().startswith("this DistributedDataParallel")
+    # its fp16 comm hook is said to be unused (the float64 equality above shows it was not:
+    # fp16 sums would differ far beyond 1e-9); one registered on parallax's model is refused
+    assert "comm hook(s) ['fp16_compress_hook'] are not used" in (
+        launched / "ddp-log.txt").read_text()
+    hooked = (launched / "ddp-hook.txt").read_text()
+    assert "rank 0" in hooked and "Config.dense_sync" in hooked and "habits_worker.py:" in hooked
 
 
 def _one_device_sampler_run() -> dict:

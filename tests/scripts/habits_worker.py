@@ -37,10 +37,20 @@ def two_epochs(model, optimizer, sampler, loader) -> None:
 
 def ddp_program(out: Path, world: int, rank: int) -> None:
     """A DDP program ported with the wrap alone: it initialises the default group itself,
-    wraps the model in DDP, reads through its own DistributedSampler (not parallax.shard)."""
+    wraps the model in DDP with an fp16 comm hook, reads through its own DistributedSampler
+    (not parallax.shard). Rank 0 also writes what parallax said of the hook (ddp-log.txt) and
+    what a hook registered on the distributed model gets (ddp-hook.txt)."""
+    import logging.handlers
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    said = logging.handlers.BufferingHandler(100) if rank == 0 else None
+    if said is not None:
+        logging.getLogger("parallax").addHandler(said)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     model, optimizer, _ = build(BY_KEY["canonical"])
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, fp16_compress_hook)
     data = dataset()
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=3)
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
@@ -51,9 +61,16 @@ def ddp_program(out: Path, world: int, rank: int) -> None:
         ddp(dataset().tensors[0][:2])
     except parallax.UnsupportedProgramError as error:
         retired = str(error)
-    if rank == 0:
+    try:
+        model.register_comm_hook(None, fp16_compress_hook)
+    except parallax.UnsupportedProgramError as error:
+        hooked = str(error)
+    if said is not None:
+        logging.getLogger("parallax").removeHandler(said)
         torch.save(state, out / "ddp.pt")
         (out / "ddp-retired.txt").write_text(retired)
+        (out / "ddp-log.txt").write_text("\n".join(r.getMessage() for r in said.buffer))
+        (out / "ddp-hook.txt").write_text(hooked)
 
 
 def load_differs_program(out: Path, world: int, rank: int) -> None:
