@@ -265,11 +265,17 @@ def shard(loader: DataLoader[Any], *, seed: int = 0) -> DataLoader[Any] | Sharde
     if worker is None:
         return loader
     if isinstance(loader.dataset, IterableDataset):
-        raise ArgumentTypeError("parallax.shard needs a map-style dataset (with __len__ and "
-                        "__getitem__); got an IterableDataset, which cannot be split by index")
+        raise ArgumentTypeError(
+            "parallax.shard needs a map-style dataset (with __len__ and __getitem__); got an "
+            "IterableDataset, which cannot be split by index. Split the stream yourself, as "
+            "for DDP (each worker its part of every global batch, e.g. its samples "
+            "rank::world_size), and iterate that loader without parallax.shard")
     if loader.batch_size is None:
-        raise ArgumentTypeError("parallax.shard needs a DataLoader built with batch_size "
-                        "(a custom batch_sampler cannot be split)")
+        raise ArgumentTypeError(
+            "parallax.shard needs a DataLoader built with batch_size (a batch_sampler cannot "
+            "be split): DataLoader(batch_sampler=BatchSampler(sampler, b, drop_last)) is "
+            "DataLoader(sampler=sampler, batch_size=b, drop_last=drop_last); a custom batch "
+            "sampler (e.g. bucketing by length) must be split by the program, as for DDP")
     _check_splittable(loader.sampler)
     return ShardedLoader(loader, seed, worker)
 

@@ -236,3 +236,24 @@ def test_a_model_group_reads_its_data_replicas_samples_and_returns_to_data_paral
         loader_module.clear_data_parallel()
     assert [loader.grid for loader in loaders] == [(4, r, 1) for r in range(4)]
     assert _global_batches([iter(loader) for loader in loaders], steps=2) == plain
+
+
+def test_loaders_shard_cannot_split_are_refused_with_the_way_to_split_them(monkeypatch) -> None:
+    from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
+
+    from parallax.errors import ArgumentTypeError
+
+    class Stream(IterableDataset):
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            return iter(torch.arange(8))
+
+    worker = WorkerInfo(rank=0, world_size=2, local_rank=0, machine=0, num_machines=1,
+                        machine_of_rank=(0, 0))
+    monkeypatch.setattr(loader_module, "current_worker", lambda: worker)
+    with pytest.raises(ArgumentTypeError, match="IterableDataset.*rank::world_size"):
+        parallax.shard(DataLoader(Stream(), batch_size=2))
+    data = TensorDataset(torch.arange(8))
+    batches = BatchSampler(SequentialSampler(data), 2, drop_last=False)
+    with pytest.raises(ArgumentTypeError, match=r"batch_sampler cannot be split.*"
+                       r"DataLoader\(sampler=sampler, batch_size=b"):
+        parallax.shard(DataLoader(data, batch_sampler=batches))
