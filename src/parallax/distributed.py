@@ -114,7 +114,7 @@ def _retire_ddp(ddp: DistributedDataParallel,
     if ddp.find_unused_parameters:
         config = dataclasses.replace(config or Config(), find_unused_parameters=True)
     hooks = [getattr(hook, "__name__", repr(hook)) for hook, _ in getattr(ddp, "_comm_hooks", [])]
-    if hooks and dist.get_rank() == 0:
+    if hooks and (not dist.is_initialized() or dist.get_rank() == 0):
         log.warning(f"parallax: the DDP wrapper's comm hook(s) {hooks} are not used: parallax "
                     f"synchronises the dense gradients itself (Config.dense_sync; the "
                     f"single-device program's exact sums by default; docs/extending.md adds a "
