@@ -13,7 +13,7 @@ from torch import nn
 
 from parallax.cli import main
 from parallax.cluster import WorkerInfo
-from parallax.errors import UnsupportedProgramError, VerifyComplete
+from parallax.errors import VerifyComplete
 from parallax.loader import ShardedLoader
 from parallax.session import single_process_worker
 from parallax.verify.command import VerifyOptions, report
@@ -149,8 +149,47 @@ def test_the_reference_records_plain_pytorch_steps_and_stops(tmp_path: Path,
     with pytest.raises(VerifyComplete):
         second.step()
     assert recorded_steps(tmp_path) == 2
-    with pytest.raises(UnsupportedProgramError, match="one model per program"):
-        reference_pair(verification, model, [first], timeout=timedelta(seconds=30))
+
+
+def test_a_second_model_records_into_its_own_folder_and_compares_on_its_own(
+        tmp_path: Path, single_process) -> None:
+    """A program with two models (a GAN's pair): the second `distribute` records into
+    model2/, each of its steps, and does not end the run; `compare_models` compares each
+    model and reports each, one verdict per model."""
+    from parallax.verify.command import compare_models
+    from parallax.verify.record import model_folder
+
+    runs = {}
+    for role in ("reference", "distributed"):
+        verification = Verification(str(tmp_path / role), role, 2, 2)
+        single_process_worker()
+        torch.manual_seed(0)
+        gen, disc = nn.Linear(2, 2), nn.Linear(2, 1)
+        if role == "distributed":
+            with torch.no_grad():
+                disc.bias += 1.0  # the second model differs, from its start
+        g_opt = torch.optim.SGD(gen.parameters(), lr=0.1)
+        d_opt = torch.optim.SGD(disc.parameters(), lr=0.1)
+        wrapped_gen = reference_pair(verification, gen, [g_opt], timeout=timedelta(seconds=30))
+        wrapped_disc = reference_pair(verification, disc, [d_opt],
+                                      timeout=timedelta(seconds=30))
+        x = torch.ones(3, 2)
+        wrapped_disc(wrapped_gen(x)).sum().backward()
+        d_opt.step()  # the second model's step 1: the run goes on
+        g_opt.step()
+        wrapped_disc(wrapped_gen(x)).sum().backward()
+        with pytest.raises(VerifyComplete):  # the first model's last step ends the run
+            g_opt.step()
+        runs[role] = Path(verification.directory)
+        assert recorded_steps(runs[role]) == 2
+        assert recorded_steps(model_folder(runs[role], 2)) == 1
+    comparisons = compare_models(runs["reference"], runs["distributed"], 1e-9)
+    assert list(comparisons) == [1, 2]
+    assert comparisons[1].equal and not comparisons[2].equal
+    assert comparisons[2].above[0].name == "bias" and comparisons[2].steps == 1
+    text = report(comparisons[2], VerifyOptions("gan.py"), model=2)
+    assert "model 2 (the program's call 2 of parallax.distribute" in text
+    assert "DIFFERENT: 1 of 2 tensors went above 1e-09; the first before training" in text
 
 
 @pytest.mark.parametrize("size, drop_last, batches", [(40, False, 7), (101, True, 6)])

@@ -8,6 +8,7 @@ failed or the arguments are wrong.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallax.verify.compare import Comparison, compare_runs, recorded_steps
-from parallax.verify.record import VERIFY_ENV, Verification
+from parallax.verify.record import VERIFY_ENV, Verification, extra_models, model_folder
 
-__all__ = ["VerifyOptions", "report", "verify"]
+__all__ = ["VerifyOptions", "compare_models", "report", "verify"]
 
 DIFFERENT = 1
 FAILED = 2
@@ -83,13 +84,36 @@ def verify(options: VerifyOptions) -> int:
                 return FAILED
             _say(f"{role} run: {recorded_steps(root / role)} steps in {result.seconds:.1f} s")
             runs[role] = result
-        comparison = compare_runs(root / "reference", root / "distributed", options.limit)
-        print(report(comparison, options), flush=True)
+        comparisons = compare_models(root / "reference", root / "distributed", options.limit)
+        print("\n".join(report(comparison, options, model=number)
+                        for number, comparison in comparisons.items()), flush=True)
+        equal = all(comparison.equal for comparison in comparisons.values())
         if options.json_path:
-            Path(options.json_path).write_text(comparison.to_json())
+            record = json.loads(comparisons[1].to_json())
+            record["models"] = [{"model": number, **json.loads(comparison.to_json())}
+                                for number, comparison in list(comparisons.items())[1:]]
+            record["all_equal"] = equal
+            Path(options.json_path).write_text(json.dumps(record, indent=2))
         if options.keep:
             _say(f"recorded states kept in {root}")
-        return 0 if comparison.equal else DIFFERENT
+        return 0 if equal else DIFFERENT
+
+
+def compare_models(reference: Path, distributed: Path,
+                   tolerance: float) -> dict[int, Comparison]:
+    """Each model the program trained (1: its first `parallax.distribute` or
+    `parallax.get_runner`; 2, 3, ...: the further ones, `record.model_folder`), compared;
+    a model only one run recorded compares as not recorded by the other."""
+    numbers = sorted({*extra_models(reference), *extra_models(distributed)})
+    comparisons = {1: compare_runs(reference, distributed, tolerance)}
+    for number in numbers:
+        comparison = compare_runs(model_folder(reference, number),
+                                  model_folder(distributed, number), tolerance)
+        # the run's description is the first model's folder's (one run, one description)
+        comparison.reference_kind = comparisons[1].reference_kind
+        comparison.hints = comparisons[1].hints
+        comparisons[number] = comparison
+    return comparisons
 
 
 def _describe(options: VerifyOptions, role: str) -> str:
@@ -176,10 +200,13 @@ def _failed(role: str, result: _RunResult, options: VerifyOptions) -> int:
     return FAILED
 
 
-def report(comparison: Comparison, options: VerifyOptions) -> str:
-    """The per-tensor table and the verdict."""
+def report(comparison: Comparison, options: VerifyOptions, *, model: int = 1) -> str:
+    """The per-tensor table and the verdict (of the program's ``model``-th model: its
+    ``model``-th `parallax.distribute` or `parallax.get_runner`)."""
     command = " ".join([options.script, *options.script_args])
-    lines = [f"parallax verify: {command}",
+    which = ("" if model == 1 else f", model {model} (the program's call {model} of "
+             f"parallax.distribute or parallax.get_runner)")
+    lines = [f"parallax verify: {command}{which}",
              f"  {options.machines} machine(s) x {options.nproc_per_machine} worker(s) against "
              f"one process with the global batch, "
              f"{'float64' if options.float64 else 'the program dtype'}, "

@@ -20,10 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from parallax.errors import UnsupportedProgramError
-
 __all__ = ["RUN_FILE", "VERIFY_ENV", "StateRecorder", "Verification",
-           "active", "add_hint", "describe_run", "step_file"]
+           "active", "add_hint", "describe_run", "extra_models", "model_folder", "step_file"]
 
 VERIFY_ENV = "PARALLAX_VERIFY"
 RUN_FILE = "run.json"  # what the run was ("kind") and what may make it differ ("hints")
@@ -49,7 +47,7 @@ def active() -> Verification | None:
     return Verification(**json.loads(text)) if text else None
 
 
-_recording: set[str] = set()  # the folders this process records into
+_recording: dict[str, int] = {}  # per verification folder, the models recorded into it
 
 
 def step_file(directory: str | os.PathLike[str], step: int) -> Path:
@@ -58,33 +56,50 @@ def step_file(directory: str | os.PathLike[str], step: int) -> Path:
 
 
 class StateRecorder:
-    """Writes states ``0..steps`` into the verification's folder (when ``writes``: the
-    distributed run's rank 0) and says when the last is written."""
+    """Writes states ``0..steps`` (when ``writes``: the distributed run's rank 0) and says
+    when the last is written. A program's first model (its first `parallax.distribute` or
+    `parallax.get_runner`) records into the verification's folder and ends the run after its
+    last step; a second and later one (a GAN's other network, a teacher) into
+    `model_folder` ``model2``, ... inside it, each step of its own, until the run ends."""
 
     def __init__(self, verification: Verification, *, writes: bool) -> None:
-        if verification.directory in _recording:
-            raise UnsupportedProgramError(
-                "parallax verify compares one model per program: this program called "
-                "parallax.distribute or parallax.get_runner a second time")
-        _recording.add(verification.directory)
+        index = _recording.get(verification.directory, 0)
+        _recording[verification.directory] = index + 1
         self.verification = verification
         self.writes = writes
         self.step = 0
+        #: whether this is the program's first model (whose last step ends the run)
+        self.first = index == 0
+        self.directory = (verification.directory if self.first
+                          else str(model_folder(verification.directory, index + 1)))
         if writes:
-            Path(verification.directory).mkdir(parents=True, exist_ok=True)
+            Path(self.directory).mkdir(parents=True, exist_ok=True)
 
     def record(self, state: Mapping[str, Tensor]) -> None:
         if self.writes:
             plain = {name: value.detach().to("cpu", copy=True) for name, value in state.items()}
-            path = step_file(self.verification.directory, self.step)
+            path = step_file(self.directory, self.step)
             torch.save(plain, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)  # a reader never sees half a file
         self.step += 1
 
     @property
     def done(self) -> bool:
-        """Whether the state after the last asked-for step is written."""
-        return self.step > self.verification.steps
+        """Whether this is the first model and the state after the last asked-for step is
+        written (the run ends then)."""
+        return self.first and self.step > self.verification.steps
+
+
+def model_folder(directory: str | os.PathLike[str], number: int) -> Path:
+    """Where the program's ``number``-th model (2, 3, ...) records inside a run's folder."""
+    return Path(directory) / f"model{number}"
+
+
+def extra_models(directory: str | os.PathLike[str]) -> list[int]:
+    """The numbers (2, 3, ...) of the further models a run recorded, in order."""
+    found = [int(p.name.removeprefix("model")) for p in Path(directory).glob("model*")
+             if p.is_dir() and p.name.removeprefix("model").isdigit()]
+    return sorted(found)
 
 
 def describe_run(verification: Verification, model: nn.Module, kind: str) -> None:
