@@ -3,6 +3,13 @@
 Worker r of W takes samples r, r+W, r+2W, ... so the k-th batches of all workers together are
 the single-device program's k-th batch of size W*b; checkpoints save and restore positions in
 the epoch's *global* order (`sharded_loaders`), so a resume may change W.
+
+``for batch in parallax.shard(loader):`` inside an epoch loop is the README's port: `shard` of
+the same ``DataLoader`` object returns the same `ShardedLoader` (kept on the DataLoader), so
+its epochs go on (a new shuffle each) and a checkpoint finds it; an iteration keeps its
+loader alive, so even a loader built inline is found; and a loader made after a resume (the
+port makes it after `parallax.distribute`, which resumes) takes the next position the
+checkpoint held (`resume_later`), in the order the loaders were made.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ from parallax.cluster import WorkerInfo, current_worker
 from parallax.errors import ArgumentError, ArgumentTypeError, UnsupportedProgramError
 from parallax.verify import record as verify
 
-__all__ = ["ShardedLoader", "shard", "sharded_loaders"]
+__all__ = ["ShardedLoader", "resume_later", "shard", "sharded_loaders"]
+
+_ATTRIBUTE = "_parallax_sharded"  # a DataLoader's ShardedLoader, made by `shard`
+_waiting: list[dict[str, int]] = []  # positions of a resume for loaders not made yet
 
 
 class _SkipSampler(Sampler[int]):
@@ -107,6 +117,8 @@ class ShardedLoader:
             _note_padding(original, self._reference_factor)
         self.regrid(*(_data_parallel or (worker.world_size, worker.rank, 1)))
         _registry.append(weakref.ref(self))
+        if _waiting:  # a resume before this loader existed held its position
+            self.resume(_waiting.pop(0))
 
     def regrid(self, replicas: int, index: int, group_size: int) -> None:
         """Read as data replica ``index`` of ``replicas``, ``group_size`` times the original
@@ -165,10 +177,11 @@ class ShardedLoader:
         self._state = _EpochState(epoch, skipped, len(self.loader))
         return self._count(iter(self.loader), self._state)
 
-    @staticmethod
-    def _count(batches: Iterator[Any], state: _EpochState) -> Iterator[Any]:
+    def _count(self, batches: Iterator[Any], state: _EpochState) -> Iterator[Any]:
         """Yield ``batches``, counting each before it is handed out: a checkpoint taken while
-        the program works on a batch counts that batch as consumed."""
+        the program works on a batch counts that batch as consumed. (A method: the iteration
+        holds this loader, so that a checkpoint finds one built inline,
+        ``for batch in parallax.shard(DataLoader(...))``.)"""
         for batch in batches:
             state.yielded += 1
             yield batch
@@ -277,7 +290,19 @@ def shard(loader: DataLoader[Any], *, seed: int = 0) -> DataLoader[Any] | Sharde
             "DataLoader(sampler=sampler, batch_size=b, drop_last=drop_last); a custom batch "
             "sampler (e.g. bucketing by length) must be split by the program, as for DDP")
     _check_splittable(loader.sampler)
-    return ShardedLoader(loader, seed, worker)
+    made = loader.__dict__.get(_ATTRIBUTE)
+    if isinstance(made, ShardedLoader) and made.seed == seed and made.worker == worker:
+        return made  # the same loader again (an epoch loop): its epochs and position go on
+    sharded = ShardedLoader(loader, seed, worker)
+    loader.__dict__[_ATTRIBUTE] = sharded  # lives as long as the program's DataLoader
+    return sharded
+
+
+def resume_later(positions: list[dict[str, int]]) -> None:
+    """Positions of a resume for `ShardedLoader` objects the program has not made yet: the
+    next ones made take them, in order (the README's port makes its loader after
+    `parallax.distribute`, which resumes). Replaces what was waiting."""
+    _waiting[:] = list(positions)
 
 
 def _check_splittable(sampler: Iterable[Any]) -> None:

@@ -95,6 +95,9 @@ def shutdown() -> None:
         if release is not None:
             release()
     _environment.restore()
+    from parallax.loader import resume_later
+
+    resume_later([])  # a resume's positions no loader took are this run's, not a later one's
     close_shared_pools()
     hierarchy.leave()
     forget_meshes()  # their groups go with the default group below

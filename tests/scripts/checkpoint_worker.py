@@ -61,7 +61,6 @@ def main() -> None:
     worker = current_worker()
     Path(directory).mkdir(parents=True, exist_ok=True)
     (Path(directory) / f"pid-{worker.rank}").write_text(str(os.getpid()))
-    loader = parallax.shard(DataLoader(dataset(), batch_size=GLOBAL_BATCH // worker.world_size))
     model, optimizer = build()
     config = parallax.Config(clip_grad_norm=0.05, num_partitions=partitions,
                              architecture=architecture,
@@ -69,7 +68,10 @@ def main() -> None:
                              collective_timeout_s=30)
     runner = parallax.get_runner(model, optimizer, loss_fn, config=config)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    for batch in loader:
+    # the README's port: the loader made inline after get_runner, which resumed (its
+    # position waits for it: parallax.loader.resume_later)
+    for batch in parallax.shard(DataLoader(dataset(),
+                                           batch_size=GLOBAL_BATCH // worker.world_size)):
         if runner.global_step >= stop:
             break
         if kill_at is not None and first_attempt and worker.rank == 1 \

@@ -257,3 +257,46 @@ def test_loaders_shard_cannot_split_are_refused_with_the_way_to_split_them(monke
     with pytest.raises(ArgumentTypeError, match=r"batch_sampler cannot be split.*"
                        r"DataLoader\(sampler=sampler, batch_size=b"):
         parallax.shard(DataLoader(data, batch_sampler=batches))
+
+
+def test_the_ports_inline_loader_reshuffles_each_epoch_and_is_found_while_iterated(
+        monkeypatch) -> None:
+    """``for batch in parallax.shard(loader)`` inside an epoch loop (the README's port): the
+    same DataLoader gives the same ShardedLoader, so each epoch is a new shuffle, and a
+    checkpoint taken mid-iteration finds it, even built inline."""
+    import gc
+
+    worker = WorkerInfo(rank=0, world_size=2, local_rank=0, machine=0, num_machines=1,
+                        machine_of_rank=(0, 0))
+    monkeypatch.setattr(loader_module, "current_worker", lambda: worker)
+    loader = DataLoader(TensorDataset(torch.arange(32)), batch_size=2, shuffle=True)
+    epochs = [[int(i) for (batch,) in parallax.shard(loader, seed=SEED) for i in batch]
+              for _ in range(2)]
+    assert parallax.shard(loader, seed=SEED) is parallax.shard(loader, seed=SEED)
+    assert epochs[0] != epochs[1] and len(epochs[0]) == len(epochs[1]) == 16  # its half
+    for step, _ in enumerate(parallax.shard(DataLoader(TensorDataset(torch.arange(8)),
+                                                       batch_size=2))):
+        gc.collect()
+        (inline,) = [s for s in sharded_loaders() if len(s.original.dataset) == 8]
+        # 2 batches a worker; after the last, the position is the next epoch's start
+        assert inline.position() == [{"epoch": 0, "samples": 4}, {"epoch": 1, "samples": 0}][step]
+
+
+def test_positions_of_a_resume_wait_for_the_loaders_made_after_it(monkeypatch) -> None:
+    """The port makes its loader after parallax.distribute, which resumes: the checkpoint's
+    position waits for it (and `parallax.shutdown` drops what no loader took)."""
+    from parallax.loader import resume_later
+
+    worker = WorkerInfo(rank=0, world_size=2, local_rank=0, machine=0, num_machines=1,
+                        machine_of_rank=(0, 0))
+    monkeypatch.setattr(loader_module, "current_worker", lambda: worker)
+    data = TensorDataset(torch.arange(16))
+    resume_later([{"epoch": 1, "samples": 8}])
+    try:
+        late = parallax.shard(DataLoader(data, batch_size=2), seed=SEED)
+        assert late.position() == {"epoch": 1, "samples": 8}
+        assert [int(i) for (batch,) in late for i in batch] == list(range(8, 16))[::2]
+        other = parallax.shard(DataLoader(data, batch_size=2), seed=SEED)
+        assert other.position() == {"epoch": 0, "samples": 0}  # nothing left waiting
+    finally:
+        resume_later([])

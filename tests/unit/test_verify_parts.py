@@ -223,3 +223,16 @@ def test_the_reference_reads_the_distributed_runs_global_batches(size, drop_last
 def test_the_command_refuses_bad_arguments(args, says, capsys) -> None:
     assert main(["verify", *args]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_low_precision_parameters_get_the_precision_hint(tmp_path: Path) -> None:
+    import json
+
+    from parallax.verify.record import RUN_FILE, describe_run
+
+    verification = Verification(str(tmp_path), "reference", 2, 2)
+    describe_run(verification, nn.Linear(2, 2), "plain")
+    assert json.loads((tmp_path / RUN_FILE).read_text())["hints"] == []
+    describe_run(verification, nn.Linear(2, 2).to(torch.bfloat16), "plain")
+    (hint,) = json.loads((tmp_path / RUN_FILE).read_text())["hints"]
+    assert hint.startswith("parameters in bfloat16") and "--tolerance" in hint

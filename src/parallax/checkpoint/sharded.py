@@ -433,15 +433,19 @@ def _assemble_full(param: Tensor, num_rows: int, row_shape: tuple[int, ...],
 
 
 def _resume_loaders(positions: list[dict[str, Any]], directory: Path, rank: int) -> None:
-    from parallax.loader import sharded_loaders
+    """The saved loader positions to the program's live `parallax.shard` loaders, in the
+    order they were made; the ones left over wait for the next loaders the program makes
+    (`parallax.loader.resume_later`: the README's port makes its loader after the resume)."""
+    from parallax.loader import resume_later, sharded_loaders
 
     loaders = sharded_loaders()
-    if len(loaders) != len(positions) and rank == 0:
+    if len(loaders) > len(positions) and rank == 0:
         log.warning("parallax: %s holds the position of %d parallax.shard loader(s), this "
-                    "program has %d: %s", directory, len(positions), len(loaders),
-                    "only the first ones resume" if loaders else "none resumes")
+                    "program has %d: the first ones resume, the others start their epoch",
+                    directory, len(positions), len(loaders))
     for loader, position in zip(loaders, positions, strict=False):
         loader.resume(position)
+    resume_later(positions[len(loaders):])
 
 
 # ---- helpers --------------------------------------------------------------------------------

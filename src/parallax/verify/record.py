@@ -114,6 +114,13 @@ def describe_run(verification: Verification, model: nn.Module, kind: str) -> Non
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
             hints.append(f"{name or 'the model'} is {type(module).__name__}: its statistics are "
                          f"per worker's batch, as under DDP, not the global batch's")
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                  if p.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        hints.append(f"parameters in {' and '.join(low)}: each worker's gradient is rounded to "
+                     f"{low[0]} before the sum over workers, as under DDP, so the runs agree "
+                     f"only to that precision; compare with --tolerance at its scale (e.g. "
+                     f"1e-2), or verify the program in float32/float64")
     _update_run(verification.directory, kind=kind, hints=hints)
 
 
