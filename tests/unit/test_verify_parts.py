@@ -236,3 +236,13 @@ def test_low_precision_parameters_get_the_precision_hint(tmp_path: Path) -> None
     describe_run(verification, nn.Linear(2, 2).to(torch.bfloat16), "plain")
     (hint,) = json.loads((tmp_path / RUN_FILE).read_text())["hints"]
     assert hint.startswith("parameters in bfloat16") and "--tolerance" in hint
+
+
+def test_a_difference_from_the_first_update_gets_the_batch_coupling_hint(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a", states(4))
+    first = report(compare_runs(a, write_run(tmp_path / "b", states(4, bump={1: 1e-3})), 1e-9),
+                   VerifyOptions("train.py"))
+    assert "hint: the very first update differs" in first and "all_gather" in first
+    later = report(compare_runs(a, write_run(tmp_path / "c", states(4, bump={3: 1e-3})), 1e-9),
+                   VerifyOptions("train.py"))
+    assert "very first update" not in later

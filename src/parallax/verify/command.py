@@ -230,8 +230,21 @@ def report(comparison: Comparison, options: VerifyOptions, *, model: int = 1) ->
             lines.append("hint: the runs start from different values: seed torch's generator "
                          "(torch.manual_seed) before building the model, so that every run "
                          "of the program starts from the same one")
+        elif (comparison.above and comparison.above[0].first_step_above == 1
+              and not comparison.hints):  # no named cause (dropout, BatchNorm, ...)
+            lines.append(f"hint: {_BATCH_COUPLED}")
         lines += [f"hint: {hint}" for hint in comparison.hints]
     return "\n".join(lines)
+
+
+# The first update differs with nothing else to blame: the likeliest cause is a computation
+# across the samples of a batch, which each worker does over its part only.
+_BATCH_COUPLED = (
+    "the very first update differs: if the loss or the model combines the samples of a batch "
+    "with each other (in-batch negatives, a softmax or a normalisation over the batch, a "
+    "count of the whole batch), each worker computes it over its own part, as under DDP, "
+    "not over the global batch; gather what crosses samples from every worker "
+    "(torch.distributed.nn.functional.all_gather keeps the gradient) to train exactly")
 
 
 def _verdict(comparison: Comparison) -> str:
