@@ -244,6 +244,24 @@ def _table_some_steps(run: Run) -> None:
         run.optimizer.step()
 
 
+def _in_batch_gathered(run: Run) -> None:
+    """A loss over every pair of the batch's samples (in-batch negatives): each worker's
+    outputs against every worker's, gathered with autograd (one device: its own batch)."""
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    for ids, _ in run.batches:
+        run.optimizer.zero_grad()
+        out = run.model(ids)
+        every = (funcol.all_gather_single_autograd(out, 0, dist.group.WORLD)
+                 if dist.is_initialized() else out)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        logits = out @ every.T
+        targets = torch.arange(len(ids)) + rank * len(ids)
+        nn.functional.cross_entropy(logits, targets).backward()
+        run.optimizer.step()
+
+
 def _hooks_after(run: Run) -> None:
     """After distribute: a forward hook on the model itself and on a layer, and a layer's
     attribute changed (dropout switched off)."""
@@ -314,6 +332,12 @@ HABITS: list[Habit] = [
           "(`weight.new_zeros(...)`) or for the device", "works",
           "a server-held parameter answers shape, dtype and `new_zeros`/`zeros_like`; "
           "`.device` is the worker's device", _device_of_parameters),
+    Habit("in_batch_gathered", "a loss over every pair of the batch's samples (in-batch "
+          "negatives), the other workers' outputs gathered with an all_gather that keeps the "
+          "gradient (`_functional_collectives.all_gather_single_autograd`)", "works",
+          "the gather keeps the gradient, so each worker's loss sees the global batch; "
+          "without it each sees only its part, as under DDP, and `parallax verify` points "
+          "at that", _in_batch_gathered, launched=True),
     Habit("ddp_join", "DDP's `with model.join():` around the loop", "works",
           "every worker takes the same steps (`parallax.shard` gives each the same batches); "
           "a rank that runs out early is named at the others' next step, inside `join()` as "

@@ -243,8 +243,9 @@ _BATCH_COUPLED = (
     "the very first update differs: if the loss or the model combines the samples of a batch "
     "with each other (in-batch negatives, a softmax or a normalisation over the batch, a "
     "count of the whole batch), each worker computes it over its own part, as under DDP, "
-    "not over the global batch; gather what crosses samples from every worker "
-    "(torch.distributed.nn.functional.all_gather keeps the gradient) to train exactly")
+    "not over the global batch; gather what crosses samples from every worker with an "
+    "all_gather that keeps the gradient (torch.distributed._functional_collectives."
+    "all_gather_single_autograd) to train exactly")
 
 
 def _verdict(comparison: Comparison) -> str:
