@@ -86,13 +86,16 @@ def test_wire_bytes_agree_with_engine_accounting(tmp_path: Path) -> None:
     # the plan's link probe (`parallax.planning.link`) reads the emulated 1 Gbit/s each way:
     # 250 MB/s sent plus received per machine, less what headers and the hosts' CPU take, and
     # more by at most tc's burst: a call's first `_burst_bytes` each way may leave at once
-    # (half the probe's bytes go each way; a CI run read 1.086x with this 250 kB burst)
+    # (half the probe's bytes go each way; a CI run read 1.086x with this 250 kB burst). The
+    # low end is the hosts' CPU: 4 workers and the other pytest process on 2 cores read 0.57x
+    # in one CI run (session 38); loopback unshaped reads many times the upper bound, which is
+    # what tells the emulated link apart.
     from parallax.planning.link import PROBE_BYTES
 
     each_way = PROBE_BYTES / 2
     most = each_way / (each_way - netem._burst_bytes("1gbit"))
     probed = results.pop("link")
-    assert 0.6 * 250e6 <= probed["bytes_per_s"] <= most * 250e6, (probed, most)
+    assert 0.4 * 250e6 <= probed["bytes_per_s"] <= most * 250e6, (probed, most)
     assert 0 < probed["latency_s"] < 0.05, probed
     assert set(results) == {"optps", "ps", "qsgd", "plump", "slim"}  # dense syncs too
     for run, result in results.items():
