@@ -262,6 +262,32 @@ def _in_batch_gathered(run: Run) -> None:
         run.optimizer.step()
 
 
+IGNORED = -100  # cross_entropy's default ignore_index
+
+
+def classes(ids: torch.Tensor) -> torch.Tensor:
+    """Class targets of ``ids`` (3 classes), about a third of them ignored (padding)."""
+    return torch.where(ids[:, 1] % 3 == 0, IGNORED, ids[:, 0] % 3)
+
+
+def _ignore_index_mean(run: Run) -> None:
+    """A cross entropy averaged over the targets it does not ignore (the default mean)."""
+    for ids, _ in run.batches:
+        run.optimizer.zero_grad()
+        nn.functional.cross_entropy(run.model(ids), classes(ids)).backward()
+        run.optimizer.step()
+
+
+def _global_mean(run: Run) -> None:
+    """The same loss summed, over the targets not ignored of every worker."""
+    for ids, _ in run.batches:
+        run.optimizer.zero_grad()
+        target = classes(ids)
+        loss = nn.functional.cross_entropy(run.model(ids), target, reduction="sum")
+        parallax.global_mean(loss, (target != IGNORED).sum()).backward()
+        run.optimizer.step()
+
+
 def _hooks_after(run: Run) -> None:
     """After distribute: a forward hook on the model itself and on a layer, and a layer's
     attribute changed (dropout switched off)."""
@@ -376,6 +402,16 @@ HABITS: list[Habit] = [
           "gradients are averaged over the W workers, as under DDP: the update is 1/W of "
           "one device's; `Config(average_dense=False, average_sparse=False)` sums them and "
           "trains exactly as one device", None),
+    Habit("ignore_index_mean", "a loss averaged over a count of the batch: "
+          "`F.cross_entropy(..., ignore_index=PAD)`, class weights, a masked mean", "differs",
+          "each worker divides by its own count, as under DDP, so the update differs from one "
+          "device's when the workers' counts differ; `parallax verify` names the loss; "
+          "`parallax.global_mean` (next row) trains exactly", _ignore_index_mean,
+          launched=True),
+    Habit("global_mean", "`parallax.global_mean(F.cross_entropy(..., reduction='sum'), "
+          "(target != PAD).sum())`", "works",
+          "the workers' sums over their summed count: one device's mean, on every rank "
+          "(one small all_gather a step)", _global_mean, launched=True),
     Habit("sum_loss_summed", "a loss with `reduction='sum'` and "
           "`Config(average_dense=False, average_sparse=False)`", "works",
           "gradients summed over workers", _sum_loss,

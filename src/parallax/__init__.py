@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         VerifyComplete,
     )
     from parallax.loader import shard
+    from parallax.losses import global_mean
     from parallax.model.meta_init import meta_init
     from parallax.partitions.groups import partition, partitioner
     from parallax.runner import Runner
@@ -67,6 +68,7 @@ _HOMES = {
                      "UnsupportedProgramError", "UsageError", "VerifyComplete"),
                     "parallax.errors"),
     "shard": "parallax.loader",
+    "global_mean": "parallax.losses",
     "meta_init": "parallax.model.meta_init",
     **dict.fromkeys(("partition", "partitioner"), "parallax.partitions.groups"),
     "Runner": "parallax.runner",
@@ -78,8 +80,8 @@ __all__ = ["ArgumentError", "ArgumentTypeError", "AsyncServerError", "Checkpoint
            "OptimizerError", "ParallaxError", "PlanComplete", "QSGD", "ResourceError", "Runner",
            "SlimDP", "SparseIdError", "StalledRankError", "LostRankError", "UnevenInputsError",
            "UnsupportedProgramError", "UsageError", "VerifyComplete", "clip_grad_norm_",
-           "clip_grad_value_", "distribute", "get_runner", "meta_init", "partition", "partitioner",
-           "shard", "shutdown"]
+           "clip_grad_value_", "distribute", "get_runner", "global_mean", "meta_init",
+           "partition", "partitioner", "shard", "shutdown"]
 try:  # one source: pyproject.toml's, as installed
     __version__ = _metadata.version("parallax-torch")
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed

@@ -50,9 +50,10 @@ from parallax.partitions.tuner import SearchRecord
 from parallax.planning.architectures import architecture_of, build_layout
 from parallax.planning.memory import MemoryEstimate, predict_memory
 from parallax.planning.plan import Plan
-from parallax.session import check_same_everywhere, on_shutdown
+from parallax.session import check_same_everywhere, on_shutdown, track
 from parallax.step.checkpoints import Checkpoints
 from parallax.step.forward import Forward, evaluating, mean_loss, numel, shapes, to_device
+from parallax.step.global_mean import global_mean
 from parallax.step.gradients import StepGradients
 from parallax.step.hooks import Reporting, StepHook
 from parallax.step.loop_order import Call, LoopOrder
@@ -96,6 +97,7 @@ class Runner:
                                  store=(distributed_c10d._get_default_store()
                                         if orders.timeline and worker.world_size > 1 else None))
         on_shutdown(self.phases.write)
+        track(self)  # parallax.global_mean finds the run through it
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self._build_layout(model, orders)
         self._build_executed(model)
@@ -308,6 +310,13 @@ class Runner:
         value]``, as ``clip_grad_value_`` does on one device. Collective (it pushes the
         step's gradients first)."""
         self.round.clamp(value, parameters)
+
+    def global_mean(self, total: Tensor, count: Tensor | float) -> Tensor:
+        """`parallax.global_mean` in this run: ``total`` over the count summed over every
+        worker, one device's mean (collective where the workers step together)."""
+        return global_mean(total, count, worker=self.worker, config=self.config,
+                           order=self.order, step=self.global_step + 1,
+                           aligned=self.sync_mode.aligned)
 
     @property
     def global_step(self) -> int:

@@ -29,7 +29,8 @@ from parallax.errors import UnsupportedProgramError
 from parallax.parallelism.grid import forget_meshes
 from parallax.partitions.groups import group_of
 
-__all__ = ["check_same_everywhere", "join", "on_shutdown", "shutdown", "single_process_worker"]
+__all__ = ["check_same_everywhere", "join", "live_runners", "on_shutdown", "shutdown",
+           "single_process_worker", "track"]
 
 _sparse_group: dist.ProcessGroup | None = None
 
@@ -69,6 +70,19 @@ def join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
 
 
 _releases: list[Callable[[], Callable[[], object] | None]] = []
+# The runners of this process's run (weakly held): what a call that names no model, such as
+# `parallax.global_mean`, reads the run from.
+_runners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def track(runner: object) -> None:
+    """``runner`` belongs to this process's run until `shutdown`."""
+    _runners[max(_runners.keys(), default=-1) + 1] = runner
+
+
+def live_runners() -> list[Any]:
+    """The runners of this process's run, oldest first."""
+    return list(_runners.values())
 
 
 def on_shutdown(release: Callable[[], object]) -> None:
@@ -89,6 +103,7 @@ def shutdown() -> None:
     here as a worker hanging after its last step). Released here, the reducer is never the
     last holder: the group goes in ``destroy_process_group``, which lets go of the GIL."""
     global _sparse_group
+    _runners.clear()
     progress.finish_all()  # other ranks still stepping now fail at once, naming this one
     while _releases:
         release = _releases.pop()()

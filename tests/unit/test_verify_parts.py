@@ -246,3 +246,41 @@ def test_a_difference_from_the_first_update_gets_the_batch_coupling_hint(tmp_pat
     later = report(compare_runs(a, write_run(tmp_path / "c", states(4, bump={3: 1e-3})), 1e-9),
                    VerifyOptions("train.py"))
     assert "very first update" not in later
+
+
+def test_the_reference_run_hints_at_a_mean_over_each_workers_count(
+        tmp_path: Path, single_process, monkeypatch) -> None:
+    """F.cross_entropy / F.nll_loss (and their modules) averaging over the targets not
+    ignored, or over class weights: named once, the functions put back at the run's end;
+    a mean over every target, or a soft-label target, is not named."""
+    import json
+
+    from parallax.verify.record import RUN_FILE
+
+    functional = torch.nn.functional
+    originals = functional.cross_entropy, functional.nll_loss
+    verification = Verification(str(tmp_path), "reference", 3, 2)
+    monkeypatch.setenv(VERIFY_ENV, verification.to_env())
+    single_process_worker()
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = reference_pair(verification, model, [optimizer], timeout=timedelta(seconds=30))
+    hints = lambda: [h for h in json.loads((tmp_path / RUN_FILE).read_text())["hints"]  # noqa: E731
+                     if "global_mean" in h]
+    ids = torch.tensor([0, 1, 2])
+    out = wrapped(ids)
+    functional.cross_entropy(out, torch.tensor([0, 1, 2])).backward(retain_graph=True)
+    functional.cross_entropy(out, torch.softmax(out.detach(), 1)).backward(retain_graph=True)
+    functional.nll_loss(out.log_softmax(1), torch.tensor([0, -100, 2]),
+                        reduction="sum").backward(retain_graph=True)
+    assert hints() == [] and functional.cross_entropy is not originals[0]
+    nn.CrossEntropyLoss(ignore_index=2)(out, torch.tensor([0, 1, 2])).backward()
+    optimizer.step()
+    (said,) = hints()
+    assert "F.cross_entropy" in said and "parallax.global_mean" in said
+    assert (functional.cross_entropy, functional.nll_loss) == originals  # named once: put back
+    wrapped(ids).sum().backward()
+    optimizer.step()
+    with pytest.raises(VerifyComplete):
+        wrapped(ids).sum().backward()
+        optimizer.step()

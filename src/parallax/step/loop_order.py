@@ -30,10 +30,11 @@ class Call(enum.IntEnum):
     FORWARD = 1
     UPDATE = 2
     EXPORT = 3
+    MEAN = 4
 
 
 _SAID = {Call.FORWARD: "a forward of the model", Call.UPDATE: "optimizer.step()",
-         Call.EXPORT: "model.state_dict()"}
+         Call.EXPORT: "model.state_dict()", Call.MEAN: "parallax.global_mean()"}
 
 
 class LoopOrder:
@@ -56,7 +57,24 @@ class LoopOrder:
         everyone = [torch.empty_like(mine) for _ in range(self.worker.world_size)]
         with self.explained():
             dist.all_gather(everyone, mine, group=self.group)
-        where = [(Call(int(t[0])), int(t[1])) for t in everyone]
+        self._same_place([(Call(int(t[0])), int(t[1])) for t in everyone])
+
+    def gather(self, call: Call, step: int, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``values`` (a float64 vector), a row per rank, by one collective that
+        is also `check`'s of ``call`` in ``step`` where the check is enabled. Collective on
+        every rank whatever ``enabled`` says (the caller's steps are aligned)."""
+        head = torch.tensor([int(call), step], dtype=torch.float64, device=values.device)
+        mine = torch.cat([head, values.reshape(-1)])
+        everyone = [torch.empty_like(mine) for _ in range(self.worker.world_size)]
+        with self.explained():
+            dist.all_gather(everyone, mine, group=self.group)
+        rows = torch.stack(everyone)
+        if self.enabled and self.applies:
+            self._same_place([(Call(int(c)), int(s)) for c, s in rows[:, :2].tolist()])
+        return rows[:, 2:]
+
+    def _same_place(self, where: list[tuple[Call, int]]) -> None:
+        """Raise naming the ranks whose (call, step) differs from rank 0's."""
         if len(set(where)) == 1:
             return
         odd = [r for r, w in enumerate(where) if w != where[0]]

@@ -242,9 +242,10 @@ def report(comparison: Comparison, options: VerifyOptions, *, model: int = 1) ->
 _BATCH_COUPLED = (
     "the very first update differs: if the loss or the model combines the samples of a batch "
     "with each other (in-batch negatives, a softmax or a normalisation over the batch, a "
-    "count of the whole batch), each worker computes it over its own part, as under DDP, "
-    "not over the global batch; gather what crosses samples from every worker with an "
-    "all_gather that keeps the gradient (torch.distributed._functional_collectives."
+    "mean over a count of the batch such as a mask's), each worker computes it over its own "
+    "part, as under DDP, not over the global batch; divide a sum by the global count with "
+    "parallax.global_mean(total, count), and gather what crosses samples from every worker "
+    "with an all_gather that keeps the gradient (torch.distributed._functional_collectives."
     "all_gather_single_autograd) to train exactly")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -90,11 +90,13 @@ def reference_pair(verification: Verification, model: nn.Module,
             note_unsharded(recorder)
             if recorder.done:
                 autocast_hook.remove()
+                means_hook()
                 raise VerifyComplete(verification.steps)
 
     for optimizer in optimizers:
         optimizer.register_step_post_hook(after_step)
     autocast_hook = _hint_at_autocast()
+    means_hook = _hint_at_uneven_means()
     return wrapped
 
 
@@ -116,6 +118,54 @@ def _hint_at_autocast() -> RemovableHandle:
 
     handle = nn.modules.module.register_module_forward_hook(seen)
     return handle
+
+
+# torch's losses whose mean divides by a count of the batch's targets (the ones not ignored,
+# or their class weights): argument positions of target, weight, ignore_index and reduction
+_COUNTED_MEANS = {"cross_entropy": (1, 2, 4, 6), "nll_loss": (1, 2, 4, 6)}
+
+
+def _hint_at_uneven_means() -> Callable[[], None]:
+    """Add a hint the first time ``F.cross_entropy`` or ``F.nll_loss`` (their modules call
+    them) averages over a count the workers need not share: class-index targets with
+    ``ignore_index`` among them, or class weights. Each worker then divides by its own count
+    (as under DDP); `parallax.global_mean` divides by the global one. Returns what puts the
+    functions back."""
+    functional = torch.nn.functional
+    originals = {name: getattr(functional, name) for name in _COUNTED_MEANS}
+
+    def watched(name: str) -> Callable[..., Tensor]:
+        original = originals[name]
+        target_at, weight_at, ignore_at, reduction_at = _COUNTED_MEANS[name]
+
+        def call(*args: Any, **kwargs: Any) -> Tensor:
+            def given(at: int, key: str, default: Any) -> Any:
+                return args[at] if len(args) > at else kwargs.get(key, default)
+
+            target = given(target_at, "target", None)
+            if (given(reduction_at, "reduction", "mean") == "mean"
+                    and isinstance(target, Tensor) and not target.is_floating_point()
+                    and (given(weight_at, "weight", None) is not None
+                         or bool((target == given(ignore_at, "ignore_index", -100)).any()))):
+                add_hint(f"the loss's F.{name} averages over the targets it does not ignore "
+                         f"(ignore_index) or over their class weights: each worker divides "
+                         f"by its own count, as under DDP, not by the global batch's; sum it "
+                         f"and divide by the global count to train exactly: parallax."
+                         f"global_mean(F.{name}(..., reduction='sum'), count), count the "
+                         f"targets not ignored (or their weights)")
+                restore()
+            result: Tensor = original(*args, **kwargs)
+            return result
+
+        return call
+
+    def restore() -> None:
+        for name, original in originals.items():
+            setattr(functional, name, original)
+
+    for name in _COUNTED_MEANS:
+        setattr(functional, name, watched(name))
+    return restore
 
 
 def _leave() -> None:
