@@ -405,8 +405,9 @@ HABITS: list[Habit] = [
     Habit("ignore_index_mean", "a loss averaged over a count of the batch: "
           "`F.cross_entropy(..., ignore_index=PAD)`, class weights, a masked mean", "differs",
           "each worker divides by its own count, as under DDP, so the update differs from one "
-          "device's when the workers' counts differ; `parallax verify` names the loss; "
-          "`parallax.global_mean` (next row) trains exactly", _ignore_index_mean,
+          "device's when the workers' counts differ; `parallax verify` names the loss (and "
+          "`get_runner` an `nn.CrossEntropyLoss`/`NLLLoss` passed to it, at the first step "
+          "that shows it); `parallax.global_mean` (next row) trains exactly", _ignore_index_mean,
           launched=True),
     Habit("global_mean", "`parallax.global_mean(F.cross_entropy(..., reduction='sum'), "
           "(target != PAD).sum())`", "works",

@@ -39,6 +39,7 @@ from parallax.engine.tables.pool import default_threads, shared_pool
 from parallax.errors import ArgumentTypeError
 from parallax.model.detect import SparseUse, find_sparse_parameters, tracing_once
 from parallax.model.exactness import (
+    PerWorkerMean,
     check_exact,
     check_not_compiled,
     warn_per_worker_statistics,
@@ -82,6 +83,7 @@ class Runner:
         self.model = model
         self.optimizers = list(optimizers)
         self.loss_fn = loss_fn
+        self._per_worker_mean = PerWorkerMean(loss_fn, worker.world_size)
         self.worker = worker
         self.config = config
         self.device = worker.device
@@ -256,7 +258,9 @@ class Runner:
             with self.parallelism.counting():
                 output = self.forward(inputs)
                 with self.phases.phase("forward"):  # the loss function's share
-                    loss = self.loss_fn(output, to_device(targets, self.device))
+                    targets = to_device(targets, self.device)
+                    loss = self.loss_fn(output, targets)
+                    self._per_worker_mean.check(targets)
                 if self.progress is not None:
                     with self.phases.phase("progress record"):
                         self.progress.phase(self.global_step + 1, "backward")

@@ -57,3 +57,42 @@ def test_one_worker_gives_one_devices_mean_and_gradient(single_process) -> None:
 def test_arguments_are_checked(total, count, error, words: str) -> None:
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         parallax.global_mean(total, count)
+
+
+def _said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "global_mean" in r.getMessage()]
+
+
+def test_a_loss_module_averaging_over_each_workers_count_is_named_once(caplog) -> None:
+    from parallax.model.exactness import PerWorkerMean
+
+    padded = torch.tensor([1, 0, -100, 2])
+    assert not PerWorkerMean(nn.CrossEntropyLoss(), 1).check(padded)  # one worker: exact
+    assert not PerWorkerMean(nn.CrossEntropyLoss(reduction="sum"), 2).check(padded)
+    assert not PerWorkerMean(nn.MSELoss(), 2).check(padded)
+    weighted = PerWorkerMean(nn.CrossEntropyLoss(weight=torch.ones(3)), 2)
+    assert not weighted.check(torch.rand(4, 3))  # soft labels: divided by the batch's size
+    assert weighted.check(torch.tensor([0, 1])) and not weighted.check(torch.tensor([0, 1]))
+    ignoring = PerWorkerMean(nn.NLLLoss(ignore_index=0), 2)
+    assert not ignoring.check(torch.tensor([1, 2])) and ignoring.check(padded)
+    said = _said(caplog)
+    assert len(said) == 2 and "class weights" in said[0]
+    assert "NLLLoss(reduction='mean')" in said[1] and "ignore_index=0" in said[1]
+    later = PerWorkerMean(nn.CrossEntropyLoss(), 2)  # only the first steps are looked at
+    assert not any(later.check(torch.tensor([1, 2])) for _ in range(PerWorkerMean.STEPS))
+    assert later.loss is None and not later.check(padded)
+
+
+def test_get_runner_looks_at_the_targets_of_its_steps(single_process, caplog) -> None:
+    from parallax.model.exactness import PerWorkerMean
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 3), nn.Linear(3, 4)).double()
+    loss_fn = nn.CrossEntropyLoss(ignore_index=-1)
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                                 config=parallax.Config(partition_cache=None))
+    runner._per_worker_mean = PerWorkerMean(loss_fn, 2)  # as on the first of two workers
+    runner.step((torch.tensor([0, 1]), torch.tensor([1, 2])))
+    assert _said(caplog) == []
+    runner.step((torch.tensor([0, 1]), torch.tensor([1, -1])))
+    assert len(_said(caplog)) == 1

@@ -11,7 +11,8 @@ are refused here, with the parameter, where it is read and the option.
 
 What trains differently on several workers, as under DDP, is said once at the start
 (`warn_per_worker_statistics`): a BatchNorm layer normalises each worker's batch by that
-batch's own statistics, not the global batch's.
+batch's own statistics, not the global batch's. So is a loss module passed to `get_runner`
+that averages over a count the workers do not share (`PerWorkerMean`).
 
 A module compiled by ``torch.compile`` (an ``OptimizedModule``) that holds a parameter parallax
 takes over (a sparse table, or a parameter on the servers) is refused too
@@ -26,7 +27,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-from torch import nn
+from torch import Tensor, nn
 
 from parallax.config import Config
 from parallax.engine.tables.lookup_options import check_batch_dependent
@@ -121,3 +122,44 @@ def warn_per_worker_statistics(model: nn.Module, world_size: int) -> list[str]:
             f"normalises by the global batch's statistics; parallax verify shows the "
             f"difference)")
     return names
+
+
+class PerWorkerMean:
+    """Says once, on the rank that sees it, that ``loss_fn`` (an ``nn.CrossEntropyLoss`` or
+    ``nn.NLLLoss`` with the mean reduction, `get_runner`'s loss) divides each worker's loss by
+    that worker's own count: the class weights of its targets, or its targets not ignored
+    (``ignore_index`` among them). Averaged over workers, as under DDP, that is one device's
+    mean only when every worker counted the same; `parallax.global_mean` is exact. The targets
+    are looked at in the first `STEPS` steps (a padded batch is seldom later than that)."""
+
+    STEPS = 10
+
+    def __init__(self, loss_fn: object, world_size: int) -> None:
+        self.loss: nn.CrossEntropyLoss | nn.NLLLoss | None = (
+            loss_fn if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and world_size > 1
+            and loss_fn.reduction == "mean" else None)
+        self.steps = 0
+
+    def check(self, targets: object) -> bool:
+        """Look at a step's ``targets``; returns whether it said so now."""
+        loss = self.loss
+        if loss is None or not isinstance(targets, Tensor) or targets.is_floating_point():
+            return False  # soft labels divide by the batch's size, the same on every worker
+        self.steps += 1
+        weighted = loss.weight is not None
+        if weighted or bool((targets == loss.ignore_index).any()):
+            self.loss = None
+            kind = type(loss).__name__
+            log.warning(
+                f"parallax: the loss {kind}(reduction='mean') divides each worker's loss by "
+                + ("the class weights of that worker's targets" if weighted else
+                   f"that worker's targets not ignored (ignore_index={loss.ignore_index} is "
+                   f"among them)")
+                + ": averaged over the workers, as under DDP, that is not one device's mean of "
+                "the global batch; for that, pass a loss_fn that sums and divides by the "
+                f"global count: parallax.global_mean({kind}(reduction='sum', ...)(output, "
+                "target), count)")
+            return True
+        if self.steps >= self.STEPS:
+            self.loss = None
+        return False
