@@ -288,6 +288,18 @@ def _global_mean(run: Run) -> None:
         run.optimizer.step()
 
 
+def _grad_none_some_steps(run: Run) -> None:
+    """The dense head's weight kept fixed in the first two steps: its ``.grad`` set to None
+    before ``optimizer.step()`` (the optimizer skips it, as it skips a frozen parameter)."""
+    inner = getattr(run.model, "module", run.model)  # one device: the model itself
+    for step, (ids, y) in enumerate(run.batches):
+        run.optimizer.zero_grad()
+        mse(run.model(ids), y).backward()
+        if step < 2:
+            inner.head.weight.grad = None
+        run.optimizer.step()
+
+
 def _hooks_after(run: Run) -> None:
     """After distribute: a forward hook on the model itself and on a layer, and a layer's
     attribute changed (dropout switched off)."""
@@ -472,6 +484,15 @@ HABITS: list[Habit] = [
           "server-held parameter after `distribute`", "refused",
           "would not reach the servers' rows; initialise before `distribute`, or "
           "`model.load_state_dict(...)` after", None),
+    Habit("requires_grad_after", "`p.requires_grad_(False)` or `(True)` on a dense parameter "
+          "after `distribute` (freezing or unfreezing mid-training)", "refused",
+          "the dense synchronisation took the parameters that required gradients when it was "
+          "built: an unfrozen one would be updated by each worker's own gradient, a frozen one "
+          "would stall the reduction; set `requires_grad` before `distribute` (next row keeps a "
+          "parameter fixed for some steps)", None),
+    Habit("grad_none_fixed", "a parameter kept fixed for some steps by setting its `.grad = "
+          "None` before `optimizer.step()`", "works",
+          "the optimizer skips it, as on one device", _grad_none_some_steps, launched=True),
     Habit("move_after", "`model.to(...)`/`.double()` after `distribute`", "refused",
           "(a no-op when nothing changes) would leave the servers' rows; move before", None),
     Habit("compiled_model", "`model = torch.compile(model)` (or of a submodule holding a "

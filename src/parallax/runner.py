@@ -40,6 +40,7 @@ from parallax.errors import ArgumentTypeError
 from parallax.model.detect import SparseUse, find_sparse_parameters, tracing_once
 from parallax.model.exactness import (
     PerWorkerMean,
+    RequiresGradWatch,
     check_exact,
     check_not_compiled,
     warn_per_worker_statistics,
@@ -127,6 +128,7 @@ class Runner:
             warn_per_worker_statistics(model, self.worker.world_size)
         place_on_device(model, server_held, self.optimizers, self.device)
         self._params = dict(model.named_parameters())  # the objects never change
+        self._requires_grad = RequiresGradWatch(self._params, self.worker.rank)
         self.layout = build_layout(model, self.sparse_uses, config=config, worker=self.worker,
                                    group=self.group, traffic=self.traffic,
                                    optimizers=self.optimizers)
@@ -232,6 +234,7 @@ class Runner:
         `sync_gradients`."""
         args, kwargs = to_device(args, self.device), to_device(kwargs, self.device)
         if torch.is_grad_enabled():
+            self._requires_grad.check(self.global_step + 1)
             self.round.begin()
         self._mirror()
         with self._explained():

@@ -319,6 +319,26 @@ def test_moving_or_casting_after_distribute_is_refused(single_process) -> None:
     _refused(lambda: model.module.float(), *NAMED, "before parallax.distribute")
 
 
+@tries("requires_grad_after")
+def test_freezing_or_unfreezing_a_dense_parameter_after_distribute_is_refused(
+        single_process) -> None:
+    """Refused at the next training forward (the dense sync took the parameters requiring
+    gradients when it was built); an eval forward under no_grad is not a step."""
+    model, optimizer = _distributed_net(single_process)
+    ids, y = dataset().tensors
+    optimizer.step()
+    model.module.head.weight.requires_grad_(False)
+    with torch.no_grad():
+        model(ids[:4])
+    _refused(lambda: model(ids[:4]), "rank 0", "'head.weight' (frozen)", "before the forward "
+             "of step 2", ".grad = None")
+    model.module.head.weight.requires_grad_(True)
+    model.module.head.bias.requires_grad_(False)
+    model.module.head.bias.requires_grad_(True)  # back as it was: trains on
+    torch.nn.functional.mse_loss(model(ids[:4]), y[:4]).backward()
+    optimizer.step()
+
+
 @tries("batchnorm")
 def test_batchnorm_layers_are_named_at_the_start_when_several_workers_train(caplog) -> None:
     """Exact on one worker (test_a_working_habit_trains_as_one_device); on several each

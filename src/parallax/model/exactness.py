@@ -14,6 +14,12 @@ What trains differently on several workers, as under DDP, is said once at the st
 batch's own statistics, not the global batch's. So is a loss module passed to `get_runner`
 that averages over a count the workers do not share (`PerWorkerMean`).
 
+A parameter frozen or unfrozen after `get_runner` (``requires_grad_`` on a dense parameter) is
+refused at the next training forward (`RequiresGradWatch`): the dense synchronisation took the
+parameters that required gradients when it was built, so an unfrozen one would be updated by
+each worker's own gradient (replicas drifting apart, silently) and a frozen one would stall
+DDP's reduction.
+
 A module compiled by ``torch.compile`` (an ``OptimizedModule``) that holds a parameter parallax
 takes over (a sparse table, or a parameter on the servers) is refused too
 (`check_not_compiled`): its compiled code reads the program's own module, whose taken
@@ -163,3 +169,31 @@ class PerWorkerMean:
         if self.steps >= self.STEPS:
             self.loss = None
         return False
+
+
+class RequiresGradWatch:
+    """Which of ``params`` required gradients when the run was built; `check` refuses a
+    training forward after any of them changed (see the module docstring)."""
+
+    def __init__(self, params: dict[str, nn.Parameter], rank: int) -> None:
+        self.params = list(params.items())
+        self.wanted = [p.requires_grad for _, p in self.params]
+        self.rank = rank
+
+    def check(self, step: int) -> None:
+        """Before a training forward of ``step``: raise naming what changed, if anything."""
+        if [p.requires_grad for _, p in self.params] == self.wanted:
+            return
+        changed = [(name, p.requires_grad) for (name, p), was in zip(self.params, self.wanted,
+                                                                   strict=True)
+                   if p.requires_grad != was]
+        said = ", ".join(f"{name!r} ({'unfrozen' if now else 'frozen'})" for name, now in changed)
+        raise UnsupportedProgramError(
+            f"rank {self.rank}: parameter(s) {said} changed requires_grad after "
+            f"parallax.distribute/get_runner (seen before the forward of step {step}): the "
+            "dense synchronisation took the parameters that required gradients when it was "
+            "built, so an unfrozen parameter would be updated by each worker's own gradient "
+            "and a frozen one would stall the others' reduction. Fix: set requires_grad before "
+            "parallax.distribute to what training needs; to keep a parameter fixed in some "
+            "steps, leave requires_grad=True and set its .grad = None before optimizer.step() "
+            "in those steps (the optimizer then skips it, as it skips a frozen one)")
