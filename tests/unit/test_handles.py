@@ -37,3 +37,23 @@ def test_a_weakly_referenced_parameter_keeps_its_storage() -> None:
     assert not is_released(param)
     restore(param, torch.zeros_like(param))
     assert torch.equal(param.detach(), torch.zeros_like(param))
+
+
+def test_a_penalty_on_a_released_parameter_is_refused_with_the_optimizers_weight_decay() -> None:
+    """An L2 term in the loss reads every row's values: refused, with the optimizer's
+    weight_decay (the same gradient under SGD, Adam, Adagrad) as the fix; other reads get
+    the general fix alone."""
+    import pytest
+
+    from parallax.errors import UnsupportedProgramError
+
+    param = nn.Embedding(7, 3).weight
+    release(param, name="emb.weight", rank=1)
+    for penalty in (lambda: param.pow(2).sum(), lambda: param.norm(), lambda: 1e-3 * param):
+        with pytest.raises(UnsupportedProgramError, match="weight_decay=2\\*lam") as error:
+            penalty()
+        assert "rank 1: parameter 'emb.weight'" in str(error.value)
+        assert "test_handles.py:" in str(error.value)
+    with pytest.raises(UnsupportedProgramError) as error:
+        param.t()
+    assert "weight_decay" not in str(error.value) and "model.state_dict()" in str(error.value)

@@ -206,6 +206,11 @@ _OPERATIONS = {
 }
 
 
+# operations a penalty on the parameters in the loss applies (an L2 or L1 term)
+_PENALTIES = frozenset({"pow", "__pow__", "square", "norm", "linalg_vector_norm", "abs",
+                        "__abs__", "mul", "__mul__", "__rmul__", "sum"})
+
+
 def _refusal(handle: ServerHeldParameter, operation: str, caller: Any) -> str:
     name = handle.__dict__.get("_parallax_name", "?")
     rank = handle.__dict__.get("_parallax_rank", "?")
@@ -216,6 +221,11 @@ def _refusal(handle: ServerHeldParameter, operation: str, caller: Any) -> str:
             "its values are not on this rank",
             "compute from the model's outputs, or read the single-device values with "
             "model.state_dict() (collective, on every rank)"))
+        if operation in _PENALTIES:
+            fix += ("; for a penalty on the parameters in the loss (L2: lam * p.pow(2).sum()) "
+                    "give the optimizer weight_decay=2*lam instead: torch.optim.SGD, Adam "
+                    "and Adagrad add the same gradient (AdamW's decoupled decay is another "
+                    "update)")
     where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
     op = operation.replace(".__get__", "").replace(".__set__", " =")
     return (f"rank {rank}: parameter {name!r} lives on the parameter servers (parallax), so "
