@@ -77,6 +77,24 @@ class BatchNormNet(Net):
         return self.head(self.norm(self.embedding(ids).mean(dim=1)))
 
 
+class BufferNet(Net):
+    """`Net` whose forward updates buffers from its batch in training: a count of the samples
+    seen (in place, by a number: what a trace would run for real) and a running mean of the
+    pooled embeddings that the output subtracts."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__(dropout)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("avg", torch.ones(6))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pooled = self.embedding(ids).mean(dim=1)
+        if self.training:
+            self.seen += 1
+            self.avg.mul_(0.9).add_(pooled.detach().mean(dim=0), alpha=0.1)
+        return self.head(pooled - self.avg * self.seen)
+
+
 class CompiledHeadNet(Net):
     """`Net` whose dense head the program compiles (``torch.compile``, the eager backend: no
     C++ toolchain needed; the wrapping is what parallax meets, whatever the backend)."""
@@ -389,6 +407,11 @@ HABITS: list[Habit] = [
           "statistics from rank 0), as under DDP; parallax says so at the start (exact on one "
           "worker); `nn.SyncBatchNorm` (GPU) normalises by the global batch", _canonical,
           net=BatchNormNet),
+    Habit("batch_buffers", "buffers the forward updates from its batch (a running mean, a "
+          "count of steps)", "differs",
+          "each worker updates them from its own part of the batch and the state dict holds "
+          "rank 0's, as under DDP (exact on one worker); `parallax verify` names them",
+          _canonical, net=BufferNet),
     Habit("no_sync", "DDP's `with model.no_sync():` for gradient accumulation", "works",
           "dense gradients AllReduced once, rows pushed once per step", _accumulate,
           launched=True),

@@ -53,3 +53,31 @@ def test_a_model_that_cannot_be_traced_fails_each_reader_alike() -> None:
     assert len(model.runs) == 1
     assert set(uses) == {"emb.weight"}
     assert reads["emb.weight"][1].max_norm == 1.0
+
+
+class UpdatesBuffers(nn.Module):
+    """A forward that updates its buffers: in place by numbers (a trace would run that for
+    real), in place by the batch, and by reassignment (a trace would leave an fx Proxy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.register_buffer("steps", torch.ones((), dtype=torch.long))
+        self.register_buffer("avg", torch.ones(4))
+        self.register_buffer("last", torch.zeros(4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.emb(ids)
+        self.steps += 1
+        self.avg.mul_(0.9).add_(rows.detach().mean(0), alpha=0.1)
+        self.last = rows.detach().mean(0)
+        return rows - self.avg
+
+
+def test_a_trace_leaves_the_models_buffers_as_they_were() -> None:
+    model = UpdatesBuffers()
+    before = {name: (buffer, buffer.clone()) for name, buffer in model.named_buffers()}
+    assert set(find_sparse_parameters(model)) == {"emb.weight"}
+    for name, buffer in model.named_buffers():
+        assert buffer is before[name][0], name
+        assert torch.equal(buffer, before[name][1]), name

@@ -284,3 +284,34 @@ def test_the_reference_run_hints_at_a_mean_over_each_workers_count(
     with pytest.raises(VerifyComplete):
         wrapped(ids).sum().backward()
         optimizer.step()
+
+
+def test_the_reference_run_names_the_buffers_a_training_step_changed(
+        tmp_path: Path, single_process, monkeypatch) -> None:
+    import json
+
+    from parallax.verify.record import RUN_FILE
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(5, 2)
+            self.norm = nn.BatchNorm1d(2)  # hinted apart: not named again
+            self.register_buffer("seen", torch.zeros(()))
+            self.register_buffer("fixed", torch.ones(2))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            self.seen += len(ids)
+            return self.norm(self.embedding(ids)) * self.fixed
+
+    verification = Verification(str(tmp_path), "reference", 2, 2)
+    monkeypatch.setenv(VERIFY_ENV, verification.to_env())
+    single_process_worker()
+    model = Counting()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = reference_pair(verification, model, [optimizer], timeout=timedelta(seconds=30))
+    wrapped(torch.tensor([0, 1, 2])).sum().backward()
+    optimizer.step()
+    (said,) = [h for h in json.loads((tmp_path / RUN_FILE).read_text())["hints"]
+               if h.startswith("buffer(s)")]
+    assert said.startswith("buffer(s) 'seen' changed in a training step")

@@ -6,7 +6,10 @@ flag (``if self.training:``), every number read off a module (``self.scale``) is
 value then. A module tree traced in training mode and run in eval mode would silently compute
 the training branch. `recording` watches a trace: every plain value (bool, int, float, str,
 None) any traced module's attribute gave, and every attribute the trace wrote (undone after
-it: tracing must not change the program's modules). `Reads.hold` then says whether the
+it: tracing must not change the program's modules), the registered buffers and parameters
+too: a buffer the forward updates in place with constants (``self.steps += 1``) is updated
+for real by a trace, and one it reassigns is left holding an fx ``Proxy``; both are put
+back. `Reads.hold` then says whether the
 modules still give those values; `TraceCache` keeps one trace per state seen and makes a new
 one when none holds (`parallax.model.stand_ins.RetracedRoot`, the id look-ahead of
 `parallax.step.forward`).
@@ -136,10 +139,12 @@ def recording(model: nn.Module, traced_into: Callable[[nn.Module, str], bool]) -
             continue
         swapped.append((module, cls))
         before.update({(id(module), k): (module, k, v) for k, v in module.__dict__.items()})
+    kept = _TensorState(model)
     _active.append(reads)
     try:
         yield reads
     finally:
+        kept.restore()
         del _active[next(i for i, r in enumerate(_active) if r is reads)]
         for module, cls in swapped:
             object.__setattr__(module, "__class__", cls)
@@ -149,6 +154,31 @@ def recording(model: nn.Module, traced_into: Callable[[nn.Module, str], bool]) -
                 object.__setattr__(module, name, old[2])
             elif name in module.__dict__:
                 del module.__dict__[name]
+
+
+class _TensorState:
+    """Every module's registered buffers (the objects, and their values) and parameters (the
+    objects) under ``model``, to put back after a trace ran its ``forward``'s Python. A value
+    is copied back only where the trace changed it (its version counter moved)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.entries: list[tuple[dict[str, Any], str, Any, int, Tensor | None]] = []
+        for module in model.modules():
+            for table in (module._buffers, module._parameters):
+                for name, tensor in table.items():
+                    saved = (tensor.detach().clone()
+                             if table is module._buffers and isinstance(tensor, Tensor)
+                             and tensor.device.type != "meta" else None)
+                    version = tensor._version if isinstance(tensor, Tensor) else 0
+                    self.entries.append((table, name, tensor, version, saved))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for table, name, tensor, version, saved in self.entries:
+                if table.get(name) is not tensor:
+                    table[name] = tensor
+                if saved is not None and tensor._version != version:
+                    tensor.copy_(saved)
 
 
 def same_traced(a: nn.Module, b: nn.Module) -> bool:

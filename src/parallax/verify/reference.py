@@ -79,6 +79,7 @@ def reference_pair(verification: Verification, model: nn.Module,
                  "the program's own module and optimizer)")
     recorder = StateRecorder(verification, writes=True)
     recorder.record(wrapped.state_dict())
+    buffers_before = _own_buffers(wrapped.plain)
     stepped: set[int] = set()
     everyone = {id(opt) for opt in optimizers}
 
@@ -88,6 +89,9 @@ def reference_pair(verification: Verification, model: nn.Module,
             stepped.clear()
             recorder.record(wrapped.state_dict())
             note_unsharded(recorder)
+            if buffers_before:  # the first step: which buffers did it change?
+                _hint_at_updated_buffers(buffers_before, _own_buffers(wrapped.plain))
+                buffers_before.clear()
             if recorder.done:
                 autocast_hook.remove()
                 means_hook()
@@ -98,6 +102,30 @@ def reference_pair(verification: Verification, model: nn.Module,
     autocast_hook = _hint_at_autocast()
     means_hook = _hint_at_uneven_means()
     return wrapped
+
+
+def _own_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """Copies of ``model``'s buffers outside BatchNorm layers (whose hint is said already)."""
+    return {f"{path}.{name}".lstrip("."): buffer.detach().clone()
+            for path, module in model.named_modules()
+            if not isinstance(module, nn.modules.batchnorm._BatchNorm)
+            for name, buffer in module.named_buffers(recurse=False)}
+
+
+def _hint_at_updated_buffers(before: dict[str, Tensor], after: dict[str, Tensor]) -> None:
+    """Add a hint naming the buffers a training step changed: the forward updates them from
+    its batch, which on several workers is each worker's part (the state dict holds rank 0's,
+    as DDP's broadcast of buffers does), so they differ from one device's."""
+    changed = [name for name, value in before.items()
+               if name in after and not torch.equal(after[name], value)]
+    if changed:
+        add_hint(f"buffer(s) {', '.join(repr(n) for n in changed[:4])}"
+                 f"{f' and {len(changed) - 4} more' if len(changed) > 4 else ''} changed in a "
+                 f"training step: a buffer the forward updates from its batch is updated by each "
+                 f"worker from its own part (the state dict holds rank 0's, as DDP broadcasts "
+                 f"rank 0's buffers), so it and what reads it differ from one device's, as under "
+                 f"DDP; a count or statistic of the global batch needs the workers' parts summed "
+                 f"(torch.distributed.all_reduce)")
 
 
 def _hint_at_autocast() -> RemovableHandle:
