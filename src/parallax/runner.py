@@ -54,7 +54,15 @@ from parallax.planning.memory import MemoryEstimate, predict_memory
 from parallax.planning.plan import Plan
 from parallax.session import check_same_everywhere, on_shutdown, track
 from parallax.step.checkpoints import Checkpoints
-from parallax.step.forward import Forward, evaluating, mean_loss, numel, shapes, to_device
+from parallax.step.forward import (
+    Forward,
+    checked_loss,
+    evaluating,
+    mean_loss,
+    numel,
+    shapes,
+    to_device,
+)
 from parallax.step.global_mean import global_mean
 from parallax.step.gradients import StepGradients
 from parallax.step.hooks import Reporting, StepHook
@@ -262,7 +270,7 @@ class Runner:
                 output = self.forward(inputs)
                 with self.phases.phase("forward"):  # the loss function's share
                     targets = to_device(targets, self.device)
-                    loss = self.loss_fn(output, targets)
+                    loss = checked_loss(self.loss_fn(output, targets), self.worker.rank)
                     self._per_worker_mean.check(targets)
                 if self.progress is not None:
                     with self.phases.phase("progress record"):

@@ -140,3 +140,20 @@ def test_a_one_worker_run_leaves_no_launch_variables_behind(monkeypatch) -> None
     assert os.environ["WORLD_SIZE"] == "1"
     parallax.shutdown()
     assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"} & set(os.environ)
+
+
+@pytest.mark.parametrize(("loss_fn", "error", "words"), [
+    (lambda out, y: (out.sum(), {"acc": 1.0}), parallax.ArgumentTypeError,
+     "rank 0: get_runner's loss_fn returned tuple"),
+    (lambda out, y: torch.nn.functional.mse_loss(out, y, reduction="none"),
+     parallax.ArgumentError, "a tensor of shape (4, 3)"),
+    (lambda out, y: out.detach().sum(), parallax.ArgumentError, "without autograd"),
+])
+def test_runner_step_names_a_loss_fn_that_returns_no_loss(single_process, loss_fn, error,
+                                                         words: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(6, 3), torch.nn.Linear(3, 3))
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                                 config=parallax.Config(partition_cache=None))
+    with pytest.raises(error) as raised:
+        runner.step((torch.tensor([0, 1, 2, 3]), torch.zeros(4, 3)))
+    assert words in str(raised.value)

@@ -22,6 +22,7 @@ from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.tables import pooled
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
+from parallax.errors import ArgumentError, ArgumentTypeError
 from parallax.model.lookahead import IdProgram, traced_id_program
 from parallax.model.stand_ins import (
     RetracedRoot,
@@ -34,7 +35,7 @@ from parallax.model.stand_ins import (
 from parallax.model.trace_reads import TraceCache
 from parallax.step.sync_modes import SyncMode
 
-__all__ = ["Forward", "evaluating", "mean_loss", "numel", "shapes", "to_device"]
+__all__ = ["Forward", "checked_loss", "evaluating", "mean_loss", "numel", "shapes", "to_device"]
 
 
 class Forward:
@@ -126,6 +127,22 @@ def _forget_pooled_ahead(calls: list[pooled.BagCall]) -> None:
     gradients, none, are still pushed as zeros)."""
     for call in calls:
         call.table.pooled_ahead.clear()
+
+
+def checked_loss(loss: Any, rank: int) -> Tensor:
+    """``loss_fn``'s result for `Runner.step`: one value with autograd, or a clear error."""
+    if not isinstance(loss, Tensor):
+        raise ArgumentTypeError(
+            f"rank {rank}: get_runner's loss_fn returned {type(loss).__name__}, Runner.step "
+            f"needs the loss alone (a one-value tensor): return it alone and compute metrics "
+            f"from runner.forward(...) or in your own loop (parallax.distribute)")
+    if loss.numel() != 1 or not loss.requires_grad:
+        raise ArgumentError(
+            f"rank {rank}: get_runner's loss_fn returned a tensor of shape "
+            f"{tuple(loss.shape)}{'' if loss.requires_grad else ' without autograd'}; "
+            f"Runner.step needs one value computed from the model's output (a mean or sum "
+            f"reduction)")
+    return loss
 
 
 def mean_loss(forward: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor],
