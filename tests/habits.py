@@ -452,6 +452,12 @@ HABITS: list[Habit] = [
           "`Config(average_dense=False, average_sparse=False)`", "works",
           "gradients summed over workers", _sum_loss,
           config={"average_dense": False, "average_sparse": False}, launched=True),
+    Habit("lr_per_worker", "a learning rate (or any optimizer setting) set from what one "
+          "worker alone sees: `ReduceLROnPlateau.step(loss.item())` on each worker's own loss",
+          "refused",
+          "the replicas would drift apart and each server would update with its own rate; "
+          "`all_reduce` the metric first (checked at every `optimizer.step()` of the own loop, "
+          "riding in its order check: no extra collective)", None),
     Habit("ddp_program", "a DDP program (`init_process_group`, `DDP(model)`, a "
           "`DistributedSampler` loader with `set_epoch`) with `parallax.distribute(ddp_model, "
           "optimizer)` as its only change", "works",

@@ -110,6 +110,18 @@ def test_a_mean_over_each_workers_count_is_ddps_not_one_devices(launched: Path) 
     assert_equal(got, model.state_dict(), "mean of the workers' means")
 
 
+@tries("lr_per_worker")
+def test_settings_that_differ_between_workers_are_refused_at_the_step(launched: Path) -> None:
+    """Rank 1's learning rate doubled rank 0's in step 2: both ranks stop there, naming the
+    setting and each rank's value (nothing trained apart)."""
+    for rank in range(2):
+        said = (launched / f"lr-{rank}.txt").read_text()
+        assert said.startswith(f"rank {rank}: the workers' optimizers step with different "
+                               f"settings in step 2"), said
+        assert "param group 0's 'lr' differs: rank 0 0.05, rank 1 0.1" in said, said
+        assert "all_reduce" in said
+
+
 @tries("distributed_sampler")
 def test_a_ddp_distributed_sampler_keeps_its_shuffle_and_set_epoch(launched: Path) -> None:
     """Two epochs of a DDP loader (DistributedSampler(shuffle=True, seed=3), set_epoch(e))

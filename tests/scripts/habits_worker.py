@@ -118,6 +118,25 @@ def sum_averaged_program(out: Path, world: int, rank: int) -> None:
         torch.save(state, out / "sum_averaged.pt")
 
 
+def lr_per_rank_program(out: Path, world: int, rank: int) -> None:
+    """A learning rate set from what one rank alone sees (here: the rank itself, as a
+    ReduceLROnPlateau stepped on each worker's own loss would); what step 2 says."""
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    model, optimizer = parallax.distribute(
+        model, optimizer, config=parallax.Config(partition_cache=None, collective_timeout_s=60))
+    said = "trained"
+    try:
+        for step, (ids, y) in enumerate(batches(world, rank)):
+            if step == 1:
+                optimizer.param_groups[0]["lr"] = 0.05 * (rank + 1)
+            optimizer.zero_grad()
+            mse(model(ids), y).backward()
+            optimizer.step()
+    except parallax.UnsupportedProgramError as error:
+        said = str(error)
+    (out / f"lr-{rank}.txt").write_text(said)
+
+
 def rng_program(out: Path, rank: int) -> None:
     """What the program draws after distribute, and after one shuffled epoch."""
     model, optimizer, _ = build(BY_KEY["canonical"])
@@ -145,6 +164,7 @@ def main() -> None:
     load_differs_program(out, world, rank)
     sum_averaged_program(out, world, rank)
     rng_program(out, rank)
+    lr_per_rank_program(out, world, rank)
     parallax.shutdown()
 
 

@@ -16,7 +16,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.diagnostics.progress import Explainer
 from parallax.errors import UnevenInputsError, UnsupportedProgramError
 
-__all__ = ["COLLECTIVE_EXPORT", "Call", "LoopOrder"]
+__all__ = ["COLLECTIVE_EXPORT", "VALUES", "Call", "LoopOrder"]
 
 COLLECTIVE_EXPORT = (
     "model.state_dict() is collective (it gathers the servers' rows): call it on every rank "
@@ -37,6 +37,9 @@ _SAID = {Call.FORWARD: "a forward of the model", Call.UPDATE: "optimizer.step()"
          Call.EXPORT: "model.state_dict()", Call.MEAN: "parallax.global_mean()"}
 
 
+VALUES = 2  # numbers a rank's loop-order message carries besides its call and step
+
+
 class LoopOrder:
     """``enabled`` by `parallax.distribute`; ``applies``: several workers in the same step."""
 
@@ -51,27 +54,26 @@ class LoopOrder:
     def check(self, call: Call, step: int) -> None:
         """Every rank is about to make ``call`` in step ``step``, or all raise naming who is
         elsewhere (collective when enabled)."""
-        if not (self.enabled and self.applies):
-            return
-        mine = torch.tensor([int(call), step], dtype=torch.long, device=self.worker.device)
-        everyone = [torch.empty_like(mine) for _ in range(self.worker.world_size)]
-        with self.explained():
-            dist.all_gather(everyone, mine, group=self.group)
-        self._same_place([(Call(int(t[0])), int(t[1])) for t in everyone])
+        if self.enabled and self.applies:
+            self.gather(call, step, torch.zeros(0, dtype=torch.float64,
+                                                device=self.worker.device))
 
     def gather(self, call: Call, step: int, values: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``values`` (a float64 vector), a row per rank, by one collective that
-        is also `check`'s of ``call`` in ``step`` where the check is enabled. Collective on
-        every rank whatever ``enabled`` says (the caller's steps are aligned)."""
-        head = torch.tensor([int(call), step], dtype=torch.float64, device=values.device)
-        mine = torch.cat([head, values.reshape(-1)])
+        """Every rank's ``values`` (up to `VALUES` float64 numbers), a row per rank, by one
+        collective that is also `check`'s of ``call`` in ``step`` where the check is enabled.
+        Collective on every rank whatever ``enabled`` says (the caller's steps are aligned).
+        Every call sends the same message (zeros past ``values``), so ranks at different calls
+        meet in the same all_gather and are named rather than failing in gloo."""
+        mine = torch.zeros(2 + VALUES, dtype=torch.float64, device=values.device)
+        mine[0], mine[1] = int(call), step
+        mine[2:2 + values.numel()] = values.reshape(-1)
         everyone = [torch.empty_like(mine) for _ in range(self.worker.world_size)]
         with self.explained():
             dist.all_gather(everyone, mine, group=self.group)
         rows = torch.stack(everyone)
         if self.enabled and self.applies:
             self._same_place([(Call(int(c)), int(s)) for c, s in rows[:, :2].tolist()])
-        return rows[:, 2:]
+        return rows[:, 2:2 + values.numel()]
 
     def _same_place(self, where: list[tuple[Call, int]]) -> None:
         """Raise naming the ranks whose (call, step) differs from rank 0's."""

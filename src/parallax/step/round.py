@@ -27,6 +27,7 @@ from parallax.engine.optimizers.replica_rows import touched_rows_only
 from parallax.engine.tables import handles
 from parallax.engine.tables.exchange import Traffic
 from parallax.errors import UnsupportedProgramError
+from parallax.step import hyperparameters
 from parallax.step.gradients import StepGradients
 from parallax.step.hooks import StepDone, StepHook
 from parallax.step.loop_order import Call, LoopOrder
@@ -44,6 +45,7 @@ class StepRound:
                  order: LoopOrder, phases: PhaseClock, progress: Progress | None,
                  explained: Explainer, traffic: Traffic, hooks: list[StepHook]) -> None:
         self._all = {id(optimizer) for optimizer in optimizers}
+        self.optimizers = list(optimizers)
         self.rank = rank
         self.sync_mode = sync_mode
         self.dense = dense
@@ -94,12 +96,26 @@ class StepRound:
                 "with parallax.clip_grad_norm_ after scaler.unscale_(optimizer) instead")
         self.gradients.check_none_outside_lookups()
         with self.explained():
-            self.order.check(Call.UPDATE, self.global_step + 1)
+            self._check_order_and_settings()
             self._applies = self.sync_mode.push(self.gradients, loss, scaled=scaled,
                                                 step=self.global_step + 1,
                                                 riders=self.dense.riders())
             self._synced = True
         return self._applies
+
+    def _check_order_and_settings(self) -> None:
+        """The loop order's check of this update, which carries the optimizers' settings'
+        fingerprint (`parallax.step.hyperparameters`) where the check applies."""
+        step, order = self.global_step + 1, self.order
+        if not (order.enabled and order.applies):
+            return
+        mine = torch.tensor([hyperparameters.fingerprint(self.optimizers)], dtype=torch.float64,
+                            device=order.worker.device)
+        everyone = order.gather(Call.UPDATE, step, mine)
+        if bool((everyone != everyone[0]).any()):
+            hyperparameters.name_the_difference(self.optimizers, rank=self.rank,
+                                                world=order.worker.world_size,
+                                                group=order.group, step=step)
 
     def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None, *,
              error_if_nonfinite: bool = False) -> float:

@@ -1,0 +1,75 @@
+"""Every rank's optimizers must hold the same hyperparameters when they step.
+
+A program that sets them from what one worker alone sees (``ReduceLROnPlateau.step`` on the
+worker's own loss, a learning rate computed from its own batch) gives the ranks different
+learning rates: the dense replicas then drift apart and each server updates its rows with
+its own rate, silently. In the own loop the hyperparameters' fingerprint rides in the loop
+order's per-step check (`parallax.step.loop_order.LoopOrder.gather`, no extra collective); a
+difference is named on every rank, with the optimizer, group, setting and each rank's value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallax.errors import UnsupportedProgramError
+
+__all__ = ["fingerprint", "name_the_difference"]
+
+
+def settings(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[tuple[str, Any]]]:
+    """Each param group's settings (everything but its parameters), as plain values."""
+    return [sorted((key, _plain(value)) for key, value in group.items() if key != "params")
+            for optimizer in optimizers for group in optimizer.param_groups]
+
+
+def fingerprint(optimizers: Sequence[torch.optim.Optimizer]) -> float:
+    """One number that differs between ranks whose settings differ (as far as a 52-bit hash
+    tells them apart; not Python's ``hash``, which each process salts)."""
+    digest = hashlib.blake2b(repr(settings(optimizers)).encode(), digest_size=8).digest()
+    return float(int.from_bytes(digest, "little") % (1 << 52))  # exact in a float64
+
+
+def name_the_difference(optimizers: Sequence[torch.optim.Optimizer], *, rank: int,
+                        world: int, group: dist.ProcessGroup, step: int) -> None:
+    """Raise naming the first setting whose value differs between ranks (collective: every
+    rank calls it once it saw the fingerprints differ)."""
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, settings(optimizers), group=group)
+    said = "the ranks' optimizers hold different numbers of param groups"
+    for index, groups in enumerate(zip(*everyone, strict=False)):
+        for key, value in groups[0]:
+            values = [dict(theirs).get(key) for theirs in groups]
+            if any(not _same(v, value) for v in values):
+                said = (f"param group {index}'s {key!r} differs: "
+                        + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values)))
+                break
+        else:
+            continue
+        break
+    raise UnsupportedProgramError(
+        f"rank {rank}: the workers' optimizers step with different settings in step {step} "
+        f"({said}): the replicas would drift apart and each server would update its rows with "
+        f"its own. Set them from what every rank sees alike: a scheduler stepped on a metric "
+        f"(ReduceLROnPlateau) needs the metric averaged over the workers first "
+        f"(torch.distributed.all_reduce), not each worker's own loss")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)

@@ -1,0 +1,31 @@
+"""`parallax.step.hyperparameters`: the optimizers' settings' fingerprint, the same in every
+process for the same settings (2 workers that differ: tests/habits.py ``lr_per_worker``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from parallax.step.hyperparameters import fingerprint, settings
+
+
+def _optimizer(lr: float | torch.Tensor = 0.1) -> torch.optim.Optimizer:
+    return torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=lr, betas=(0.9, 0.99))
+
+
+def test_the_fingerprint_follows_the_settings_and_not_the_process() -> None:
+    here = fingerprint([_optimizer()])
+    assert here == fingerprint([_optimizer()]) and here == int(here)
+    assert here != fingerprint([_optimizer(0.2)])
+    changed = _optimizer()
+    changed.param_groups[0]["betas"] = (0.8, 0.99)
+    assert here != fingerprint([changed])
+    assert dict(settings([_optimizer(torch.tensor(0.5))])[0])["lr"] == 0.5
+    code = ("from parallax.step.hyperparameters import fingerprint; import torch; print("
+            "fingerprint([torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.1, "
+            "betas=(0.9, 0.99))]))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={"PYTHONHASHSEED": "123", "PATH": ""}).stdout
+    assert float(other) == here  # another process, another string hash salt
