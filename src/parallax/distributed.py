@@ -79,11 +79,8 @@ def distribute(model: nn.Module,
             f"parallax.distribute with Config.parallelism={str(config.parallelism)!r}: the "
             f"split layers' parameters are new (DTensor) objects that the program's own loop "
             f"does not hold; train with parallax.get_runner(...).step(batch) instead")
+    _refuse_a_second_distribute(model, optimizers)
     _check_every_parameter_optimized(model, optimizers)
-    for opt in optimizers:
-        if isinstance(opt, DistributedOptimizer):
-            raise UnsupportedProgramError(
-                f"{type(opt).__name__} is already distributed; pass the original optimizer")
     verification = verify.active()
     if verification is not None and verification.role == "reference":  # parallax verify
         timeout = timedelta(seconds=(config or Config()).collective_timeout_s)
@@ -220,6 +217,22 @@ def _no_loss(output: Any, target: Any) -> Tensor:
     raise UnsupportedProgramError(
         "a model from parallax.distribute computes its loss in your loop: use model(inputs) "
         "and loss.backward(), not Runner.step")
+
+
+def _refuse_a_second_distribute(model: nn.Module,
+                                optimizers: list[torch.optim.Optimizer]) -> None:
+    """A model or optimizer that went through `distribute` already (a distribute per epoch,
+    or the returned pair passed back) is refused, naming what and the fix."""
+    again = ([f"the model ({type(model).__name__})"] if isinstance(model, DistributedModel)
+             else [])
+    again += [f"the optimizer {type(opt).__name__}" for opt in optimizers
+              if isinstance(opt, DistributedOptimizer)]
+    if again:
+        raise UnsupportedProgramError(
+            f"rank {os.environ.get('RANK', '0')}: {' and '.join(again)} went through "
+            f"parallax.distribute already (it makes the optimizer you pass the distributed "
+            f"one, in place): distribute once, before training, and keep training the model "
+            f"and optimizer it returned (a distribute per epoch is not needed)")
 
 
 def _check_every_parameter_optimized(model: nn.Module,

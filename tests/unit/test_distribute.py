@@ -440,3 +440,19 @@ def test_evaluate_runs_every_module_in_eval_and_gives_each_its_mode_back(single_
     loss = runner.evaluate([(ids, y)])
     assert loss == pytest.approx(float(nn.functional.mse_loss(plain(ids), y)), abs=1e-12)
     assert model.training and not model.head.training and model.embedding.training
+
+
+def test_a_second_distribute_of_the_same_model_or_optimizer_is_refused(single_process) -> None:
+    """A distribute per epoch: the optimizer passed the first time is the distributed one now;
+    the returned pair passed back is named too."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    dmodel, doptimizer = parallax.distribute(model, optimizer,
+                                             config=parallax.Config(partition_cache=None))
+    with pytest.raises(parallax.UnsupportedProgramError,
+                       match=r"rank 0: the optimizer DistributedAdam went through "
+                             r"parallax.distribute already .* distribute once"):
+        parallax.distribute(model, optimizer)
+    with pytest.raises(parallax.UnsupportedProgramError,
+                       match=r"the model \(DistributedModel\) and the optimizer"):
+        parallax.distribute(dmodel, doptimizer)
