@@ -476,6 +476,11 @@ HABITS: list[Habit] = [
           "each epoch is a new seeded permutation (`shard(seed=...)` and the epoch), not "
           "torch's draw from the global generator; the generator still advances by the one "
           "draw the sampler takes, so later random numbers match the program's", None),
+    Habit("batch_sampler", "`DataLoader(batch_sampler=BatchSampler(sampler, b, drop_last))` "
+          "through `parallax.shard`", "works",
+          "split as `DataLoader(sampler=sampler, batch_size=b, drop_last=drop_last)`, the same "
+          "batches; a batch sampler of the program's own (bucketing by length) is refused: "
+          "split it in the program, as for DDP", None),
     Habit("other_sampler", "a `WeightedRandomSampler` or custom sampler through "
           "`parallax.shard`", "refused", "its order cannot be split by index", None),
     Habit("state_dict_everywhere", "`state = model.state_dict()` on every rank, "

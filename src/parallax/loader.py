@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     DistributedSampler,
     IterableDataset,
@@ -126,31 +127,33 @@ class ShardedLoader:
         original = self.original
         self.grid = (replicas, index, group_size)
         self.replicas = replicas
-        order = original.sampler
+        batching = _batching(original)
+        assert batching is not None  # shard checked it
+        order = batching.sampler
         # A DDP program's own DistributedSampler: its shuffle, seed and padding, and its
         # epoch (set_epoch) at each iteration, as the program would have used them.
         if isinstance(order, DistributedSampler):
             shuffle, seed, drop_last = order.shuffle, order.seed, order.drop_last
         else:
             shuffle = isinstance(order, RandomSampler)
-            seed, drop_last = self.seed, original.drop_last
+            seed, drop_last = self.seed, batching.drop_last
         self.sampler: DistributedSampler[Any] = DistributedSampler(
             original.dataset, num_replicas=replicas, rank=index, shuffle=shuffle, seed=seed,
             drop_last=drop_last)
-        assert original.batch_size is not None  # shard checked it
         skipper = _SkipSampler(self.sampler)
         #: this worker's batch size
-        self.batch_size = original.batch_size * group_size * self._reference_factor
+        self.batch_size = batching.batch_size * group_size * self._reference_factor
         self.loader = DataLoader(
             original.dataset,
             batch_size=self.batch_size,
             sampler=skipper, num_workers=original.num_workers,
             collate_fn=original.collate_fn, pin_memory=original.pin_memory,
-            drop_last=original.drop_last, timeout=original.timeout,
+            drop_last=batching.drop_last, timeout=original.timeout,
             worker_init_fn=original.worker_init_fn,
             persistent_workers=original.persistent_workers if original.num_workers else False,
         )
         self._skipper: _SkipSampler | None = skipper
+        self._order = order  # the program's sampler
 
     @property
     def global_batch(self) -> int:
@@ -162,9 +165,9 @@ class ShardedLoader:
         if self._resume_at is not None:
             epoch, skipped = self._resume_at["epoch"], self._resume_at["samples"]
             self._resume_at = None
-        elif isinstance(self.original.sampler, DistributedSampler):
-            epoch = self.original.sampler.epoch  # the program's set_epoch, as under DDP
-        if _draws_a_seed(self.original.sampler):
+        elif isinstance(self._order, DistributedSampler):
+            epoch = self._order.epoch  # the program's set_epoch, as under DDP
+        if _draws_a_seed(self._order):
             # RandomSampler draws its seed from torch's global generator at each iteration:
             # the same draw here keeps the program's random stream (dropout, ...) in step
             # with the single-device program's, though the order is a seeded permutation.
@@ -243,11 +246,35 @@ class ShardedLoader:
         self._resume_at = {"epoch": epoch, "samples": samples}
 
 
+@dataclass(frozen=True)
+class _Batching:
+    """How a loader batches: its sample order, batch size and drop_last, read from the
+    loader's ``batch_size`` arguments or from a plain ``BatchSampler`` it was given (the same
+    batches: ``DataLoader(batch_sampler=BatchSampler(s, b, d))`` is
+    ``DataLoader(sampler=s, batch_size=b, drop_last=d)``)."""
+
+    sampler: Any
+    batch_size: int
+    drop_last: bool
+
+
+def _batching(loader: DataLoader[Any]) -> _Batching | None:
+    """``loader``'s `_Batching`; None for a batch sampler other than torch's plain one."""
+    if loader.batch_size is not None:
+        return _Batching(loader.sampler, loader.batch_size, loader.drop_last)
+    batches = loader.batch_sampler
+    if type(batches) is BatchSampler:  # not a subclass: its batches may be anything
+        return _Batching(batches.sampler, batches.batch_size, batches.drop_last)
+    return None
+
+
 def _note_padding(original: DataLoader[Any], workers: int) -> None:
     """For parallax verify's report: an epoch that ``DistributedSampler`` pads on
     ``workers`` workers ends with another last batch than the one-process run's."""
-    order = original.sampler
-    drop_last = order.drop_last if isinstance(order, DistributedSampler) else original.drop_last
+    batching = _batching(original)
+    assert batching is not None  # shard checked it
+    order = batching.sampler
+    drop_last = order.drop_last if isinstance(order, DistributedSampler) else batching.drop_last
     size = len(original.dataset)  # type: ignore[arg-type]
     if size % workers and not drop_last:
         verify.add_hint(
@@ -283,13 +310,14 @@ def shard(loader: DataLoader[Any], *, seed: int = 0) -> DataLoader[Any] | Sharde
             "IterableDataset, which cannot be split by index. Split the stream yourself, as "
             "for DDP (each worker its part of every global batch, e.g. its samples "
             "rank::world_size), and iterate that loader without parallax.shard")
-    if loader.batch_size is None:
+    batching = _batching(loader)
+    if batching is None:
         raise ArgumentTypeError(
-            "parallax.shard needs a DataLoader built with batch_size (a batch_sampler cannot "
-            "be split): DataLoader(batch_sampler=BatchSampler(sampler, b, drop_last)) is "
-            "DataLoader(sampler=sampler, batch_size=b, drop_last=drop_last); a custom batch "
-            "sampler (e.g. bucketing by length) must be split by the program, as for DDP")
-    _check_splittable(loader.sampler)
+            f"parallax.shard cannot split the batches of a {type(loader.batch_sampler).__name__}"
+            f" (a custom batch_sampler, e.g. bucketing by length): split them in the program, "
+            f"as for DDP (each worker its part of every global batch), and iterate that loader "
+            f"without parallax.shard; torch's plain BatchSampler and batch_size are split")
+    _check_splittable(batching.sampler)
     made = loader.__dict__.get(_ATTRIBUTE)
     if isinstance(made, ShardedLoader) and made.seed == seed and made.worker == worker:
         return made  # the same loader again (an epoch loop): its epochs and position go on

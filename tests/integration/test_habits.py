@@ -122,6 +122,15 @@ def test_settings_that_differ_between_workers_are_refused_at_the_step(launched: 
         assert "all_reduce" in said
 
 
+@tries("batch_sampler")
+def test_a_plain_batch_sampler_is_tried_by_the_loader_tests() -> None:
+    """tests/unit/test_loader_resume.py shards both loaders on a stand-in worker and compares
+    their batches over two epochs; a batch sampler of the program's own is refused there."""
+    text = (ROOT / "tests" / "unit" / "test_loader_resume.py").read_text()
+    assert "def test_a_plain_batch_sampler_is_split_as_its_sampler_and_batch_size" in text
+    assert "class Bucketing(BatchSampler)" in text
+
+
 @tries("distributed_sampler")
 def test_a_ddp_distributed_sampler_keeps_its_shuffle_and_set_epoch(launched: Path) -> None:
     """Two epochs of a DDP loader (DistributedSampler(shuffle=True, seed=3), set_epoch(e))

@@ -253,10 +253,32 @@ def test_loaders_shard_cannot_split_are_refused_with_the_way_to_split_them(monke
     with pytest.raises(ArgumentTypeError, match="IterableDataset.*rank::world_size"):
         parallax.shard(DataLoader(Stream(), batch_size=2))
     data = TensorDataset(torch.arange(8))
-    batches = BatchSampler(SequentialSampler(data), 2, drop_last=False)
-    with pytest.raises(ArgumentTypeError, match=r"batch_sampler cannot be split.*"
-                       r"DataLoader\(sampler=sampler, batch_size=b"):
+
+    class Bucketing(BatchSampler):
+        """A batch sampler of the program's own (its batches could be anything)."""
+
+    batches = Bucketing(SequentialSampler(data), 2, drop_last=False)
+    with pytest.raises(ArgumentTypeError, match=r"a Bucketing .*split them in the program"):
         parallax.shard(DataLoader(data, batch_sampler=batches))
+
+
+def test_a_plain_batch_sampler_is_split_as_its_sampler_and_batch_size(monkeypatch) -> None:
+    """``DataLoader(batch_sampler=BatchSampler(s, b, d))`` gives the batches of
+    ``DataLoader(sampler=s, batch_size=b, drop_last=d)``: sharded alike."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    worker = WorkerInfo(rank=1, world_size=2, local_rank=1, machine=0, num_machines=1,
+                        machine_of_rank=(0, 0))
+    monkeypatch.setattr(loader_module, "current_worker", lambda: worker)
+    data = TensorDataset(torch.arange(22))
+    by_sampler = parallax.shard(DataLoader(
+        data, batch_sampler=BatchSampler(RandomSampler(data), 3, drop_last=True)))
+    by_size = parallax.shard(DataLoader(data, sampler=RandomSampler(data), batch_size=3,
+                                        drop_last=True))
+    for _ in range(2):  # two epochs, each its own shuffle
+        got = [batch[0].tolist() for batch in by_sampler]
+        assert got == [batch[0].tolist() for batch in by_size] and len(got) == 3
+    assert len(by_sampler) == len(by_size) == 3
 
 
 def test_the_ports_inline_loader_reshuffles_each_epoch_and_is_found_while_iterated(
