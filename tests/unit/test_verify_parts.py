@@ -99,19 +99,25 @@ def test_a_program_that_never_stepped_compares_nothing(tmp_path: Path) -> None:
     assert "NOTHING COMPARED" in report(result, VerifyOptions("train.py"))
 
 
-def test_the_reference_run_hints_at_autocast_once_a_module_runs_under_it(
-        tmp_path: Path, single_process, monkeypatch) -> None:
+def _reference_run(tmp_path: Path, monkeypatch, model: nn.Module, steps: int):
+    """``model`` handed to a reference run of ``steps`` steps in this process: the wrapped
+    model, its SGD optimizer, and a reader of the hints the run wrote."""
     import json
 
     from parallax.verify.record import RUN_FILE
 
-    verification = Verification(str(tmp_path), "reference", 3, 2)
+    verification = Verification(str(tmp_path), "reference", steps, 2)
     monkeypatch.setenv(VERIFY_ENV, verification.to_env())
     single_process_worker()
-    model = nn.Sequential(nn.Embedding(5, 2), nn.Linear(2, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapped = reference_pair(verification, model, [optimizer], timeout=timedelta(seconds=30))
-    hints = lambda: json.loads((tmp_path / RUN_FILE).read_text())["hints"]  # noqa: E731
+    return wrapped, optimizer, lambda: json.loads((tmp_path / RUN_FILE).read_text())["hints"]
+
+
+def test_the_reference_run_hints_at_autocast_once_a_module_runs_under_it(
+        tmp_path: Path, single_process, monkeypatch) -> None:
+    wrapped, optimizer, hints = _reference_run(
+        tmp_path, monkeypatch, nn.Sequential(nn.Embedding(5, 2), nn.Linear(2, 1)), 3)
     ids = torch.tensor([[0, 1]])
     wrapped(ids).sum().backward()
     optimizer.step()
@@ -253,20 +259,11 @@ def test_the_reference_run_hints_at_a_mean_over_each_workers_count(
     """F.cross_entropy / F.nll_loss (and their modules) averaging over the targets not
     ignored, or over class weights: named once, the functions put back at the run's end;
     a mean over every target, or a soft-label target, is not named."""
-    import json
-
-    from parallax.verify.record import RUN_FILE
-
     functional = torch.nn.functional
     originals = functional.cross_entropy, functional.nll_loss
-    verification = Verification(str(tmp_path), "reference", 3, 2)
-    monkeypatch.setenv(VERIFY_ENV, verification.to_env())
-    single_process_worker()
-    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    wrapped = reference_pair(verification, model, [optimizer], timeout=timedelta(seconds=30))
-    hints = lambda: [h for h in json.loads((tmp_path / RUN_FILE).read_text())["hints"]  # noqa: E731
-                     if "global_mean" in h]
+    wrapped, optimizer, every_hint = _reference_run(
+        tmp_path, monkeypatch, nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 3)), 3)
+    hints = lambda: [h for h in every_hint() if "global_mean" in h]  # noqa: E731
     ids = torch.tensor([0, 1, 2])
     out = wrapped(ids)
     functional.cross_entropy(out, torch.tensor([0, 1, 2])).backward(retain_graph=True)
@@ -288,10 +285,6 @@ def test_the_reference_run_hints_at_a_mean_over_each_workers_count(
 
 def test_the_reference_run_names_the_buffers_a_training_step_changed(
         tmp_path: Path, single_process, monkeypatch) -> None:
-    import json
-
-    from parallax.verify.record import RUN_FILE
-
     class Counting(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -304,14 +297,8 @@ def test_the_reference_run_names_the_buffers_a_training_step_changed(
             self.seen += len(ids)
             return self.norm(self.embedding(ids)) * self.fixed
 
-    verification = Verification(str(tmp_path), "reference", 2, 2)
-    monkeypatch.setenv(VERIFY_ENV, verification.to_env())
-    single_process_worker()
-    model = Counting()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    wrapped = reference_pair(verification, model, [optimizer], timeout=timedelta(seconds=30))
+    wrapped, optimizer, hints = _reference_run(tmp_path, monkeypatch, Counting(), 2)
     wrapped(torch.tensor([0, 1, 2])).sum().backward()
     optimizer.step()
-    (said,) = [h for h in json.loads((tmp_path / RUN_FILE).read_text())["hints"]
-               if h.startswith("buffer(s)")]
+    (said,) = [h for h in hints() if h.startswith("buffer(s)")]
     assert said.startswith("buffer(s) 'seen' changed in a training step")
