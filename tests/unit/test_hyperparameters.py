@@ -29,3 +29,13 @@ def test_the_fingerprint_follows_the_settings_and_not_the_process() -> None:
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={"PYTHONHASHSEED": "123", "PATH": ""}).stdout
     assert float(other) == here  # another process, another string hash salt
+
+
+def test_the_first_differing_setting_is_named_over_every_ranks_keys() -> None:
+    from parallax.step.hyperparameters import _first_difference
+
+    assert _first_difference([[[("lr", 0.05)]], [[("lr", 0.1)]]]) == (
+        "param group 0's 'lr' differs: rank 0 0.05, rank 1 0.1")
+    assert _first_difference([[[("lr", 0.05)]], [[("lr", 0.05), ("x", 2)]]]) == (
+        "param group 0's 'x' differs: rank 0 None, rank 1 2")  # a key rank 0 lacks
+    assert "numbers of param groups" in _first_difference([[[("lr", 1)]], [[("lr", 1)]] * 2])

@@ -42,23 +42,27 @@ def name_the_difference(optimizers: Sequence[torch.optim.Optimizer], *, rank: in
     rank calls it once it saw the fingerprints differ)."""
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, settings(optimizers), group=group)
-    said = "the ranks' optimizers hold different numbers of param groups"
-    for index, groups in enumerate(zip(*everyone, strict=False)):
-        for key, value in groups[0]:
-            values = [dict(theirs).get(key) for theirs in groups]
-            if any(not _same(v, value) for v in values):
-                said = (f"param group {index}'s {key!r} differs: "
-                        + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values)))
-                break
-        else:
-            continue
-        break
+    said = _first_difference(everyone)
     raise UnsupportedProgramError(
         f"rank {rank}: the workers' optimizers step with different settings in step {step} "
         f"({said}): the replicas would drift apart and each server would update its rows with "
         f"its own. Set them from what every rank sees alike: a scheduler stepped on a metric "
         f"(ReduceLROnPlateau) needs the metric averaged over the workers first "
         f"(torch.distributed.all_reduce), not each worker's own loss")
+
+
+def _first_difference(everyone: list[list[list[tuple[str, Any]]]]) -> str:
+    """The first param group setting whose value differs between the ranks' ``settings``."""
+    if len({len(groups) for groups in everyone}) > 1:
+        return "the ranks' optimizers hold different numbers of param groups"
+    for index, groups in enumerate(zip(*everyone, strict=True)):
+        per_rank = [dict(group) for group in groups]
+        for key in sorted(set().union(*per_rank)):
+            values = [group.get(key) for group in per_rank]
+            if any(not _same(v, values[0]) for v in values):
+                return (f"param group {index}'s {key!r} differs: "
+                        + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values)))
+    return "a setting differs"
 
 
 def _plain(value: Any) -> Any:
