@@ -16,12 +16,23 @@ sys.path.insert(0, str(TESTS))
 TIERS = ("unit", "integration", "equivalence", "benchmarks")
 
 
+#: How the suite's launched workers start unless a test's ``start_method`` marker says
+#: otherwise: forked from a process that imported torch once (`parallax.launch.warm`), which
+#: saves each worker the seconds of ``import torch`` a fresh interpreter pays. Users' default
+#: is ``exec``; the launcher's own tests (failures, restarts, signals, ssh) and the parity
+#: test of the two (test_start_methods.py) run it.
+SUITE_START_METHOD = "forkserver"
+
+
 @pytest.fixture(autouse=True)
-def _isolated_environment() -> Iterator[None]:
+def _isolated_environment(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each test starts from the same environment variables: a one-worker runner sets RANK and
     WORLD_SIZE, which a later test's launched workers must not inherit (parallax.shutdown
-    restores them; this also covers a test that failed before calling it)."""
+    restores them; this also covers a test that failed before calling it). Its launches'
+    start method is `SUITE_START_METHOD` or its ``start_method`` marker's."""
     saved = dict(os.environ)
+    marker = request.node.get_closest_marker("start_method")
+    os.environ["PARALLAX_START_METHOD"] = marker.args[0] if marker else SUITE_START_METHOD
     yield
     os.environ.clear()
     os.environ.update(saved)
@@ -47,6 +58,8 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(tests/benchmarks)")
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it; run by "
                                        "scripts/gpu_check.sh on a GPU machine)")
+    config.addinivalue_line("markers", "start_method(name): how the test's launched workers "
+                                       "start (exec or forkserver; see SUITE_START_METHOD)")
     config.addinivalue_line("markers", "fast: part of the fast tier (scripts/test.sh --fast) "
                                        "outside tests/unit")
 

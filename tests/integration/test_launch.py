@@ -19,6 +19,9 @@ from parallax.cluster import RESOURCES_ENV, free_port, local_spec, parse_resourc
 from parallax.launch import elastic as launch_mod
 from parallax.launch.elastic import agent_setup, install_error_recorder, launch
 
+# the launcher's default start (torchrun's: each worker a fresh interpreter)
+pytestmark = pytest.mark.start_method("exec")
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 REPO = Path(__file__).resolve().parents[2]
 

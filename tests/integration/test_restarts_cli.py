@@ -18,6 +18,9 @@ from parallax.cli import main
 from parallax.cluster import local_spec
 from parallax.launch import elastic as launch_mod
 
+# the launcher's default start (torchrun's: each worker a fresh interpreter)
+pytestmark = pytest.mark.start_method("exec")
+
 REPO = Path(__file__).resolve().parents[2]
 
 WORKER = '''

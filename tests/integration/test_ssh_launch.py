@@ -43,7 +43,10 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+# the launcher's default start (torchrun's: each worker a fresh interpreter): the tests find
+# the workers by their command lines
+pytestmark = [pytest.mark.skipif(_why_not() is not None, reason=str(_why_not())),
+              pytest.mark.start_method("exec")]
 
 
 @dataclass

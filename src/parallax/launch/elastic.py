@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
+from torch import __version__ as torch_version
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.api import PContext
@@ -49,6 +50,13 @@ from parallax.cluster import RESOURCES_ENV, EnvironmentPatch, ResourceSpec, free
 from parallax.engine.diagnostics.progress import CULPRIT
 from parallax.errors import ArgumentError
 from parallax.launch.executors import omp_threads
+from parallax.launch.warm import (
+    START_METHOD_ENV,
+    START_METHODS,
+    preloaded_forkserver,
+    protocol_understood,
+    run_script,
+)
 
 __all__ = ["AgentSetup", "WholeFileErrorHandler", "install_error_recorder", "launch",
            "agent_setup"]
@@ -60,7 +68,8 @@ DEFAULT_MASTER_PORT = 29500
 RUN_ID = "parallax"
 #: Seconds between the agent's checks of its workers; small so a failure stops the rest fast.
 MONITOR_INTERVAL = 0.1
-_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher",
+                    "torch.multiprocessing")
 _ELASTIC_LOG_LEVEL = logging.ERROR
 #: The agent's logger that says (at INFO) when it restarts the worker group.
 _AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
@@ -138,7 +147,8 @@ def _machine_setup(
     )
 
 
-def _launch_config(agent: AgentSetup, log_dir: str, max_restarts: int = 0) -> LaunchConfig:
+def _launch_config(agent: AgentSetup, log_dir: str, max_restarts: int = 0,
+                   start_method: str = "spawn") -> LaunchConfig:
     """torch's launch config for ``agent``: static rendezvous, fast monitoring, and up to
     ``max_restarts`` restarts of the whole worker group.
 
@@ -160,7 +170,7 @@ def _launch_config(agent: AgentSetup, log_dir: str, max_restarts: int = 0) -> La
         rdzv_configs={"rank": agent.node_rank},
         max_restarts=max_restarts,
         monitor_interval=MONITOR_INTERVAL,
-        start_method="spawn",
+        start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
 
@@ -234,6 +244,7 @@ def launch(
     master_port: int | None = None,
     env: Mapping[str, str] | None = None,
     max_restarts: int = 0,
+    start_method: str | None = None,
 ) -> int:
     """Run ``python -u *cmd`` as this host's workers of ``spec``; return an exit status.
 
@@ -241,7 +252,10 @@ def launch(
     restarts left it starts all of this host's workers again (``max_restarts`` times at most:
     transient faults need not end a long job).  Once none are left, a line per failed rank
     of the last attempt goes to stderr and the first failure's exit code is returned.
-    ``env`` adds variables to the workers' environment.
+    ``env`` adds variables to the workers' environment. ``start_method`` is how each worker
+    starts: ``exec``, a fresh interpreter, or ``forkserver``, forked from one that imported
+    torch once (`parallax.launch.warm`); by default the ``PARALLAX_START_METHOD`` variable of
+    ``env``, else of this process, else ``exec``.
 
     With one agent per machine (``machine_index``) each agent restarts only its own workers;
     the other machines' workers restart when their collectives fail against the dead peer
@@ -254,6 +268,15 @@ def launch(
         raise ArgumentError("nothing to launch: cmd is empty")
     if not is_int(max_restarts, at_least=0):
         raise ArgumentError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    method = (start_method or (env or {}).get(START_METHOD_ENV)
+              or os.environ.get(START_METHOD_ENV) or "exec")
+    if method not in START_METHODS:
+        raise ArgumentError(f"start_method must be one of {', '.join(START_METHODS)}, got "
+                            f"{method!r}" + (f" (from {START_METHOD_ENV})" if not start_method
+                                             else ""))
+    if method == "forkserver" and not protocol_understood():
+        raise ArgumentError("start_method='forkserver' does not know this torch's elastic "
+                            f"worker wrapper (torch {torch_version}); use 'exec'")
     agent = agent_setup(
         spec, machine_index=machine_index, master_addr=master_addr, master_port=master_port
     )
@@ -267,16 +290,20 @@ def launch(
         _restored_signal_handlers(),
         # The agent also writes TORCHELASTIC_SIGNALS_TO_HANDLE into os.environ: undo that too.
         EnvironmentPatch(worker_env, restoring=["TORCHELASTIC_SIGNALS_TO_HANDLE"]),
+        preloaded_forkserver() if method == "forkserver" else contextlib.nullcontext(),
     ):
         try:
-            elastic_launch(
-                _launch_config(agent, log_dir, max_restarts), sys.executable
-            )("-u", *cmd)
+            if method == "forkserver":
+                elastic_launch(_launch_config(agent, log_dir, max_restarts, "forkserver"),
+                               run_script)(*cmd)
+            else:
+                elastic_launch(_launch_config(agent, log_dir, max_restarts),
+                               sys.executable)("-u", *cmd)
         except ChildFailedError as err:
             if max_restarts:
                 print(f"parallax: the job still failed after {max_restarts} restart(s)",
                       file=sys.stderr)
-            return _report_failures(err.failures, spec)
+            return _report_failures(_with_recorded_siblings(err.failures), spec)
         except SignalException as err:
             print(f"parallax: launcher got {err.sigval.name}; workers stopped", file=sys.stderr)
             return 128 + int(err.sigval)
@@ -323,8 +350,9 @@ def _quiet_elastic_logs() -> Iterator[None]:
     """Keep torch elastic to ERROR+ while we run: our report replaces its warnings.
 
     Its WARNING lines (one "Sending process N closing signal SIGTERM" per stopped worker)
-    only repeat what the report says.  Setting LOGLEVEL (torchrun's knob) keeps torch's
-    own levels.
+    only repeat what the report says, and its ERROR lines stay one line each (a forked
+    worker's failure is logged with the agent's own traceback, which says nothing about the
+    worker's).  Setting LOGLEVEL (torchrun's knob) keeps torch's own levels.
     """
     if "LOGLEVEL" in os.environ:
         yield
@@ -335,13 +363,25 @@ def _quiet_elastic_logs() -> Iterator[None]:
         if name.startswith(_ELASTIC_LOGGERS)
     ]
     saved = [(lg, lg.level) for lg in loggers]
+    one_line = _WithoutTraceback()
     for lg in loggers:
         lg.setLevel(max(lg.level, _ELASTIC_LOG_LEVEL))
+        lg.addFilter(one_line)
     try:
         yield
     finally:
         for lg, old in saved:
             lg.setLevel(old)
+            lg.removeFilter(one_line)
+
+
+class _WithoutTraceback(logging.Filter):
+    """Log a record without the traceback it carries."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = None
+        record.exc_text = None
+        return True
 
 
 class _RestartAnnouncer(logging.Filter):
@@ -416,6 +456,28 @@ def _waited_for(rank: int, culprit: int, error: str, spec: ResourceSpec,
     if error == "LostRankError":
         return f"{where} was lost (crashed or killed); rank {rank} saw its connection close"
     return f"{where} stopped responding; rank {rank} timed out waiting for it"
+
+
+def _with_recorded_siblings(failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
+    """``failures`` and every other worker of the same attempt that recorded an error.
+
+    Function workers (``start_method="forkserver"``) are reported by torch elastic one: the
+    first to fail, the rest stopped; a sibling whose uncaught exception was recorded (its
+    error file, ``<attempt>/<local rank>/error.json``) failed on its own too, with exit status
+    1 (`parallax.launch.warm.run_script`'s for an uncaught exception). Exec'd workers are
+    reported whole already, so nothing is added for them."""
+    found = dict(failures)
+    for rank, failure in failures.items():
+        attempt = os.path.dirname(os.path.dirname(failure.error_file))
+        if not os.path.isdir(attempt):
+            continue
+        for entry in sorted(os.listdir(attempt)):
+            error_file = os.path.join(attempt, entry, "error.json")
+            sibling = rank - failure.local_rank + int(entry) if entry.isdigit() else None
+            if sibling is not None and sibling not in found and os.path.isfile(error_file):
+                found[sibling] = ProcessFailure(local_rank=int(entry), pid=0, exitcode=1,
+                                                error_file=error_file)
+    return found
 
 
 def _split_stopped(failures: Mapping[int, ProcessFailure]) -> tuple[list[int], list[int]]:
