@@ -9,11 +9,13 @@ stopped.
 import atexit
 import json
 import os
+import random
 import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy
 import torch
 
 from parallax.launch.elastic import install_error_recorder
@@ -29,6 +31,8 @@ def main() -> None:
         "world": os.environ["WORLD_SIZE"], "omp": os.environ.get("OMP_NUM_THREADS"),
         "threads": torch.get_num_threads(), "main": sys.modules["__main__"].__dict__ is globals(),
         "write_through": sys.stdout.write_through,
+        # unseeded draws: each rank's own (seeded from the system's entropy at start)
+        "draws": [torch.rand(1).item(), float(numpy.random.rand()), random.random()],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if mode == "raise":

@@ -4,15 +4,17 @@ forkserver``), each running its script as ``python -u SCRIPT ARGS`` would.
 A cold worker pays ~2.3 s for ``import torch`` and ~2.2 s for ``torch._dynamo`` (which every
 ``torch.optim`` optimizer imports on first use) before its first line: on a host with fewer
 cores than workers, most of a short job's wall time. torch elastic starts function entrypoints
-through multiprocessing's forkserver; `preload_forkserver` has that server import torch,
+through multiprocessing's forkserver; `preloaded_forkserver` has that server import torch,
 ``torch._dynamo`` and parallax once, and every worker is forked from it already loaded.
-`run_script` then does what the interpreter does for a script (or ``-m`` module): ``sys.argv``,
-``sys.path[0]``, ``__main__``, unbuffered standard streams, the exception hook on an uncaught
-exception (exit status 1), ``SystemExit``'s status, non-daemon threads joined and ``atexit``
-handlers run at the end. What differs from a cold start: modules the server preloaded are
-already imported, so a script that sets an environment variable *before* ``import torch`` to
-configure torch's import (rare: torch reads most settings later) sees it ignored, and
-standard input is ``/dev/null`` (multiprocessing's rule for its children). Hence opt-in.
+`run_script` then does what the interpreter does for a script (or ``-m`` module):
+``sys.argv``, ``sys.path[0]``, ``__main__``, random generators seeded afresh, unbuffered
+standard streams, the exception hook on an uncaught exception (exit status 1),
+``SystemExit``'s status, non-daemon threads joined and ``atexit`` handlers run at the end.
+What differs from a cold start: modules the server preloaded are already imported, so a
+script that sets an environment variable *before* ``import torch`` to configure torch's
+import (rare: torch reads most settings later) sees it ignored; standard input is
+``/dev/null`` (multiprocessing's rule for its children); ``ps`` shows the fork server's
+command line. Hence opt-in: ``exec`` stays the default.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+
+from parallax.errors import UsageError
 
 __all__ = ["PRELOAD", "START_METHODS", "START_METHOD_ENV", "preloaded_forkserver",
            "run_script"]
@@ -68,6 +72,7 @@ def run_script(target: str, *args: str) -> None:
     when the script ended without error; any other status ends the process with ``os._exit``
     after the same shutdown an interpreter does."""
     _counted_done_now()
+    _fresh_random_states()
     _unbuffered_streams()
     status = _status_of(target, args)
     _interpreter_shutdown()
@@ -95,7 +100,7 @@ def _counted_done_now() -> None:
     while frame is not None and frame.f_code is not api._wrap.__code__:
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
-        raise RuntimeError("parallax.launch.warm.run_script runs only as torch elastic's "
+        raise UsageError("parallax.launch.warm.run_script runs only as torch elastic's "
                            "function entrypoint (start_method='forkserver')")
     frame.f_locals[_RETURN_QUEUE].put(None)
 
@@ -145,6 +150,19 @@ def _exit_code(code: object) -> int:
         return code & 0xFF
     print(code, file=sys.stderr)
     return 1
+
+
+def _fresh_random_states() -> None:
+    """Seed the generators a fresh interpreter seeds from the operating system's entropy:
+    torch's CPU generator and numpy's global one (Python's ``random`` reseeds itself after a
+    fork). Forked, every worker would otherwise draw the fork server's numbers: the same
+    unseeded dropout masks and shuffles on every rank, where exec'd workers draw their own."""
+    import torch
+
+    torch.default_generator.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
 def _unbuffered_streams() -> None:
