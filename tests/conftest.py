@@ -20,8 +20,9 @@ TIERS = ("unit", "integration", "equivalence", "benchmarks")
 #: otherwise: forked from a process that imported torch once (`parallax.launch.warm`), which
 #: saves each worker the seconds of ``import torch`` a fresh interpreter pays. Users' default
 #: is ``exec``; the launcher's own tests (failures, restarts, signals, ssh) and the parity
-#: test of the two (test_start_methods.py) run it.
-SUITE_START_METHOD = "forkserver"
+#: test of the two (test_start_methods.py) run it, and ``PARALLAX_START_METHOD=exec`` set
+#: for pytest runs the whole suite that way.
+SUITE_START_METHOD = os.environ.get("PARALLAX_START_METHOD") or "forkserver"
 
 
 @pytest.fixture(autouse=True)

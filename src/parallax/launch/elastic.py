@@ -255,7 +255,8 @@ def launch(
     ``env`` adds variables to the workers' environment. ``start_method`` is how each worker
     starts: ``exec``, a fresh interpreter, or ``forkserver``, forked from one that imported
     torch once (`parallax.launch.warm`); by default the ``PARALLAX_START_METHOD`` variable of
-    ``env``, else of this process, else ``exec``.
+    ``env``, else of this process, else ``exec``. An agent that starts one worker once (one
+    per machine, no restarts) execs it: there is nothing for a fork server to share.
 
     With one agent per machine (``machine_index``) each agent restarts only its own workers;
     the other machines' workers restart when their collectives fail against the dead peer
@@ -280,6 +281,8 @@ def launch(
     agent = agent_setup(
         spec, machine_index=machine_index, master_addr=master_addr, master_port=master_port
     )
+    if agent.nproc_per_node == 1 and not max_restarts:
+        method = "exec"  # one start of one worker: a fork server would only add its own
     worker_env = {RESOURCES_ENV: spec.to_json(), **(env or {})}
     worker_env.setdefault("OMP_NUM_THREADS", omp_threads(agent.nproc_per_node))
     with (
