@@ -23,6 +23,8 @@ TIERS = ("unit", "integration", "equivalence", "benchmarks")
 #: test of the two (test_start_methods.py) run it, and ``PARALLAX_START_METHOD=exec`` set
 #: for pytest runs the whole suite that way.
 SUITE_START_METHOD = os.environ.get("PARALLAX_START_METHOD") or "forkserver"
+# for the module-scoped fixtures' launches too: they start before a test's own fixtures
+os.environ["PARALLAX_START_METHOD"] = SUITE_START_METHOD
 
 
 @pytest.fixture(autouse=True)

@@ -86,3 +86,31 @@ def test_the_forked_runner_understands_this_torchs_elastic_wrapper():
 def test_sys_exit_codes_become_the_interpreters_statuses(code, status, capsys):
     assert warm._exit_code(code) == status
     assert capsys.readouterr().err == ("bye\n" if code == "bye" else "")
+
+
+@pytest.fixture
+def interpreter_state(monkeypatch):
+    """`warm._status_of` sets sys.argv and sys.path[0] as the interpreter does: restored."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+
+
+@pytest.mark.usefixtures("interpreter_state")
+def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "probe_module.py").write_text("import sys\nprint(__name__, sys.argv)\n")
+    monkeypatch.chdir(tmp_path)
+    assert warm._status_of("-m", ("probe_module", "a")) == 0
+    assert capsys.readouterr().out == f"__main__ {[str(tmp_path / 'probe_module.py'), 'a']}\n"
+
+
+@pytest.mark.usefixtures("interpreter_state")
+def test_a_scripts_end_is_the_interpreters(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "excepthook",
+                        lambda kind, error, tb: seen.append((kind, tb.tb_frame.f_code.co_filename)))
+    script = tmp_path / "fails.py"
+    script.write_text("raise KeyError('k')\n")
+    assert warm._status_of(str(script), ()) == 1
+    assert seen == [(KeyError, str(script))]  # the hook's traceback starts at the script
+    script.write_text("import sys\nsys.exit(4)\n")
+    assert warm._status_of(str(script), ()) == 4

@@ -101,7 +101,7 @@ def _counted_done_now() -> None:
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         raise UsageError("parallax.launch.warm.run_script runs only as torch elastic's "
-                           "function entrypoint (start_method='forkserver')")
+                         "function entrypoint (start_method='forkserver')")
     frame.f_locals[_RETURN_QUEUE].put(None)
 
 
