@@ -283,6 +283,9 @@ def launch(
     )
     if agent.nproc_per_node == 1 and not max_restarts:
         method = "exec"  # one start of one worker: a fork server would only add its own
+    forked = method == "forkserver"
+    # torch elastic runs a binary's workers by exec and a function's by multiprocessing
+    entrypoint, args = (run_script, cmd) if forked else (sys.executable, ["-u", *cmd])
     worker_env = {RESOURCES_ENV: spec.to_json(), **(env or {})}
     worker_env.setdefault("OMP_NUM_THREADS", omp_threads(agent.nproc_per_node))
     with (
@@ -293,15 +296,12 @@ def launch(
         _restored_signal_handlers(),
         # The agent also writes TORCHELASTIC_SIGNALS_TO_HANDLE into os.environ: undo that too.
         EnvironmentPatch(worker_env, restoring=["TORCHELASTIC_SIGNALS_TO_HANDLE"]),
-        preloaded_forkserver() if method == "forkserver" else contextlib.nullcontext(),
+        preloaded_forkserver() if forked else contextlib.nullcontext(),
     ):
         try:
-            if method == "forkserver":
-                elastic_launch(_launch_config(agent, log_dir, max_restarts, "forkserver"),
-                               run_script)(*cmd)
-            else:
-                elastic_launch(_launch_config(agent, log_dir, max_restarts),
-                               sys.executable)("-u", *cmd)
+            config = _launch_config(agent, log_dir, max_restarts,
+                                    "forkserver" if forked else "spawn")
+            elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as err:
             if max_restarts:
                 print(f"parallax: the job still failed after {max_restarts} restart(s)",
