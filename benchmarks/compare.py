@@ -93,6 +93,8 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 # "torchrec-rw" / "torchrec-tw": TorchRec, row- or table-wise (recsys, lm and nmt workloads);
 # "torchrec-plan": TorchRec with each table's sharding chosen by its own planner;
 # "plain": the single-device loop, no DDP (one worker only: parallax's single-worker overhead);
+# "local" / "local-sparse": that loop on every worker at once, nothing exchanged (the step's
+# no-exchange compute bound on this host; -sparse: sparse-gradient embeddings);
 # "hybrid-plump" / "hybrid-qsgd" / "hybrid-slim" (and allreduce-*): that Config.dense_sync for
 # the dense layers (Plump-DP through servers, Quant-DP, Slim-DP; SGD for plump and slim);
 # "hybrid-flat": dense_sync="flat"; "hybrid-eager": the model built as the single-device program
@@ -109,7 +111,8 @@ SYSTEMS = ["hybrid", "optps", "ps", "allreduce", "ddp-sparse", "ddp-dense"]
 ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid-direct",
                "hybrid-aggregated",
                "optps-direct", "hybrid-late", "ps-late", "torchrec-rw", "torchrec-tw",
-               "torchrec-plan", "plain", "hybrid-plump", "hybrid-qsgd", "hybrid-slim",
+               "torchrec-plan", "plain", "local", "local-sparse", "hybrid-plump", "hybrid-qsgd",
+               "hybrid-slim",
                "hybrid-flat", "hybrid-eager", "hybrid-pooled", "hybrid-rows",
                "hybrid-tablewise", "hybrid-byrows", "hybrid-bycolumns", "torchrec-cw",
                # seed 001's cumulative ablation (issue 38 item 6): variants joined by "+"

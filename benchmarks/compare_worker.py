@@ -93,8 +93,11 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     the parallax runner behind it (None for DDP and TorchRec) and, but for TorchRec, the bytes
     this rank holds for training by the memory model (`parallax.planning.memory`).
     ``plain`` is the single-device program's own loop (one worker: the baseline of parallax's
-    single-worker overhead). ``-sparse`` systems run the program with ``sparse=True``
-    embeddings, ``-lazy`` ones the dense-gradient program with
+    single-worker overhead); ``local`` the same loop on every worker at once, each on its own
+    batch, nothing exchanged (the step's no-exchange compute bound on this host; with
+    ``-sparse`` the program's sparse-gradient embeddings, so each optimizer step touches only
+    the rows read, as the servers' updates do). ``-sparse`` systems run the program with
+    ``sparse=True`` embeddings, ``-lazy`` ones the dense-gradient program with
     ``Config(lazy_sparse_updates=True)``, ``-direct`` ones ``Config(local_aggregation=False)``,
     ``-aggregated`` ones ``Config(local_aggregation=True)``,
     ``-eager`` ones the model built as the single-device program builds it (not in
@@ -120,17 +123,20 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     # parallax systems build the model in parallax.meta_init(), as a program with tables
     # larger than a worker would: each server makes its own rows (DDP needs them all);
     # ``-eager`` ones as the single-device program does (every worker builds every table)
-    baseline = system.startswith("ddp") or system == "plain"
+    # "plain" and "local" run the single-device loop itself: no DDP, nothing exchanged
+    unsynchronised = system == "plain" or architecture == "local"
+    baseline = system.startswith("ddp") or unsynchronised
     model, optimizer = workload.model_and_optimizer(
         sparse_grad=sparse_grad, deferred=not baseline and "eager" not in flags)
     if baseline:
         if system == "plain" and current_worker().world_size != 1:
-            raise ValueError("system 'plain' (the single-device loop) runs on one worker only")
+            raise ValueError("system 'plain' (the single-device loop) runs on one worker only; "
+                             "'local' runs it on every worker")
         # the baselines run where parallax's worker runs: its GPU where it has one
         device = current_worker().device
         model.to(device)
         state_to_params_device([optimizer])
-        ddp = model if system == "plain" else DistributedDataParallel(
+        ddp = model if unsynchronised else DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None)
 
         def step(batch):
@@ -143,7 +149,7 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
             return loss
 
         step.model = model  # type: ignore[attr-defined]  (for evaluation: quality.py)
-        held = predict_memory(model, {}, {}, [optimizer], uses_ddp=system != "plain").total
+        held = predict_memory(model, {}, {}, [optimizer], uses_ddp=not unsynchronised).total
         return step, None, held
     if architecture not in PARALLAX_ARCHITECTURES:
         raise ValueError(f"unknown system {system!r}")

@@ -170,6 +170,19 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
 --rates 1gbit 100mbit --seeds 0 1 2 --target 6.88 --eval-every 25 --max-steps 500"
   [time-to-quality-nmt]="$py benchmarks/time_to_quality.py --workload nmt --machines 2 \
 --nproc-per-machine 2 --rates 1gbit 100mbit --seeds 0 1 2 --eval-every 10 --max-steps 300"
+  [targets-recsys]="$py benchmarks/compare.py --workload recsys --machines 2 \
+--nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --systems hybrid torchrec-tw \
+torchrec-plan --steps 50 --isolate --repeats 8 --no-plot \
+--out $results/compare-recsys-2x2-1gbit-session41.json"
+  [targets-lm-2x2]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --systems hybrid ps torchrec-rw --steps 30 --isolate --repeats 6 --no-plot \
+--out $results/compare-lm-2x2-1gbit-session41.json"
+  [targets-lm-bound]="$py benchmarks/compare.py --workload lm --machines 2 \
+--nproc-per-machine 2 --rate 1gbit --systems hybrid torchrec-rw local-sparse --steps 30 \
+--isolate --repeats 5 --no-plot --out $results/compare-lm-2x2-1gbit-bound.json"
+  [targets-lm-4x1]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
+--rate 1gbit --systems hybrid torchrec-rw local-sparse --steps 30 --isolate --repeats 5 \
+--no-plot --out $results/compare-lm-4x1-1gbit-bound.json"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
@@ -177,7 +190,8 @@ ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-hi
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
-       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work threads-recsys threads-lm launch launch-emulated chaos chaos-link)
+       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work threads-recsys threads-lm launch launch-emulated chaos chaos-link
+       targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
