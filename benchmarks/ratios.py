@@ -12,7 +12,7 @@ record (a sitting) and pooled over all of them:
   geometric means (rounds of one sitting share its host state, so they are not independent
   draws of the host; the sitting-level interval is the honest one when there are several).
 
-    python benchmarks/ratios.py --ours hybrid --other torchrec-tw \\
+    python benchmarks/ratios.py --ours hybrid --other torchrec-tw torchrec-plan \\
         benchmarks/results/compare-recsys-2x2-1gbit-session37.json \\
         benchmarks/results/compare-recsys-2x2-1gbit-session41.json
 """
@@ -113,18 +113,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("records", nargs="+", type=Path, help="compare.py records (JSON)")
     parser.add_argument("--ours", default="hybrid", help="the system whose lead is measured")
-    parser.add_argument("--other", required=True, help="the system it is measured against")
-    parser.add_argument("--out", type=Path, help="also write the sittings and summary as JSON")
+    parser.add_argument("--other", required=True, nargs="+",
+                        help="the system(s) it is measured against, each in every record")
+    parser.add_argument("--out", type=Path, help="also write the sittings and summaries as JSON")
     args = parser.parse_args()
-    sittings = [paired_rounds(json.loads(path.read_text()), args.ours, args.other, str(path))
-                for path in args.records]
-    summary = pooled(sittings)
-    print(markdown(sittings, summary, args.ours, args.other))
-    if args.out:
-        args.out.write_text(json.dumps({
-            "ours": args.ours, "other": args.other, "summary": summary,
+    records = {path: json.loads(path.read_text()) for path in args.records}
+    comparisons = []
+    for other in args.other:
+        sittings = [paired_rounds(data, args.ours, other, str(path))
+                    for path, data in records.items()]
+        summary = pooled(sittings)
+        print(markdown(sittings, summary, args.ours, other), end="\n\n")
+        comparisons.append({
+            "ours": args.ours, "other": other, "summary": summary,
             "sittings": [{"record": s.name, "commit": s.commit, "ratios": s.ratios,
-                          "geomean": s.geomean} for s in sittings]}, indent=1) + "\n")
+                          "geomean": s.geomean} for s in sittings]})
+    if args.out:
+        args.out.write_text(json.dumps(comparisons, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -183,6 +183,26 @@ torchrec-plan --steps 50 --isolate --repeats 8 --no-plot \
   [targets-lm-4x1]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
 --rate 1gbit --systems hybrid torchrec-rw local-sparse --steps 30 --isolate --repeats 5 \
 --no-plot --out $results/compare-lm-4x1-1gbit-bound.json"
+  [ratios-recsys]="$py benchmarks/ratios.py \
+$results/compare-recsys-2x2-1gbit-exchange.json $results/compare-recsys-2x2-1gbit-riders.json \
+$results/compare-recsys-2x2-1gbit-riders-100steps.json $results/compare-recsys-2x2-1gbit-pooled-open.json \
+$results/compare-recsys-2x2-1gbit-tablewise.json $results/compare-recsys-2x2-1gbit-session37.json \
+$results/compare-recsys-2x2-1gbit-session41.json --other torchrec-tw --out $results/ratios-recsys-2x2.json"
+  [ratios-lm-2x2]="$py benchmarks/ratios.py \
+$results/compare-lm-2x2-1gbit-exchange.json $results/compare-lm-2x2-1gbit-riders.json \
+$results/compare-lm-2x2-1gbit-riders-100steps.json $results/compare-lm-2x2-1gbit-session37.json \
+$results/compare-lm-2x2-1gbit-session41.json $results/compare-lm-2x2-1gbit-bound.json \
+--other torchrec-rw --out $results/ratios-lm-2x2.json"
+  [ratios-lm-4x1]="$py benchmarks/ratios.py \
+$results/compare-lm-4x1-1gbit-exchange.json $results/compare-lm-4x1-1gbit-riders.json \
+$results/compare-lm-4x1-1gbit-riders-100steps.json $results/compare-lm-4x1-1gbit-bound.json \
+--other torchrec-rw --out $results/ratios-lm-4x1.json"
+  [ratios-bound]="$py benchmarks/ratios.py \
+$results/compare-lm-2x2-1gbit-bound.json $results/compare-lm-4x1-1gbit-bound.json \
+--other local-sparse torchrec-rw --out $results/ratios-lm-bound.json"
+  [ratios-table4-lm]="$py benchmarks/ratios.py \
+$results/table4-lm-ps-hybrid-5rounds.json $results/compare-lm-2x2-1gbit-session41.json \
+--other ps --out $results/ratios-table4-lm.json"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
@@ -191,7 +211,8 @@ ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-hi
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work threads-recsys threads-lm launch launch-emulated chaos chaos-link
-       targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1)
+       targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1 ratios-recsys ratios-lm-2x2
+       ratios-lm-4x1 ratios-bound ratios-table4-lm)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
 TAKES_REPEATS=(lm-2x2 lm-4x1 lm-kjv recsys recsys-history recsys-riders recsys-history-rest
                recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100 lm-4x1-riders-100
