@@ -457,7 +457,8 @@ HABITS: list[Habit] = [
           "refused",
           "the replicas would drift apart and each server would update with its own rate; "
           "`all_reduce` the metric first (checked at every `optimizer.step()` of the own loop, "
-          "riding in its order check: no extra collective)", None),
+          "riding in its order check, and at every `Runner.step`, riding in the push: no "
+          "extra collective where a table is pushed)", None),
     Habit("ddp_program", "a DDP program (`init_process_group`, `DDP(model)`, a "
           "`DistributedSampler` loader with `set_epoch`) with `parallax.distribute(ddp_model, "
           "optimizer)` as its only change", "works",

@@ -122,6 +122,21 @@ def test_settings_that_differ_between_workers_are_refused_at_the_step(launched: 
         assert "all_reduce" in said
 
 
+@tries("lr_per_worker")
+def test_settings_that_differ_between_workers_are_refused_under_runner_step(
+        launched: Path) -> None:
+    """The same under `Runner.step` (get_runner's door, no loop order check): refused in step 2
+    before anything is updated, riding in the push (a server-held embedding) or alone (a
+    dense-only model)."""
+    for rank in range(2):
+        said = (launched / f"lr-runner-{rank}.txt").read_text().splitlines()
+        assert [line.split(":")[0] for line in said] == ["embedding", "dense"], said
+        for line in said:
+            assert f"rank {rank}: the workers' optimizers step with different settings in " \
+                   f"step 2" in line, line
+            assert "param group 0's 'lr' differs: rank 0 0.05, rank 1 0.1" in line, line
+
+
 @tries("batch_sampler")
 def test_a_plain_batch_sampler_is_tried_by_the_loader_tests() -> None:
     """tests/unit/test_loader_resume.py shards both loaders on a stand-in worker and compares

@@ -137,6 +137,27 @@ def lr_per_rank_program(out: Path, world: int, rank: int) -> None:
     (out / f"lr-{rank}.txt").write_text(said)
 
 
+def lr_per_rank_runner_program(out: Path, world: int, rank: int) -> None:
+    """The same under `Runner.step`: the settings ride in the push (the embedding's model) or
+    in their own all_to_all (a dense-only model: no push message); what step 2 says."""
+    said = []
+    for name, model in (("embedding", build(BY_KEY["canonical"])[0]),
+                        ("dense", torch.nn.Linear(2, 3).double())):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        runner = parallax.get_runner(
+            model, optimizer, mse,
+            config=parallax.Config(partition_cache=None, collective_timeout_s=60))
+        try:
+            for step, (ids, y) in enumerate(batches(world, rank)):
+                if step == 1:
+                    optimizer.param_groups[0]["lr"] = 0.05 * (rank + 1)
+                runner.step((ids if name == "embedding" else ids[:, :2].double(), y))
+            said.append(f"{name}: trained")
+        except parallax.UnsupportedProgramError as error:
+            said.append(f"{name}: {error}")
+    (out / f"lr-runner-{rank}.txt").write_text("\n".join(said))
+
+
 def rng_program(out: Path, rank: int) -> None:
     """What the program draws after distribute, and after one shuffled epoch."""
     model, optimizer, _ = build(BY_KEY["canonical"])
@@ -165,6 +186,7 @@ def main() -> None:
     sum_averaged_program(out, world, rank)
     rng_program(out, rank)
     lr_per_rank_program(out, world, rank)
+    lr_per_rank_runner_program(out, world, rank)
     parallax.shutdown()
 
 

@@ -4,8 +4,11 @@ A program that sets them from what one worker alone sees (``ReduceLROnPlateau.st
 worker's own loss, a learning rate computed from its own batch) gives the ranks different
 learning rates: the dense replicas then drift apart and each server updates its rows with
 its own rate, silently. In the own loop the hyperparameters' fingerprint rides in the loop
-order's per-step check (`parallax.step.loop_order.LoopOrder.gather`, no extra collective); a
-difference is named on every rank, with the optimizer, group, setting and each rank's value.
+order's per-step check (`parallax.step.loop_order.LoopOrder.gather`, no extra collective);
+under `Runner.step` it rides in the push (`SettingsRider`, `parallax.engine.tables.riders`),
+in its own small all_to_all only in a step that pushed no message (no server-held table
+used). A difference is named on every rank, with the optimizer, group, setting and each rank's
+value, before any optimizer steps.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.distributed as dist
 
 from parallax.errors import UnsupportedProgramError
 
-__all__ = ["fingerprint", "name_the_difference"]
+__all__ = ["SettingsRider", "fingerprint", "name_the_difference"]
 
 
 def settings(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[tuple[str, Any]]]:
@@ -34,6 +37,30 @@ def fingerprint(optimizers: Sequence[torch.optim.Optimizer]) -> float:
     tells them apart; not Python's ``hash``, which each process salts)."""
     digest = hashlib.blake2b(repr(settings(optimizers)).encode(), digest_size=8).digest()
     return float(int.from_bytes(digest, "little") % (1 << 52))  # exact in a float64
+
+
+class SettingsRider:
+    """This rank's settings' fingerprint, riding in the push to every rank (a `Rider`);
+    `differs` tells, on every rank alike, whether the ranks' fingerprints differ."""
+
+    key = "(settings)"  # not a parameter name: names have no parentheses
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], *, world: int,
+                 device: torch.device) -> None:
+        mine = torch.tensor([[fingerprint(optimizers)]], dtype=torch.float64)
+        # a copy that does not wait for the device's queue (a blocking copy to a GPU would)
+        self.waiting: torch.Tensor | None = mine.expand(world, 1).contiguous().to(
+            device, non_blocking=True)
+        self.everyone: torch.Tensor | None = None
+
+    def receive(self, received: torch.Tensor) -> None:
+        """Every rank's fingerprint (``[world, 1]``, in rank order)."""
+        self.everyone = received.cpu()
+
+    def differs(self) -> bool:
+        """Whether the ranks' settings differ (False when nothing was received: the push
+        that carries it raised before it came)."""
+        return self.everyone is not None and bool((self.everyone != self.everyone[0]).any())
 
 
 def name_the_difference(optimizers: Sequence[torch.optim.Optimizer], *, rank: int,

@@ -97,11 +97,30 @@ class StepRound:
         self.gradients.check_none_outside_lookups()
         with self.explained():
             self._check_order_and_settings()
-            self._applies = self.sync_mode.push(self.gradients, loss, scaled=scaled,
-                                                step=self.global_step + 1,
-                                                riders=self.dense.riders())
+            settings = self._settings_rider()
+            riders = self.dense.riders()
+            self._applies = self.sync_mode.push(
+                self.gradients, loss, scaled=scaled, step=self.global_step + 1,
+                riders=riders if settings is None else [*riders, settings])
+            if settings is not None and settings.differs():
+                self._name_different_settings()
             self._synced = True
         return self._applies
+
+    def _settings_rider(self) -> hyperparameters.SettingsRider | None:
+        """Under `Runner.step` (no loop order check to carry them), the optimizers'
+        settings ride in the push where the workers step together."""
+        order = self.order
+        if order.enabled or not order.applies:
+            return None
+        return hyperparameters.SettingsRider(self.optimizers, world=order.worker.world_size,
+                                             device=order.worker.device)
+
+    def _name_different_settings(self) -> None:
+        """Raise on every rank naming the setting that differs (collective)."""
+        hyperparameters.name_the_difference(
+            self.optimizers, rank=self.rank, world=self.order.worker.world_size,
+            group=self.order.group, step=self.global_step + 1)
 
     def _check_order_and_settings(self) -> None:
         """The loop order's check of this update, which carries the optimizers' settings'
@@ -113,9 +132,7 @@ class StepRound:
                             device=order.worker.device)
         everyone = order.gather(Call.UPDATE, step, mine)
         if bool((everyone != everyone[0]).any()):
-            hyperparameters.name_the_difference(self.optimizers, rank=self.rank,
-                                                world=order.worker.world_size,
-                                                group=order.group, step=step)
+            self._name_different_settings()
 
     def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None, *,
              error_if_nonfinite: bool = False) -> float:

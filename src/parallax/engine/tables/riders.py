@@ -4,9 +4,10 @@ in a collective of their own.
 A step's push is one all_to_all in which every rank sends to every rank (`Hop`), so whatever
 every rank must tell every other rank once the backward is over can ride in it: one row per
 peer, appended to the message (`Hop.carrying`), added up by each rank in rank order (the same
-sum, bit for bit, everywhere). Two ride today: the step's verdict
+sum, bit for bit, everywhere). Three ride today: the step's verdict
 (`parallax.engine.tables.verdict`) and, under `Runner.step`, small dense gradients
-(`parallax.engine.dense_sync.deferred`). A collective costs a few milliseconds of waiting on
+(`parallax.engine.dense_sync.deferred`) and the optimizers' settings' fingerprint
+(`parallax.step.hyperparameters.SettingsRider`). A collective costs a few milliseconds of waiting on
 this CPU cluster whatever its size (BENCHMARKS.md, issue 37); a rider costs its bytes.
 
 The first message the push sends takes every rider waiting; a rider no message took (a step
