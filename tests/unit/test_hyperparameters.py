@@ -39,3 +39,20 @@ def test_the_first_differing_setting_is_named_over_every_ranks_keys() -> None:
     assert _first_difference([[[("lr", 0.05)]], [[("lr", 0.05), ("x", 2)]]]) == (
         "param group 0's 'x' differs: rank 0 None, rank 1 2")  # a key rank 0 lacks
     assert "numbers of param groups" in _first_difference([[[("lr", 1)]], [[("lr", 1)]] * 2])
+
+
+def test_the_settings_rider_sends_one_row_per_peer_and_compares_every_ranks() -> None:
+    from parallax.step.hyperparameters import SettingsRider
+
+    rider = SettingsRider([_optimizer()], world=3, device=torch.device("cpu"))
+    assert rider.waiting is not None and rider.waiting.shape == (3, 1)
+    assert rider.waiting.dtype == torch.float64
+    assert (rider.waiting == fingerprint([_optimizer()])).all()
+    assert not rider.differs()  # nothing received yet: the push raised before it came
+    same = rider.waiting.clone()
+    rider.receive(same)
+    assert not rider.differs()
+    other = same.clone()
+    other[2, 0] = fingerprint([_optimizer(0.2)])
+    rider.receive(other)
+    assert rider.differs()
