@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Style check, type check and the whole test suite (equivalence matrix, error paths, launcher, data).
-#   bash scripts/test.sh            everything (~16 min on 2 cores, two pytest processes)
+#   bash scripts/test.sh            everything (14-18 min on 2 cores, two pytest processes)
 #   bash scripts/test.sh --fast     unit tests + one equivalence case per architecture (~1 min)
 #   bash scripts/test.sh ARGS       any pytest arguments (e.g. tests/integration -k uneven)
 set -euo pipefail
