@@ -53,6 +53,18 @@ class SometimesNet(Net):
         return self.head(self.init_hidden(ids.shape[0]) + ids.shape[1])
 
 
+class SometimesDenseNet(Net):
+    """`Net` with a dense layer its forward uses only when asked (an ``if`` in ``forward``)."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__(dropout)
+        self.extra = nn.Linear(6, 6)
+
+    def forward(self, ids: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        hidden = self.embedding(ids).mean(dim=1)
+        return self.head(self.extra(hidden) if use_extra else hidden)
+
+
 class ModeNet(Net):
     """`Net` whose forward branches on the mode: eval reads three ids of each sample (the
     look-ahead's ids differ by mode), and a number the loop sets scales the output.
@@ -219,6 +231,13 @@ def _torch_clip_dense(run: Run) -> None:
 def _sum_loss(run: Run) -> None:
     _loop(run, run.optimizer.zero_grad,
           loss=lambda out, y: nn.functional.mse_loss(out, y, reduction="sum"))
+
+
+def _dense_sometimes(run: Run) -> None:
+    for step, (ids, y) in enumerate(run.batches):
+        run.optimizer.zero_grad()
+        mse(run.model(ids, use_extra=step % 2 == 0), y).backward()
+        run.optimizer.step()
 
 
 def _accumulate(run: Run) -> None:
@@ -420,6 +439,19 @@ HABITS: list[Habit] = [
           "a replicated table's `.grad` is the workers' summed gradient once the backward "
           "ends, as DDP's dense ones (its rows go at the backward's end)", _grads_by_hand,
           config={"architecture": "allreduce"}, launched=True),
+    Habit("dense_sometimes", "a dense layer the forward uses only in some steps (an `if` in "
+          "`forward`), with `Config(find_unused_parameters=True)`", "works",
+          "DDP's unused-parameter detection, as a DDP program needs; without it the next "
+          "step's forward is refused on every rank, naming the layer's parameters and that "
+          "setting (DDP's own error named a DDP argument the program never passes)",
+          _dense_sometimes, config={"find_unused_parameters": True}, launched=True,
+          net=SometimesDenseNet),
+    Habit("evaluate_rank0", "evaluation on rank 0 alone between steps (`if rank == 0:` "
+          "`with torch.no_grad(): model(val)`, the DDP habit of nanoGPT and others)", "refused",
+          "a forward is collective (its rows come from every server): named at once on every "
+          "rank, at the forward; evaluate on every rank (each its share, the metric "
+          "all-reduced), or load `model.state_dict()` (collective) into a plain copy on rank 0",
+          None),
     Habit("retained_graph", "two `backward()` through one forward's outputs "
           "(`retain_graph=True`) before one step", "refused",
           "DDP averages the dense gradients once per forward, so the second backward's would "
@@ -476,7 +508,9 @@ HABITS: list[Habit] = [
     Habit("random_sampler", "`DataLoader(shuffle=True)` through `parallax.shard`", "differs",
           "each epoch is a new seeded permutation (`shard(seed=...)` and the epoch), not "
           "torch's draw from the global generator; the generator still advances by the one "
-          "draw the sampler takes, so later random numbers match the program's", None),
+          "draw the sampler takes, so later random numbers match the program's; rank 0 says so "
+          "once at the start, with the exact alternative (a `DistributedSampler(dataset, "
+          "num_replicas=1, rank=0, shuffle=True)` sampler and `set_epoch`)", None),
     Habit("batch_sampler", "`DataLoader(batch_sampler=BatchSampler(sampler, b, drop_last))` "
           "through `parallax.shard`", "works",
           "split as `DataLoader(sampler=sampler, batch_size=b, drop_last=drop_last)`, the same "

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import NoReturn, TypeAlias
@@ -170,6 +171,11 @@ def _add_verify(commands: Commands) -> None:
                         "program runs (default); program: the program's own dtypes")
     verify.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="seconds each run may take (default 600)")
+    verify.add_argument("--reference", metavar="ORIGINAL", default=None,
+                        help="the reference run is ORIGINAL (a script and its arguments, one "
+                        "string): the single-device program before the port, with no "
+                        "parallax in it, each DataLoader batching W x its batch_size; "
+                        "default: SCRIPT itself on one process")
     verify.add_argument("--keep", metavar="DIR", help="keep the recorded states and logs here")
     verify.add_argument("--json", metavar="FILE", default="",
                         help="also write the comparison here")
@@ -319,11 +325,14 @@ def _verify(args: argparse.Namespace) -> int:
         return _fail(f"--tolerance must be a number >= 0, got {args.tolerance}")
     if not args.timeout > 0:
         return _fail(f"--timeout must be positive, got {args.timeout}")
+    reference = shlex.split(args.reference) if args.reference is not None else None
+    if reference is not None and (not reference or not os.path.isfile(reference[0])):
+        return _fail(f"--reference: no such script: {args.reference!r}")
     return verify(VerifyOptions(
         args.script, list(args.script_args), machines=args.machines,
         nproc_per_machine=args.nproc_per_machine, steps=args.steps, tolerance=args.tolerance,
         float64=args.dtype == "float64", timeout_s=args.timeout, keep=args.keep,
-        json_path=args.json or None))
+        json_path=args.json or None, reference=reference))
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -2,21 +2,24 @@
 
 Worker r of W takes samples r, r+W, r+2W, ... so the k-th batches of all workers together are
 the single-device program's k-th batch of size W*b; checkpoints save and restore positions in
-the epoch's *global* order (`sharded_loaders`), so a resume may change W.
+the epoch's *global* order (`records`), so a resume may change W.
 
 ``for batch in parallax.shard(loader):`` inside an epoch loop is the README's port: `shard` of
 the same ``DataLoader`` object returns the same `ShardedLoader` (kept on the DataLoader), so
 its epochs go on (a new shuffle each) and a checkpoint finds it; an iteration keeps its
-loader alive, so even a loader built inline is found; and a loader made after a resume (the
-port makes it after `parallax.distribute`, which resumes) takes the next position the
-checkpoint held (`resume_later`), in the order the loaders were made.
+loader alive, so even a loader built inline is found.
+
+A loader belongs to one training run (`parallax.runs`): the run current when it starts an
+iteration. A checkpoint saves the positions of its run's loaders only, each with what the
+loader reads (`describe`); a resume gives them to the loaders of the resuming run in order
+(those made before it, then those made after: `resume_later`), and refuses a loader that reads
+other data than the one whose position it would take.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -30,17 +33,26 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
     SequentialSampler,
+    default_collate,
 )
 
+from parallax import runs
 from parallax.checks import is_int
 from parallax.cluster import WorkerInfo, current_worker
-from parallax.errors import ArgumentError, ArgumentTypeError, UnsupportedProgramError
+from parallax.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    CheckpointError,
+    UnsupportedProgramError,
+)
+from parallax.logs import log
+from parallax.runs import TrainingRun
 from parallax.verify import record as verify
 
-__all__ = ["ShardedLoader", "resume_later", "shard", "sharded_loaders"]
+__all__ = ["ShardedLoader", "describe", "reachable_loaders", "records", "resume_later",
+           "resume_loaders", "run_loaders", "shard", "unbound_loaders"]
 
 _ATTRIBUTE = "_parallax_sharded"  # a DataLoader's ShardedLoader, made by `shard`
-_waiting: list[dict[str, int]] = []  # positions of a resume for loaders not made yet
 
 
 class _SkipSampler(Sampler[int]):
@@ -71,14 +83,17 @@ class _EpochState:
     yielded: int = 0
 
 
-_registry: list[weakref.ref[ShardedLoader]] = []
+def run_loaders(run: TrainingRun | None = None) -> list[ShardedLoader]:
+    """The live ShardedLoaders of ``run`` (the current run by default) in the order they
+    joined it: what its checkpoints save (weak references: a dropped loader is not kept)."""
+    run = run if run is not None else runs.current_run()
+    held = run.loaders() if run is not None else []
+    return [loader for loader in held if isinstance(loader, ShardedLoader)]
 
 
-def sharded_loaders() -> list[ShardedLoader]:
-    """The live ShardedLoaders of this process in creation order, for checkpoints to save
-    and restore their positions (weak references: a dropped loader is not kept alive)."""
-    _registry[:] = [ref for ref in _registry if ref() is not None]
-    return [loader for ref in _registry if (loader := ref()) is not None]
+def unbound_loaders() -> list[ShardedLoader]:
+    """Live loaders no run holds yet (made before ``distribute``), in the order made."""
+    return [loader for loader in runs.unbound_loaders() if isinstance(loader, ShardedLoader)]
 
 
 class ShardedLoader:
@@ -116,10 +131,42 @@ class ShardedLoader:
                                   and verification.role == "reference" else 1)
         if self._reference_factor > 1:
             _note_padding(original, self._reference_factor)
-        self.regrid(*(_data_parallel or (worker.world_size, worker.rank, 1)))
-        _registry.append(weakref.ref(self))
-        if _waiting:  # a resume before this loader existed held its position
-            self.resume(_waiting.pop(0))
+        #: the training run this loader belongs to (`parallax.runs`); None until one takes it
+        self.run: TrainingRun | None = None
+        self.regrid(worker.world_size, worker.rank, 1)
+        run = runs.current_run()
+        if run is not None and run.waiting:  # a resume before this loader existed
+            self._join(run)
+            self._take(run.waiting.pop(0), run)
+        else:
+            runs.hold_unbound(self)
+
+    def _join(self, run: TrainingRun) -> None:
+        """Belong to ``run`` and read as its grid says; rank 0 says once per run how this
+        loader's batches differ from the single-device program's, if they do."""
+        runs.bind(self, run)
+        for key, note in _differences(self.original, self.seed):
+            if self.worker.rank == 0 and key not in run.said:
+                log.warning("%s", note)
+            run.said.add(key)
+        grid = run.data_parallel or (self.worker.world_size, self.worker.rank, 1)
+        if self.grid != grid:
+            self.regrid(*grid)
+
+    def _take(self, record: dict[str, Any], run: TrainingRun) -> None:
+        """Resume at a checkpoint's ``record`` of a loader, refusing one that read other
+        data (it would silently continue another stream)."""
+        saved, mine = record.get("loader"), describe(self)
+        if saved is not None and saved != mine:
+            theirs = [describe(loader) for loader in run_loaders(run)]
+            raise CheckpointError(
+                f"rank {self.worker.rank}: the checkpoint resumed by run {run.number} of this "
+                f"process holds the position of a parallax.shard loader reading {saved}, and "
+                f"the next loader of this run reads {mine}: it would continue another loader's "
+                f"data. The checkpoint's loaders, in order: {record.get('all', [saved])}; this "
+                f"run's: {theirs}. Make the same loaders, in the same order, as the program "
+                f"that saved it")
+        self.resume(record["position"])
 
     def regrid(self, replicas: int, index: int, group_size: int) -> None:
         """Read as data replica ``index`` of ``replicas``, ``group_size`` times the original
@@ -161,6 +208,9 @@ class ShardedLoader:
         return self.replicas * self.batch_size
 
     def __iter__(self) -> Iterator[Any]:
+        run = runs.current_run()
+        if run is not None and self.run is not run:
+            self._join(run)
         epoch, skipped = self.epoch, 0
         if self._resume_at is not None:
             epoch, skipped = self._resume_at["epoch"], self._resume_at["samples"]
@@ -268,6 +318,32 @@ def _batching(loader: DataLoader[Any]) -> _Batching | None:
     return None
 
 
+def _differences(original: DataLoader[Any], seed: int) -> list[tuple[str, str]]:
+    """How the batches `shard` makes of ``original`` differ from the single-device program's,
+    with the exact alternative: (key, note) pairs."""
+    batching = _batching(original)
+    assert batching is not None  # shard checked it
+    notes = []
+    if isinstance(batching.sampler, RandomSampler):
+        notes.append(("shuffled", (
+            f"parallax.shard: a DataLoader with shuffle=True (RandomSampler): each epoch's "
+            f"order is a permutation seeded by shard(seed={seed}) and the epoch, as "
+            f"DistributedSampler's, not torch's draw from the global generator, so its batches "
+            f"are not the single-device program's. For the same batches on one device and on "
+            f"any number of workers, give the DataLoader sampler=DistributedSampler(dataset, "
+            f"num_replicas=1, rank=0, shuffle=True, seed=S) and call sampler.set_epoch(epoch) "
+            f"each epoch: parallax.shard keeps that order")))
+    if batching.batch_size == 1 and original.collate_fn is not default_collate:
+        notes.append(("batch-as-item", (
+            "parallax.shard: a DataLoader of batch_size=1 with its own collate_fn: if each "
+            "item is a whole mini-batch (as DLRM's dataset makes them), shard deals whole "
+            "items to the workers, so one step trains W of them where the single-device "
+            "program's trains one. Make the dataset yield samples and the DataLoader batch "
+            "them (batch_size=b), or give each worker its share of every item in the program, "
+            "as for DDP, without parallax.shard")))
+    return notes
+
+
 def _note_padding(original: DataLoader[Any], workers: int) -> None:
     """For parallax verify's report: an epoch that ``DistributedSampler`` pads on
     ``workers`` workers ends with another last batch than the one-process run's."""
@@ -326,11 +402,49 @@ def shard(loader: DataLoader[Any], *, seed: int = 0) -> DataLoader[Any] | Sharde
     return sharded
 
 
-def resume_later(positions: list[dict[str, int]]) -> None:
-    """Positions of a resume for `ShardedLoader` objects the program has not made yet: the
-    next ones made take them, in order (the README's port makes its loader after
-    `parallax.distribute`, which resumes). Replaces what was waiting."""
-    _waiting[:] = list(positions)
+def reachable_loaders() -> list[ShardedLoader]:
+    """The loaders the current run holds, then the ones no run holds yet (a program with
+    no runner, such as parallax verify's one-process reference, has only these)."""
+    return run_loaders() + unbound_loaders()
+
+
+def describe(loader: ShardedLoader) -> dict[str, Any]:
+    """What ``loader`` reads, as a checkpoint names it: the dataset's class and length and
+    the sampler's kind (the same on any number of workers)."""
+    dataset = loader.original.dataset
+    order = loader._order
+    kind = ("distributed" if isinstance(order, DistributedSampler)
+            else "shuffled" if isinstance(order, RandomSampler) else "sequential")
+    return {"dataset": type(dataset).__qualname__, "samples": _dataset_size(dataset),
+            "order": kind}
+
+
+def records(run: TrainingRun | None = None) -> list[dict[str, Any]]:
+    """``run``'s loaders as a checkpoint saves them: each one's position and `describe`."""
+    return [{"position": loader.position(), "loader": describe(loader)}
+            for loader in run_loaders(run)]
+
+
+def resume_loaders(run: TrainingRun, saved: list[dict[str, Any]]) -> list[ShardedLoader]:
+    """A checkpoint's loader ``saved`` records to ``run``'s loaders: first those it has, then
+    the live ones no run holds yet (made before ``distribute``), in order; the rest wait for
+    the loaders the program makes next (`resume_later`). Returns the loaders resumed."""
+    candidates = run_loaders(run) + unbound_loaders()
+    everything = [record.get("loader") for record in saved]
+    resumed = []
+    for loader, record in zip(candidates, saved, strict=False):
+        loader._join(run)
+        loader._take({**record, "all": everything}, run)
+        resumed.append(loader)
+    resume_later(run, [{**record, "all": everything} for record in saved[len(resumed):]])
+    return resumed
+
+
+def resume_later(run: TrainingRun, saved: list[dict[str, Any]]) -> None:
+    """Loader records of a resume for `ShardedLoader` objects the program has not made yet:
+    the next ones made while ``run`` is current take them, in order. Replaces what was
+    waiting."""
+    run.waiting[:] = list(saved)
 
 
 def _check_splittable(sampler: Iterable[Any]) -> None:
@@ -366,26 +480,22 @@ def _draws_a_seed(sampler: Iterable[Any]) -> bool:
     return isinstance(sampler, RandomSampler) and sampler.generator is None
 
 
-_data_parallel: tuple[int, int, int] | None = None
-
-
-def set_data_parallel(*, replicas: int, index: int, group_size: int) -> None:
-    """This worker reads as data replica ``index`` of ``replicas``, with the other
-    ``group_size - 1`` workers of its model group (`parallax.parallelism`): every live
-    `ShardedLoader` and every later one."""
-    global _data_parallel
-    _data_parallel = (replicas, index, group_size)
-    for loader in sharded_loaders():
-        if loader.grid != _data_parallel:
+def set_data_parallel(run: TrainingRun, *, replicas: int, index: int,
+                      group_size: int) -> None:
+    """In ``run`` this worker reads as data replica ``index`` of ``replicas``, with the other
+    ``group_size - 1`` workers of its model group (`parallax.parallelism`): every loader of
+    the run, the ones no run holds yet, and every later one of the run."""
+    run.data_parallel = (replicas, index, group_size)
+    for loader in run_loaders(run) + unbound_loaders():
+        if loader.grid != run.data_parallel:
             loader.regrid(replicas, index, group_size)
 
 
-def clear_data_parallel() -> None:
-    """Every worker reads as its own data replica again (`ShardedLoader` objects made by an
-    earlier model-parallel runner of this process, and every later one)."""
-    global _data_parallel
-    _data_parallel = None
-    for loader in sharded_loaders():
+def clear_data_parallel(run: TrainingRun) -> None:
+    """In ``run`` every worker reads as its own data replica (its loaders, and the ones no
+    run holds yet, which an earlier model-parallel run of this process may have regridded)."""
+    run.data_parallel = None
+    for loader in run_loaders(run) + unbound_loaders():
         default = (loader.worker.world_size, loader.worker.rank, 1)
         if loader.grid != default:
             loader.regrid(*default)

@@ -73,6 +73,7 @@ from parallax.step.plan_keeper import PlanKeeper
 from parallax.step.round import StepRound
 from parallax.step.servers import hand_over
 from parallax.step.sync_modes import SyncMode, build_sync_mode
+from parallax.step.torch_errors import TorchErrors, ddp_parameter_names
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -103,12 +104,18 @@ class Runner:
         self.progress = (Progress(worker.rank, worker.world_size, config.collective_timeout_s)
                          if worker.world_size > 1 else None)
         self._explained = Explainer(self.progress, lambda: self.global_step + 1)
+        # DDP's errors (unused parameters, ...) named with the parallax fix
+        self._torch_errors = TorchErrors(worker.rank, worker.device,
+                                         lambda: self.global_step + 1,
+                                         lambda: ddp_parameter_names(self.dense.module))
         # where each step's time goes (runner.stats()["step phases"]; parallax run --timeline)
         self.phases = PhaseClock(worker.rank, orders.timeline, world_size=worker.world_size,
                                  store=(distributed_c10d._get_default_store()
                                         if orders.timeline and worker.world_size > 1 else None))
         on_shutdown(self.phases.write)
-        track(self)  # parallax.global_mean finds the run through it
+        #: the training run of this process the runner belongs to (its loaders, checkpoints'
+        #: data positions; parallax.global_mean finds the run through it)
+        self.training_run = track(self)
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self._build_layout(model, orders)
         self._build_executed(model)
@@ -169,7 +176,8 @@ class Runner:
         self._mirror = mirror(model, executed, shared_modules=shared)
         # "model"/"2d" split the linear layers here (in place; the optimizers re-pointed)
         self.parallelism: Parallelism = build_parallelism(
-            model, self.config, worker=self.worker, group=self.group, traffic=self.traffic)
+            model, self.config, worker=self.worker, group=self.group, traffic=self.traffic,
+            run=self.training_run)
         executed = self.parallelism.prepare(executed, model, self.optimizers)
         self._executed = executed
         # Parameters every worker holds whole, with a gradient AllReduced (DDP) or exchanged
@@ -221,7 +229,7 @@ class Runner:
             self.optimizers, rank=worker.rank, sync_mode=self.sync_mode, dense=self.dense,
             gradients=self.gradients, order=self.order, phases=self.phases,
             progress=self.progress, explained=self._explained, traffic=self.traffic,
-            hooks=self.step_hooks)
+            hooks=self.step_hooks, run=self.training_run)
 
     # ---- training (a step is a round: `parallax.step.round`) ---------------------------------
     @property
@@ -246,8 +254,11 @@ class Runner:
             self.round.begin()
         self._mirror()
         with self._explained():
-            self.order.check(Call.FORWARD, self.global_step + 1)
-            output = self.forward_pass(args, kwargs)
+            # an evaluation forward apart: one rank evaluating alone is named, not hung
+            self.order.check(Call.FORWARD if torch.is_grad_enabled() else Call.EVALUATE,
+                             self.global_step + 1)
+            with self._torch_errors():
+                output = self.forward_pass(args, kwargs)
         self._mirror.back()  # what the forward set on the copies it ran: the program's
         if self.order.enabled and torch.is_grad_enabled():
             self.phases.time_backward_of(output)  # the own loop's loss.backward()
@@ -278,7 +289,7 @@ class Runner:
                 self.sync_mode.before_backward()
                 if self.sync_mode.carries_riders:  # nothing of the user's before the push
                     self.dense.defer_backward()
-                with self.phases.phase("backward"):
+                with self.phases.phase("backward"), self._torch_errors():
                     loss.backward()
             self.reporting.note(loss.detach(), float(numel(targets) * self.worker.world_size))
             self.apply_update(self.optimizers, loss=loss)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallax import logs
+from parallax import logs, runs
 from parallax.cluster import EnvironmentPatch, WorkerInfo, current_worker, free_port
 from parallax.config import Config
 from parallax.engine.diagnostics import progress
@@ -28,6 +28,7 @@ from parallax.engine.tables.pool import close_shared_pools
 from parallax.errors import UnsupportedProgramError
 from parallax.parallelism.grid import forget_meshes
 from parallax.partitions.groups import group_of
+from parallax.runs import TrainingRun
 
 __all__ = ["check_same_everywhere", "join", "live_runners", "on_shutdown", "shutdown",
            "single_process_worker", "track"]
@@ -70,19 +71,19 @@ def join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
 
 
 _releases: list[Callable[[], Callable[[], object] | None]] = []
-# The runners of this process's run (weakly held): what a call that names no model, such as
-# `parallax.global_mean`, reads the run from.
-_runners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
-def track(runner: object) -> None:
-    """``runner`` belongs to this process's run until `shutdown`."""
-    _runners[max(_runners.keys(), default=-1) + 1] = runner
+def track(runner: object) -> TrainingRun:
+    """The training run ``runner`` belongs to (`parallax.runs`: the current one while it has
+    not stepped, else a new one) until `shutdown`."""
+    return runs.join_run(runner)
 
 
 def live_runners() -> list[Any]:
-    """The runners of this process's run, oldest first."""
-    return list(_runners.values())
+    """The runners of this process's current run, oldest first: what a call that names no
+    model, such as `parallax.global_mean`, reads the run from."""
+    run = runs.current_run()
+    return run.runners() if run is not None else []
 
 
 def on_shutdown(release: Callable[[], object]) -> None:
@@ -103,16 +104,16 @@ def shutdown() -> None:
     here as a worker hanging after its last step). Released here, the reducer is never the
     last holder: the group goes in ``destroy_process_group``, which lets go of the GIL."""
     global _sparse_group
-    _runners.clear()
+    run = runs.current_run()
     progress.finish_all()  # other ranks still stepping now fail at once, naming this one
     while _releases:
         release = _releases.pop()()
         if release is not None:
             release()
     _environment.restore()
-    from parallax.loader import resume_later
-
-    resume_later([])  # a resume's positions no loader took are this run's, not a later one's
+    if run is not None:
+        run.waiting.clear()  # a resume's positions no loader took are this run's only
+    runs.end_run()
     close_shared_pools()
     hierarchy.leave()
     forget_meshes()  # their groups go with the default group below

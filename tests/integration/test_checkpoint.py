@@ -84,6 +84,27 @@ def test_resume_on_other_shapes_and_partition_counts(tmp_path: Path) -> None:
         assert_same(torch.load(out), want)
 
 
+def test_a_process_that_trained_before_saves_and_resumes_only_its_runs_data(
+        tmp_path: Path) -> None:
+    """Two other programs trained to their end in the same processes (their loaders alive),
+    then this one saves at step 4 on 2x2 and resumes on 1x3, in processes that trained the
+    same two programs first: equal to 8 single-device steps. On 26b56e5 the checkpoint held
+    three loader positions and the resume gave the first (an earlier program's) to this
+    program's loader: 0.29 apart, no error."""
+    saved = tmp_path / "saved"
+    proc = run((2, 2), str(saved), "4", "-", "--trained-before")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    manifest = checkpoint_files.read_manifest(checkpoint_files.newest_complete(saved))
+    assert manifest.meta["data"] == [{"epoch": 0, "samples": 48}]
+    assert manifest.meta["data_loaders"] == [
+        {"dataset": "TensorDataset", "samples": 120, "order": "sequential"}]
+    out = tmp_path / "out.pt"
+    proc = run((1, 3), str(saved), "8", str(out), "--trained-before")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "parallax: resumed from step 4" in proc.stderr
+    assert_same(torch.load(out), reference(8))
+
+
 def test_resume_under_another_architecture(tmp_path: Path) -> None:
     """Six hybrid steps, then the rest under ps (the dense layers move onto the servers: read
     from the checkpoint's dense part) and under allreduce (the tables become replicas): both

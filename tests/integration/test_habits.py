@@ -137,6 +137,33 @@ def test_settings_that_differ_between_workers_are_refused_under_runner_step(
             assert "param group 0's 'lr' differs: rank 0 0.05, rank 1 0.1" in line, line
 
 
+@tries("dense_sometimes")
+def test_a_layer_some_steps_skip_is_named_with_the_parallax_setting(launched: Path) -> None:
+    """Without Config(find_unused_parameters=True) the second step's forward stops every
+    rank, naming the unused layer's parameters and the setting, DDP's error chained (on
+    26b56e5: DDP's raw advice to pass find_unused_parameters=True to a
+    DistributedDataParallel the program never built)."""
+    for rank in range(2):
+        said = (launched / f"dense-sometimes-{rank}.txt").read_text()
+        assert said.startswith(f"rank {rank}: the dense parameter(s) ['extra.weight', "
+                               f"'extra.bias'] got no gradient in step 2"), said
+        assert "parallax.Config(find_unused_parameters=True)" in said, said
+        assert "caused by: Expected to have finished reduction" in said, said
+
+
+@tries("evaluate_rank0")
+def test_evaluation_on_rank_0_alone_is_named_at_once_on_every_rank(launched: Path) -> None:
+    """Rank 0 evaluates after step 1, rank 1 goes on to step 2: both stop at that forward
+    with the habit and its fixes (on 26b56e5 rank 0 waited the collective timeout, then a
+    StalledRankError blamed rank 1's forward)."""
+    for rank in range(2):
+        said = (launched / f"evaluate-rank0-{rank}.txt").read_text()
+        assert said.startswith(f"rank {rank}: the ranks' training loops diverged: rank 0 "
+                               f"called a forward without gradients (evaluation) in step 2, "
+                               f"rank 1 a forward of the model in step 2"), said
+        assert "evaluating on rank 0 alone cannot run" in said and "plain copy" in said, said
+
+
 @tries("batch_sampler")
 def test_a_plain_batch_sampler_is_tried_by_the_loader_tests() -> None:
     """tests/unit/test_loader_resume.py shards both loaders on a stand-in worker and compares

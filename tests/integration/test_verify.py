@@ -62,3 +62,20 @@ def test_a_planted_divergence_is_named_with_its_step_and_cause(tmp_path: Path) -
     assert not result["equal"]
     firsts = {t["name"]: t["first_step_above"] for t in result["tensors"]}
     assert firsts == dict.fromkeys(firsts, 7) and "history.weight" in firsts
+
+
+def test_a_ports_own_mistake_shows_against_the_original_program() -> None:
+    """A schedule sized from the loader before parallax.shard (W times the worker's steps)
+    trains the same in the port's one-process reference (on 26b56e5 verify said EQUAL):
+    against the original single-device program (--reference) it differs from step 2, and the
+    README's port (shard where the loader is made) equals the original."""
+    original = "tests/scripts/schedule_original.py"
+    common = ["--machines", "1", "--nproc-per-machine", "2", "--steps", "4",
+              "--reference", original, "tests/scripts/schedule_port.py"]
+    proc = verify(*common, "--sized-before-shard")
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert f"reference: the original program {original} (no parallax)" in proc.stdout
+    assert "DIFFERENT: 3 of 3 tensors went above 1e-09; the first at step 2" in proc.stdout
+    proc = verify(*common)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "EQUAL" in proc.stdout

@@ -6,7 +6,10 @@ Usage: parallax run ... checkpoint_worker.py DIR STOP OUT [PARTITIONS] [--kill-a
 [--architecture A]
 trains until global step STOP (or the data ends), then rank 0 writes the exported state_dict
 to OUT ("-": nowhere). --kill-at N: in the job's first attempt, rank 1 SIGKILLs itself in
-step N (a crashed machine). --architecture A: Config.architecture (default hybrid)."""
+step N (a crashed machine). --architecture A: Config.architecture (default hybrid).
+--trained-before: the process first trains two other programs to their end and keeps them
+alive (a get_runner run under allreduce, then an own loop under distribute, each on its own
+parallax.shard loader), as a sweep or a notebook does, before this one."""
 
 import os
 import signal
@@ -44,8 +47,38 @@ def build(optimizer: str = "adam") -> tuple[torch.nn.Module, torch.optim.Optimiz
     return model, torch.optim.Adam(model.parameters(), lr=0.05)
 
 
+def train_other_programs() -> list[object]:
+    """Two earlier programs of this process, trained to their end (8 and 3 steps) and kept
+    alive: what they hold must not reach the program after them."""
+    held: list[object] = []
+    worker = current_worker()
+    model, optimizer = build("momentum")
+    runner = parallax.get_runner(model, optimizer, loss_fn, config=parallax.Config(
+        architecture="allreduce", collective_timeout_s=30))
+    loader = parallax.shard(DataLoader(dataset(), batch_size=8 // worker.world_size,
+                                       shuffle=True))
+    for step, batch in enumerate(loader):
+        if step == 8:
+            break
+        runner.step(batch)
+    held += [runner, loader]
+    model, optimizer = build()
+    model, optimizer = parallax.distribute(model, optimizer, config=parallax.Config(
+        collective_timeout_s=30))
+    loader = parallax.shard(DataLoader(dataset(), batch_size=4 // worker.world_size))
+    for step, (ids, targets) in enumerate(loader):
+        if step == 3:
+            break
+        optimizer.zero_grad()
+        loss_fn(model(ids), targets).backward()
+        optimizer.step()
+    return [*held, model, optimizer, loader]
+
+
 def main() -> None:
     args = sys.argv[1:]
+    earlier = train_other_programs() if "--trained-before" in args else []
+    args = [arg for arg in args if arg != "--trained-before"]
     kill_at = None
     architecture = "hybrid"
     if "--architecture" in args:
@@ -81,6 +114,7 @@ def main() -> None:
     state = runner.state_dict()
     if worker.rank == 0 and out != "-":
         torch.save({k: v.detach().clone() for k, v in state.items()}, out)
+    del earlier
     parallax.shutdown()
 
 

@@ -18,7 +18,16 @@ from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from habits import BY_KEY, HABITS, batches, build, dataset, distributed, mse  # noqa: E402
+from habits import (  # noqa: E402
+    BY_KEY,
+    HABITS,
+    Run,
+    batches,
+    build,
+    dataset,
+    distributed,
+    mse,
+)
 
 import parallax  # noqa: E402
 from parallax.cluster import current_worker  # noqa: E402
@@ -158,6 +167,42 @@ def lr_per_rank_runner_program(out: Path, world: int, rank: int) -> None:
     (out / f"lr-runner-{rank}.txt").write_text("\n".join(said))
 
 
+def dense_sometimes_refused(out: Path, world: int, rank: int) -> None:
+    """A dense layer used only in some steps, without Config(find_unused_parameters=True):
+    what the next step's forward says on each rank."""
+    habit = BY_KEY["dense_sometimes"]
+    model, optimizer, extra = build(habit)
+    model, optimizer = parallax.distribute(
+        model, optimizer, config=parallax.Config(partition_cache=None, collective_timeout_s=60))
+    said = "trained"
+    try:
+        habit.program(Run(model, optimizer, optimizer, batches(world, rank), world, rank,
+                          extra))
+    except parallax.UnsupportedProgramError as error:
+        said = f"{error}\ncaused by: {error.__cause__}"
+    (out / f"dense-sometimes-{rank}.txt").write_text(said)
+
+
+def evaluate_on_rank0(out: Path, world: int, rank: int) -> None:
+    """nanoGPT's habit: after a step, rank 0 alone evaluates under no_grad; what each rank
+    says (on 26b56e5 rank 0 waited the whole collective timeout, then blamed rank 1)."""
+    model, optimizer, _ = build(BY_KEY["canonical"])
+    model, optimizer = parallax.distribute(
+        model, optimizer, config=parallax.Config(partition_cache=None, collective_timeout_s=60))
+    said = "trained"
+    try:
+        for ids, y in batches(world, rank):
+            optimizer.zero_grad()
+            mse(model(ids), y).backward()
+            optimizer.step()
+            if rank == 0:
+                with torch.no_grad():
+                    model(ids)
+    except parallax.UnsupportedProgramError as error:
+        said = str(error)
+    (out / f"evaluate-rank0-{rank}.txt").write_text(said)
+
+
 def rng_program(out: Path, rank: int) -> None:
     """What the program draws after distribute, and after one shuffled epoch."""
     model, optimizer, _ = build(BY_KEY["canonical"])
@@ -187,6 +232,8 @@ def main() -> None:
     rng_program(out, rank)
     lr_per_rank_program(out, world, rank)
     lr_per_rank_runner_program(out, world, rank)
+    dense_sometimes_refused(out, world, rank)
+    evaluate_on_rank0(out, world, rank)
     parallax.shutdown()
 
 

@@ -26,6 +26,26 @@ def _script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
                                "CUDA_VISIBLE_DEVICES": ""})
 
 
+def test_it_runs_the_projects_venv_python_when_no_python_is_named(tmp_path: Path) -> None:
+    """A fresh clone after scripts/setup.sh: torch is in .venv only (on 26b56e5 the script ran
+    the machine's python3 and ended with ModuleNotFoundError: torch)."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    (checkout / "benchmarks").mkdir()
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    (checkout / "scripts" / "gpu_check.sh").write_text(
+        (ROOT / "scripts" / "gpu_check.sh").read_text())
+    (checkout / "benchmarks" / "gpu_check.py").write_text("import sys; print(sys.argv)\n")
+    venv_python = checkout / ".venv" / "bin" / "python"
+    venv_python.write_text("#!/bin/sh\necho venv-python \"$@\"\n")
+    venv_python.chmod(0o755)
+    proc = subprocess.run(["bash", str(checkout / "scripts" / "gpu_check.sh"), "--plan"],
+                          capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "venv-python benchmarks/gpu_check.py --plan"
+
+
 def test_without_cuda_it_says_so_and_exits_2(tmp_path: Path) -> None:
     proc = _script(tmp_path)
     assert proc.returncode == 2, proc.stderr

@@ -17,6 +17,7 @@ SRC = ROOT / "src"
 # are caught by the cycle check. Prefixes name a module and everything under it.
 LAYERS = [
     # nothing of ours, or only each other
+    ["parallax.runs"],
     ["parallax.errors", "parallax.checks", "parallax.collective", "parallax.cluster",
      "parallax.config", "parallax.loader",
      "parallax.verify.record", "parallax.logs", "parallax.atomic", "parallax.lazy"],

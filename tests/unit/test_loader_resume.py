@@ -18,8 +18,17 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import parallax
 from parallax import loader as loader_module
+from parallax import runs
 from parallax.cluster import WorkerInfo
-from parallax.loader import ShardedLoader, sharded_loaders
+from parallax.errors import CheckpointError
+from parallax.loader import (
+    ShardedLoader,
+    reachable_loaders,
+    records,
+    resume_later,
+    resume_loaders,
+    run_loaders,
+)
 
 SEED = 7
 
@@ -208,19 +217,81 @@ def test_a_stale_iterator_does_not_move_the_position() -> None:
     assert loader.position() == {"epoch": 1, "samples": 2}
 
 
-def test_registry_lists_live_loaders_in_creation_order() -> None:
-    before = sharded_loaders()
+class _Runner:
+    """What `parallax.runs` needs of a runner: something weakly referable."""
+
+
+@pytest.fixture
+def run_of() -> Iterator:
+    """Begins training runs as runners do (`runs.join_run`); ends the current one after."""
+    held: list[_Runner] = []
+
+    def begin(*, stepped_before: bool = True) -> runs.TrainingRun:
+        current = runs.current_run()
+        if current is not None and stepped_before:
+            current.stepped = True
+        held.append(_Runner())
+        return runs.join_run(held[-1])
+
+    yield begin
+    runs.end_run()
+
+
+def test_a_run_holds_the_loaders_iterated_under_it_in_order(run_of) -> None:
+    run = run_of()
     loaders = _loaders(8, 2, 2, shuffle=False, drop_last=False)
-    assert sharded_loaders()[len(before):] == loaders
-    del loaders
+    assert run_loaders(run) == []  # made, not iterated: no run holds them yet
+    for loader in reversed(loaders):
+        iter(loader)
+    assert run_loaders(run) == loaders[::-1]
+    del loaders, loader
     gc.collect()
-    assert sharded_loaders() == before
+    assert run_loaders(run) == []
 
 
-def test_a_model_group_reads_its_data_replicas_samples_and_returns_to_data_parallel() -> None:
+def test_a_later_runs_checkpoint_holds_only_its_own_loaders(run_of) -> None:
+    """A process that trained before (a sweep, a notebook re-run): the earlier run's loaders,
+    still alive, are neither saved by the later run nor given its resume's positions (on
+    26b56e5 both were: the resume gave the first saved position to the earlier loader)."""
+    gc.collect()  # no other test's loader left unbound
+    first = run_of()
+    old = _loaders(24, 1, 2, shuffle=False, drop_last=False)[0]
+    list(old)  # the earlier run read its whole epoch
+    second = run_of()
+    assert second is not first
+    (mine,) = _loaders(24, 1, 4, shuffle=True, drop_last=False)
+    batches = iter(mine)
+    next(batches), next(batches)
+    saved = records(second)
+    assert [record["position"] for record in saved] == [{"epoch": 0, "samples": 8}]
+    third = run_of()
+    (resumed,) = _loaders(24, 1, 4, shuffle=True, drop_last=False)  # made before the resume
+    resume_loaders(third, saved)
+    assert old.position() == {"epoch": 1, "samples": 0} and old.run is first
+    assert [b[0].tolist() for b in resumed] == [b[0].tolist() for b in batches]
+
+
+def test_a_resume_refuses_a_loader_that_reads_other_data(run_of) -> None:
+    first = run_of()
+    (loader,) = _loaders(24, 1, 2, shuffle=False, drop_last=False)
+    next(iter(loader))
+    saved = records(first)
+    second = run_of()
+    (other,) = _loaders(20, 1, 2, shuffle=False, drop_last=False)
+    with pytest.raises(CheckpointError, match=r"'samples': 24.*'samples': 20.*same loaders"):
+        resume_loaders(second, saved)
+    resume_later(second, saved)  # waiting for a loader made after the resume: refused there
+    with pytest.raises(CheckpointError, match="reads other|would continue another"):
+        _loaders(12, 1, 2, shuffle=True, drop_last=False)
+    del other
+
+
+def test_a_model_group_reads_its_data_replicas_samples_and_returns_to_data_parallel(
+        run_of) -> None:
     """`set_data_parallel` (a 2x2 grid): ranks 0, 1 read replica 0's and ranks 2, 3 replica
     1's samples, twice the batch each, and the global batch and positions stay those of four
     data-parallel workers; `clear_data_parallel` gives each rank its own samples back."""
+    run = run_of()
     loaders = _loaders(24, 4, 2, shuffle=False, drop_last=False)  # one order every epoch
     plain = _global_batches([iter(loader) for loader in loaders], steps=2)
     try:
@@ -230,10 +301,10 @@ def test_a_model_group_reads_its_data_replicas_samples_and_returns_to_data_paral
         assert torch.equal(first[0][0], first[1][0]) and torch.equal(first[2][0], first[3][0])
         assert sorted(torch.cat([first[0][0], first[2][0]]).tolist()) == sorted(plain[0])
         assert all(loader.global_batch == 8 for loader in loaders)
-        loader_module.set_data_parallel(replicas=2, index=0, group_size=2)
-        assert all(loader.grid == (2, 0, 2) for loader in sharded_loaders())
+        loader_module.set_data_parallel(run, replicas=2, index=0, group_size=2)
+        assert all(loader.grid == (2, 0, 2) for loader in run_loaders(run))
     finally:
-        loader_module.clear_data_parallel()
+        loader_module.clear_data_parallel(run)
     assert [loader.grid for loader in loaders] == [(4, r, 1) for r in range(4)]
     assert _global_batches([iter(loader) for loader in loaders], steps=2) == plain
 
@@ -299,26 +370,48 @@ def test_the_ports_inline_loader_reshuffles_each_epoch_and_is_found_while_iterat
     for step, _ in enumerate(parallax.shard(DataLoader(TensorDataset(torch.arange(8)),
                                                        batch_size=2))):
         gc.collect()
-        (inline,) = [s for s in sharded_loaders() if len(s.original.dataset) == 8]
+        (inline,) = [s for s in reachable_loaders() if len(s.original.dataset) == 8]
         # 2 batches a worker; after the last, the position is the next epoch's start
         assert inline.position() == [{"epoch": 0, "samples": 4}, {"epoch": 1, "samples": 0}][step]
 
 
-def test_positions_of_a_resume_wait_for_the_loaders_made_after_it(monkeypatch) -> None:
+def test_positions_of_a_resume_wait_for_the_loaders_made_after_it(monkeypatch, run_of) -> None:
     """The port makes its loader after parallax.distribute, which resumes: the checkpoint's
-    position waits for it (and `parallax.shutdown` drops what no loader took)."""
-    from parallax.loader import resume_later
-
+    position waits for it, for loaders made while its run is current."""
+    run = run_of()
     worker = WorkerInfo(rank=0, world_size=2, local_rank=0, machine=0, num_machines=1,
                         machine_of_rank=(0, 0))
     monkeypatch.setattr(loader_module, "current_worker", lambda: worker)
     data = TensorDataset(torch.arange(16))
-    resume_later([{"epoch": 1, "samples": 8}])
-    try:
-        late = parallax.shard(DataLoader(data, batch_size=2), seed=SEED)
-        assert late.position() == {"epoch": 1, "samples": 8}
-        assert [int(i) for (batch,) in late for i in batch] == list(range(8, 16))[::2]
-        other = parallax.shard(DataLoader(data, batch_size=2), seed=SEED)
-        assert other.position() == {"epoch": 0, "samples": 0}  # nothing left waiting
-    finally:
-        resume_later([])
+    resume_later(run, [{"position": {"epoch": 1, "samples": 8}, "loader": None}])
+    late = parallax.shard(DataLoader(data, batch_size=2), seed=SEED)
+    assert late.position() == {"epoch": 1, "samples": 8} and late.run is run
+    assert [int(i) for (batch,) in late for i in batch] == list(range(8, 16))[::2]
+    other = parallax.shard(DataLoader(data, batch_size=2), seed=SEED)
+    assert other.position() == {"epoch": 0, "samples": 0}  # nothing left waiting
+
+
+def test_a_shuffled_or_batch_as_item_loader_is_said_once_a_run_with_the_exact_alternative(
+        run_of, caplog) -> None:
+    """Rank 0 says, once per run, that shuffle=True is shard's seeded permutation (and how to
+    get the same batches on one device), and that a batch_size=1 loader with its own collate
+    deals whole items (DLRM's mini-batches) to the workers; a plain loader says nothing (on
+    26b56e5 nothing was said at run time)."""
+    import logging
+
+    data = TensorDataset(torch.arange(8))
+    run_of()
+    with caplog.at_level(logging.WARNING, logger="parallax"):
+        for _ in range(2):  # a new loader each epoch: said once
+            (shuffled,) = _loaders(8, 1, 2, shuffle=True, drop_last=False)
+            iter(shuffled)
+        worker = WorkerInfo(rank=0, world_size=1, local_rank=0, machine=0, num_machines=1,
+                            machine_of_rank=(0,))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(loader_module, "current_worker", lambda: worker)
+            iter(parallax.shard(DataLoader(data, batch_size=1, collate_fn=lambda items: items[0])))
+            iter(parallax.shard(DataLoader(data, batch_size=2)))
+    said = [r.getMessage() for r in caplog.records if r.name == "parallax"]
+    assert len(said) == 2, said
+    assert "shuffle=True" in said[0] and "DistributedSampler(dataset, num_replicas=1" in said[0]
+    assert "whole mini-batch" in said[1] and "batch_size=b" in said[1]

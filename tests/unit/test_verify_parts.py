@@ -302,3 +302,32 @@ def test_the_reference_run_names_the_buffers_a_training_step_changed(
     optimizer.step()
     (said,) = [h for h in hints() if h.startswith("buffer(s)")]
     assert said.startswith("buffer(s) 'seen' changed in a training step")
+
+
+def test_the_original_programs_model_and_global_batch_are_found(monkeypatch) -> None:
+    """`parallax verify --reference`: the model recorded is the outermost module holding the
+    stepping optimizer's parameters, and a DataLoader made in the original batches W times
+    its batch_size (one with its own batch_sampler is left as it is)."""
+    import torch
+    from torch import nn
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    from parallax.verify import original
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+            self.frozen = nn.Linear(2, 2)
+
+    model = Outer()
+    optimizer = torch.optim.SGD(model.inner[1].parameters(), lr=0.1)
+    assert original.program_model(optimizer) is model
+    monkeypatch.setattr(DataLoader, "__init__", DataLoader.__init__)  # put back after
+    monkeypatch.setattr(original, "add_hint", lambda text: None)
+    original._scale_loaders(3)
+    data = list(range(12))
+    assert DataLoader(data, batch_size=2).batch_size == 6
+    assert DataLoader(data, 2, False).batch_size == 6
+    batches = BatchSampler(SequentialSampler(data), 2, drop_last=False)
+    assert len(list(DataLoader(data, batch_sampler=batches))) == 6

@@ -56,6 +56,7 @@ from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table
 from parallax.parallelism import Parallelism
+from parallax.runs import TrainingRun
 
 
 class Run(Protocol):
@@ -72,6 +73,7 @@ class Run(Protocol):
     shard_optimizer: ShardOptimizer
     group: dist.ProcessGroup
     parallelism: Parallelism
+    training_run: TrainingRun  # whose parallax.shard loaders the checkpoint holds
 
 __all__ = ["CheckpointError", "load", "save"]
 
@@ -161,8 +163,9 @@ def _save_rank_files(runner: Run, directory: Path, extra: Any) -> dict[str, File
 
 
 def _meta(runner: Run, files: dict[str, FileRecord], has_extra: bool) -> dict[str, Any]:
-    from parallax.loader import sharded_loaders
+    from parallax.loader import records
 
+    loaders = records(runner.training_run)
     tables = {}
     for name, table in runner.layout.all_tables().items():
         placement = runner.layout.placement(name)
@@ -182,7 +185,8 @@ def _meta(runner: Run, files: dict[str, FileRecord], has_extra: bool) -> dict[st
         "config": runner.config.to_dict(),
         "cluster": {"machines": len(runner.worker.server_ranks),
                     "world_size": runner.worker.world_size},
-        "data": [loader.position() for loader in sharded_loaders()],
+        "data": [loader["position"] for loader in loaders],
+        "data_loaders": [loader["loader"] for loader in loaders],
         "torch": torch.__version__,
     }
 
@@ -232,6 +236,9 @@ class _Restore:
 
     def apply(self, runner: Run) -> Any:
         meta = self.manifest.meta
+        # first: a loader that reads other data than the checkpoint's is refused before
+        # anything else changes
+        _resume_loaders(meta, self.directory, runner)
         params = dict(runner.model.named_parameters())
         # A parameter dense in the checkpoint and server-held here gets its values back for a
         # moment, so that the optimizers load its state beside it (they move state to the
@@ -285,7 +292,6 @@ class _Restore:
             log.warning("parallax: %s was saved by %d workers, resumed on %d: random "
                         "generators start afresh (the data order is restored)", self.directory,
                         meta["cluster"]["world_size"], runner.worker.world_size)
-        _resume_loaders(meta.get("data", []), self.directory, runner.worker.rank)
         runner.global_step = self.manifest.step
         return self.extra
 
@@ -432,20 +438,21 @@ def _assemble_full(param: Tensor, num_rows: int, row_shape: tuple[int, ...],
     return full, ({**pieces[0]["scalars"], **rows} if rows or pieces[0]["scalars"] else {})
 
 
-def _resume_loaders(positions: list[dict[str, Any]], directory: Path, rank: int) -> None:
-    """The saved loader positions to the program's live `parallax.shard` loaders, in the
-    order they were made; the ones left over wait for the next loaders the program makes
-    (`parallax.loader.resume_later`: the README's port makes its loader after the resume)."""
-    from parallax.loader import resume_later, sharded_loaders
+def _resume_loaders(meta: dict[str, Any], directory: Path, runner: Run) -> None:
+    """The saved loader positions to the `parallax.shard` loaders of ``runner``'s run, in
+    order (`parallax.loader.resume_loaders`: those the program made before the resume, then
+    the ones it makes after it)."""
+    from parallax.loader import resume_loaders
 
-    loaders = sharded_loaders()
-    if len(loaders) > len(positions) and rank == 0:
-        log.warning("parallax: %s holds the position of %d parallax.shard loader(s), this "
-                    "program has %d: the first ones resume, the others start their epoch",
-                    directory, len(positions), len(loaders))
-    for loader, position in zip(loaders, positions, strict=False):
-        loader.resume(position)
-    resume_later(positions[len(loaders):])
+    positions = meta.get("data", [])
+    described = meta.get("data_loaders") or [None] * len(positions)  # older checkpoints
+    saved = [{"position": position, "loader": loader}
+             for position, loader in zip(positions, described, strict=True)]
+    run = runner.training_run
+    try:
+        resume_loaders(run, saved)
+    except CheckpointError as error:
+        raise CheckpointError(f"{directory}: {error}") from None
 
 
 # ---- helpers --------------------------------------------------------------------------------

@@ -161,15 +161,16 @@ def find_sparse_parameters(model: nn.Module) -> dict[str, SparseUse]:
     ``nn.Embedding`` is traced through, so its weight is judged by its ``F.embedding`` call and
     reported with kind ``"gather"`` (which :func:`rewrite_gathers` then handles).
 
-    If ``torch.fx.symbolic_trace`` fails (e.g. data-dependent Python control flow), one warning
-    is logged on the ``"parallax"`` logger and only the module rule is applied, so such models
-    still get their embeddings partitioned.
+    If ``torch.fx.symbolic_trace`` fails (e.g. data-dependent Python control flow), one note
+    (``INFO``: rank 0 alone prints it) is logged on the ``"parallax"`` logger and only the
+    module rule is applied, so such models still get their embeddings partitioned.
     """
     try:
         gm: fx.GraphModule | None = _read_trace(model)
     except Exception as exc:  # tracing runs arbitrary user code: any error means "no trace"
         gm = None
-        logger.warning(
+        # a note, not a warning: the model trains as it is (INFO: rank 0 says it, once)
+        logger.info(
             "parallax: torch.fx cannot trace %s (%s: %s); finding sparse parameters with the "
             "nn.Embedding/nn.EmbeddingBag module rule only",
             type(model).__name__,

@@ -36,6 +36,7 @@ from parallax.parallelism.cost import choose_grid, explain, measure_link, predic
 from parallax.parallelism.data_parallel import DataParallel
 from parallax.parallelism.grid import Grid, build_mesh
 from parallax.parallelism.model_parallel import ModelParallel
+from parallax.runs import TrainingRun
 
 __all__ = ["DataParallel", "Grid", "ModelParallel", "Parallelism", "build_parallelism"]
 
@@ -65,15 +66,17 @@ class Parallelism(Protocol):
 
 
 def build_parallelism(model: nn.Module, config: Config, *, worker: WorkerInfo,
-                      group: dist.ProcessGroup, traffic: Traffic) -> Parallelism:
-    """The parallelism `Config.parallelism` names, its mesh built (collective)."""
+                      group: dist.ProcessGroup, traffic: Traffic,
+                      run: TrainingRun) -> Parallelism:
+    """The parallelism `Config.parallelism` names, its mesh built (collective); ``run``'s
+    loaders read as its grid says."""
     from parallax.loader import clear_data_parallel, set_data_parallel
 
     kind = ParallelismName(config.parallelism)
     pairs = config.model_split == ModelSplitName.PAIRS
     world = worker.world_size
     if kind == ParallelismName.DATA:
-        clear_data_parallel()
+        clear_data_parallel(run)
         return DataParallel(world)
     if kind == ParallelismName.MODEL:
         grid = Grid(1, world)
@@ -81,24 +84,25 @@ def build_parallelism(model: nn.Module, config: Config, *, worker: WorkerInfo,
         assert config.mesh is not None  # Config requires it
         grid = Grid(*config.mesh)
     else:
-        grid = _auto_grid(model, worker=worker, group=group, pairs=pairs)
+        grid = _auto_grid(model, worker=worker, group=group, pairs=pairs, run=run)
     if grid.model == 1:
-        clear_data_parallel()
+        clear_data_parallel(run)
         return DataParallel(world)
     mesh = build_mesh(grid, rank=worker.rank, world_size=world, device=worker.device,
                       timeout_s=config.collective_timeout_s)
-    set_data_parallel(replicas=grid.data, index=mesh.data_index, group_size=grid.model)
+    set_data_parallel(run, replicas=grid.data, index=mesh.data_index, group_size=grid.model)
     return ModelParallel(mesh, traffic=traffic, average=config.average_dense, rank=worker.rank,
                          find_unused_parameters=config.find_unused_parameters, pairs=pairs)
 
 
 def _auto_grid(model: nn.Module, *, worker: WorkerInfo, group: dist.ProcessGroup,
-               pairs: bool) -> Grid:
+               pairs: bool, run: TrainingRun) -> Grid:
     """The grid the cost model predicts fastest, on rank 0's measurements (every rank gets
     the same); prints its reasons on rank 0."""
-    from parallax.loader import sharded_loaders
+    from parallax.loader import run_loaders, unbound_loaders
 
-    loaders = sharded_loaders()
+    # the run's loaders, or the ones made before distribute that no run holds yet
+    loaders = run_loaders(run) + unbound_loaders()
     if not loaders:
         raise ConfigError("Config.parallelism='auto' needs the global batch: create the data "
                           "loader with parallax.shard before parallax.get_runner, or name a "

@@ -16,7 +16,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.diagnostics.progress import Explainer
 from parallax.errors import UnevenInputsError, UnsupportedProgramError
 
-__all__ = ["COLLECTIVE_EXPORT", "VALUES", "Call", "LoopOrder"]
+__all__ = ["COLLECTIVE_EXPORT", "SOME_RANKS_EVALUATE", "VALUES", "Call", "LoopOrder"]
 
 COLLECTIVE_EXPORT = (
     "model.state_dict() is collective (it gathers the servers' rows): call it on every rank "
@@ -31,10 +31,20 @@ class Call(enum.IntEnum):
     UPDATE = 2
     EXPORT = 3
     MEAN = 4
+    EVALUATE = 5  # a forward without gradients
 
 
 _SAID = {Call.FORWARD: "a forward of the model", Call.UPDATE: "optimizer.step()",
-         Call.EXPORT: "model.state_dict()", Call.MEAN: "parallax.global_mean()"}
+         Call.EXPORT: "model.state_dict()", Call.MEAN: "parallax.global_mean()",
+         Call.EVALUATE: "a forward without gradients (evaluation)"}
+
+SOME_RANKS_EVALUATE = (
+    "A forward is collective under parallax (its rows come from every server), so the DDP "
+    "habit of evaluating on rank 0 alone cannot run. Evaluate on every rank, each its share "
+    "of the data (parallax.shard of the evaluation loader; all_reduce the metric or use "
+    "parallax.global_mean), or give rank 0 a plain copy: state = model.state_dict() on every "
+    "rank (collective), then on rank 0 plain.load_state_dict(state) into a model built as "
+    "the single-device program builds it, and evaluate that.")
 
 
 VALUES = 2  # numbers a rank's loop-order message carries besides its call and step
@@ -86,7 +96,8 @@ class LoopOrder:
             + ", ".join(f"rank {r} {_SAID[where[r][0]]} in step {where[r][1]}" for r in odd)
             + ". Every rank must call the model and optimizer.step() in the same order (no "
             "rank may skip a step or run an extra forward)."
-            + (f" {COLLECTIVE_EXPORT}" if Call.EXPORT in {w[0] for w in where} else ""))
+            + (f" {COLLECTIVE_EXPORT}" if Call.EXPORT in {w[0] for w in where} else "")
+            + (f" {SOME_RANKS_EVALUATE}" if Call.EVALUATE in {w[0] for w in where} else ""))
 
     def check_export(self, step: int) -> None:
         """`check` of an export, saying it is collective when another rank already ended."""

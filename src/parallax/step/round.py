@@ -27,6 +27,7 @@ from parallax.engine.optimizers.replica_rows import touched_rows_only
 from parallax.engine.tables import handles
 from parallax.engine.tables.exchange import Traffic
 from parallax.errors import UnsupportedProgramError
+from parallax.runs import TrainingRun
 from parallax.step import hyperparameters
 from parallax.step.gradients import StepGradients
 from parallax.step.hooks import StepDone, StepHook
@@ -43,7 +44,8 @@ class StepRound:
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], *, rank: int,
                  sync_mode: SyncMode, dense: DenseSync, gradients: StepGradients,
                  order: LoopOrder, phases: PhaseClock, progress: Progress | None,
-                 explained: Explainer, traffic: Traffic, hooks: list[StepHook]) -> None:
+                 explained: Explainer, traffic: Traffic, hooks: list[StepHook],
+                 run: TrainingRun) -> None:
         self._all = {id(optimizer) for optimizer in optimizers}
         self.optimizers = list(optimizers)
         self.rank = rank
@@ -56,6 +58,7 @@ class StepRound:
         self.explained = explained
         self.traffic = traffic
         self.hooks = hooks
+        self.run = run  # a runner made after this step begins belongs to a new run
         self.global_step = 0  # since the start of training, across resumes
         self.steps_here = 0  # in this process (the warm-up counts these)
         self._stepped: set[int] = set()
@@ -71,6 +74,7 @@ class StepRound:
             self.end()
         if not self.open:
             self.open = True
+            self.run.stepped = True
             self._began = time.perf_counter()
             step = self.global_step + 1
             self.phases.begin(step)

@@ -21,6 +21,10 @@ def main() -> None:
         import torch
 
         torch.set_default_dtype(torch.float64)
+    if verification is not None and verification.role == "original":
+        from parallax.verify.original import install
+
+        install(verification, script)
     runpy.run_path(script, run_name="__main__")
 
 

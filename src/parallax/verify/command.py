@@ -47,6 +47,8 @@ class VerifyOptions:
     timeout_s: float = 600.0  # per run
     keep: str | None = None  # keep the recorded states here
     json_path: str | None = None  # also write the comparison here
+    # the program before the port (script and arguments) as the reference, not the port
+    reference: list[str] | None = None
 
     @property
     def workers(self) -> int:
@@ -118,6 +120,9 @@ def compare_models(reference: Path, distributed: Path,
 
 def _describe(options: VerifyOptions, role: str) -> str:
     dtype = "float64" if options.float64 else "the program's dtype"
+    if role == "reference" and options.reference:
+        return (f"the original program {' '.join(options.reference)} in one process, each "
+                f"DataLoader {options.workers} x its batch_size, {dtype}, {options.steps} steps")
     if role == "reference":
         return (f"one process, the global batch ({options.workers} x the loader's), {dtype}, "
                 f"{options.steps} steps")
@@ -129,11 +134,14 @@ def _run(options: VerifyOptions, role: str, root: Path) -> _RunResult:
     directory = root / role
     shutil.rmtree(directory, ignore_errors=True)  # a kept earlier run's states
     directory.mkdir(parents=True)
-    verification = Verification(str(directory), role, options.steps, options.workers,
-                                options.float64)
+    original = role == "reference" and options.reference is not None
+    verification = Verification(str(directory), "original" if original else role,
+                                options.steps, options.workers, options.float64)
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
     env[VERIFY_ENV] = verification.to_env()
-    script = [str(_CHILD), options.script, *options.script_args]
+    program = options.reference if original and options.reference else [
+        options.script, *options.script_args]
+    script = [str(_CHILD), *program]
     if role == "reference":
         from parallax.cluster import free_port
 
@@ -206,9 +214,11 @@ def report(comparison: Comparison, options: VerifyOptions, *, model: int = 1) ->
     command = " ".join([options.script, *options.script_args])
     which = ("" if model == 1 else f", model {model} (the program's call {model} of "
              f"parallax.distribute or parallax.get_runner)")
+    against = ("the original program " + " ".join(options.reference) if options.reference
+               else "the program")
     lines = [f"parallax verify: {command}{which}",
              f"  {options.machines} machine(s) x {options.nproc_per_machine} worker(s) against "
-             f"one process with the global batch, "
+             f"{against} in one process with the global batch, "
              f"{'float64' if options.float64 else 'the program dtype'}, "
              f"{comparison.steps} step(s) compared (step 0: before training)",
              f"  reference: {comparison.reference_kind or 'unknown'}"]

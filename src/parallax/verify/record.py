@@ -32,7 +32,9 @@ class Verification:
     """What ``parallax verify`` asked of this run (`VERIFY_ENV`, JSON)."""
 
     directory: str  # where this run writes its states
-    role: str  # "reference" (one process, the global batch) or "distributed"
+    # "reference" (the port on one process, the global batch), "original" (the program before
+    # the port, `parallax.verify.original`) or "distributed"
+    role: str
     steps: int  # steps to record; the run ends after the last
     workers: int  # the distributed run's workers: the reference's batch is this many times
     float64: bool = False  # the program runs with torch's default dtype float64
@@ -127,7 +129,7 @@ def describe_run(verification: Verification, model: nn.Module, kind: str) -> Non
 def add_hint(text: str) -> None:
     """Note ``text`` for the report, from the reference run (no-op elsewhere)."""
     verification = active()
-    if verification is not None and verification.role == "reference":
+    if verification is not None and verification.role in ("reference", "original"):
         _update_run(verification.directory, hints=[text])
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from parallax.errors import UnsupportedProgramError, VerifyComplete
-from parallax.loader import sharded_loaders
+from parallax.loader import reachable_loaders
 from parallax.session import shutdown
 from parallax.verify.record import StateRecorder, Verification, add_hint, describe_run
 
@@ -49,7 +49,7 @@ class RunRecorder:
 def note_unsharded(recorder: StateRecorder) -> None:
     """After the reference's first step: a program whose data never went through
     `parallax.shard` gets a hint (its reference cannot read the global batch)."""
-    if recorder.step == 2 and not sharded_loaders():
+    if recorder.step == 2 and not reachable_loaders():
         add_hint("the program's data does not go through parallax.shard, so the one-process "
                  "reference run read the loader's own batch, not the distributed run's global "
                  "batch: wrap the DataLoader in parallax.shard (it keeps a DistributedSampler's "
