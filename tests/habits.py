@@ -518,6 +518,12 @@ HABITS: list[Habit] = [
           "split it in the program, as for DDP", None),
     Habit("other_sampler", "a `WeightedRandomSampler` or custom sampler through "
           "`parallax.shard`", "refused", "its order cannot be split by index", None),
+    Habit("many_runs", "several programs trained one after another in one process (a sweep, "
+          "a notebook cell run again, pretraining then fine-tuning), each kept alive", "works",
+          "a runner made after the current run's first step begins a new run "
+          "(`parallax.runs`): its loaders, checkpoints' data positions and progress records "
+          "are its own, so a later program's resume never takes an earlier one's position",
+          None),
     Habit("state_dict_everywhere", "`state = model.state_dict()` on every rank, "
           "`torch.save` on rank 0", "works", "the plain single-device state dict", None),
     Habit("state_dict_rank0", "`if rank == 0: torch.save(model.state_dict(), f)` (DDP)",

@@ -101,7 +101,11 @@ class Runner:
         check_same_everywhere(model, config, worker, sparse_group)
         orders = LaunchOrders.from_env()  # what the parallax command asked beyond training
         # Where every rank is, in the job's store: a failed collective names who is missing.
-        self.progress = (Progress(worker.rank, worker.world_size, config.collective_timeout_s)
+        #: the training run of this process the runner belongs to (its loaders, checkpoints'
+        #: data positions; parallax.global_mean finds the run through it)
+        self.training_run = track(self)
+        self.progress = (Progress(worker.rank, worker.world_size, config.collective_timeout_s,
+                                  run=self.training_run.number)
                          if worker.world_size > 1 else None)
         self._explained = Explainer(self.progress, lambda: self.global_step + 1)
         # DDP's errors (unused parameters, ...) named with the parallax fix
@@ -113,9 +117,6 @@ class Runner:
                                  store=(distributed_c10d._get_default_store()
                                         if orders.timeline and worker.world_size > 1 else None))
         on_shutdown(self.phases.write)
-        #: the training run of this process the runner belongs to (its loaders, checkpoints'
-        #: data positions; parallax.global_mean finds the run through it)
-        self.training_run = track(self)
         self.traffic = Traffic(worker.rank, worker.machine_of_rank)
         self._build_layout(model, orders)
         self._build_executed(model)

@@ -454,6 +454,19 @@ def test_a_sampler_shard_cannot_split_is_refused(monkeypatch) -> None:
     _refused(lambda: parallax.shard(loader), "WeightedRandomSampler", "DistributedSampler")
 
 
+@tries("many_runs")
+def test_many_runs_in_one_process_are_tried_by_the_runs_tests() -> None:
+    """tests/integration/test_runs.py: six programs one after another in one process (both
+    doors, a save and a later program's resume, model parallelism, a re-run), each equal to
+    one device; tests/integration/test_checkpoint.py: a resume on another shape by processes
+    that trained two programs first."""
+    runs = (ROOT / "tests" / "integration" / "test_runs.py").read_text()
+    assert "def test_each_program_of_the_process_equals_one_device" in runs
+    checkpoints = (ROOT / "tests" / "integration" / "test_checkpoint.py").read_text()
+    assert "def test_a_process_that_trained_before_saves_and_resumes_only_its_runs_data" in \
+        checkpoints
+
+
 @tries("state_dict_everywhere", "state_dict_rank0")
 def test_state_dicts_are_tried_by_the_own_loop_tests() -> None:
     """tests/integration/test_own_loop.py: the state dict saved on every rank equals one

@@ -147,11 +147,22 @@ class Recipe:
         return self.rows(torch.arange(self.num_rows)).reshape(self.shape)
 
 
-_recipes: dict[int, Recipe] = {}  # by the meta storage's identity (views and Parameters share it)
+# By the meta storage's identity (views and Parameters share it). Each entry holds its storage
+# (a meta storage owns no memory), so that no later tensor of this process, a later run's,
+# can be given its address and read an earlier tensor's recipe.
+_recipes: dict[int, Recipe] = {}
+_held: dict[int, torch.UntypedStorage] = {}
 
 
 def _key(tensor: Tensor) -> int:
     return int(tensor.untyped_storage()._cdata)
+
+
+def _keep(tensor: Tensor, recipe: Recipe) -> None:
+    """``tensor``'s recipe, its storage held with it."""
+    key = _key(tensor)
+    _recipes[key] = recipe
+    _held[key] = tensor.untyped_storage()
 
 
 def recipe_of(tensor: Tensor) -> Recipe | None:
@@ -169,7 +180,9 @@ def recipe_of(tensor: Tensor) -> Recipe | None:
 def forget(tensor: Tensor) -> None:
     """Drop ``tensor``'s recipe (its values now live elsewhere)."""
     if tensor.device.type == "meta":
-        _recipes.pop(_key(tensor), None)
+        key = _key(tensor)
+        _recipes.pop(key, None)
+        _held.pop(key, None)
 
 
 def place_on_device(model: nn.Module, server_held: Iterable[str],
@@ -352,7 +365,7 @@ class _Deferring(TorchDispatchMode):
                 step = _random_step(getattr(_aten, kind).default, (), {}, generator)
                 recipe.steps.append(step)
                 _advance(recipe, step, generator)
-        _recipes[_key(shaped)] = recipe
+        _keep(shaped, recipe)
         return shaped
 
     def _random(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -403,8 +416,8 @@ class _Deferring(TorchDispatchMode):
         result: Tensor = func(*args, **kwargs)
         step = _Step(functools.partial(_apply_op, func=func, args=extra, kwargs=named),
                      _describe(func, extra))
-        _recipes[_key(result)] = Recipe(tuple(result.shape), result.dtype, recipe.start_dtype,
-                                        [*recipe.steps, step], holder=result)
+        _keep(result, Recipe(tuple(result.shape), result.dtype, recipe.start_dtype,
+                             [*recipe.steps, step], holder=result))
         return result
 
 

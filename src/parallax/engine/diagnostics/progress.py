@@ -135,12 +135,15 @@ class Progress:
     """This rank's records in the job's store (collective-free: each rank writes its own key)."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float,
-                 store: Store | None = None):
+                 store: Store | None = None, *, run: int = 1):
+        """``run``: the number of the process's training run (`parallax.runs`, the same on
+        every rank): each run's records have keys of their own, so a later run of the
+        process never reads an earlier one's."""
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         base = store if store is not None else distributed_c10d._get_default_store()
-        self.store: Store | None = PrefixStore(_PREFIX, base)
+        self.store: Store | None = PrefixStore(f"{_PREFIX}run{run}/", base)
         self.writer = _Writer(self.store, beat=f"beat{rank}")
         self.steps = 0
         self.ended = False
