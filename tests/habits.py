@@ -262,6 +262,30 @@ def _grads_by_hand(run: Run) -> None:
     _loop(run, run.optimizer.zero_grad, change_and_step)
 
 
+def _penalty_on_looked_up_rows(run: Run) -> None:
+    """A penalty on the rows the batch looked up, computed in the loop by calling the
+    model's embedding layer."""
+    for ids, y in run.batches:
+        run.optimizer.zero_grad()
+        penalty = run.model.embedding(ids).pow(2).mean()
+        (mse(run.model(ids), y) + 0.1 * penalty).backward()
+        run.optimizer.step()
+
+
+def _grads_divided(run: Run) -> None:
+    """Gradient accumulation normalised by hand: two backward passes, then every ``.grad``
+    divided by their number before the step (server-held tables' too)."""
+    for ids, y in run.batches:
+        run.optimizer.zero_grad()
+        half = ids.shape[0] // 2
+        mse(run.model(ids[:half]), y[:half]).backward()
+        mse(run.model(ids[half:]), y[half:]).backward()
+        for param in run.model.parameters():
+            if param.grad is not None:
+                param.grad.div_(2)
+        run.optimizer.step()
+
+
 def _retained_graph(run: Run) -> None:
     """Two backward passes through one retained graph before one step."""
     for ids, y in run.batches:
@@ -452,6 +476,17 @@ HABITS: list[Habit] = [
           "rank, at the forward; evaluate on every rank (each its share, the metric "
           "all-reduced), or load `model.state_dict()` (collective) into a plain copy on rank 0",
           None),
+    Habit("layer_in_loop", "the model's embedding layer called in the loop (a penalty on the "
+          "rows the batch looked up: `loss + c * model.embedding(ids).pow(2).mean()`)",
+          "works", "the call reads the rows through the table, as the model's own lookups "
+          "do, and their gradient joins the step's push; collective: every rank makes it "
+          "(one that does not is named at once)", _penalty_on_looked_up_rows, launched=True),
+    Habit("grads_divided", "every `p.grad` scaled in place before `optimizer.step()` "
+          "(`p.grad.div_(k)` after k accumulated backwards) under the default architecture",
+          "works", "a server-held table's `.grad` answers in-place scaling by a number: its "
+          "aggregated rows are scaled after the push (the workers' scaled rows sum to the "
+          "scaled sum); any other use of it is refused (next rows)", _grads_divided,
+          launched=True),
     Habit("retained_graph", "two `backward()` through one forward's outputs "
           "(`retain_graph=True`) before one step", "refused",
           "DDP averages the dense gradients once per forward, so the second backward's would "

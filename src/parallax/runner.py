@@ -35,6 +35,7 @@ from parallax.engine.optimizers.shard_optimizer import (
 )
 from parallax.engine.tables.backward_push import BackwardPush
 from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.handles import ServerGradient
 from parallax.engine.tables.pool import default_threads, shared_pool
 from parallax.errors import ArgumentTypeError
 from parallax.model.detect import SparseUse, find_sparse_parameters, tracing_once
@@ -45,6 +46,7 @@ from parallax.model.exactness import (
     check_not_compiled,
     warn_per_worker_statistics,
 )
+from parallax.model.loop_reads import serve_layer_calls
 from parallax.model.meta_init import place_on_device
 from parallax.model.stand_ins import executed_copy, mirror
 from parallax.parallelism import Parallelism, build_parallelism
@@ -181,6 +183,8 @@ class Runner:
             run=self.training_run)
         executed = self.parallelism.prepare(executed, model, self.optimizers)
         self._executed = executed
+        # the program's own calls of a table's layer (a penalty on the rows it looked up)
+        serve_layer_calls(model, executed, self.sparse_uses, self._layer_call)
         # Parameters every worker holds whole, with a gradient AllReduced (DDP) or exchanged
         # by their table, updated by the user's optimizer. (Under ps/optps the dense ones are
         # pulled from the servers instead: they get no gradient here.)
@@ -266,6 +270,39 @@ class Runner:
             self.backward_push.arm()  # replicated tables' .grad ready after it, as DDP's
             refuse_a_second_backward(output, self.worker.rank)
         return output
+
+    def _layer_call(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Before the program's own call of a table's layer (`parallax.model.loop_reads`):
+        collective, so every rank must make it where the others do (the loop's order)."""
+        self.order.check(Call.LAYER, self.global_step + 1)
+        return to_device(args, self.device), to_device(kwargs, self.device)
+
+    def program_gradient(self, param: Tensor) -> ServerGradient | None:
+        """What ``param.grad`` answers the program for a server-held parameter of this run
+        between its backward and ``optimizer.step()`` (`ServerGradient`: its in-place scaling
+        by a number scales the aggregated rows); None elsewhere (refused: the rows are on the
+        servers)."""
+        name = next((n for n, p in self._params.items() if p is param), None)
+        if (name is None or name not in self.layout.all_tables() or not self.round.open
+                or not self.sync_mode.scales_program_gradients):
+            return None
+        gradients, round_ = self.gradients, self.round
+        return ServerGradient.of(param, lambda factor: gradients.scale_table_grad(
+            name, factor, aggregated=round_.pushed))
+
+    def read_whole(self, param: Tensor) -> Tensor | None:
+        """The whole value of ``param`` if it is a parameter of this run's model that the
+        servers hold (None otherwise), read from its table for the program's own code
+        (`parallax.engine.tables.handles`): collective, every rank in the same place of the
+        loop; with autograd, its gradient rows join the step's push."""
+        name = next((n for n, p in self._params.items() if p is param), None)
+        table = self.layout.all_tables().get(name) if name is not None else None
+        if table is None or not table.on_servers:
+            return None
+        self.order.check(Call.READ, self.global_step + 1)
+        rows, inverse = table.lookup(torch.arange(table.num_rows, device=self.device))
+        return rows[inverse].view(param.shape)
 
     def step(self, batch: Sequence[Any]) -> Tensor:
         """One synchronous training step on this worker's ``(inputs, targets)``; returns this

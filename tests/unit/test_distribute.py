@@ -173,20 +173,32 @@ def test_a_parameter_in_no_optimizer_is_refused():
         parallax.distribute(model, torch.optim.SGD(model.embedding.parameters(), lr=0.1))
 
 
-def test_a_server_held_table_read_outside_the_model_is_refused(single_process):
-    """The user's copy of a server-held table has no storage: its shape and dtype answer, a
-    value read from the program's code is refused at once, naming the parameter, the rank
-    and the line."""
-    model, _, _, _ = _pair()
+def test_a_server_held_table_read_in_the_loop_trains_as_one_device_and_a_write_is_refused(
+        single_process):
+    """The user's copy of a server-held table has no storage: its shape and dtype answer; a
+    value read from the program's code (a penalty on the table's norm and on rows it indexes
+    itself, in the loss) reads the whole table through the run, its gradient rows pushed with
+    the step's: three steps equal one device's (on 26b56e5 both reads were refused); a write
+    and ``.grad`` are refused at once, naming the parameter, the rank and the line."""
+    model, optimizer, reference, reference_optimizer = _pair(torch.optim.Adam)
+    model.eval(), reference.eval()  # no dropout
     weight = model.module.embedding.weight
     assert weight.shape == (30, 4) and weight.dtype == torch.float64
-    ids, _ = _batch(0)
+    for step in range(3):
+        ids, y = _batch(step)
+        for net, opt in ((model, optimizer), (reference, reference_optimizer)):
+            opt.zero_grad()
+            table = net.embedding.weight
+            penalty = 0.1 * table.norm() + 0.01 * table[ids[:, 0]].pow(2).sum()
+            (nn.functional.cross_entropy(net(ids)["logits"], y) + penalty).backward()
+            opt.step()
+    _assert_same(model.state_dict(), reference.state_dict())
     with pytest.raises(UnsupportedProgramError, match=r"rank 0: parameter 'embedding.weight' "
-                       r"lives on the parameter servers .* '__getitem__' on it at "
-                       r".*test_distribute.py:\d+"):
-        weight[ids]  # a lookup of one's own
-    with pytest.raises(UnsupportedProgramError, match="'pow' on it"):
-        weight.pow(2).sum()
+                       r"lives on the parameter servers .* 'mul_' on it at "
+                       r".*test_distribute.py:\d+"), torch.no_grad():
+        weight.mul_(0.5)  # a manual update
+    with pytest.raises(UnsupportedProgramError, match="'grad' on it"):
+        weight.grad.sum()
 
 
 def test_a_non_finite_norm_raises_when_asked_and_clips_nothing(single_process):

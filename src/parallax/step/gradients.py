@@ -58,6 +58,9 @@ class StepGradients:
         self.tables_squared: Tensor | None = None
         #: the norm `Config.clip_grad_norm` clipped by, at the latest step that clipped
         self.last_norm: float | None = None
+        #: factors the program scaled a server-held table's ``.grad`` by before the push
+        #: (``p.grad.div_(k)``), by parameter name: applied to the aggregated rows after it
+        self.program_scales: dict[str, float] = {}
 
     # ---- which gradients ---------------------------------------------------------------------
     def tables_of(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[Table]:
@@ -80,6 +83,22 @@ class StepGradients:
                                  if id(p) in ids])
         return self._named[1]
 
+    def scale_table_grad(self, name: str, factor: float, *, aggregated: bool) -> None:
+        """The program scaled server-held ``name``'s ``.grad`` by ``factor`` in place: the
+        aggregated rows now (``aggregated``: the push is done), or once pushed."""
+        if aggregated:
+            self.tables()[name].scale_grad(torch.tensor(factor, dtype=torch.float64))
+        else:
+            self.program_scales[name] = self.program_scales.get(name, 1.0) * factor
+
+    def apply_program_scales(self) -> None:
+        """After the push: the factors the program scaled the tables' ``.grad`` by, on the
+        aggregated rows (the sum of the workers' scaled rows is the scaled sum)."""
+        tables = self.tables()
+        for name, factor in self.program_scales.items():
+            tables[name].scale_grad(torch.tensor(factor, dtype=torch.float64))
+        self.program_scales.clear()
+
     # ---- one device's habits -----------------------------------------------------------------
     def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer] | None = None, *,
                   set_to_none: bool = True) -> None:
@@ -90,6 +109,7 @@ class StepGradients:
                   else self.tables_of(optimizers))
         for table in tables:  # first: a replicated table keeps its cleared gradient's buffer
             table.zero_grad(set_to_none=set_to_none)
+            self.program_scales.pop(table.name, None)
         for param in [*self.replicated, *self.split]:
             if mine is None or id(param) in mine:
                 clear_grad(param, set_to_none)

@@ -32,11 +32,15 @@ class Call(enum.IntEnum):
     EXPORT = 3
     MEAN = 4
     EVALUATE = 5  # a forward without gradients
+    LAYER = 6  # the program's own call of a table's layer (`parallax.model.loop_reads`)
+    READ = 7  # the program's own read of a whole server-held parameter
 
 
 _SAID = {Call.FORWARD: "a forward of the model", Call.UPDATE: "optimizer.step()",
          Call.EXPORT: "model.state_dict()", Call.MEAN: "parallax.global_mean()",
-         Call.EVALUATE: "a forward without gradients (evaluation)"}
+         Call.EVALUATE: "a forward without gradients (evaluation)",
+         Call.LAYER: "a call of an embedding layer (model.emb(ids))",
+         Call.READ: "a read of a whole server-held parameter (model.emb.weight.norm())"}
 
 SOME_RANKS_EVALUATE = (
     "A forward is collective under parallax (its rows come from every server), so the DDP "

@@ -67,6 +67,11 @@ class StepRound:
         self._applies = False  # its update applies (False: Config.nonfinite skipped it)
         self._began = 0.0
 
+    @property
+    def pushed(self) -> bool:
+        """Whether this step's gradient rows are pushed and aggregated."""
+        return self._synced
+
     def begin(self) -> None:
         """A training forward comes: it opens the step, or joins the open one (gradient
         accumulation); after some optimizers stepped it belongs to the next step."""

@@ -61,6 +61,9 @@ class SyncMode:
     #: the push is one message to every rank after the backward, which riders can take
     #: (`parallax.engine.tables.riders`; `Runner.step` then defers the dense sum to it)
     carries_riders: ClassVar[bool] = False
+    #: the program's in-place scaling of a server-held ``.grad`` (``p.grad.div_(k)``) applies
+    #: to the aggregated rows (`StepGradients.apply_program_scales`, in `push`)
+    scales_program_gradients: ClassVar[bool] = False
 
     def __init__(self, config: Config, worker: WorkerInfo, phases: PhaseClock,
                  nonfinite: NonFinitePolicy, layout: Layout, *,
@@ -134,6 +137,7 @@ class Synchronous(SyncMode):
     """``Config.sync="sync"``: see the module."""
 
     carries_riders = True
+    scales_program_gradients = True
 
     def __init__(self, config: Config, worker: WorkerInfo, phases: PhaseClock,
                  nonfinite: NonFinitePolicy, layout: Layout, *,
@@ -161,6 +165,7 @@ class Synchronous(SyncMode):
         with self.phases.phase("dense sync"):
             gradients.reduce_split_layers()
         with self.phases.phase("clip and check"):
+            gradients.apply_program_scales()  # the program's p.grad.div_(k), before clipping
             gradients.tables_squared = None
             if verdict.carried:  # which tables any backward reached: in the verdict
                 gradients.agree_by(verdict)

@@ -14,9 +14,12 @@ would compute with nothing, or silently leave the servers' rows out (torch's own
 ``__torch_function__`` (torch's extension point for tensor subclasses) lets through what is
 true without values (shape, dtype, ``requires_grad``, ...), serves what needs only its dtype
 and device (``new_zeros``, ``zeros_like``, ``.device``: the worker's device, so
-``next(model.parameters()).device`` still says where inputs go), and refuses everything else
-called from the user's code with an `UnsupportedProgramError` that names the parameter, the
-rank, the line of the program and the fix for the habit it recognises (torch's
+``next(model.parameters()).device`` still says where inputs go), reads the whole value through
+the run for an operation that only reads it (a penalty on the table's norm in the loss:
+collective, its gradient rows joining the step's push, as on one device), and refuses
+everything else called from the user's code (writes, ``.grad``, ``.data``) with an
+`UnsupportedProgramError` that names the parameter, the rank, the line of the program and the
+fix for the habit it recognises (torch's
 ``clip_grad_norm_``, ``model.module.zero_grad()``, a manual ``p.data`` update, pickling, a
 ``state_dict`` of the inner module, ...). Parallax's own code (and torch's code called from
 it) sees the plain meta tensor.
@@ -40,7 +43,8 @@ from torch import Tensor, nn
 
 from parallax.errors import UnsupportedProgramError
 
-__all__ = ["ServerHeldParameter", "internal", "is_released", "release", "restore"]
+__all__ = ["ServerGradient", "ServerHeldParameter", "internal", "is_released", "release",
+           "restore"]
 
 # What a storage-less parameter can answer truthfully (attribute getters and size queries).
 _METADATA = frozenset({
@@ -96,7 +100,64 @@ class ServerHeldParameter(nn.Parameter):
                                    device=device)
             args = tuple(template if a is handle else a for a in args)
             return func(*args, **kwargs)
+        habit = _habit_of(name, caller)  # torch's clip_grad_norm_, zero_grad, ...: refused
+        if name == "grad.__get__" and habit is None:
+            gradient = _program_gradient(handle)
+            if gradient is not None:
+                return gradient
+        if _only_reads(name) and habit is None:
+            wholes = {id(a): whole for a in (*args, *kwargs.values())
+                      if isinstance(a, ServerHeldParameter)
+                      and (whole := _read_whole(a)) is not None}
+            if wholes:  # every handle among the arguments is read through its run
+                def value(a: Any) -> Any:
+                    return wholes.get(id(a), a) if isinstance(a, ServerHeldParameter) else a
+                return func(*map(value, args), **{k: value(v) for k, v in kwargs.items()})
         raise UnsupportedProgramError(_refusal(handle, name, caller))
+
+
+# in-place scaling by a number, what ``p.grad`` of a server-held parameter allows
+_SCALES = {"mul_": False, "__imul__": False, "div_": True, "__itruediv__": True}
+
+
+class ServerGradient(Tensor):
+    """What ``p.grad`` of a server-held parameter answers in the program's code, between its
+    backward and ``optimizer.step()``: a storage-less tensor whose in-place scaling by a
+    number (``p.grad.div_(k)``, ``p.grad *= c``: gradient accumulation's normalisation)
+    scales the parameter's aggregated rows, as on one device (the sum of the workers' scaled
+    rows is the scaled sum); anything else is refused as ``.grad`` is (the rows are summed on
+    the servers, not held here)."""
+
+    @staticmethod
+    def of(handle: Tensor, scale: Any) -> ServerGradient:
+        """``handle``'s gradient, ``scale(factor)`` doing its in-place scaling."""
+        made = Tensor._make_subclass(ServerGradient, torch.empty_like(handle, device="meta"))
+        made.__dict__.update(_parallax_handle=handle, _parallax_scale=scale)
+        return made
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = _name_of(func)
+        caller = (None if getattr(_state, "depth", 0) or name.removesuffix(".__get__")
+                  in _METADATA else _users_frame())
+        if caller is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        me = args[0] if args and isinstance(args[0], ServerGradient) else None
+        if (me is not None and name in _SCALES and len(args) == 2 and not kwargs
+                and isinstance(args[1], (int, float, Tensor))
+                and (not isinstance(args[1], Tensor) or args[1].numel() == 1)):
+            number = float(args[1])
+            factor = 1 / number if _SCALES[name] and number else (
+                float("inf") if _SCALES[name] else number)
+            if factor == factor and abs(factor) != float("inf"):  # finite
+                me.__dict__["_parallax_scale"](factor)
+                return me
+        handle = next(a.__dict__["_parallax_handle"] for a in (*args, *kwargs.values())
+                      if isinstance(a, ServerGradient))
+        raise UnsupportedProgramError(_refusal(handle, "grad.__get__", caller))
 
 
 def _name_of(func: Any) -> str:
@@ -209,6 +270,54 @@ _OPERATIONS = {
 # operations a penalty on the parameters in the loss applies (an L2 or L1 term)
 _PENALTIES = frozenset({"pow", "__pow__", "square", "norm", "linalg_vector_norm", "abs",
                         "__abs__", "mul", "__mul__", "__rmul__", "sum"})
+
+
+# in-place operators: a write, which would not reach the servers' rows
+_WRITES = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                     "__irshift__", "__imatmul__", "__setitem__", "__delitem__"})
+
+
+def _only_reads(operation: str) -> bool:
+    """Whether ``operation`` only reads the tensor's values (no in-place op, no setter, none
+    of the accesses `_OPERATIONS` refuses)."""
+    in_place = operation.endswith("_") and not operation.startswith("__")
+    return not (in_place or operation in _WRITES or operation.endswith(".__set__")
+                or operation in _OPERATIONS)
+
+
+def _habit_of(operation: str, caller: Any) -> tuple[str, str] | None:
+    """The habit of `_HABITS` the program is in (its what and fix), if any."""
+    on_the_way = _callers_between(caller) | {operation}
+    return next(((w, f) for names, w, f in _HABITS if names & on_the_way), None)
+
+
+def _runners() -> list[Any]:
+    """The current run's runners (`parallax.runs`)."""
+    from parallax import runs
+
+    run = runs.current_run()
+    return run.runners() if run is not None else []
+
+
+def _program_gradient(handle: ServerHeldParameter) -> ServerGradient | None:
+    """``handle``'s `ServerGradient` from the runner of the current run that holds it, where
+    that runner can scale it now; None otherwise."""
+    for runner in _runners():
+        gradient: ServerGradient | None = runner.program_gradient(handle)
+        if gradient is not None:
+            return gradient
+    return None
+
+
+def _read_whole(handle: ServerHeldParameter) -> Tensor | None:
+    """The parameter's whole value read through the runner of the current run that holds it
+    (collective; with autograd its gradient rows join the step's push), or None."""
+    for runner in _runners():
+        whole: Tensor | None = runner.read_whole(handle)
+        if whole is not None:
+            return whole
+    return None
 
 
 def _refusal(handle: ServerHeldParameter, operation: str, caller: Any) -> str:

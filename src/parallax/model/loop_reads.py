@@ -1,0 +1,52 @@
+"""A table's layer called by the program itself, outside the model's forward.
+
+A single-device program may call its embedding layer in the loop: a penalty on the rows a
+batch looked up (``loss + c * model.emb(ids).pow(2).mean()``), the item vectors of a
+retrieval loss. The user's layer holds a storage-less handle (`parallax.engine.tables.
+handles`), so the call would fail; `serve_layer_calls` makes it call the layer's stand-in in
+the module tree that runs instead, which reads the rows from the table as the model's own
+lookups do (collective: every rank makes the call) and whose gradient rows join the step's
+push. The program's forward hooks on the layer still run around it, as on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from parallax.model.detect import SparseUse
+
+__all__ = ["LayerCall", "serve_layer_calls"]
+
+
+class LayerCall:
+    """The ``forward`` of a user's embedding layer: ``before()`` (the loop's order check,
+    the batch to the device), then the stand-in's forward."""
+
+    def __init__(self, stand_in: nn.Module,
+                 before: Callable[[tuple[Any, ...], dict[str, Any]],
+                                  tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
+        self.stand_in = stand_in
+        self.before = before
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.before(args, kwargs)
+        return self.stand_in(*args, **kwargs)
+
+
+def serve_layer_calls(model: nn.Module, executed: nn.Module, sparse_uses: dict[str, SparseUse],
+                      before: Callable[[tuple[Any, ...], dict[str, Any]],
+                                       tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
+    """Point each ``nn.Embedding``/``nn.EmbeddingBag`` of ``model`` whose table the servers
+    hold at its stand-in in ``executed`` (an instance ``forward``: ``model``'s layers are not
+    in the tree that runs, so only the program's own calls reach it)."""
+    for use in sparse_uses.values():
+        path = use.module_path
+        if use.kind == "gather" or path is None:
+            continue
+        layer = model.get_submodule(path)
+        stand_in = executed.get_submodule(path)
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and stand_in is not layer:
+            layer.forward = LayerCall(stand_in, before)  # type: ignore[method-assign]
