@@ -272,6 +272,14 @@ def _penalty_on_looked_up_rows(run: Run) -> None:
         run.optimizer.step()
 
 
+def _table_norm_penalty(run: Run) -> None:
+    """A penalty on the whole table's norm in the loss."""
+    for ids, y in run.batches:
+        run.optimizer.zero_grad()
+        (mse(run.model(ids), y) + 0.05 * run.model.embedding.weight.norm()).backward()
+        run.optimizer.step()
+
+
 def _grads_divided(run: Run) -> None:
     """Gradient accumulation normalised by hand: two backward passes, then every ``.grad``
     divided by their number before the step (server-held tables' too)."""
@@ -481,6 +489,14 @@ HABITS: list[Habit] = [
           "works", "the call reads the rows through the table, as the model's own lookups "
           "do, and their gradient joins the step's push; collective: every rank makes it "
           "(one that does not is named at once)", _penalty_on_looked_up_rows, launched=True),
+    Habit("table_norm_penalty", "a penalty on a whole table in the loss "
+          "(`loss + c * model.embedding.weight.norm()`, any read of a server-held parameter's "
+          "values in the program's code)", "works",
+          "the read pulls the whole table through the run (collective: every rank makes it, "
+          "in the loop's order) and its gradient rows join the step's push; costly for a "
+          "large table: an L2 penalty `lam * w.pow(2).sum()` is cheaper as the optimizer's "
+          "`weight_decay=2*lam` (SGD, Adam, Adagrad); a write (`w.mul_(...)`) stays refused",
+          _table_norm_penalty, launched=True),
     Habit("grads_divided", "every `p.grad` scaled in place before `optimizer.step()` "
           "(`p.grad.div_(k)` after k accumulated backwards) under the default architecture",
           "works", "a server-held table's `.grad` answers in-place scaling by a number: its "
