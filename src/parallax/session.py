@@ -124,6 +124,14 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def _shapes_of(theirs: list[list[Any]], ours: list[list[Any]], names: list[str]) -> str:
+    """How the parameters ``names`` differ: this rank's shape against rank 0's."""
+    mine = {n: s for n, s, _ in theirs}
+    zero = {n: s for n, s, _ in ours}
+    return ", ".join(f"{n}: {mine.get(n, 'absent')} vs rank 0's {zero.get(n, 'absent')}"
+                     for n in sorted(set(names))[:4])
+
+
 def check_same_everywhere(model: nn.Module, config: Config, worker: WorkerInfo,
                            group: dist.ProcessGroup) -> None:
     """Every worker must run the same model with the same Config: compared with rank 0's at
@@ -147,11 +155,17 @@ def check_same_everywhere(model: nn.Module, config: Config, worker: WorkerInfo,
             ours = {n: (s, d) for n, s, d in reference["parameters"]}
             odd = [n for n, s, d in theirs["parameters"] if ours.get(n) != (s, d)]
             odd += [n for n in ours if n not in {t[0] for t in theirs["parameters"]}]
-            problems.append(f"rank {rank}'s model differs in parameter(s) {sorted(set(odd))}")
+            problems.append(f"rank {rank}'s model differs in parameter(s) {sorted(set(odd))}"
+                            f" ({_shapes_of(theirs['parameters'], reference['parameters'], odd)})")
         if theirs["partition_groups"] != reference["partition_groups"]:
             problems.append(f"rank {rank}'s parallax.partitioner groups differ "
                             f"({theirs['partition_groups']} vs {reference['partition_groups']})")
     if problems:
-        raise UnsupportedProgramError(f"rank {worker.rank}: workers disagree with rank 0: "
-                         + "; ".join(problems) + ". Every worker must build the same model "
-                         "and Config.")
+        raise UnsupportedProgramError(
+            f"rank {worker.rank}: workers disagree with rank 0: " + "; ".join(problems)
+            + ". Every worker must build the same model and Config: the single-device "
+            "program's. A program that builds its model from its rank or the world size "
+            "(a model-parallel mode switched on by WORLD_SIZE, as DLRM's dlrm_s_pytorch.py "
+            "does; each rank its own slice of a table) builds a different one on each rank: "
+            "build the whole single-device model on every rank (for DLRM its one-process "
+            "path) and let parallax shard the tables.")

@@ -107,6 +107,9 @@ def test_workers_with_different_configs_or_models_fail_at_start_naming_them(
             ) in proc.stderr
     assert ("rank 1's parallax.partitioner groups differ ({'embedding.weight': ['tables', "
             "None]} vs {})") in proc.stderr
+    # how they differ, and the habit that makes a model per rank (DLRM's WORLD_SIZE mode)
+    assert "out.weight: " in proc.stderr and "vs rank 0's " in proc.stderr
+    assert "from its rank or the world size" in proc.stderr
     assert seconds < COLLECTIVE_TIMEOUT_S
     assert_no_worker_left(tmp_path)
 

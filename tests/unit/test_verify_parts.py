@@ -331,3 +331,23 @@ def test_the_original_programs_model_and_global_batch_are_found(monkeypatch) -> 
     assert DataLoader(data, 2, False).batch_size == 6
     batches = BatchSampler(SequentialSampler(data), 2, drop_last=False)
     assert len(list(DataLoader(data, batch_sampler=batches))) == 6
+
+
+def test_the_report_says_the_states_real_dtype_and_blames_float32_rounding_alone(
+        tmp_path: Path) -> None:
+    """A program that builds its own float32 tensors (DLRM's, from numpy arrays) stays
+    float32 under --dtype float64: the report says the states' dtype, and a difference within
+    float32 rounding gets that hint, not the in-batch one (on 26b56e5 it said "float64" and
+    blamed computations across the batch)."""
+    def float32(steps: list[dict]) -> list[dict]:
+        return [{k: v.float() for k, v in state.items()} for state in steps]
+
+    a = write_run(tmp_path / "a", float32(states(3)))
+    b = write_run(tmp_path / "b", float32(states(3, bump={1: 3e-7})))
+    text = report(compare_runs(a, b, 1e-9), VerifyOptions("dlrm.py"))
+    assert "states in float32 (asked: float64; the program builds these itself)" in text
+    assert "within float32's rounding" in text and "--tolerance 1e-05" in text
+    assert "in-batch negatives" not in text
+    far = write_run(tmp_path / "c", float32(states(3, bump={1: 1e-2})))
+    assert "float32's rounding" not in report(compare_runs(a, far, 1e-9),
+                                              VerifyOptions("dlrm.py"))

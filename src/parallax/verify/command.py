@@ -219,7 +219,7 @@ def report(comparison: Comparison, options: VerifyOptions, *, model: int = 1) ->
     lines = [f"parallax verify: {command}{which}",
              f"  {options.machines} machine(s) x {options.nproc_per_machine} worker(s) against "
              f"{against} in one process with the global batch, "
-             f"{'float64' if options.float64 else 'the program dtype'}, "
+             f"{_dtypes_said(comparison, options)}, "
              f"{comparison.steps} step(s) compared (step 0: before training)",
              f"  reference: {comparison.reference_kind or 'unknown'}"]
     width = max([len("tensor"), *(len(t.name) for t in comparison.tensors)])
@@ -236,15 +236,45 @@ def report(comparison: Comparison, options: VerifyOptions, *, model: int = 1) ->
         lines.append(f"  shapes differ: {text}")
     lines.append(_verdict(comparison))
     if not comparison.equal:
-        if any(t.first_step_above == 0 for t in comparison.above):
+        rounding = _float32_rounding(comparison, options)
+        if rounding:
+            lines.append(f"hint: {rounding}")
+        elif any(t.first_step_above == 0 for t in comparison.above):
             lines.append("hint: the runs start from different values: seed torch's generator "
                          "(torch.manual_seed) before building the model, so that every run "
                          "of the program starts from the same one")
         elif (comparison.above and comparison.above[0].first_step_above == 1
-              and not comparison.hints):  # no named cause (dropout, BatchNorm, ...)
+              and not comparison.hints and not rounding):  # no named cause (dropout, ...)
             lines.append(f"hint: {_BATCH_COUPLED}")
         lines += [f"hint: {hint}" for hint in comparison.hints]
     return "\n".join(lines)
+
+
+def _dtypes_said(comparison: Comparison, options: VerifyOptions) -> str:
+    """The dtypes the states really had (a program that builds its own float32 tensors, from
+    numpy arrays say, stays float32 under --dtype float64)."""
+    had = " and ".join(comparison.dtypes) or "no floating"
+    if options.float64 and comparison.dtypes and comparison.dtypes != ["float64"]:
+        return f"states in {had} (asked: float64; the program builds these itself)"
+    return f"states in {had}" if comparison.dtypes else "float64" if options.float64 else \
+        "the program dtype"
+
+
+def _float32_rounding(comparison: Comparison, options: VerifyOptions) -> str:
+    """A hint when every difference is within the rounding of lower-precision states that
+    the float64 tolerance cannot take: the runs agree to that precision."""
+    low = [d for d in comparison.dtypes if d in ("float32", "float16", "bfloat16")]
+    if not low or not comparison.above or options.tolerance is not None:
+        return ""
+    scale = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}[low[-1]]
+    if max(t.max_difference for t in comparison.above) > scale:
+        return ""
+    return (f"the states are {' and '.join(low)} (the program builds them so: torch's "
+            f"default dtype does not reach tensors made from numpy arrays or with an explicit "
+            f"dtype), and every difference is within {low[-1]}'s rounding of a different "
+            f"summation order (at most {max(t.max_difference for t in comparison.above):.1e}"
+            f"): compare with --tolerance {scale:g}, or build the program's tensors in float64 "
+            f"to verify to 1e-9")
 
 
 # The first update differs with nothing else to blame: the likeliest cause is a computation

@@ -42,6 +42,8 @@ class Comparison:
     shape_mismatches: list[str] = field(default_factory=list)
     hints: list[str] = field(default_factory=list)
     reference_kind: str = ""  # plain PyTorch, or the program's one-worker run
+    #: the floating dtypes the recorded states really had ("float64", "float32", ...)
+    dtypes: list[str] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -93,6 +95,9 @@ def compare_runs(reference: str | os.PathLike[str], distributed: str | os.PathLi
                 for n in ours if n in theirs and ours[n].shape != theirs[n].shape]
             tensors = {n: TensorDifference(n) for n in ours
                        if n in theirs and ours[n].shape == theirs[n].shape}
+            result.dtypes = sorted({str(t.dtype).removeprefix("torch.")
+                                    for t in (*ours.values(), *theirs.values())
+                                    if t.is_floating_point()})
         for name, entry in tensors.items():
             difference = _max_difference(ours[name], theirs[name])
             if difference > entry.max_difference or step == 0:
