@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from parallax.model.detect import SparseUse
+from parallax.model.stand_ins import ShardedEmbedding, ShardedEmbeddingBag
 
 __all__ = ["LayerCall", "serve_layer_calls"]
 
@@ -39,14 +40,17 @@ class LayerCall:
 def serve_layer_calls(model: nn.Module, executed: nn.Module, sparse_uses: dict[str, SparseUse],
                       before: Callable[[tuple[Any, ...], dict[str, Any]],
                                        tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
-    """Point each ``nn.Embedding``/``nn.EmbeddingBag`` of ``model`` whose table the servers
-    hold at its stand-in in ``executed`` (an instance ``forward``: ``model``'s layers are not
-    in the tree that runs, so only the program's own calls reach it)."""
-    for use in sparse_uses.values():
+    """Point each ``nn.Embedding``/``nn.EmbeddingBag`` of ``model`` whose table has a
+    stand-in in ``executed`` (found by its table's name: a retraced tree has other paths) at
+    it (an instance ``forward``: ``model``'s layers are not in the tree that runs, so only the
+    program's own calls reach it)."""
+    stand_ins = {module.table.name: module for module in executed.modules()
+                 if isinstance(module, (ShardedEmbedding, ShardedEmbeddingBag))}
+    for name, use in sparse_uses.items():
         path = use.module_path
-        if use.kind == "gather" or path is None:
+        stand_in = stand_ins.get(name)
+        if use.kind == "gather" or path is None or stand_in is None:
             continue
         layer = model.get_submodule(path)
-        stand_in = executed.get_submodule(path)
-        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and stand_in is not layer:
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)):
             layer.forward = LayerCall(stand_in, before)  # type: ignore[method-assign]
