@@ -18,6 +18,7 @@ other data than the one whose position it would take.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sized
@@ -49,8 +50,8 @@ from parallax.logs import log
 from parallax.runs import TrainingRun
 from parallax.verify import record as verify
 
-__all__ = ["ShardedLoader", "describe", "reachable_loaders", "records", "resume_later",
-           "resume_loaders", "run_loaders", "shard", "unbound_loaders"]
+__all__ = ["ShardedLoader", "check_resumed", "describe", "reachable_loaders", "records",
+           "resume_later", "resume_loaders", "run_loaders", "shard", "unbound_loaders"]
 
 _ATTRIBUTE = "_parallax_sharded"  # a DataLoader's ShardedLoader, made by `shard`
 
@@ -167,6 +168,7 @@ class ShardedLoader:
                 f"run's: {theirs}. Make the same loaders, in the same order, as the program "
                 f"that saved it")
         self.resume(record["position"])
+        run.taken += 1
 
     def regrid(self, replicas: int, index: int, group_size: int) -> None:
         """Read as data replica ``index`` of ``replicas``, ``group_size`` times the original
@@ -421,6 +423,7 @@ def describe(loader: ShardedLoader) -> dict[str, Any]:
 
 def records(run: TrainingRun | None = None) -> list[dict[str, Any]]:
     """``run``'s loaders as a checkpoint saves them: each one's position and `describe`."""
+    gc.collect()  # a loader the program dropped lives on in its cycle with its DataLoader
     return [{"position": loader.position(), "loader": describe(loader)}
             for loader in run_loaders(run)]
 
@@ -429,8 +432,10 @@ def resume_loaders(run: TrainingRun, saved: list[dict[str, Any]]) -> list[Sharde
     """A checkpoint's loader ``saved`` records to ``run``'s loaders: first those it has, then
     the live ones no run holds yet (made before ``distribute``), in order; the rest wait for
     the loaders the program makes next (`resume_later`). Returns the loaders resumed."""
+    gc.collect()  # a dropped loader (in a cycle with its DataLoader) takes no position
     candidates = run_loaders(run) + unbound_loaders()
     everything = [record.get("loader") for record in saved]
+    run.resumed, run.taken = list(saved), 0
     resumed = []
     for loader, record in zip(candidates, saved, strict=False):
         loader._join(run)
@@ -438,6 +443,22 @@ def resume_loaders(run: TrainingRun, saved: list[dict[str, Any]]) -> list[Sharde
         resumed.append(loader)
     resume_later(run, [{**record, "all": everything} for record in saved[len(resumed):]])
     return resumed
+
+
+def check_resumed(run: TrainingRun, rank: int) -> None:
+    """At ``run``'s first step: a checkpoint that held loader positions, none of which a
+    loader of the run took, is refused (the program's data would start over while its model
+    goes on: no parallax.shard loader, or none made before the step). Positions a later
+    loader takes (an evaluation loader made after the first step) may still wait."""
+    if run.resumed and not run.taken:
+        raise CheckpointError(
+            f"rank {rank}: the checkpoint resumed by run {run.number} of this process holds "
+            f"the position(s) of {len(run.resumed)} parallax.shard loader(s) "
+            f"({[record.get('loader') for record in run.resumed]}), and this run's first step "
+            f"came with no loader taking one (its loaders: "
+            f"{[describe(loader) for loader in run_loaders(run)]}): its data would start "
+            f"over while the model goes on. Make the program's loaders with parallax.shard, "
+            f"as the program that saved it did, before the first step")
 
 
 def resume_later(run: TrainingRun, saved: list[dict[str, Any]]) -> None:

@@ -42,6 +42,8 @@ class TrainingRun:
     data_parallel: tuple[int, int, int] | None = None
     waiting: list[dict[str, Any]] = field(default_factory=list)
     said: set[str] = field(default_factory=set)  # notes said once per run (parallax.shard's)
+    resumed: list[dict[str, Any]] = field(default_factory=list)  # a resume's loader records
+    taken: int = 0  # of those, the ones a loader of the run took
     _runners: list[weakref.ref[Any]] = field(default_factory=list)
     _loaders: list[weakref.ref[Loader]] = field(default_factory=list)
 

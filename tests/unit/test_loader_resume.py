@@ -415,3 +415,43 @@ def test_a_shuffled_or_batch_as_item_loader_is_said_once_a_run_with_the_exact_al
     assert len(said) == 2, said
     assert "shuffle=True" in said[0] and "DistributedSampler(dataset, num_replicas=1" in said[0]
     assert "whole mini-batch" in said[1] and "batch_size=b" in said[1]
+
+
+def test_a_resumed_run_whose_first_step_took_no_saved_position_is_refused(run_of) -> None:
+    """The checkpoint held a loader's position and the resumed program's first step came
+    with no parallax.shard loader taking it (its data would start over under a model that
+    goes on); once one took it, later ones may still wait (an evaluation loader made after
+    the first step)."""
+    from parallax.loader import check_resumed
+
+    gc.collect()  # no other test's loader left unbound
+    first = run_of()
+    (loader,) = _loaders(24, 1, 2, shuffle=False, drop_last=False)
+    next(iter(loader))
+    saved = records(first) * 2  # a training and an evaluation loader, say
+    second = run_of()
+    resume_loaders(second, saved)
+    with pytest.raises(CheckpointError, match=r"holds the position\(s\) of 2 parallax.shard "
+                       r"loader\(s\).*no loader taking one"):
+        check_resumed(second, 0)
+    _loaders(24, 1, 2, shuffle=False, drop_last=False)  # made after the resume: takes one
+    check_resumed(second, 0)
+    assert len(second.waiting) == 1
+
+
+def test_a_loader_the_program_dropped_is_not_saved(run_of) -> None:
+    """An earlier epoch's inline loader, dropped, lives on in its cycle with its DataLoader
+    until the collector runs: a checkpoint does not save its position (a resume would give
+    it to the loader the program makes first)."""
+    run = run_of()
+    gc.disable()
+    try:
+        (old,) = _loaders(12, 1, 2, shuffle=False, drop_last=False)
+        list(old)
+        del old
+        (current,) = _loaders(12, 1, 2, shuffle=False, drop_last=False)
+        next(iter(current))
+        assert len(run.loaders()) == 2  # the dropped one is still alive here
+        assert [record["position"] for record in records(run)] == [current.position()]
+    finally:
+        gc.enable()

@@ -27,6 +27,7 @@ from parallax.engine.optimizers.replica_rows import touched_rows_only
 from parallax.engine.tables import handles
 from parallax.engine.tables.exchange import Traffic
 from parallax.errors import UnsupportedProgramError
+from parallax.loader import check_resumed
 from parallax.runs import TrainingRun
 from parallax.step import hyperparameters
 from parallax.step.gradients import StepGradients
@@ -79,6 +80,8 @@ class StepRound:
             self.end()
         if not self.open:
             self.open = True
+            if not self.run.stepped:  # the run's first step: its loaders took the resume's
+                check_resumed(self.run, self.rank)
             self.run.stepped = True
             self._began = time.perf_counter()
             step = self.global_step + 1
