@@ -278,6 +278,10 @@ class Runner:
         self.order.check(Call.LAYER, self.global_step + 1)
         return to_device(args, self.device), to_device(kwargs, self.device)
 
+    def explain_error(self, error: BaseException) -> Exception | None:
+        """``error`` (torch's, uncaught) in parallax's terms with the fix, or None."""
+        return self._torch_errors.translate(error)
+
     def program_gradient(self, param: Tensor) -> ServerGradient | None:
         """What ``param.grad`` answers the program for a server-held parameter of this run
         between its backward and ``optimizer.step()`` (`ServerGradient`: its in-place scaling

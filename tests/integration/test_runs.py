@@ -1,7 +1,8 @@
 """Many runs in one process (a sweep, a notebook cell run again, pretraining then
 fine-tuning): each program trained after others in the same processes equals the same program
 on one device, as it does trained alone (tests/scripts/runs_worker.py: both doors, a
-checkpoint saved and resumed by a later program, model parallelism, a program run twice). On
+checkpoint saved and resumed by a later program, model parallelism, asynchronous training
+with max_staleness=0, a program run twice). On
 26b56e5 the resume took an earlier program's loader position and trained apart silently."""
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ WANT = {
     "resume": lambda: one_device(checkpoint_worker.build, checkpoint_worker.dataset(), 6),
     "model": lambda: one_device(_mlp_program, runs_worker.mlp_data(), 4,
                                 loss=nn.functional.mse_loss),
+    "async": lambda: one_device(checkpoint_worker.build, checkpoint_worker.dataset(), 4),
 }
 WANT["runner-again"] = WANT["runner"]
 

@@ -79,3 +79,14 @@ def test_a_ports_own_mistake_shows_against_the_original_program() -> None:
     proc = verify(*common)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "EQUAL" in proc.stdout
+
+
+def test_a_program_trained_twice_in_one_process_verifies_each_run() -> None:
+    """A program that trains, then trains again in the same process (a notebook cell run
+    again): each run's model is compared with its own one-process reference, both equal."""
+    proc = verify("--machines", "1", "--nproc-per-machine", "2", "--steps", "20",
+                  "tests/scripts/two_runs.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("EQUAL: every parameter and buffer within 1e-09 of the "
+                             "one-process run at each of 8 step(s)") == 2, proc.stdout
+    assert "model 2 (the program's call 2 of parallax.distribute" in proc.stdout

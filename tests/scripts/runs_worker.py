@@ -9,6 +9,7 @@ one's final state dict to OUT_DIR/NAME.pt):
   save        the own loop (hybrid), Adam, a checkpoint every 3 steps into OUT_DIR/ckpt, 3 steps
   resume      the same program again: it resumes from step 3 and trains to step 6
   model       get_runner under parallelism="model": an MLP split over the workers, 4 steps
+  async       get_runner under sync="async-sparse", max_staleness=0 (equal to one device), 4 steps
   runner-again  `runner` once more (a notebook cell run again)
 """
 
@@ -48,10 +49,10 @@ def loader(data: TensorDataset) -> DataLoader:
     return parallax.shard(DataLoader(data, batch_size=GLOBAL_BATCH // current_worker().world_size))
 
 
-def runner_program(steps: int = 5) -> list[object]:
+def runner_program(steps: int = 5, **config: object) -> list[object]:
     model, optimizer = build()
     runner = parallax.get_runner(model, optimizer, loss_fn, config=parallax.Config(
-        clip_grad_norm=0.05, collective_timeout_s=TIMEOUT))
+        collective_timeout_s=TIMEOUT, **({"clip_grad_norm": 0.05} | config)))
     batches = loader(dataset())
     for step, batch in enumerate(batches):
         if step == steps:
@@ -104,6 +105,8 @@ def main() -> None:
     save("save", own_loop(*build(), checkpointing, steps=3))
     save("resume", own_loop(*build(), checkpointing, steps=6))
     save("model", model_program())
+    save("async", runner_program(4, sync="async-sparse", max_staleness=0,
+                                 clip_grad_norm=None))
     save("runner-again", runner_program())
     kept.clear()
     parallax.shutdown()

@@ -61,3 +61,18 @@ def test_ddps_parameter_order_skips_frozen_and_ignored_parameters() -> None:
             self.parameters_to_ignore = {"1.bias"}
 
     assert ddp_parameter_names(FakeDDP(module)) == ["0.weight", "1.weight"]
+
+
+def test_an_uncaught_ddp_error_of_the_own_loops_backward_is_explained(single_process) -> None:
+    """DDP's error raised in the program's own ``loss.backward()`` (no parallax call around
+    it) is explained after its traceback by the current run's runner."""
+    import parallax
+    from parallax import session
+
+    model = nn.Sequential(nn.Embedding(10, 2), nn.Linear(2, 1))
+    parallax.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        config=parallax.Config(partition_cache=None))
+    said = session.explained(RuntimeError(DDP_UNUSED))
+    assert said is not None and said.startswith("rank 0: some dense parameters got no gradient")
+    assert "find_unused_parameters=True" in said
+    assert session.explained(ValueError("not torch's")) is None

@@ -88,9 +88,15 @@ class TorchErrors:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
-        if not isinstance(error, RuntimeError) or isinstance(error, ParallaxError):
-            return
-        parallax_error = translated(error, rank=self.rank, step=self.step(),
-                                    device=self.device, dense_names=self.dense_names)
+        parallax_error = self.translate(error)
         if parallax_error is not None:
             raise parallax_error from error
+
+    def translate(self, error: BaseException | None) -> ParallaxError | None:
+        """``error`` in parallax's terms, or None (not a torch error we know). Also for an
+        error raised where no ``with`` reaches: the own loop's ``loss.backward()``, whose
+        uncaught error `parallax.session` explains after its traceback."""
+        if not isinstance(error, RuntimeError) or isinstance(error, ParallaxError):
+            return None
+        return translated(error, rank=self.rank, step=self.step(), device=self.device,
+                          dense_names=self.dense_names)
