@@ -58,11 +58,13 @@ WANT = {
 WANT["runner-again"] = WANT["runner"]
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 2)], ids=["1x2", "2x2"])
-def trained(request, tmp_path_factory) -> Path:
-    machines, workers = request.param
-    out = tmp_path_factory.mktemp(f"runs-{machines}x{workers}")
-    run_worker("runs_worker.py", str(out), machines=machines, nproc_per_machine=workers)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The programs on 2 machines x 2 workers (on 1 x 2, tests/scripts/habits_worker.py
+    trains some twenty programs one after another in one process, each equal to one
+    device)."""
+    out = tmp_path_factory.mktemp("runs-2x2")
+    run_worker("runs_worker.py", str(out), machines=2, nproc_per_machine=2)
     return out
 
 
