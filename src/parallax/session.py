@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
-import types
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -69,42 +67,10 @@ def join(worker: WorkerInfo, config: Config) -> dist.ProcessGroup:
         _sparse_group = dist.new_group(backend=worker.backend, timeout=timeout)
         hierarchy.join(worker, backend=worker.backend, timeout=timeout)
         atexit.register(shutdown)
-        _explain_uncaught()
     return _sparse_group
 
 
 _releases: list[Callable[[], Callable[[], object] | None]] = []
-_explaining = False
-
-
-def _explain_uncaught() -> None:
-    """After the traceback of an uncaught torch error that parallax knows (DDP's, raised in
-    the own loop's ``loss.backward()`` where no parallax call can catch it), say what it
-    means and the parallax fix (once per process; chains to the hook installed before)."""
-    global _explaining
-    if _explaining:
-        return
-    _explaining = True
-    previous = sys.excepthook
-
-    def explain(kind: type[BaseException], value: BaseException,
-                traceback: types.TracebackType | None) -> None:
-        previous(kind, value, traceback)
-        said = explained(value)
-        if said is not None:
-            print(f"parallax: the error above, in parallax's terms: {said}", file=sys.stderr)
-
-    sys.excepthook = explain
-
-
-def explained(error: BaseException) -> str | None:
-    """``error`` in parallax's terms by the current run's runners (`parallax.step.
-    torch_errors`), or None."""
-    for runner in live_runners():
-        parallax_error = runner.explain_error(error)
-        if parallax_error is not None:
-            return str(parallax_error)
-    return None
 
 
 def track(runner: object) -> TrainingRun:

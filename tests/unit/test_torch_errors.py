@@ -67,12 +67,12 @@ def test_an_uncaught_ddp_error_of_the_own_loops_backward_is_explained(single_pro
     """DDP's error raised in the program's own ``loss.backward()`` (no parallax call around
     it) is explained after its traceback by the current run's runner."""
     import parallax
-    from parallax import session
+    from parallax.engine.diagnostics.failing import explained
 
     model = nn.Sequential(nn.Embedding(10, 2), nn.Linear(2, 1))
     parallax.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
                         config=parallax.Config(partition_cache=None))
-    said = session.explained(RuntimeError(DDP_UNUSED))
+    said = explained(RuntimeError(DDP_UNUSED))
     assert said is not None and said.startswith("rank 0: some dense parameters got no gradient")
     assert "find_unused_parameters=True" in said
-    assert session.explained(ValueError("not torch's")) is None
+    assert explained(ValueError("not torch's")) is None
