@@ -134,8 +134,11 @@ class ShardedLoader:
             _note_padding(original, self._reference_factor)
         #: the training run this loader belongs to (`parallax.runs`); None until one takes it
         self.run: TrainingRun | None = None
-        self.regrid(worker.world_size, worker.rank, 1)
         run = runs.current_run()
+        # the current run's grid from the start (len() under model parallelism); the next
+        # run regrids the loaders no run holds yet when it builds its own
+        self.regrid(*((run.data_parallel if run is not None else None)
+                      or (worker.world_size, worker.rank, 1)))
         if run is not None and run.waiting:  # a resume before this loader existed
             self._join(run)
             self._take(run.waiting.pop(0), run)
