@@ -287,7 +287,7 @@ class Runner:
         between its backward and ``optimizer.step()`` (`ServerGradient`: its in-place scaling
         by a number scales the aggregated rows); None elsewhere (refused: the rows are on the
         servers)."""
-        name = next((n for n, p in self._params.items() if p is param), None)
+        name = self._name_of(param)
         if (name is None or name not in self.layout.all_tables() or not self.round.open
                 or not self.sync_mode.scales_program_gradients):
             return None
@@ -295,12 +295,16 @@ class Runner:
         return ServerGradient.of(param, lambda factor: gradients.scale_table_grad(
             name, factor, aggregated=round_.pushed))
 
+    def _name_of(self, param: Tensor) -> str | None:
+        """``param``'s name in the user's model, if it is one of its parameters."""
+        return next((n for n, p in self._params.items() if p is param), None)
+
     def read_whole(self, param: Tensor) -> Tensor | None:
         """The whole value of ``param`` if it is a parameter of this run's model that the
         servers hold (None otherwise), read from its table for the program's own code
         (`parallax.engine.tables.handles`): collective, every rank in the same place of the
         loop; with autograd, its gradient rows join the step's push."""
-        name = next((n for n, p in self._params.items() if p is param), None)
+        name = self._name_of(param)
         table = self.layout.all_tables().get(name) if name is not None else None
         if table is None or not table.on_servers:
             return None

@@ -28,6 +28,7 @@ it) sees the plain meta tensor.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import sysconfig
@@ -150,9 +151,8 @@ class ServerGradient(Tensor):
                 and isinstance(args[1], (int, float, Tensor))
                 and (not isinstance(args[1], Tensor) or args[1].numel() == 1)):
             number = float(args[1])
-            factor = 1 / number if _SCALES[name] and number else (
-                float("inf") if _SCALES[name] else number)
-            if factor == factor and abs(factor) != float("inf"):  # finite
+            factor = (1 / number if number else math.inf) if _SCALES[name] else number
+            if math.isfinite(factor):  # a non-finite scale is refused, not applied
                 me.__dict__["_parallax_scale"](factor)
                 return me
         handle = next(a.__dict__["_parallax_handle"] for a in (*args, *kwargs.values())
