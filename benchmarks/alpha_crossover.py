@@ -7,7 +7,7 @@ embedding table (ROWS x DIM, float32) and a small dense layer, where every worke
 AllReduce after one warm-up step, and reports the median step time of each. Adam on a
 dense-gradient table: every row moves every step in both, as on one device.
 
-    python benchmarks/alpha_crossover.py            # writes benchmarks/results/alpha_crossover.json
+    python benchmarks/alpha_crossover.py            # writes benchmarks/out/alpha_crossover.json
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import records
 
 ROWS, DIM, BATCH, STEPS = 50_000, 64, 8, 12
 ALPHAS = [0.005, 0.02, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0]
@@ -71,7 +73,7 @@ def worker(out: str) -> None:
 
 
 def main() -> None:
-    out = HERE / "results" / "alpha_crossover.json"
+    out = records.scratch() / "alpha_crossover.json"
     out.parent.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "2",
            "--nproc-per-machine", "2", __file__, "--worker", str(out)]

@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
+import records  # noqa: E402
 from compare import provenance  # noqa: E402
 from data_fetch import fetch_data  # noqa: E402
 
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hash-multiplier", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=records.scratch())
     parser.add_argument("--figure", type=Path, default=HERE / "figures" / "async.png")
     parser.add_argument("--from-json", type=Path, metavar="FILE",
                         help="rebuild the table and figure from an earlier run's JSON")

@@ -5,7 +5,7 @@
         --machines 2 --nproc-per-machine 1 --steps 2 --warmup 1 --vocab 2000   # smoke size
 
 runs compare.py once per rate (same cluster shape and workload) and writes
-benchmarks/results/bandwidth-<machines>x<workers>.json (its ``sweep`` maps each rate to
+benchmarks/out/bandwidth-<machines>x<workers>.json (its ``sweep`` maps each rate to
 compare's records, as before), .md (throughput per system and rate, and its ratio to the last
 system, ddp-dense by default) and .png (throughput against rate, one line per system). Needs
 root and iproute2; the network is emulated.

@@ -3,7 +3,7 @@ each commit, alternately, ``--rounds`` times (round r runs the *after* checkout 
 odd), one repeat and one launch per run. For a refactor that must not be slower: both commits
 see the same host load, and every run is a fresh launch of the emulated cluster.
 
-    python benchmarks/before_after.py --before /tmp/base --after . --out results/x.json -- \\
+    python benchmarks/before_after.py --before /tmp/base --after . --out benchmarks/out/x.json -- \\
         --workload lm --machines 4 --nproc-per-machine 1 --rate 1gbit --systems hybrid
 
 Everything after ``--`` goes to ``compare.py`` (``--isolate --repeats 1 --no-plot --out`` are

@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import records
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -112,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local-aggregation", action="store_true",
                         help="Config.local_aggregation=True in the synchronous trials: a "
                              "machine's workers merge their rows on its leader")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
+    parser.add_argument("--out", type=Path, default=records.scratch() / "chaos.json")
     parser.add_argument("--combine", type=Path, nargs="+", metavar="RECORD",
                         help="run nothing: join the trials of these records (sittings of one "
                              "engine: the same src/ tree, else refused) into --out and its "

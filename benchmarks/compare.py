@@ -4,7 +4,7 @@ DDP (dense-gradient and sparse-gradient embeddings) and TorchRec, on one workloa
     python benchmarks/compare.py --machines 2 --nproc-per-machine 2 --rate 1gbit
     python benchmarks/compare.py --workload lm --seq-len 80 --vocab 10000 --isolate
 
-writes benchmarks/results/compare-<workload>-<machines>x<workers>-<rate>.json (a list, one
+writes benchmarks/out/compare-<workload>-<machines>x<workers>-<rate>.json (a list, one
 record per system), a markdown table on stdout and, unless --no-plot, a PNG next to the JSON
 (matplotlib: pip install -e '.[bench]'). Needs root and iproute2 (network namespaces, tc). The
 network is emulated (tbf-limited veths, no delay), and all processes share this host's cores.
@@ -71,15 +71,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import records
 from data_fetch import fetch_data
 
 HERE = Path(__file__).resolve().parent
@@ -164,7 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="after the timed steps, 50 steps per system under cProfile timed "
                         "by each thread's CPU time (waits on peers cost nothing): "
                         "DIR/<system>-rank<r>.prof and .txt (benchmarks/thread_cpu.py)")
-    parser.add_argument("--out", type=Path, help="results JSON (default under results/)")
+    parser.add_argument("--out", type=Path, help="results JSON (default under benchmarks/out/)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     if not isinstance(args.workload_options, dict):
@@ -189,7 +187,7 @@ def workload_options(args: argparse.Namespace) -> dict:
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    return HERE / "results" / (f"compare-{args.workload}-{args.machines}x"
+    return records.scratch() / (f"compare-{args.workload}-{args.machines}x"
                                f"{args.nproc_per_machine}-{args.rate}.json")
 
 
@@ -269,30 +267,9 @@ REPEAT_FIELDS = ("median_step_s", "items_per_s", "step_times_s", "step_p10_s", "
 
 
 def provenance() -> dict:
-    """What produced a result: commit (dirty: uncommitted changes in the tree), command,
-    host, versions, time."""
-    root = HERE.parent
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                                  timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"commit": git("rev-parse", "HEAD") or None,
-            # uncommitted changes to what ran (the records being rewritten do not count)
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                              ":(exclude)benchmarks/results")),
-            "command": " ".join([Path(sys.argv[0]).name if sys.argv[0] else "python",
-                                 *sys.argv[1:]]),
-            "host": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-                     "torch": torch.__version__},
-            "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    """What produced a result (``records.provenance``: commit, tree state and diff hash,
+    command, host with its load, versions, time)."""
+    return records.provenance()
 
 
 def launch(args: argparse.Namespace, systems: list[str], out: Path,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import compare
+import records
 
 HERE = Path(__file__).resolve().parent
 PARALLAX = ("hybrid", "optps", "ps", "allreduce")
@@ -56,7 +57,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, shape: bool = True,
                         help="one launch per system (per-system peak memory, no interference)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="interleaved rounds of every system (compare.py --repeats)")
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=records.scratch())
 
 
 def compare_args(args: argparse.Namespace, **overrides: Any) -> argparse.Namespace:

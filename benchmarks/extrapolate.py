@@ -2,7 +2,7 @@
 hybrid, ps and allreduce on the LM at 16, 64 and 256 machines, with 1 and 8 workers per
 machine, from the measured 1–8 machine scaling runs (``scaling.py``'s record).
 
-    python benchmarks/extrapolate.py       # reads benchmarks/results/scaling.json
+    python benchmarks/extrapolate.py       # reads the newest scaling record
     python benchmarks/extrapolate.py --scaling FILE --machines 16 64 256 --workers 1 8
 
 Model of one step of system ``s`` on ``N`` machines with ``k`` workers each (``W = N k``):
@@ -33,7 +33,7 @@ servers' update time is part of ``c_s`` (it does not grow with N: each server's 
 1/N while the rows pushed to it stay constant per machine), and λ_s measured with processes
 sharing two cores may overstate a real network's per-peer latency.
 
-Writes ``benchmarks/results/extrapolation.json``, ``.md`` and ``.png``.
+Writes ``benchmarks/out/extrapolation.json``, ``.md`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from scipy.optimize import nnls
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import records  # noqa: E402
 from workloads import LMConfig, SampledSoftmaxLM, zipf_lm_batch  # noqa: E402
 
 from parallax.config import ArchitectureName  # noqa: E402
@@ -202,7 +203,7 @@ def fit(points: list[Point], bytes_of: dict[tuple[str, int, int], float], cores:
 # ---- the measured record ----------------------------------------------------------------------
 def load_points(path: Path) -> tuple[list[Point], dict[str, Any]]:
     """The scaling record's hybrid/ps/allreduce points and the LM settings they ran with."""
-    record = json.loads(path.read_text())
+    record = records.read(path)
     points, settings = [], None
     for run in record["runs"]:
         for result in run.get("results", []):
@@ -357,14 +358,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scaling", type=Path, default=HERE / "results" / "scaling.json")
+    parser.add_argument("--scaling", type=Path, help="the scaling record (default: the "
+                        "newest record of the experiment scaling)")
     parser.add_argument("--machines", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 8],
                         help="workers per machine in the predictions")
     parser.add_argument("--cores", type=int, help="cores the measured machines shared "
                         "(default: the record's host)")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "extrapolation.json")
+    parser.add_argument("--out", type=Path, default=records.scratch() / "extrapolation.json")
     args = parser.parse_args(argv)
+    if args.scaling is None:
+        args.scaling = records.newest("scaling")
     if not args.scaling.exists():
         parser.error(f"--scaling {args.scaling} does not exist (bash scripts/bench.sh scaling)")
     points, source = load_points(args.scaling)

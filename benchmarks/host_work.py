@@ -6,7 +6,7 @@ this process's CPU.
 
     python benchmarks/host_work.py [--vocab 2000] [--emb 16] [--steps 300] [--rounds 3]
                                    [--device cpu] [--door distribute] [--trace TRACE.json]
-                                   [--out benchmarks/results/host_work.json]
+                                   [--out benchmarks/out/host_work.json]
 
 Counted (deterministic, what the engine asks of the host each step): the ``aten::`` operators
 torch.profiler records and the Python function calls ``cProfile`` records, each per step over
@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import compare  # noqa: E402
+import records  # noqa: E402
 from workloads import LMConfig, SampledSoftmaxLM, sampled_softmax_loss, zipf_lm_batch  # noqa: E402
 
 import parallax  # noqa: E402
@@ -115,7 +116,7 @@ def main() -> None:
                              "Runner.step (get_runner: one worker replicates its tables)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write parallax's counted steps as a Chrome trace here")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "host_work.json")
+    parser.add_argument("--out", type=Path, default=records.scratch() / "host_work.json")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -12,7 +12,7 @@ marks: the command's start, each worker's first line, its runner built, its step
 of the launch (``getrusage`` of the children: on a host of few cores, CPU is what a suite of
 launches waits for). Medians over the repeats (the spread as min-max). Compare two versions of
 the library by running this file from one checkout with ``PYTHONPATH=<other checkout>/src``
-and another ``--label``. Writes (appends to) ``benchmarks/results/launch_overhead.json``.
+and another ``--label``. Writes (appends to) ``benchmarks/out/launch_overhead.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import compare  # noqa: E402
+import records  # noqa: E402
 
 PARTS = ("launcher start", "worker start-up", "get_runner", "one step", "shutdown", "end")
 
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--no-warm-up", action="store_true",
                         help="skip the first launch that warms the page cache (a smoke run)")
     parser.add_argument("--label", default="this checkout")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "launch_overhead.json")
+    parser.add_argument("--out", type=Path, default=records.scratch() / "launch_overhead.json")
     args = parser.parse_args()
     rate = args.emulate_network
     if not args.no_warm_up:
@@ -98,8 +99,8 @@ def main() -> None:
               "parts": summary, "provenance": compare.provenance(),
               # the library that ran, when not this checkout's
               "pythonpath": os.environ.get("PYTHONPATH")}
-    records = json.loads(args.out.read_text()) if args.out.exists() else []
-    args.out.write_text(json.dumps([*records, record], indent=1))
+    earlier = json.loads(args.out.read_text()) if args.out.exists() else []
+    args.out.write_text(json.dumps([*earlier, record], indent=1))
     print(f"| {args.label} | " + " | ".join(f"{summary[p]['median_s']:.2f}"
                                             for p in (*PARTS, "total", "cpu")) + " |")
 

@@ -43,6 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import records  # noqa: E402
 from compare import provenance  # noqa: E402
 
 AIRFOIL = HERE.parent.parent / "shared" / "data" / "airfoil_self_noise.dat"
@@ -67,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=10, help="untimed first steps")
     parser.add_argument("--replay", type=int, default=10, help="timed collective replays")
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=records.scratch())
     parser.add_argument("--no-plot", action="store_true")
     return parser.parse_args(argv)
 

@@ -7,7 +7,7 @@ most 6 samples.
     python benchmarks/partitions.py --machines 2 --nproc-per-machine 1 --partitions 1 2 4 \
         --steps 2 --settle 1 --vocab 2000          # smoke size
 
-writes benchmarks/results/partitions-<workload>-<M>x<L>-<rate>.json, .md and .png. Brute force
+writes benchmarks/out/partitions-<workload>-<M>x<L>-<rate>.json, .md and .png. Brute force
 uses one runner, re-partitioned in process between counts (``--settle`` untimed steps after
 each re-partition, then ``--steps`` timed ones), in ``--rounds`` passes over all counts so that
 the shared host's slow spells spread over them; the search run is a fresh runner over the
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import compare
+import records
 
 HERE = Path(__file__).resolve().parent
 TARGET = 1.06
@@ -67,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, help="per worker")
     parser.add_argument("--workload-options", type=json.loads, default={})
     parser.add_argument("--hash-multiplier", type=int, default=1, help="recsys")
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=records.scratch())
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     if min(args.partitions) < 1 or args.steps < 1 or args.search_steps < 2 or args.rounds < 1:

@@ -11,7 +11,7 @@
    ``--rounds`` rounds of ``--steps`` steps (medians): the direct comparison, which one
    process's step-time noise bounds.
 
-Writes ``benchmarks/results/phase_overhead.json``.
+Writes ``benchmarks/out/phase_overhead.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 import compare  # noqa: E402
+import records  # noqa: E402
 from workloads import Workload  # noqa: E402
 
 import parallax  # noqa: E402
@@ -120,7 +121,7 @@ def main() -> None:
           f"a {steps['step_s_timed'] * 1e3:.1f} ms step ({share:.3%}); interleaved A/B: "
           f"{steps['step_s_timed'] * 1e3:.2f} ms timed vs {steps['step_s_untimed'] * 1e3:.2f} "
           f"ms untimed")
-    out = HERE / "results" / "phase_overhead.json"
+    out = records.scratch() / "phase_overhead.json"
     out.write_text(json.dumps({**costs, **steps, "per_step_us": per_step_us,
                                "share_of_step": share, "options": vars(args),
                                "provenance": compare.provenance()}, indent=1))

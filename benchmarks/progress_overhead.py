@@ -21,6 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare  # noqa: E402
+import records
 
 from parallax.cluster import free_port
 from parallax.engine.diagnostics.progress import Progress
@@ -54,7 +55,7 @@ def main() -> None:
     server.join()
     print(f"progress records: {statistics.median(rounds):.1f} us per step (median of 5 rounds "
           f"of {args.steps} steps; min {min(rounds):.1f}, max {max(rounds):.1f})")
-    out = Path(__file__).resolve().parent / "results" / "progress_overhead.json"
+    out = records.scratch() / "progress_overhead.json"
     out.write_text(json.dumps({"us_per_step_median": statistics.median(rounds),
                                "us_per_step_rounds": rounds, "steps_per_round": args.steps,
                                "provenance": compare.provenance()}, indent=1))

@@ -13,8 +13,8 @@ record (a sitting) and pooled over all of them:
   draws of the host; the sitting-level interval is the honest one when there are several).
 
     python benchmarks/ratios.py --ours hybrid --other torchrec-tw torchrec-plan \\
-        benchmarks/results/compare-recsys-2x2-1gbit-session37.json \\
-        benchmarks/results/compare-recsys-2x2-1gbit-session41.json
+        benchmarks/records/compare-recsys-2x2-1gbit-session37/441e71e-intel-xeon-2c.json \\
+        benchmarks/records/compare-recsys-2x2-1gbit-session41/c124bc4-intel-xeon-2c.json
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import records as record_store
 from scipy import stats
 
 
@@ -117,7 +118,7 @@ def main() -> None:
                         help="the system(s) it is measured against, each in every record")
     parser.add_argument("--out", type=Path, help="also write the sittings and summaries as JSON")
     args = parser.parse_args()
-    records = {path: json.loads(path.read_text()) for path in args.records}
+    records = {path: record_store.read(path) for path in args.records}
     comparisons = []
     for other in args.other:
         sittings = [paired_rounds(data, args.ours, other, str(path))

@@ -9,7 +9,7 @@ into step times at 10 and 100 Gbit/s by the fitted cost model with GPU-speed com
 Measured: the wire bytes on each machine's link (``compare.py``, one launch per system, the
 LM workload). Modelled, and so assumptions, said in the record: a step is
 ``t = c + β(r) · B`` with ``B`` the measured bytes per machine and step, ``β(r)`` the fitted
-seconds per byte of ``benchmarks/results/extrapolation.json`` (1 Gbit/s, this host) scaled by
+seconds per byte of the newest extrapolation record (1 Gbit/s, this host) scaled by
 ``1 Gbit/s / r``, and ``c`` the same compute for every system (``--gpu-compute-ms``: what a GPU
 would take for the step's forward and backward; not measured here). Latency per collective
 is left out (the optimistic side of ``extrapolate.py``'s two). Time on this host is CPU-bound
@@ -26,7 +26,7 @@ ring AllReduce's ``2 (M-1)/M`` of its size each way. Ids, headers and TCP/IP are
 the floor is below anything a wire can carry. ``--floor-only`` recomputes it against the last
 record without launching anything.
 
-Writes ``benchmarks/results/regime-<M>x<K>.json`` and ``.md``.
+Writes ``benchmarks/out/regime-<M>x<K>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import compare  # noqa: E402
+import records  # noqa: E402
 import torch  # noqa: E402
 from compare_worker import data_seed  # noqa: E402
 from workloads import SampledSoftmaxLM, Workload, zipf_lm_batch  # noqa: E402
@@ -97,8 +98,8 @@ def main() -> None:
                         help="no launch: the floor against the last record of this shape")
     args = parser.parse_args()
     shape = f"{args.machines}x{args.nproc_per_machine}"
-    out = HERE / "results" / f"regime-{shape}.json"
-    runs = HERE / "results" / f"regime-{shape}-compare.json"
+    out = records.scratch() / f"regime-{shape}.json"
+    runs = records.scratch() / f"regime-{shape}-compare.json"
     if not args.floor_only:
         subprocess.run([sys.executable, str(HERE / "compare.py"), "--workload", "lm",
                         "--machines", str(args.machines), "--nproc-per-machine",
@@ -106,11 +107,11 @@ def main() -> None:
                         *SYSTEMS,
                         "--steps", str(args.steps), "--repeats", "1", "--isolate",
                         "--no-plot", "--out", str(runs)], check=True)
-    records = {r["system"]: r for r in json.loads(runs.read_text()) if "unavailable" not in r}
-    fit = json.loads((HERE / "results" / "extrapolation.json").read_text())["final_fit"]
+    by_system = {r["system"]: r for r in json.loads(runs.read_text()) if "unavailable" not in r}
+    fit = records.read(records.newest("extrapolation"))["final_fit"]
     beta = fit["seconds_per_byte"]
     rows = []
-    for system, record in records.items():
+    for system, record in by_system.items():
         wire = record["wire_bytes_per_machine_step"]
         rows.append({"system": system, "wire_bytes_per_machine_step": wire,
                      "engine_bytes_per_machine_step": record.get(

@@ -7,7 +7,7 @@ the 1-machine run of the same system.
 
 runs compare.py once per machine count (1 worker per machine unless --nproc-per-machine; the
 batch per worker is fixed, so the global batch grows with the cluster: weak scaling, as in the
-papers) and writes benchmarks/results/scaling.json, .md and .png. Normalised throughput of a
+papers) and writes benchmarks/out/scaling.json, .md and .png. Normalised throughput of a
 system on M machines = its throughput there / its throughput on the fewest machines run (1 by
 default); linear scaling gives M. Needs root and iproute2; every machine shares this host's
 cores, so the larger clusters are compute-bound here long before the network limits them.

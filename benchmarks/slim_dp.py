@@ -46,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
+import records  # noqa: E402
 from compare import provenance  # noqa: E402
 
 MODES = [
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: every repeat the same, so only the times vary)")
     parser.add_argument("--sweep", action="store_true",
                         help="Plump-DP and Slim-DP at several (alpha, beta) instead")
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=records.scratch())
     parser.add_argument("--name", help="the records' name (default: slim_dp, slim_dp-sweep "
                         "or slim_dp-ablation)")
     parser.add_argument("--no-plot", action="store_true")

@@ -8,7 +8,7 @@ all_to_all) and `parallax.engine.tables.reservations` (which saves a pull's coun
 Each repeat is one ``parallax run`` of ``small_sums_worker.py``: every scheme in turn, per
 size, ``--calls`` calls after a warm-up; CPU time is the process's (all threads: gloo's too)
 and both are averaged over the ranks. Medians over the repeats (which interleave the
-schemes). Writes ``benchmarks/results/small_sums-<M>x<K>-<rate>.json`` (raw records, commit,
+schemes). Writes ``benchmarks/out/small_sums-<M>x<K>-<rate>.json`` (raw records, commit,
 host) and prints a markdown table.
 """
 
@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import compare  # noqa: E402
+import records  # noqa: E402
 
 SIZES = [16, 10_000, 30_000, 100_000, 300_000]
 
@@ -60,7 +61,7 @@ def main() -> None:
     name = f"small_sums-{args.machines}x{args.nproc_per_machine}-{args.rate}.json"
     record = {"command": " ".join(sys.argv), **compare.provenance(), "repeats": args.repeats,
               "calls": args.calls, "table": table, "raw": runs}
-    (HERE / "results" / name).write_text(json.dumps(record, indent=1))
+    (records.scratch() / name).write_text(json.dumps(record, indent=1))
     print(f"{args.machines} machines x {args.nproc_per_machine} workers, {args.rate} "
           f"(emulated), {args.calls} calls x {args.repeats} repeats; per call and rank\n")
     print("| payload (float32s) | scheme | CPU (ms) | wall (ms, median) | wall range |")

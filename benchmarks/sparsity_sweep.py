@@ -11,7 +11,7 @@ sampled classes, one vocabulary cannot span the range within sequences the sampl
 hold (its logits are words x (words + 512)), so the defaults also shrink the vocabulary towards
 the dense end: 30000:60 (α_model ≈ 0.04), 10000:40, 10000:160, 3000:160, 1000:320, 300:320
 (≈ 1.0). The α_model *measured* by the parallax systems over the warm-up steps is what is
-reported and plotted. Writes benchmarks/results/sparsity.json, .md and .png (words/s against
+reported and plotted. Writes benchmarks/out/sparsity.json, .md and .png (words/s against
 α_model, one line per system). Needs root and iproute2.
 """
 

@@ -6,7 +6,7 @@ with each workload's α_model.
         --steps 2 --warmup 1 --vocab 2000            # smoke size
 
 runs compare.py once per workload (systems ``ps`` and ``allreduce``: parallax's TF-PS-like and
-Horovod-like architectures, by default) and writes benchmarks/results/table1.json, .md and
+Horovod-like architectures, by default) and writes benchmarks/out/table1.json, .md and
 .png (throughput normalised to the first system, per workload). Needs root and iproute2.
 nmt and recsys fetch their data on first use (recsys needs benchmarks/setup_bench.sh); a
 workload that fails is recorded as failed, the others still run, and the exit status is 1.

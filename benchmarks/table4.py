@@ -6,7 +6,7 @@
 
 runs compare.py once per workload with systems ``allreduce ps optps hybrid`` (parallax's four
 architectures: Horovod-like, TF-PS-like, PS with local aggregation, hybrid) and writes
-benchmarks/results/table4.json, .md and .png (throughput normalised to allreduce, per
+benchmarks/out/table4.json, .md and .png (throughput normalised to allreduce, per
 workload). Same options and outputs as table1.py; NMT fetches its data on first use. Needs root
 and iproute2.
 """

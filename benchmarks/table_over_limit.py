@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import compare
+import records
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "table_over_limit_worker.py"
@@ -99,7 +100,7 @@ def main() -> None:
                       machines=args.machines, dim=args.dim, steps=args.steps, rate=args.rate)
         rows.append(outcome.row())
         print(rows[-1], flush=True)
-    out = Path(__file__).resolve().parent / "results" / "table_over_limit.json"
+    out = records.scratch() / "table_over_limit.json"
     out.write_text(json.dumps({"options": vars(args), "table_mib": table_mib, "rows": rows,
                                "provenance": compare.provenance()}, indent=1))
     print(f"wrote {out}")

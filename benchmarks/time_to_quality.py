@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 import compare
+import records
 from data_fetch import fetch_data
 
 HERE = Path(__file__).resolve().parent
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="samples per worker and step (default: lm 16, nmt 32)")
     parser.add_argument("--name", default=None,
                         help="output name (default time-to-quality-<workload>-<M>x<K>)")
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=records.scratch())
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.workload].items():
         if getattr(args, key) is None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The benchmark runs of BENCHMARKS.md (not CI: hours with 3 repeats; needs root and iproute2
-# for the emulated network). Results: benchmarks/results/*.json and *.md (committed: each record
-# names its commit, command and host), *.png; tables on stdout.
+# for the emulated network). Each experiment writes into its scratch directory
+# benchmarks/out/NAME/ (@OUT@ in the commands below), then benchmarks/records.py files every
+# output as a new record, benchmarks/records/<experiment>/<commit>-<host>[-n].json (never
+# overwriting one); `python benchmarks/results_page.py` then rewrites BENCHMARKS.md.
 #   bash scripts/bench.sh                  every experiment
 #   bash scripts/bench.sh lm-4x1 table4    the named ones (bash scripts/bench.sh --list)
 # Every experiment runs even when an earlier one failed; the exit status says whether any did.
@@ -12,7 +14,6 @@ cd "$(dirname "$0")/.."
 export VENV=${VENV:-.venv}
 py=$VENV/bin/python
 repeats=(--repeats "${REPEATS:-3}")
-results=benchmarks/results
 
 declare -A EXPERIMENTS=(
   [lm-2x2]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
@@ -23,55 +24,55 @@ declare -A EXPERIMENTS=(
 torchrec-tw torchrec-plan --isolate"
   [lm-kjv]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --workload-options {\"corpus\":\"kjv\"} --systems hybrid ddp-sparse ddp-dense \
-torchrec-rw --isolate --out $results/compare-lm-kjv-2x2-1gbit.json"
+torchrec-rw --isolate --out @OUT@/compare-lm-kjv-2x2-1gbit.json"
   [recsys]="$py benchmarks/compare.py --workload recsys --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --hash-multiplier 1000 --systems hybrid-lazy hybrid-sparse hybrid ddp-sparse \
 torchrec-rw torchrec-tw torchrec-plan --steps 10 --isolate"
   [recsys-history]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-pooled hybrid-tablewise hybrid-rows ddp-sparse torchrec-rw torchrec-tw \
-torchrec-plan --steps 10 --isolate --out $results/compare-recsys-history32-2x2-1gbit.json"
+torchrec-plan --steps 10 --isolate --out @OUT@/compare-recsys-history32-2x2-1gbit.json"
   [recsys-riders]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --systems hybrid hybrid-tablewise \
 torchrec-tw torchrec-plan --steps 20 --isolate \
---out $results/compare-recsys-2x2-1gbit-pooled-open.json"
+--out @OUT@/compare-recsys-2x2-1gbit-pooled-open.json"
   [recsys-history-rest]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-tablewise hybrid-pooled torchrec-plan --steps 10 --isolate \
---out $results/compare-recsys-history32-2x2-1gbit-rest.json"
+--out @OUT@/compare-recsys-history32-2x2-1gbit-rest.json"
   [recsys-history-100]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-tablewise torchrec-plan --steps 100 --isolate \
---out $results/compare-recsys-history32-2x2-1gbit-rest-100steps.json"
+--out @OUT@/compare-recsys-history32-2x2-1gbit-rest-100steps.json"
   [recsys-history-embedding]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 \
 --workload-options {\"history\":32,\"history_lookup\":\"embedding\"} \
 --systems hybrid hybrid-rows hybrid-tablewise torchrec-tw torchrec-plan --steps 30 --isolate \
---out $results/compare-recsys-history32-embedding-2x2-1gbit.json"
+--out @OUT@/compare-recsys-history32-embedding-2x2-1gbit.json"
   [recsys-history-byrows]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-tablewise hybrid-byrows torchrec-plan --steps 30 --isolate \
---out $results/compare-recsys-history32-2x2-1gbit-byrows.json"
+--out @OUT@/compare-recsys-history32-2x2-1gbit-byrows.json"
   [recsys-history-bycolumns]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems hybrid hybrid-tablewise hybrid-byrows hybrid-bycolumns torchrec-cw torchrec-plan \
---steps 30 --isolate --out $results/compare-recsys-history32-2x2-1gbit-bycolumns.json"
+--steps 30 --isolate --out @OUT@/compare-recsys-history32-2x2-1gbit-bycolumns.json"
   [recsys-riders-100]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --systems hybrid hybrid-tablewise \
 torchrec-tw torchrec-plan --steps 100 --isolate \
---out $results/compare-recsys-2x2-1gbit-riders-100steps.json"
+--out @OUT@/compare-recsys-2x2-1gbit-riders-100steps.json"
   [lm-riders-100]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --systems hybrid torchrec-rw --steps 100 --isolate \
---out $results/compare-lm-2x2-1gbit-riders-100steps.json"
+--out @OUT@/compare-lm-2x2-1gbit-riders-100steps.json"
   [lm-4x1-riders-100]="$py benchmarks/compare.py --workload lm --machines 4 \
 --nproc-per-machine 1 --rate 1gbit --systems hybrid torchrec-rw --steps 100 --isolate \
---out $results/compare-lm-4x1-1gbit-riders-100steps.json"
+--out @OUT@/compare-lm-4x1-1gbit-riders-100steps.json"
   [lm-riders]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --systems hybrid torchrec-rw --steps 30 --isolate \
---out $results/compare-lm-2x2-1gbit-riders.json"
+--out @OUT@/compare-lm-2x2-1gbit-riders.json"
   [lm-4x1-riders]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
 --rate 1gbit --systems hybrid torchrec-rw --steps 30 --isolate \
---out $results/compare-lm-4x1-1gbit-riders.json"
+--out @OUT@/compare-lm-4x1-1gbit-riders.json"
   [cnn]="$py benchmarks/compare.py --workload cnn --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --systems ddp-dense hybrid allreduce ps --steps 30 --isolate"
   [table1]="$py benchmarks/table1.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
@@ -82,8 +83,8 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
   [extrapolate]="$py benchmarks/extrapolate.py"
   [scaling-fair]="$py benchmarks/scaling.py --machines 1 2 4 8 --nproc-per-machine 1 --rate 1gbit \
 --systems hybrid ps allreduce ddp-sparse torchrec-rw --isolate --name scaling-fair"
-  [extrapolate-fair]="$py benchmarks/extrapolate.py --scaling $results/scaling-fair.json \
---out $results/extrapolation-fair.json"
+  [extrapolate-fair]="$py benchmarks/extrapolate.py --scaling benchmarks/records/scaling-fair/f237e0e-intel-xeon-2c.json \
+--out @OUT@/extrapolation-fair.json"
   [sparsity-fair]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --isolate --name sparsity-fair"
   [sparsity]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
@@ -94,24 +95,24 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
   [ablation-recsys]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems ps-direct+rows hybrid-direct+rows hybrid-aggregated+rows hybrid-aggregated+pooled \
-hybrid --steps 20 --isolate --out $results/ablation-recsys-history32-2x2-1gbit.json"
+hybrid --steps 20 --isolate --out @OUT@/ablation-recsys-history32-2x2-1gbit.json"
   [ablation-recsys-100mbit]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 100mbit --hash-multiplier 1000 \
 --workload-options {\"history\":32} --systems ps-direct+rows hybrid-direct+rows \
 hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
---out $results/ablation-recsys-history32-2x2-100mbit.json"
+--out @OUT@/ablation-recsys-history32-2x2-100mbit.json"
   [local-aggregation-2x4]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 4 --rate 100mbit --systems hybrid hybrid-aggregated ps optps --isolate \
---out benchmarks/results/local-aggregation-lm-2x4-100mbit.json"
+--out @OUT@/local-aggregation-lm-2x4-100mbit.json"
   [local-aggregation-2x8]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 8 --rate 1gbit --systems hybrid hybrid-direct --isolate \
---out benchmarks/results/local-aggregation-lm-2x8-1gbit.json"
+--out @OUT@/local-aggregation-lm-2x8-1gbit.json"
   [local-aggregation-2x8-100mbit]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 8 --rate 100mbit --systems hybrid hybrid-direct --isolate --steps 5 \
---out benchmarks/results/local-aggregation-lm-2x8-100mbit.json"
+--out @OUT@/local-aggregation-lm-2x8-100mbit.json"
   [local-aggregation-2x4-10mbit]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 4 --rate 10mbit --systems hybrid hybrid-aggregated ps optps --isolate \
---steps 5 --out benchmarks/results/local-aggregation-lm-2x4-10mbit.json"
+--steps 5 --out @OUT@/local-aggregation-lm-2x4-10mbit.json"
   [bandwidth]="$py benchmarks/bandwidth_sweep.py --rates 100mbit 1gbit 5gbit --isolate"
   [alpha]="$py benchmarks/alpha_crossover.py"
   [small-sums]="$py benchmarks/small_sums.py --repeats ${REPEATS:-3}"
@@ -135,12 +136,12 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
   [lm-dense-sync]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
 --rate 1gbit --workload-options {\"corpus\":\"kjv\",\"optimizer\":\"momentum\"} \
 --systems hybrid hybrid-plump hybrid-qsgd hybrid-slim --steps 200 --isolate \
---out $results/compare-lm-kjv-4x1-1gbit-dense-sync.json"
+--out @OUT@/compare-lm-kjv-4x1-1gbit-dense-sync.json"
   [lm-dense-sync-100mbit]="$py benchmarks/compare.py --workload lm --machines 4 \
 --nproc-per-machine 1 --rate 100mbit \
 --workload-options {\"corpus\":\"kjv\",\"optimizer\":\"momentum\"} \
 --systems hybrid hybrid-plump hybrid-qsgd hybrid-slim --steps 200 --isolate \
---out $results/compare-lm-kjv-4x1-100mbit-dense-sync.json"
+--out @OUT@/compare-lm-kjv-4x1-100mbit-dense-sync.json"
   [mp-airfoil]="$py benchmarks/model_parallel.py --data airfoil --widths 32 64 128 512 1024 \
 --processes 1 2 4 8 --rate 1gbit --steps 150"
   [mp-synthetic]="$py benchmarks/model_parallel.py --data synthetic --rows 700000 \
@@ -152,20 +153,20 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
   [host-work]="$py benchmarks/host_work.py --rounds 4"
   [threads-recsys]="$py benchmarks/compare.py --workload recsys --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --hash-multiplier 1000 --systems hybrid torchrec-tw --steps 50 --isolate \
---cpu-profile $results/cpu-profile-recsys-2x2 --out $results/threads-recsys-2x2-1gbit.json"
+--cpu-profile @OUT@/cpu-profile-recsys-2x2 --out @OUT@/threads-recsys-2x2-1gbit.json"
   [threads-lm]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --systems hybrid torchrec-rw --steps 30 --isolate \
---cpu-profile $results/cpu-profile-lm-2x2 --out $results/threads-lm-2x2-1gbit.json"
+--cpu-profile @OUT@/cpu-profile-lm-2x2 --out @OUT@/threads-lm-2x2-1gbit.json"
   [launch]="$py benchmarks/launch_overhead.py"
   [launch-emulated]="$py benchmarks/launch_overhead.py --machines 2 --nproc-per-machine 1 \
 --emulate-network 1gbit"
   [chaos]="$py benchmarks/chaos.py --trials 50 --machines 2 --nproc-per-machine 2 \
 --local-aggregation --steps 20 --checkpoint-every 4 --step-sleep 0.05 --timeout 10 --sync mixed \
 --search --kinds kill kill-save kill-plan kill-norestart stop corrupt full-disk --seed 1000 \
---out $results/chaos-2x2.json"
+--out @OUT@/chaos-2x2.json"
   [chaos-link]="$py benchmarks/chaos.py --trials 50 --machines 2 --nproc-per-machine 2 \
 --local-aggregation --steps 20 --checkpoint-every 4 --step-sleep 0.05 --timeout 10 \
---rate 1gbit --kinds kill-launcher link-cut --seed 50 --out $results/chaos-2x2-1gbit-clean.json"
+--rate 1gbit --kinds kill-launcher link-cut --seed 50 --out @OUT@/chaos-2x2-1gbit-clean.json"
   [time-to-quality]="$py benchmarks/time_to_quality.py --machines 2 --nproc-per-machine 2 \
 --rates 1gbit 100mbit --seeds 0 1 2 --target 6.88 --eval-every 25 --max-steps 500"
   [time-to-quality-nmt]="$py benchmarks/time_to_quality.py --workload nmt --machines 2 \
@@ -173,36 +174,36 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
   [targets-recsys]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --systems hybrid torchrec-tw \
 torchrec-plan --steps 50 --isolate --repeats 8 --no-plot \
---out $results/compare-recsys-2x2-1gbit-session41.json"
+--out @OUT@/compare-recsys-2x2-1gbit-session41.json"
   [targets-lm-2x2]="$py benchmarks/compare.py --workload lm --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --systems hybrid ps torchrec-rw --steps 30 --isolate --repeats 6 --no-plot \
---out $results/compare-lm-2x2-1gbit-session41.json"
+--out @OUT@/compare-lm-2x2-1gbit-session41.json"
   [targets-lm-bound]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --systems hybrid torchrec-rw local-sparse --steps 30 \
---isolate --repeats 5 --no-plot --out $results/compare-lm-2x2-1gbit-bound.json"
+--isolate --repeats 5 --no-plot --out @OUT@/compare-lm-2x2-1gbit-bound.json"
   [targets-lm-4x1]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
 --rate 1gbit --systems hybrid torchrec-rw local-sparse --steps 30 --isolate --repeats 5 \
---no-plot --out $results/compare-lm-4x1-1gbit-bound.json"
+--no-plot --out @OUT@/compare-lm-4x1-1gbit-bound.json"
   [ratios-recsys]="$py benchmarks/ratios.py \
-$results/compare-recsys-2x2-1gbit-exchange.json $results/compare-recsys-2x2-1gbit-riders.json \
-$results/compare-recsys-2x2-1gbit-riders-100steps.json $results/compare-recsys-2x2-1gbit-pooled-open.json \
-$results/compare-recsys-2x2-1gbit-tablewise.json $results/compare-recsys-2x2-1gbit-session37.json \
-$results/compare-recsys-2x2-1gbit-session41.json --other torchrec-tw --out $results/ratios-recsys-2x2.json"
+benchmarks/records/compare-recsys-2x2-1gbit-exchange/6e5b7ba-amd-epyc-2c.json benchmarks/records/compare-recsys-2x2-1gbit-riders/71de633-amd-epyc-2c.json \
+benchmarks/records/compare-recsys-2x2-1gbit-riders-100steps/eed0daf-amd-epyc-2c.json benchmarks/records/compare-recsys-2x2-1gbit-pooled-open/debbe5b-amd-epyc-2c.json \
+benchmarks/records/compare-recsys-2x2-1gbit-tablewise/5f730e5-amd-epyc-2c.json benchmarks/records/compare-recsys-2x2-1gbit-session37/441e71e-intel-xeon-2c.json \
+benchmarks/records/compare-recsys-2x2-1gbit-session41/c124bc4-intel-xeon-2c.json --other torchrec-tw --out @OUT@/ratios-recsys-2x2.json"
   [ratios-lm-2x2]="$py benchmarks/ratios.py \
-$results/compare-lm-2x2-1gbit-exchange.json $results/compare-lm-2x2-1gbit-riders.json \
-$results/compare-lm-2x2-1gbit-riders-100steps.json $results/compare-lm-2x2-1gbit-session37.json \
-$results/compare-lm-2x2-1gbit-session41.json $results/compare-lm-2x2-1gbit-bound.json \
---other torchrec-rw --out $results/ratios-lm-2x2.json"
+benchmarks/records/compare-lm-2x2-1gbit-exchange/6e5b7ba-amd-epyc-2c.json benchmarks/records/compare-lm-2x2-1gbit-riders/71de633-amd-epyc-2c.json \
+benchmarks/records/compare-lm-2x2-1gbit-riders-100steps/eed0daf-amd-epyc-2c.json benchmarks/records/compare-lm-2x2-1gbit-session37/441e71e-intel-xeon-2c.json \
+benchmarks/records/compare-lm-2x2-1gbit-session41/c124bc4-intel-xeon-2c.json benchmarks/records/compare-lm-2x2-1gbit-bound/8e15fb6-intel-xeon-2c.json \
+--other torchrec-rw --out @OUT@/ratios-lm-2x2.json"
   [ratios-lm-4x1]="$py benchmarks/ratios.py \
-$results/compare-lm-4x1-1gbit-exchange.json $results/compare-lm-4x1-1gbit-riders.json \
-$results/compare-lm-4x1-1gbit-riders-100steps.json $results/compare-lm-4x1-1gbit-bound.json \
---other torchrec-rw --out $results/ratios-lm-4x1.json"
+benchmarks/records/compare-lm-4x1-1gbit-exchange/6e5b7ba-amd-epyc-2c.json benchmarks/records/compare-lm-4x1-1gbit-riders/71de633-amd-epyc-2c.json \
+benchmarks/records/compare-lm-4x1-1gbit-riders-100steps/eed0daf-amd-epyc-2c.json benchmarks/records/compare-lm-4x1-1gbit-bound/8e15fb6-intel-xeon-2c.json \
+--other torchrec-rw --out @OUT@/ratios-lm-4x1.json"
   [ratios-bound]="$py benchmarks/ratios.py \
-$results/compare-lm-2x2-1gbit-bound.json $results/compare-lm-4x1-1gbit-bound.json \
---other local-sparse torchrec-rw --out $results/ratios-lm-bound.json"
+benchmarks/records/compare-lm-2x2-1gbit-bound/8e15fb6-intel-xeon-2c.json benchmarks/records/compare-lm-4x1-1gbit-bound/8e15fb6-intel-xeon-2c.json \
+--other local-sparse torchrec-rw --out @OUT@/ratios-lm-bound.json"
   [ratios-table4-lm]="$py benchmarks/ratios.py \
-$results/table4-lm-ps-hybrid-5rounds.json $results/compare-lm-2x2-1gbit-session41.json \
---other ps --out $results/ratios-table4-lm.json"
+benchmarks/records/table4-lm-ps-hybrid-5rounds/b0528f6-intel-xeon-2c.json benchmarks/records/compare-lm-2x2-1gbit-session41/c124bc4-intel-xeon-2c.json \
+--other ps --out @OUT@/ratios-table4-lm.json"
   [async]="$py benchmarks/async_training.py --workloads lm recsys --layouts 4x1 2x2 \
 --rate 1gbit --steps 150"
 )
@@ -240,8 +241,15 @@ for name in "${names[@]}"; do
   # word splitting of the command line is intended (no argument holds a space)
   read -r -a cmd <<< "${EXPERIMENTS[$name]}"
   if [[ " ${TAKES_REPEATS[*]} " == *" $name "* ]]; then cmd+=("${repeats[@]}"); fi
+  scratch=benchmarks/out/$name
+  rm -rf "$scratch" && mkdir -p "$scratch"
+  cmd=("${cmd[@]//@OUT@/$scratch}")
   echo "== $name: ${cmd[*]}"
-  "${cmd[@]}" || failed+=("$name")
+  if PARALLAX_BENCH_OUT=$scratch "${cmd[@]}"; then
+    "$py" benchmarks/records.py add "$name" "$scratch" --command "${cmd[*]}" || failed+=("$name")
+  else
+    failed+=("$name")
+  fi
 done
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'bench.sh: failed: %s\n' "${failed[@]}" >&2

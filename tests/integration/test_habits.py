@@ -1,7 +1,7 @@
 """Every habit of tests/habits.py tried through `parallax.distribute`: what works trains the
 single-device program's parameters (float64, <= 1e-9), what is refused fails at its first use
 with an `UnsupportedProgramError` naming the parameter, the rank and the line; docs/habits.md
-and the README's table are `habits.render_table()`.
+is `habits.render_table()`.
 
 One worker in this process for most; one 2-worker launch (tests/scripts/habits_worker.py)
 for the habits whose difference needs several workers (averaging, samplers, the random
@@ -477,8 +477,8 @@ def test_state_dicts_are_tried_by_the_own_loop_tests() -> None:
 
 def test_every_habit_is_tried_and_the_docs_show_the_table() -> None:
     """Runs last in this module: every habit of the table has its test, and docs/habits.md
-    and the README carry the table as rendered from tests/habits.py."""
+    carries the table as rendered from tests/habits.py (the README links there)."""
     assert TRIED == set(BY_KEY), sorted(set(BY_KEY) - TRIED)
     table = render_table()
-    for page in (ROOT / "docs" / "habits.md", ROOT / "README.md"):
+    for page in (ROOT / "docs" / "habits.md",):
         assert table in page.read_text(), f"{page} does not carry habits.render_table()"

@@ -1,6 +1,6 @@
-"""The README's "Extending" contracts: a registered architecture or dense-sync hook is what a
-run uses (each registry is the one place its name is looked up), and the README's hook example
-runs as printed."""
+"""The "Extending" contracts (docs/extending.md): a registered architecture or dense-sync
+hook is what a run uses (each registry is the one place its name is looked up), and the
+page's hook example runs as printed."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from parallax.engine import dense_sync
 from parallax.engine.dense_sync import DenseSyncState
 from parallax.planning import architectures
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 
 
 def _train(config: parallax.Config, steps: int = 3) -> parallax.Runner:
