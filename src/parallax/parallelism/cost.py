@@ -174,7 +174,7 @@ def measure_link(group: dist.ProcessGroup, world_size: int, *,
     squares over them. Messages of several sizes, because a one-value all-reduce alone
     under-reads the per-message cost that the kilobyte-sized activations of a split layer
     pay (on the emulated network, replayed kilobyte collectives took milliseconds where a
-    one-value α predicted tenths of one: BENCHMARKS.md)."""
+    one-value α predicted tenths of one: records model_parallel-*)."""
     if world_size == 1:
         return Link(0.0, 0.0)
     p = world_size

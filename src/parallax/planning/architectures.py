@@ -183,30 +183,26 @@ ONE_WORKER = "one worker: no exchange, the replica is updated where touched"
 #: (`parallax.model.bag_reductions`)
 POOLABLE_KINDS = ("embedding_bag", "embedding", "gather")
 
-# The leader hop costs a second exchange each way, a merge and a fan-out per step; measured on
-# the LM at 2 machines x 2 workers, 1 Gbit/s (benchmarks/HISTORY.md), a 6 % byte saving cost
-# 9 ms a step (41 -> 50 ms). The hybrid keeps it only where it saves at least this fraction
-# of the bytes.
+# The leader hop costs a second exchange each way, a merge and a fan-out per step: a small
+# byte saving costs more time than it saves (the LM at 2 x 2, in
+# docs/history/2026-11-23-results-log.md). The hybrid keeps it only where it saves at least
+# this fraction of the bytes.
 MIN_AGGREGATION_SAVING = 0.2
 
 
 # Pooling a table's bags on its owner costs an exchange of its own each step (a header, the
-# ids, the pooled rows, their gradients: four collectives). Measured on the recommender with
-# history bags (BENCHMARKS.md, "Issue 37: pooling on the owner"; 2 x 2, 1 Gbit/s), pooling
-# was faster wherever it was predicted to move fewer bytes than the rows (0.64x and 0.75x of
-# their bytes: 1.23x and 1.11x faster); below this many bytes of rows per machine and step
-# nothing was measured, and a table keeps its rows.
+# ids, the pooled rows, their gradients: four collectives). Pooling was faster wherever it was
+# predicted to move fewer bytes than the rows (record compare-recsys-history32-2x2-1gbit);
+# below this many bytes of rows per machine and step nothing was measured: a table keeps its rows.
 MIN_POOLED_ROWS_BYTES = 64_000
 
 # A step that pulls some tables' rows and pools other tables' bags pays both exchanges: 3
 # collectives more than one that pools every table (the pull's two and a push message).
-# Measured on the recommender with history bags (BENCHMARKS.md, issue 37's riders section;
-# 2 x 2, 1 Gbit/s): the history pooled alone 37-38 ms a step, every bag table pooled 27-32,
-# although pooling the one-id user, item and genre bags too moves 180 kB more per machine and
-# step. Once a table pools, the hybrid pools every other server-held table too where each can
-# (no row exchange is left) and that adds at most this many bytes per machine and step: 2 ms
-# at 1 Gbit/s, less than the 3 collectives cost on any cluster measured here (at 100 Mbit/s
-# it would be 20 ms, more than they cost: pin `Config.pooled_tables` there).
+# Pooling every bag table was faster than pooling the history alone although it moves more
+# bytes (record compare-recsys-history32-2x2-1gbit-riders). Once a table pools, the hybrid
+# pools every other server-held table too where each can (no row exchange is left) and that
+# adds at most this many bytes per machine and step: at 1 Gbit/s less time than the 3
+# collectives cost; on a much slower link pin `Config.pooled_tables`.
 MAX_POOLED_REST_EXTRA_BYTES = 256_000
 
 
@@ -251,7 +247,7 @@ class Hybrid(Architecture):
         (using the measured α_m of the machines' merged rows when aggregating locally); with
         one worker, always: nothing crosses a wire either way, and the replica skips the
         exchange with itself (the LM's one-worker step as replicas, `architecture="allreduce"`,
-        against the servers: 8 vs 11 ms on the dev CPU, 8.2 vs 11.0 ms on an H200). A table
+        against the servers, on the CPU and on an H200). A table
         pooled on its owner stays (`Config.pooled_tables` is the user's choice)."""
         if not table.on_servers or table.pools:
             return False, ""

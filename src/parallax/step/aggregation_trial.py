@@ -1,11 +1,10 @@
 """Whether the leader hop pays, measured: the hybrid's local-aggregation choice by trial.
 
 The bytes rule (`Hybrid.keeps_local_aggregation`) keeps the hop where merging a machine's rows
-is predicted to save at least 20 % of the bytes. Measured on the LM at 2 machines x 8 workers
-(BENCHMARKS.md, "2 machines x 8 workers: where the hybrid's bytes rule keeps the hop") it kept
-a hop that cost 1.17x at 1 Gbit/s and 1.46x at 100 Mbit/s for 20 % fewer bytes: the hop's cost
-is its serial order (the non-leaders idle while their leader exchanges), which bytes do not
-show. So where the rule keeps it, after any partition search (whose samples ran with the
+is predicted to save at least 20 % of the bytes. On the LM at 2 machines x 8 workers it kept a
+hop that made the step slower for 20 % fewer bytes (records local-aggregation-lm-2x8-*): the
+hop's cost is its serial order (the non-leaders idle while their leader exchanges), which bytes
+do not show. So where the rule keeps it, after any partition search (whose samples ran with the
 hop; not under ``parallax plan``), `AggregationTrial` times ``steps`` steps with the hop, then
 ``steps`` without, each sample the mean of its second half on the slowest rank (as the
 partition search samples a count: every rank takes the same decision), and keeps the hop only
@@ -25,9 +24,8 @@ from parallax.partitions.tuner import slowest_rank_mean
 __all__ = ["AggregationTrial", "KEEP_MARGIN"]
 
 # The hop is kept only where it is this much faster: a tie shows no benefit, and the direct
-# exchange has fewer collectives. Measured (BENCHMARKS.md, 2 x 8 at 1 Gbit/s): three trials of
-# 8 steps chose "off" twice (290 vs 227, 260 vs 235 ms) and "kept" once on a tie (249.4 vs
-# 250.9 ms), after which the hop ran at 279 ms against 196 without it in the next launch.
+# exchange has fewer collectives: a trial that kept the hop on a tie was followed by a launch
+# where the hop was much slower (record local-aggregation-lm-2x8-1gbit-margin).
 KEEP_MARGIN = 0.03
 
 

@@ -351,7 +351,7 @@ def _refuse_batch_dependent(sparse_uses: dict[str, SparseUse], config: Config) -
 def refuse_off_cpu(device: torch.device, config: Config) -> None:
     """Refuse an asynchronous mode on a GPU worker. Its point-to-point channel is a gloo
     group that carries CPU tensors, and the rows it receives are placed in CPU buffers; no
-    path stages them through the host yet, and none has run on a GPU (issue 41)."""
+    path stages them through the host yet, and none has run on a GPU (the GPU path)."""
     if device.type != "cpu":
         raise ConfigError(
             f"sync={str(config.sync)!r} runs on CPU workers only: its parameter servers talk "

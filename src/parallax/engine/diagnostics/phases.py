@@ -4,9 +4,9 @@
 *self* time (a phase nested in another, e.g. the dense gradients' AllReduce inside the
 backward, counts for itself and not for its parent), so the phases of a step add up to the
 step. Always on: a phase costs two clock reads and a few dict updates (the cost on the LM is
-measured in BENCHMARKS.md, "Phase timing"). Own clocks rather than ``torch.profiler``'s
+record phase_overhead). Own clocks rather than ``torch.profiler``'s
 ``record_function`` ranges: those record nothing unless a profiler is running, and a running
-profiler records every operator too (measured in the same section). While a profiler *is*
+profiler records every operator too (the same record). While a profiler *is*
 running (the user's own ``torch.profiler.profile``), each phase is also a
 ``record_function`` range named ``parallax: PHASE`` (`PROFILER_PREFIX`), so that the user's
 trace shows where parallax's part of a step went, among their own operators.

@@ -5,7 +5,7 @@ Where a zero gradient leaves a row and its optimizer state exactly as they are
 without weight decay), only the rows that received gradient need the update. Handing torch's
 optimizer a sparse gradient of those rows does it, but torch's sparse path costs about 126 host
 operators per parameter (coalescing, sparse masks, sparse adds; measured on torch 2.13), which
-on a GPU is the host's time per step (issue 41). Here the rows are gathered, stepped by the
+on a GPU is the host's time per step (the GPU path). Here the rows are gathered, stepped by the
 optimizer's own functional form (``torch.optim.adagrad.adagrad``, ``torch.optim.sgd.sgd``: the
 dense program's arithmetic, element for element, which the sparse path is not: it divides
 before it scales) and written back: about 35 operators.

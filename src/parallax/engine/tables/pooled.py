@@ -154,7 +154,7 @@ class BagCall:
     def starts(self) -> Tensor:
         """Each bag's first id: torch's CPU kernel ends the last bag at the ids' end whatever
         the last offset says under ``include_last_offset`` (torch documents that offset as
-        the ids' count; the CUDA kernel is not checked here, issue 41)."""
+        the ids' count; the CUDA kernel is not checked here, the GPU path's issue)."""
         return self.offsets[:-1] if self.include_last_offset else self.offsets
 
     def same_as(self, other: BagCall) -> bool:

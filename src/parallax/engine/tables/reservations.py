@@ -3,7 +3,7 @@
 `Hop.open_many` first exchanges the counts (gloo checks no split sizes, so both sides must know
 them before the ids travel), then the ids: two all_to_alls before a pull can even serve rows,
 and on a host whose cores the ranks share the count message alone costs 0.5 ms of CPU per rank
-and 1.3 ms of wall time (2 machines x 2 workers, BENCHMARKS.md, issue 37's section).
+and 1.3 ms of wall time (2 machines x 2 workers, record small_sums-2x2-1gbit).
 `open_carrying` sends the count message and the ids together: each rank reserves, per table and
 peer, room for as many ids as the most it sent that peer over the last `HISTORY` pulls (its
 `Reservations`), pads what it sends up to that, and sends whatever does not fit in a second

@@ -8,7 +8,7 @@ sum, bit for bit, everywhere). Three ride today: the step's verdict
 (`parallax.engine.tables.verdict`) and, under `Runner.step`, small dense gradients
 (`parallax.engine.dense_sync.deferred`) and the optimizers' settings' fingerprint
 (`parallax.step.hyperparameters.SettingsRider`). A collective costs a few milliseconds of waiting on
-this CPU cluster whatever its size (BENCHMARKS.md, issue 37); a rider costs its bytes.
+this CPU cluster whatever its size (record small_sums-2x2-1gbit); a rider costs its bytes.
 
 The first message the push sends takes every rider waiting; a rider no message took (a step
 without a push message: no server-held table was used) is sent by `settle`, its own

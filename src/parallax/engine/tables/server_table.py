@@ -120,8 +120,8 @@ def _version_of(ids: Tensor) -> int | None:
 #: the most bytes of a table (or of its optimizer state) rank 0 sends per round of
 #: `ShardedTable.scatter_from_rank0`: its transient copy beside the program's table. Small:
 #: glibc keeps freed rounds in its heap (its mmap threshold rises to a freed block's size, up
-#: to 32 MiB), so a round's size stays resident; 16 MiB rather than 64 took rank 0's peak
-#: 100 MiB lower on the recommender built as the program builds it (BENCHMARKS.md)
+#: to 32 MiB), so a round's size stays resident (16 MiB rather than 64 lowered rank 0's peak:
+#: the memory records of the recommender, memory-recsys-2x2-1gbit)
 SCATTER_ROUND_BYTES = 16 * 2**20
 
 

@@ -5,7 +5,7 @@ One device skips (or refuses) a step whose loss or aggregated gradient is NaN or
 skips a parameter no backward reached. Here that needs every rank's word: each worker's loss,
 and the servers' sums of every worker's gradient rows. The check used to be a collective after
 the push (`parallax.engine.optimizers.grad_norm.find_nonfinite`); on a CPU cluster each
-collective costs a few milliseconds of waiting (BENCHMARKS.md, issue 37), so the verdict now
+collective costs a few milliseconds of waiting (record small_sums-2x2-1gbit), so the verdict now
 travels *in* the push's first message (`Hop.carrying`), which every rank sends to every rank:
 
 * whether this rank's loss is finite;
@@ -117,9 +117,8 @@ def largest_magnitudes(tensors: Sequence[Tensor]) -> list[Tensor]:
     a max, and a max of finite values cannot overflow. Empty tensors (no infinity norm of
     nothing) are left out. On a GPU one foreach kernel per device and dtype, as torch's
     clip_grad_norm_ computes norms; on the CPU from each tensor's ``aminmax``, the same
-    values: the CPU's infinity norm is not vectorised (one 512 x 128 float32 gradient: 339 µs
-    against 52 µs, one thread; 12.8M values: 58 against 7 ms), and the LM's step took it
-    twice a rank (the pulled rows' bound and the dense gradients' check)."""
+    values: the CPU's infinity norm is not vectorised (several times slower), and a step takes
+    it twice a rank (the pulled rows' bound and the dense gradients' check)."""
     values = [tensor for tensor in tensors if tensor.numel()]
     if not values:
         return []
