@@ -58,6 +58,19 @@ def hosts(claim: claims.Claim) -> list[str]:
     return seen
 
 
+def tree(source: str) -> str:
+    """`` (tree dirty)`` for a record made from a tree with uncommitted changes (its
+    ``diff_sha256`` says which, where it was recorded), `` (tree unrecorded)`` where the
+    record does not say; nothing for a clean tree."""
+    experiment, stem = source.split("/")[:2]
+    path = records.STORE / experiment / f"{stem}.json"
+    if not path.exists():
+        return ""
+    provenance = json.loads(path.read_text())["provenance"] or {}
+    dirty = provenance.get("dirty")
+    return "" if dirty is False else " (tree dirty)" if dirty else " (tree unrecorded)"
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -69,7 +82,7 @@ def table(section: str) -> list[str]:
         if claim.section != section:
             continue
         figure = claim.figure()
-        sources = "<br>".join(f"`{s}`" for s in claim.sources)
+        sources = "<br>".join(f"`{s}`{tree(s)}" for s in claim.sources)
         command = f"`bash scripts/bench.sh {claim.bench}`" if claim.bench != "gpu_check.sh" \
             else "`bash scripts/gpu_check.sh`"
         lines.append(
@@ -118,7 +131,9 @@ def page(figures: str) -> str:
         "records (`benchmarks/ratios.py`). Every network here is **emulated** (Linux network "
         "namespaces, `tc tbf`, no added delay), and every process of every machine shares "
         "the host's cores, so the host, not the link, bounds most steps. Records are never "
-        "overwritten: a re-run adds one (`benchmarks/records.py`).",
+        "overwritten: a re-run adds one (`benchmarks/records.py`). A record marked *(tree "
+        "dirty)* ran with uncommitted changes (records filed by `records.py` carry the diff's "
+        "hash); *(tree unrecorded)*: an older record that did not say.",
         "",
         f"{len(claims.CLAIMS)} claims: {counts}.",
         "",
