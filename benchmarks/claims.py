@@ -68,7 +68,7 @@ class Claim:
     """One row of the results page."""
 
     id: str
-    section: str  # "targets", "papers", "peers"
+    section: str  # "targets", "papers", "peers", "features"
     claim: str
     reference: str  # the paper's figure with file and table, or the target
     regime: str
@@ -220,6 +220,48 @@ def wire_over_model(system: str) -> Compute:
         row = {r["system"]: r for r in data}[system]
         return Figure(row["wire_over_predicted"], n=len(row.get("repeats") or [row]))
     return compute
+
+
+def async_over_sync(cell: str, mode: str = "async") -> Compute:
+    """``mode``'s items/s over sync's in one cell of the async record (``lm/4x1/yes``: LM,
+    4 x 1, a straggler), paired by repeat (each launch runs every mode)."""
+    def speed(run: dict) -> float:
+        wall = max(rank["finished_s"] for rank in run["ranks"])
+        return sum(rank["steps"] for rank in run["ranks"]) * run["items_per_step"] / wall
+
+    def compute(payloads: Sequence[Any]) -> Figure:
+        (data,) = payloads
+        rounds = []
+        for launch in data["raw"][cell]:
+            by_mode = {run["mode"]: speed(run) for run in launch}
+            rounds.append(by_mode[mode] / by_mode["sync"])
+        bounds = ratios.interval(rounds)
+        return Figure(ratios.geomean(rounds), low=bounds and bounds[0],
+                      high=bounds and bounds[1], n=len(rounds), counted="repeats")
+    return compute
+
+
+def launch_ratio(slow: str, fast: str, part: str = "total") -> Compute:
+    """``slow``'s launch time over ``fast``'s (launch_overhead.py labels), paired by round."""
+    def compute(payloads: Sequence[Any]) -> Figure:
+        (data,) = payloads
+        slow_runs = [r["parts"][part]["median_s"] for r in data if r["label"].endswith(slow)]
+        fast_runs = [r["parts"][part]["median_s"] for r in data if r["label"].endswith(fast)]
+        rounds = [a / b for a, b in zip(slow_runs, fast_runs, strict=True)]
+        bounds = ratios.interval(rounds)
+        return Figure(ratios.geomean(rounds), low=bounds and bounds[0],
+                      high=bounds and bounds[1], n=len(rounds), counted="rounds")
+    return compute
+
+
+def integrated_over_batch(payloads: Sequence[Any]) -> Figure:
+    """The integrated grid's wall-clock speed over batch parallelism's at the same width and
+    process count, at its best (model_parallel)."""
+    (data,) = payloads
+    batch = {(r["width"], r["P"]): r["wall_ms"] for r in data["rows"] if r["mode"] == "batch"}
+    ratios_ = [batch[(r["width"], r["P"])] / r["wall_ms"] for r in data["rows"]
+               if r["mode"] == "integrated" and (r["width"], r["P"]) in batch]
+    return Figure(max(ratios_), n=len(ratios_), counted="grid points")
 
 
 def host_counts(key: str) -> Compute:
@@ -419,6 +461,13 @@ CLAIMS: tuple[Claim, ...] = (
           "(P = 4, width 1,024; its wall time is 0.46x)",
           "mp-airfoil", ("model_parallel-airfoil-1gbit/0915f69-amd-epyc-2c",),
           best_speedup("model")),
+    Claim("seed004-integrated", "papers",
+          "seed 004: the integrated grid against batch parallelism, same width and P",
+          "`004`: 0.99x of pure batch parallelism", "airfoil, P = 4–8, 1 Gbit/s, 2 shared CPU "
+          "cores", "contradicted", "here batch parallelism is the slowest of the three (its "
+          "AllReduce of every weight each step on 2 cores), so the grid beats it",
+          "mp-airfoil", ("model_parallel-airfoil-1gbit/0915f69-amd-epyc-2c",),
+          integrated_over_batch),
     # peers
     Claim("lm-4x1-ddp-sparse", "peers", "LM 4 x 1: the hybrid against DDP with sparse embeddings",
           "a peer (no target)", f"4 machines x 1 worker, 1 Gbit/s, {EMULATED}", "missed",
@@ -428,6 +477,59 @@ CLAIMS: tuple[Claim, ...] = (
           "a peer (no target)", f"2 machines x 2 workers, 1 Gbit/s, {EMULATED}", "met",
           "one sitting (a tree with uncommitted record rewrites)", "lm-kjv",
           ("compare-lm-kjv-2x2-1gbit/eac7b4f-amd-epyc-2c",), paired("hybrid", "torchrec-rw")),
+    Claim("ttq-lm-torchrec", "peers",
+          "KJV LM to a validation target at 100 Mbit/s: TorchRec row-wise's time over the "
+          "hybrid's", "a peer (no target)", f"KJV LM, 2 x 2, 100 Mbit/s, 3 seeds, {EMULATED}",
+          "met", "the bytes per step decide where the link binds", "time-to-quality",
+          ("time-to-quality-lm-2x2/7ba079e-intel-xeon-2c",),
+          time_to_target("hybrid", "torchrec-rw", "100mbit")),
+    Claim("ttq-lm-ddp", "peers",
+          "KJV LM to a validation target at 100 Mbit/s: DDP-sparse's time over the hybrid's",
+          "a peer (no target)", f"KJV LM, 2 x 2, 100 Mbit/s, 3 seeds, {EMULATED}", "met",
+          "DDP's sparse gradients travel as an AllGather of every worker's rows",
+          "time-to-quality", ("time-to-quality-lm-2x2/7ba079e-intel-xeon-2c",),
+          time_to_target("hybrid", "ddp-sparse", "100mbit")),
+    Claim("ttq-lm-1gbit", "peers",
+          "KJV LM to a validation target at 1 Gbit/s: DDP-sparse's time over the hybrid's",
+          "a peer (no target)", f"KJV LM, 2 x 2, 1 Gbit/s, 3 seeds, {EMULATED}", "met",
+          "by the point estimate only, level within the seeds' spread: at 1 Gbit/s the link "
+          "does not bind these 6 MB tables", "time-to-quality",
+          ("time-to-quality-lm-2x2/7ba079e-intel-xeon-2c",),
+          time_to_target("hybrid", "ddp-sparse", "1gbit")),
+    # features measured
+    Claim("async-straggler-lm", "features",
+          "asynchronous training, LM 4 x 1 with one worker three times slower: `async`'s "
+          "words/s over sync's", "no target", f"4 x 1, 1 Gbit/s, 150 steps, {EMULATED}",
+          "reproduced", "a straggler no longer sets the pace (at a higher loss for the work)",
+          "async", ("async/b4ff5f7-amd-epyc-2c",), async_over_sync("lm/4x1/yes")),
+    Claim("async-sparse-straggler-lm", "features",
+          "asynchronous training, LM 4 x 1 with a straggler: `async-sparse`'s words/s over "
+          "sync's", "no target", f"4 x 1, 1 Gbit/s, 150 steps, {EMULATED}", "partly",
+          "its dense AllReduce still waits for the straggler", "async",
+          ("async/b4ff5f7-amd-epyc-2c",), async_over_sync("lm/4x1/yes", "async-sparse")),
+    Claim("async-no-straggler-recsys", "features",
+          "asynchronous training, recommender 4 x 1, no straggler: `async`'s samples/s over "
+          "sync's", "no target", f"4 x 1, 1 Gbit/s, 150 steps, {EMULATED}", "missed",
+          "without a straggler there is nothing to hide, and the servers' serial updates cost",
+          "async", ("async/b4ff5f7-amd-epyc-2c",), async_over_sync("recsys/4x1/no")),
+    Claim("launch-forkserver", "features",
+          "a 2 x 2 job's launch to its end: exec's time over `--start-method forkserver`'s",
+          "no target", "2 x 2 on one host, no emulated link, 2 CPU cores", "reproduced",
+          "forked workers skip the imports of torch and torch._dynamo", "launch",
+          ("launch_start_methods/2adc399-intel-xeon-2c",), launch_ratio("exec 2x2",
+                                                                     "forkserver 2x2")),
+    Claim("adam-step", "features",
+          "LM 4 x 1: the hybrid's step with Adam (every row's dense update, exact)",
+          "no target", f"4 x 1, 1 Gbit/s, {EMULATED}", "reproduced",
+          "Adam updates every row each step, so its step is a pass over the whole table",
+          "lm-4x1", ("compare-lm-4x1-1gbit-adam/fca2fa1-amd-epyc-2c",),
+          field("hybrid", "median_step_s", 1000, "ms", 1)),
+    Claim("adagrad-step", "features", "LM 4 x 1: the hybrid's step with Adagrad (rows touched)",
+          "no target", f"4 x 1, 1 Gbit/s, {EMULATED}", "reproduced",
+          "the servers update only the rows a step touched (another sitting than Adam's)",
+          "lm-4x1",
+          ("compare-lm-4x1-1gbit/1c1279a-amd-epyc-2c",),
+          field("hybrid", "median_step_s", 1000, "ms", 1)),
 )
 
 BY_ID = {claim.id: claim for claim in CLAIMS}

@@ -51,6 +51,7 @@ ROOT = HERE.parent
 STORE = HERE / "records"
 FORMAT = "parallax-record/1"
 SCRATCH_ENV = "PARALLAX_BENCH_OUT"
+IMAGES = (".png", ".svg", ".pdf")
 
 
 def scratch() -> Path:
@@ -281,7 +282,8 @@ def add(bench: str, directory: Path, command: str, store: Path = STORE) -> list[
         path = write(output.stem, payload, source=now, seeds=seeds_of(command), bench=bench,
                      store=store)
         for companion in sorted(directory.glob(f"{output.stem}.*")):
-            if companion != output and companion.is_file():
+            # tables and logs travel with the record; figures are copied to benchmarks/figures
+            if companion != output and companion.is_file() and companion.suffix not in IMAGES:
                 shutil.copyfile(companion, path.with_suffix(companion.suffix))
         filed.append(path)
         print(f"[records] {output.name} -> {_shown(path)}", flush=True)

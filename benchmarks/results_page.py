@@ -21,7 +21,8 @@ import records
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {ROOT / "BENCHMARKS.md": "benchmarks/figures/", ROOT / "docs" / "benchmarks.md": "figures/"}
-SECTIONS = (("targets", "Targets"), ("papers", "The papers"), ("peers", "Peers"))
+SECTIONS = (("targets", "Targets"), ("papers", "The papers"), ("peers", "Peers"),
+            ("features", "Features measured"))
 FIGURES = (  # figure, what it shows, the bench.sh experiment that draws it
     ("compare-lm-4x1-1gbit.png", "LM 4 x 1 at 1 Gbit/s: every system's step, bytes and memory",
      "lm-4x1"),
