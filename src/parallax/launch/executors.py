@@ -31,7 +31,7 @@ def omp_threads(workers: int) -> str:
     setting when there is one, else the cores shared out evenly (at least one each).
 
     Without it each worker sizes its OpenMP pool for the whole host, and the oversubscribed
-    threads spin against each other (3-5x slower steps, measured)."""
+    threads spin against each other (several times slower steps)."""
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // workers))
 
 

@@ -70,8 +70,8 @@ def sampling(start: int, *, max_partitions: int, min_partitions: int = 1, balanc
     ``balance`` (the number of servers) restricts the fitted choice to multiples of it, and to
     the sampled counts: partition ``p`` lives on server ``p % S``, so any other count gives
     some servers one partition more than others, and the slowest server sets every step's
-    pace, which the smooth model cannot see (measured: P=3 on 2 servers ran 1.5x slower than
-    P=2 and P=4)."""
+    pace, which the smooth model cannot see (P=3 on 2 servers ran slower than both P=2 and
+    P=4: the partition records)."""
     if not min_partitions <= start <= max_partitions:
         raise ArgumentError(f"start={start} must lie in [min_partitions={min_partitions}, "
                          f"max_partitions={max_partitions}]")

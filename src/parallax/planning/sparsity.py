@@ -91,8 +91,8 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
     if owner is not None:
         owner.state[param] = moved
     # SparseAdam needs sparse gradients; one worker gathers nothing either way, and the rows
-    # a step touched are all it updates (an AllReduced table's update reads every row: 316 ms
-    # a step against 10 on the LM, one worker)
+    # a step touched are all it updates (an AllReduced table's update reads every row, many
+    # times the step of the rows alone)
     sync = "allgatherv" if table.sparse_grad or worker.world_size == 1 else "allreduce"
     return ReplicatedTable(table.name, param, worker=worker, group=group, traffic=table.traffic,
                            sparse_grad=table.sparse_grad, average=table.average, sync=sync,

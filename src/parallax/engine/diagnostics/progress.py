@@ -11,8 +11,8 @@ not arrive, with its last known step and phase.
 
 Cost: one check per step on the step's path, and three store writes that a thread of this
 rank sends behind it (`_Writer`: on a host whose cores the ranks share, each round trip to the
-launcher's store waits for that process to be scheduled, 0.4-1.8 ms per rank and step in the
-recommender's profile when the step waited for them). Reading the records first lets this
+launcher's store waits for that process to be scheduled: the record
+progress-writer-recsys-2x2-1gbit). Reading the records first lets this
 process's queued writes land. Nothing when the job has one worker.
 """
 
