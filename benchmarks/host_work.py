@@ -1,38 +1,47 @@
-"""Host work per step of one worker: the benchmark LM (`workloads.SampledSoftmaxLM`, Adagrad)
-trained by a plain PyTorch loop and by the same loop after ``parallax.distribute`` (a world
-of one: rank 0 is the only server), or with ``--door runner`` by ``parallax.get_runner``'s
+"""Host work per step: the benchmark LM (`workloads.SampledSoftmaxLM`, Adagrad) trained by a
+plain PyTorch loop (DDP over it with ``--workers N``) and by the same loop after
+``parallax.distribute`` (one worker: rank 0 is the only server; N workers: the DDP port,
+``distribute(DDP(model), optimizer)``), or with ``--door runner`` by ``parallax.get_runner``'s
 ``Runner.step`` (one worker: its tables replicated after the warm-up), counted and timed on
-this process's CPU.
+this host's CPU.
 
     python benchmarks/host_work.py [--vocab 2000] [--emb 16] [--steps 300] [--rounds 3]
-                                   [--device cpu] [--door distribute] [--trace TRACE.json]
-                                   [--out benchmarks/out/host_work.json]
+                                   [--workers 1] [--device cpu] [--door distribute]
+                                   [--trace TRACE.json] [--out benchmarks/out/host_work.json]
+
+``--workers N`` (N > 1) starts N workers on this machine with ``parallax run`` (gloo, no
+emulated link) and counts every rank; the record gives each rank's counts and, per system,
+the largest over ranks (``systems``), with the collectives per step (``c10d::`` operators
+the profiler records: all_gather, all_to_all, all_reduce, ...).
 
 Counted (deterministic, what the engine asks of the host each step): the ``aten::`` operators
-torch.profiler records and the Python function calls ``cProfile`` records, each per step over
-50 steps. Timed: the mean step of ``--steps`` steps, plain and parallax alternately for
-``--rounds`` rounds (medians and ranges; one process on a shared host, so read the ratio, and
-only beside the counts). Small sizes by default: the engine's own work, not the model's
-arithmetic, is what is measured, as on a GPU where the model's kernels are fast and the host
-issues them (issue 41: the one-worker step's host work). With ``--device cuda`` the model and
-batches live on the GPU, each timed round ends with ``torch.cuda.synchronize()``, and the
+and the collectives torch.profiler records and the Python function calls ``cProfile`` records,
+each per step over 50 steps. Timed: the mean step of ``--steps`` steps, plain and parallax
+alternately for ``--rounds`` rounds (medians and ranges; one process on a shared host, so read
+the ratio, and only beside the counts). Small sizes by default: the engine's own work, not the
+model's arithmetic, is what is measured, as on a GPU where the model's kernels are fast and the
+host issues them (issue 41: the one-worker step's host work). With ``--device cuda`` the model
+and batches live on the GPU, each timed round ends with ``torch.cuda.synchronize()``, and the
 counts add the kernel launches and the host's waits on the device (stream and device
 synchronisations) per step, from the profiler's CUDA runtime events. ``--trace FILE`` writes
 the parallax system's counted steps as a Chrome trace with Python frames, for
-``benchmarks/profile_callers.py`` (which lines make the host wait).
-"""
+``benchmarks/profile_callers.py`` (which lines make the host wait). """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import profile
 
 HERE = Path(__file__).resolve().parent
@@ -46,6 +55,10 @@ import parallax  # noqa: E402
 from parallax.step.forward import to_device  # noqa: E402
 
 COUNTED_STEPS = 50
+# untimed steps first: the sparsity warm-up, the local-aggregation trial (8 + 8 steps at
+# several workers) and the plan's completion all end before the counted steps begin
+WARMUP_STEPS = 30
+AGGREGATION = {"trial": None, "on": True, "off": False}
 
 
 def train(model, optimizer, batches) -> None:
@@ -93,6 +106,7 @@ def counts(model, optimizer, batches, trace: Path | None = None) -> dict[str, fl
         prof.export_chrome_trace(str(trace))
     events = prof.key_averages()
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
+    collectives = sum(e.count for e in events if e.key.startswith("c10d::"))
     waits = sum(e.count for e in events if e.key in WAITS)
     launches = sum(e.count for e in events if e.key in LAUNCHES)
     calls = cProfile.Profile()
@@ -100,8 +114,71 @@ def counts(model, optimizer, batches, trace: Path | None = None) -> dict[str, fl
     python = sum(entry.callcount for entry in calls.getstats())
     return {"aten_ops_per_step": aten / len(batches),
             "python_calls_per_step": python / len(batches),
+            "collectives_per_step": collectives / len(batches),
             "kernel_launches_per_step": launches / len(batches),
             "device_waits_per_step": waits / len(batches)}
+
+
+def build(name: str, args: argparse.Namespace, cfg: LMConfig, device: torch.device,
+          world: int):
+    """One system: ``plain`` (DDP over the model at several workers) or ``parallax``."""
+    torch.manual_seed(0)
+    model = SampledSoftmaxLM(cfg).to(device)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    config = parallax.Config(partition_cache=None, num_partitions=args.partitions,
+                             overlap_push=not args.no_overlap_push,
+                             local_aggregation=AGGREGATION[args.local_aggregation])
+    door = args.door
+    if name == "parallax" and door == "runner":
+        return parallax.get_runner(model, optimizer, sampled_softmax_loss, config=config), None
+    if world > 1:
+        model = DistributedDataParallel(model)
+    if name == "parallax":
+        return parallax.distribute(model, optimizer, config=config)
+    return model, optimizer
+
+
+def measure(args: argparse.Namespace, device: torch.device, world: int) -> dict:
+    """Every system's counts and step times on this rank."""
+    cfg = LMConfig(vocab=args.vocab, emb=args.emb, hidden=args.emb, seq_len=5, batch=4,
+                   sampled=16)
+    rank = dist.get_rank() if world > 1 else 0
+    generator = torch.Generator().manual_seed(1 + rank)
+    batches = [to_device(zipf_lm_batch(cfg, generator), device) for _ in range(args.steps)]
+    systems = {}
+    for name in ("plain", "parallax"):
+        model, optimizer = build(name, args, cfg, device, world)
+        train(model, optimizer, batches[:WARMUP_STEPS])  # the plan settles in parallax's
+        systems[name] = (model, optimizer)
+    counted = {}
+    for name, (model, optimizer) in systems.items():
+        trace = args.trace if name == "parallax" and rank == 0 else None
+        counted[name] = counts(model, optimizer, batches[:COUNTED_STEPS], trace)
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for round_ in range(args.rounds):
+        order = list(systems) if round_ % 2 == 0 else list(reversed(systems))
+        for name in order:
+            times[name].append(step_ms(*systems[name], batches))
+    for name, measured in times.items():
+        counted[name].update(step_ms_median=statistics.median(measured),
+                             step_ms_rounds=measured)
+    return counted
+
+
+def largest(per_rank: list[dict]) -> dict:
+    """Per system and count, the largest over ranks (the step waits for the slowest)."""
+    return {name: {key: max(rank[name][key] for rank in per_rank) if key != "step_ms_rounds"
+                   else per_rank[0][name][key] for key in per_rank[0][name]}
+            for name in per_rank[0]}
+
+
+def launch(args: argparse.Namespace) -> None:
+    """Start ``--workers`` workers of this script with ``parallax run`` (one machine)."""
+    cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", "1",
+           "--nproc-per-machine", str(args.workers), str(Path(__file__).resolve()),
+           *sys.argv[1:]]
+    if subprocess.run(cmd).returncode != 0:
+        raise SystemExit(f"host_work: the {args.workers} workers failed (their errors above)")
 
 
 def main() -> None:
@@ -110,60 +187,65 @@ def main() -> None:
     parser.add_argument("--emb", type=int, default=16)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="workers on this machine (more than one: parallax run, gloo)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU)")
     parser.add_argument("--door", choices=("distribute", "runner"), default="distribute",
                         help="parallax's own loop (distribute: tables on the servers), or "
                              "Runner.step (get_runner: one worker replicates its tables)")
+    parser.add_argument("--partitions", type=int, default=None,
+                        help="Config.num_partitions (default: the partition search's choice, "
+                             "which follows timings: pin it for counts that are the same on "
+                             "every run)")
+    parser.add_argument("--local-aggregation", choices=tuple(AGGREGATION), default="trial",
+                        help="Config.local_aggregation at several workers: the default "
+                             "times the leader hop in a trial (pin it for counts that are "
+                             "the same on every run)")
+    parser.add_argument("--no-overlap-push", action="store_true",
+                        help="Config(overlap_push=False): Runner.step pushes after the "
+                             "backward (its early push groups tables by measured arrival)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write parallax's counted steps as a Chrome trace here")
     parser.add_argument("--out", type=Path, default=records.scratch() / "host_work.json")
     args = parser.parse_args()
+    if args.workers > 1 and "RANK" not in os.environ:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        launch(args)
+        return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to this process")
     torch.set_num_threads(1)
-    cfg = LMConfig(vocab=args.vocab, emb=args.emb, hidden=args.emb, seq_len=5, batch=4,
-                   sampled=16)
-    generator = torch.Generator().manual_seed(1)
-    batches = [to_device(zipf_lm_batch(cfg, generator), device) for _ in range(args.steps)]
-    systems = {}
-    for name in ("plain", "parallax"):
-        torch.manual_seed(0)
-        model = SampledSoftmaxLM(cfg).to(device)
-        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
-        config = parallax.Config(partition_cache=None)
-        if name == "parallax" and args.door == "runner":
-            model = parallax.get_runner(model, optimizer, sampled_softmax_loss, config=config)
-            optimizer = None
-        elif name == "parallax":
-            model, optimizer = parallax.distribute(model, optimizer, config=config)
-        train(model, optimizer, batches[:20])  # warm-up (the plan settles in parallax's)
-        systems[name] = (model, optimizer)
-    settings = vars(args) | {"out": str(args.out), "trace": str(args.trace)}
-    record: dict = {"settings": settings, "systems": {}}
-    for name, (model, optimizer) in systems.items():
-        trace = args.trace if name == "parallax" else None
-        record["systems"][name] = counts(model, optimizer, batches[:COUNTED_STEPS], trace)
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for round_ in range(args.rounds):
-        order = list(systems) if round_ % 2 == 0 else list(reversed(systems))
-        for name in order:
-            times[name].append(step_ms(*systems[name], batches))
+    world = args.workers
+    if world > 1:
+        dist.init_process_group("gloo")
+    mine = measure(args, device, world)
+    per_rank = [mine]
+    if world > 1:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        per_rank = gathered
     parallax.shutdown()
-    for name, measured in times.items():
-        record["systems"][name].update(step_ms_median=statistics.median(measured),
-                                       step_ms_rounds=measured)
+    if world > 1:
+        if dist.is_initialized():  # shutdown leaves a group the program made to it
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return
+    settings = vars(args) | {"out": str(args.out), "trace": str(args.trace)}
+    record: dict = {"settings": settings, "systems": largest(per_rank), "ranks": per_rank}
     plain, ours = record["systems"]["plain"], record["systems"]["parallax"]
     record["parallax_over_plain"] = {key: ours[key] / plain[key] for key in (
         "aten_ops_per_step", "python_calls_per_step", "step_ms_median")}
     record["provenance"] = compare.provenance()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"device: {device}")
-    print("| system | aten ops/step | Python calls/step | kernel launches/step | device waits/step "
-          "| step (ms, median of rounds) |")
-    print("|---|---|---|---|---|---|")
+    print(f"device: {device}, {world} worker(s), door {args.door} (largest over ranks)")
+    print("| system | aten ops/step | Python calls/step | collectives/step | kernel launches/step "
+          "| device waits/step | step (ms, median of rounds) |")
+    print("|---|---|---|---|---|---|---|")
     for name, row in record["systems"].items():
         print(f"| {name} | {row['aten_ops_per_step']:.0f} | {row['python_calls_per_step']:.0f} "
+              f"| {row['collectives_per_step']:.0f} "
               f"| {row['kernel_launches_per_step']:.0f} | {row['device_waits_per_step']:.1f} "
               f"| {row['step_ms_median']:.2f} ({min(row['step_ms_rounds']):.2f}–"
               f"{max(row['step_ms_rounds']):.2f}) |")

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The host work per step that tests/benchmarks/test_host_work.py guards, measured at its
+# settings (the plan's timed choices pinned: one partition per table, no leader hop) for both
+# doors at 1 worker and at 1 machine x 2 workers: four outputs in the directory given
+# (bench.sh: the experiment's scratch directory), each filed as its own record.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+out=${1:-benchmarks/out/host-counts}
+mkdir -p "$out"
+for workers in 1 2; do
+  for door in distribute runner; do
+    "$py" benchmarks/host_work.py --workers "$workers" --door "$door" --partitions 1 \
+      --local-aggregation off --rounds 3 --out "$out/host-counts-${workers}w-${door}.json"
+  done
+done
