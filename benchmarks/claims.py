@@ -15,7 +15,6 @@ records (sittings), the geometric mean of the sittings' means with the interval 
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,10 +89,7 @@ def payload(source: str, store: Path = records.STORE) -> Any:
     path = store / f"{source}.json"
     if not path.exists():
         raise FileNotFoundError(f"record {source!r} is missing: no {path}")
-    data = json.loads(path.read_text())
-    if isinstance(data, dict) and data.get("format") == records.FORMAT:
-        return data["payload"]
-    return data
+    return records.read(path)
 
 
 # ---- how figures are computed ------------------------------------------------------------
@@ -365,27 +361,28 @@ CLAIMS: tuple[Claim, ...] = (
     # targets
     Claim("lm-4x1-torchrec", "targets", "LM 4 x 1: the hybrid against TorchRec row-wise",
           "target ≥ 1.2x", f"4 machines x 1 worker, 1 Gbit/s, {EMULATED}", "missed",
-          "the host, not the link, bounds the step: TorchRec and the hybrid both run at "
-          "0.35–0.4 of the no-exchange bound", "targets-lm-4x1", LM_4X1,
+          "the host, not the link, bounds the step: TorchRec and the hybrid both run far from "
+          "the no-exchange bound (lm-bound-2x2)", "targets-lm-4x1", LM_4X1,
           paired("hybrid", "torchrec-rw")),
     Claim("lm-2x2-torchrec", "targets", "LM 2 x 2: the hybrid against TorchRec row-wise",
           "target ≥ 1.2x", f"2 machines x 2 workers, 1 Gbit/s, {EMULATED}", "missed",
-          "met in two sittings of nine; the pooled interval stays under 1.2x",
+          "met in single sittings; the pooled interval stays under the target",
           "targets-lm-2x2", LM_2X2, paired("hybrid", "torchrec-rw")),
     Claim("recsys-2x2-torchrec", "targets",
           "recommender 2 x 2: the hybrid against TorchRec table-wise (its best here)",
           "target ≥ 1.2x", f"2 machines x 2 workers, 1 Gbit/s, {EMULATED}", "missed",
-          "the interval holds 1.0; the owner's bag pooling costs CPU the 2 cores lack",
+          "the interval holds parity; the owner's bag pooling costs CPU the 2 cores lack",
           "targets-recsys", RECSYS_2X2, paired("hybrid", "torchrec-tw")),
     Claim("lm-bound-2x2", "targets",
           "LM 2 x 2: the hybrid's share of the no-exchange compute bound (local-sparse)",
           "target ≥ 0.85", f"2 machines x 2 workers, 1 Gbit/s, {EMULATED}", "missed",
-          "the collectives' own threads take 18–23 ms of CPU a step; TorchRec is at 0.35",
+          "the collectives' own threads take more CPU a step than the bound leaves; TorchRec is "
+          "as far from it",
           "targets-lm-bound", ("compare-lm-2x2-1gbit-bound/8e15fb6-intel-xeon-2c",),
           paired("hybrid", "local-sparse")),
     Claim("cnn-ddp", "targets", "dense CNN 2 x 2: DDP's step over the hybrid's",
           "target ≥ 0.95 (within 5 % of DDP)", f"2 machines x 2 workers, 1 Gbit/s, {EMULATED}",
-          "met", "by point estimate; the interval holds 5 % either side",
+          "met", "by point estimate; the interval holds the target on either side",
           "cnn", ("compare-cnn-2x2-1gbit-session41/4f23e99-intel-xeon-2c",),
           paired("hybrid", "ddp-dense")),
     Claim("one-worker-cpu", "targets", "one worker (CNN, CPU): plain PyTorch's step over ours",
@@ -394,7 +391,7 @@ CLAIMS: tuple[Claim, ...] = (
           "cnn", ("compare-cnn-1x1-overhead/6660eb0-amd-epyc-2c",), paired("hybrid", "plain")),
     Claim("one-worker-gpu", "targets", "one worker (LM, one H200): plain PyTorch's step over ours",
           "target ≥ 0.91 (within 10 %)", "1 process on one H200 GPU, 16 CPU cores", "missed",
-          "the engine's host work: 152 kernel launches a step against plain's 37 (issue 73)",
+          "the engine's host work: several times plain's kernel launches a step (issue 73)",
           "gpu_check.sh", ("gpu-check/ba1ec55-nvidia-h200-2026-11-28-run12/lm-cuda-1x1",),
           paired("hybrid", "plain")),
     *HOST_WORK,
@@ -406,7 +403,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("table1-nmt", "papers", "Table 1, NMT: PS over AllReduce",
           f"{P000} Table 1: 102k vs 68.3k words/s, PS 1.49x",
           f"2 x 2, 1 Gbit/s, {EMULATED}", "contradicted",
-          "AllReduce wins: α here is 0.365 with a 10 MB dense layer (the paper's 0.65); "
+          "AllReduce wins: α here is well under the paper's, with a large dense layer; "
           "issue 74 re-runs it where the link binds", "table1", TABLE1,
           paired("ps", "allreduce", label="nmt")),
     Claim("table1-cnn", "papers", "Table 1, dense CNN: AllReduce over PS (dense: AR wins)",
@@ -439,7 +436,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("table5-lm-2x2", "papers",
           "Table 5, LM 2 x 2: the searched count's step over brute force's best",
           f"{P000} Table 5: 274k vs 289.5k words/s (within 6 %)",
-          f"2 x 2, 1 Gbit/s, {EMULATED}", "reproduced", "within 2 % of brute force",
+          f"2 x 2, 1 Gbit/s, {EMULATED}", "reproduced", "within the paper's margin of brute force",
           "partitions-2x2", ("partitions-lm-2x2-1gbit/at-1c1279a-host-unrecorded",),
           partitions_search),
     Claim("table5-lm-4x1", "papers",
@@ -450,8 +447,9 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("table6-ps", "papers", "Table 6: the hybrid over the PS at the smallest α",
           f"{P000} Table 6: 2.04x at α = 1.0 rising to 3.42x at α = 0.04 (3.02–3.42x at "
           "α ≤ 0.1)", f"2 x 2, 1 Gbit/s, vocabulary 100k, sequence 1–120, {EMULATED}",
-          "not reproduced", "α stays 0.007–0.018 here, and against ps the gap is inside the "
-          "spread at most lengths; issue 74 re-runs it over the paper's α", "sparsity-seq",
+          "not reproduced", "α stays below the paper's smallest at every length, and against "
+          "ps the gap is inside the spread at most lengths; issue 74 re-runs it over the "
+          "paper's α", "sparsity-seq",
           ("sparsity-seq/949d12c-intel-xeon-2c",), sparsity_over("ps")),
     Claim("fig7-lm-ps", "papers", "Figure 7, LM: time to a validation target, ps over the hybrid",
           f"{P000} §6.2: LM 2.6x over TF-PS, 5.9x over Horovod (36 GPUs)",
@@ -462,7 +460,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("fig7-nmt-ps", "papers", "Figure 7, NMT: time to a validation target, ps over the hybrid",
           f"{P000} §6.2: NMT 1.7x over TF-PS, 2.3x over Horovod (24 GPUs)",
           f"NMT, 2 x 2, 100 Mbit/s, 3 seeds, {EMULATED}", "partly",
-          "the order of the bytes per step; over the Horovod analog only 1.04x",
+          "the order of the bytes per step; over the Horovod analog the gain is small",
           "time-to-quality-nmt", ("time-to-quality-nmt-2x2-100mbit/054540c-intel-xeon-2c",),
           time_to_target("hybrid", "ps", "100mbit")),
     Claim("abstract-horovod", "papers",
@@ -501,7 +499,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("slim-speed", "papers", "Slim-DP: speed over Plump-DP (time to the same steps), K = 8",
           "`002` Table 2: Speed_a 1.23 (GoogLeNet) / 1.51 (VGG-16) at K = 8",
           f"small VGG, 8 workers, 100 Mbit/s, 600 steps, {EMULATED}", "reproduced",
-          "the link binds Plump-DP here (about 85 % of its step is communication)",
+          "the link binds Plump-DP here (most of its step is communication)",
           "slim-k8-100mbit", ("slim_dp-k8-100mbit-600steps/f237e0e-intel-xeon-2c",), slim_speed),
     Claim("seed004-batch", "papers", "seed 004: batch parallelism's best speed-up over one process",
           "`004`: 5.8x (32 processes, model size 512)",
@@ -510,8 +508,8 @@ CLAIMS: tuple[Claim, ...] = (
           ("model_parallel-airfoil-1gbit/0915f69-amd-epyc-2c",), best_speedup("batch")),
     Claim("seed004-model", "papers", "seed 004: model parallelism's best speed-up over one process",
           "`004`: 1.2x (model size 1,024)", "airfoil, P = 2–8, 1 Gbit/s, 2 shared CPU cores",
-          "not reproduced", "wall clock; the 1.16x once quoted replayed the communication "
-          "(P = 4, width 1,024; its wall time is 0.46x)",
+          "not reproduced", "by wall clock; the speed-up once quoted for P = 4, width 1,024 "
+          "replayed the communication",
           "mp-airfoil", ("model_parallel-airfoil-1gbit/0915f69-amd-epyc-2c",),
           best_speedup("model")),
     Claim("seed004-integrated", "papers",

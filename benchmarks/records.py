@@ -133,10 +133,6 @@ class Record:
         return self.data["payload"]
 
     @property
-    def commit(self) -> str:
-        return str((self.data["provenance"] or {}).get("commit") or "unknown")[:7]
-
-    @property
     def name(self) -> str:
         """The record's id: ``<experiment>/<file stem>``."""
         return f"{self.path.parent.name}/{self.path.stem}"
@@ -217,17 +213,6 @@ def _order(path: Path) -> tuple[str, str, int]:
     match = re.fullmatch(r"(.*?)(?:-(\d+))?", path.stem)
     assert match is not None
     return (path.parent.name, match.group(1), int(match.group(2) or 1))
-
-
-def find(name: str, store: Path = STORE) -> Record:
-    """The record ``<experiment>/<stem>``; a clear error naming what the experiment has."""
-    path = store / f"{name}.json"
-    if not path.exists():
-        experiment = name.split("/", 1)[0]
-        have = sorted(p.stem for p in (store / experiment).glob("*.json"))
-        raise FileNotFoundError(f"no record {name!r} in {store} (experiment {experiment!r} "
-                                f"has: {', '.join(have) or 'none'})")
-    return load(path)
 
 
 def _payload_provenance(payload: Any) -> dict[str, Any] | None:

@@ -41,18 +41,21 @@ FIGURES = (  # figure, what it shows, the bench.sh experiment that draws it
 HISTORY = "docs/history/"
 
 
+def _provenance(source: str) -> dict | None:
+    """The provenance of the record a claim reads (None: a file inside a record directory,
+    whose directory's name says its host)."""
+    experiment, stem = source.split("/")[:2]
+    path = records.STORE / experiment / f"{stem}.json"
+    return (json.loads(path.read_text())["provenance"] or {}) if path.exists() else None
+
+
 def hosts(claim: claims.Claim) -> list[str]:
-    """The host of each record a claim reads, once each: from the record's provenance, or
-    for a file inside a record directory, from the directory's name."""
+    """The host of each record a claim reads, once each."""
     seen: list[str] = []
     for source in claim.sources:
-        experiment, stem = source.split("/")[:2]
-        path = records.STORE / experiment / f"{stem}.json"
-        if path.exists():
-            provenance = json.loads(path.read_text())["provenance"] or {}
-            host = records.host_slug(provenance.get("host"))
-        else:
-            host = stem.split("-", 1)[1].split("-20")[0]
+        provenance = _provenance(source)
+        host = records.host_slug(provenance.get("host")) if provenance is not None else \
+            source.split("/")[1].split("-", 1)[1].split("-20")[0]
         host = "unrecorded" if host == "host-unrecorded" else host
         if host not in seen:
             seen.append(host)
@@ -63,11 +66,9 @@ def tree(source: str) -> str:
     """`` (tree dirty)`` for a record made from a tree with uncommitted changes (its
     ``diff_sha256`` says which, where it was recorded), `` (tree unrecorded)`` where the
     record does not say; nothing for a clean tree."""
-    experiment, stem = source.split("/")[:2]
-    path = records.STORE / experiment / f"{stem}.json"
-    if not path.exists():
+    provenance = _provenance(source)
+    if provenance is None:
         return ""
-    provenance = json.loads(path.read_text())["provenance"] or {}
     dirty = provenance.get("dirty")
     return "" if dirty is False else " (tree dirty)" if dirty else " (tree unrecorded)"
 

@@ -51,6 +51,14 @@ def test_every_claim_computes_from_records_it_names() -> None:
         assert figure.value == figure.value and figure.text, claim.id  # not NaN, printable
 
 
+def test_a_claims_own_words_quote_no_figure() -> None:
+    """A reason or regime says why in words: a measured figure in it would not be recomputed
+    (settings such as "8 steps" or "6 MB tables" are not measurements)."""
+    quoting = [f"{c.id}: {text!r}" for c in claims.CLAIMS for text in (c.reason, c.claim)
+               if MEASURED.search(text) or re.search(r"\d\.\d|\d ?%", text)]
+    assert not quoting, "\n".join(quoting)
+
+
 def test_quoted_figures_are_links_to_claims_that_recompute_to_their_text() -> None:
     quoted = 0
     for page in quoting_pages():

@@ -2,14 +2,9 @@
 
 gloo's AllReduce runs a ring of ``2 (W-1)`` send/receive rounds, each one synchronising the
 ranks again; on a host whose cores the ranks share, every round costs scheduling and CPU.
-Measured on 2 machines x 2 workers (emulated 1 Gbit/s, 2 cores; ``benchmarks/small_sums.py``,
-record small_sums-2x2-1gbit), CPU and wall milliseconds per call and rank:
-
-| scheme | 16 float32 | 10k | 30k | 100k |
-|---|---|---|---|---|
-| flat ring AllReduce | 1.8 CPU, 4.9 wall | 1.9, 5.2 | 1.8, 4.7 | 1.4, 5.6 |
-| machine by machine (`hierarchy`) | 1.4, 4.2 | 1.4, 3.9 | 1.5, 4.3 | 1.3, 4.7 |
-| one all_to_all, summed here | 0.6, 1.6 | 0.5, 1.7 | 0.7, 4.2 | 2.1, 14.5 |
+On 2 machines x 2 workers at an emulated 1 Gbit/s one all_to_all summed here took about a
+third of the ring's CPU and wall time for small payloads, and lost from about 100k float32 on
+(``benchmarks/small_sums.py``, record small_sums-2x2-1gbit).
 
 In the all_to_all every rank sends its whole payload to every other and adds up the ``W``
 pieces itself: one collective instead of a ring, but ``(W-1) b`` bytes out of each rank
