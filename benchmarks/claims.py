@@ -344,7 +344,8 @@ def _host_claims() -> tuple[Claim, ...]:
                     f"host-collectives-{key}", "targets", f"{shape}, {program}: collectives "
                     f"per step beyond {peer}'s", "target ≤ 3 whatever the number of tables "
                     "(issue 73)", regime, "met" if door == "runner" else "missed",
-                    "two tables: a pull and a push each" if door == "distribute" else
+                    "the own loop's pull and push take more messages than issue 73's one "
+                    "exchange each way" if door == "distribute" else
                     "the verdict and the counts ride in the exchange", "host-counts", source,
                     host_extra_collectives))
             made.append(Claim(
