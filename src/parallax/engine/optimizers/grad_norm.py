@@ -129,6 +129,6 @@ def finite_together(grads: Iterable[Tensor | None]) -> Tensor | None:
     if not values:
         return None
     tops = largest_magnitudes(values)
-    if not tops:  # only empty gradients: nothing is not finite
+    if tops is None:  # only empty gradients: nothing is not finite
         return torch.ones((), dtype=torch.bool, device=values[0].device)
-    return torch.stack(tops).isfinite().all()
+    return tops.isfinite().all()

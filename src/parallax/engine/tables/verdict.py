@@ -107,27 +107,23 @@ def bound_of(grads: Sequence[Tensor], device: torch.device | None = None) -> Ten
     """The sum of the largest magnitudes of ``grads`` (float64; 0 for none, on ``device``): a
     bound on what they add to any one aggregated element when each row is summed in once."""
     tops = largest_magnitudes([grad.detach() for grad in grads])
-    if not tops:
+    if tops is None:
         return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack(tops).to(torch.float64).sum()  # widened: the sum cannot overflow
+    return tops.to(torch.float64).sum()  # widened: the sum cannot overflow
 
 
-def largest_magnitudes(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Each non-empty tensor's largest magnitude (0-dim, its dtype): NaN and infinities survive
-    a max, and a max of finite values cannot overflow. Empty tensors (no infinity norm of
-    nothing) are left out. On a GPU one foreach kernel per device and dtype, as torch's
-    clip_grad_norm_ computes norms; on the CPU from each tensor's ``aminmax``, the same
-    values: the CPU's infinity norm is not vectorised (several times slower), and a step takes
-    it twice a rank (the pulled rows' bound and the dense gradients' check)."""
+def largest_magnitudes(tensors: Sequence[Tensor]) -> Tensor | None:
+    """Each non-empty tensor's largest magnitude, stacked in order (None: every tensor
+    empty, as an infinity norm of nothing is not defined): NaN and infinities survive a max,
+    and a max of finite values cannot overflow. On a GPU one foreach kernel per device and
+    dtype, as torch's clip_grad_norm_ computes norms; on the CPU each tensor's ``aminmax``,
+    then one pass over all of them: the CPU's infinity norm is not vectorised (several times
+    slower), and a step takes it twice a rank (the pulled rows' bound and the dense
+    gradients' check)."""
     values = [tensor for tensor in tensors if tensor.numel()]
     if not values:
-        return []
+        return None
     if all(v.device.type == "cpu" and v.dtype.is_floating_point for v in values):
-        return [_largest_magnitude(value) for value in values]
-    return list(torch._foreach_norm(values, math.inf))
-
-
-def _largest_magnitude(tensor: Tensor) -> Tensor:
-    low, high = torch.aminmax(tensor)  # (a NaN anywhere makes both NaN)
-    return torch.maximum(low.abs(), high.abs())
-
+        ends = torch.stack([end for value in values for end in torch.aminmax(value)])
+        return ends.abs().view(-1, 2).amax(1)  # (a NaN anywhere makes both ends NaN)
+    return torch.stack(torch._foreach_norm(values, math.inf))
