@@ -128,6 +128,26 @@ def test_filing_a_scratch_directory_keeps_command_tree_and_companions(tmp_path: 
     assert (filed[1] / "rank0.txt").read_text() == "calls"
 
 
+def test_filing_refuses_an_output_measured_at_another_commit(tmp_path: Path) -> None:
+    scratch = tmp_path / "out"
+    scratch.mkdir()
+    measured = {"commit": "f" * 40, "dirty": False, "host": {"cpu": "x", "cores": 1}}
+    (scratch / "table1.json").write_text(json.dumps({"provenance": measured, "runs": []}))
+    with pytest.raises(SystemExit, match="measured at fffffff"):
+        records.add("table1", scratch, "table1.py", store=tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_newest_record_is_the_last_finished(tmp_path: Path) -> None:
+    for finished, commit in (("2026-12-01 10:00:00 UTC", "b" * 40),
+                             ("2026-12-01 09:00:00 UTC", "a" * 40)):
+        records.write("scaling", {"at": finished}, store=tmp_path,
+                      source={"commit": commit, "host": None, "finished": finished})
+    assert records.read(records.newest("scaling", tmp_path)) == {"at": "2026-12-01 10:00:00 UTC"}
+    with pytest.raises(FileNotFoundError, match="no record of 'nothing'"):
+        records.newest("nothing", tmp_path)
+
+
 def test_no_committed_record_was_ever_rewritten() -> None:
     """git history: files under benchmarks/records/ are added (or moved), never modified."""
     if not (ROOT / ".git").exists():
