@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The host work per step that tests/benchmarks/test_host_work.py guards, measured at its
-# settings (the plan's timed choices pinned: one partition per table, no leader hop) for both
-# doors at 1 worker and at 1 machine x 2 workers: four outputs in the directory given
-# (bench.sh: the experiment's scratch directory), each filed as its own record.
+# settings (the plan's timed choices pinned: one partition per table, no leader hop, no early
+# push) for both doors at 1 worker and at 1 machine x 2 workers: four outputs in the directory
+# given (bench.sh: the experiment's scratch directory), each filed as its own record.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -11,6 +11,7 @@ mkdir -p "$out"
 for workers in 1 2; do
   for door in distribute runner; do
     "$py" benchmarks/host_work.py --workers "$workers" --door "$door" --partitions 1 \
-      --local-aggregation off --rounds 3 --out "$out/host-counts-${workers}w-${door}.json"
+      --local-aggregation off --no-overlap-push --rounds 3 \
+      --out "$out/host-counts-${workers}w-${door}.json"
   done
 done
