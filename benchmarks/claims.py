@@ -316,7 +316,7 @@ TABLE4 = ("table4/ef026e6-intel-xeon-2c",)
 EMULATED = "emulated link (tc tbf), 2 shared CPU cores"
 P000 = "`000`/`003` (Parallax, EuroSys'19)"
 
-HOST_WORK_RECORD = "host-counts-{workers}w-{door}/76f9363-amd-epyc-2c"
+HOST_WORK_RECORD = "host-counts-{workers}w-{door}/171789e-amd-epyc-2c"
 DOORS = {"distribute": "the own loop after `distribute`", "runner": "`Runner.step`"}
 
 
