@@ -102,6 +102,13 @@ def _run(experiment: dict, label: str) -> list[dict]:
     raise KeyError(f"no run {label!r} (runs: {[r['label'] for r in experiment['runs']]})")
 
 
+def geometric(ratios_: Sequence[float], counted: str = "rounds") -> Figure:
+    """Paired ratios as one figure: their geometric mean, Student's t 95 % interval, n."""
+    bounds = ratios.interval(list(ratios_))
+    return Figure(ratios.geomean(list(ratios_)), low=bounds and bounds[0],
+                  high=bounds and bounds[1], n=len(ratios_), counted=counted)
+
+
 def paired(ours: str, other: str, label: str | None = None) -> Compute:
     """``other``'s step over ``ours``, paired by round; pooled over sittings when there are
     several records (above 1: ``ours`` is faster)."""
@@ -109,14 +116,8 @@ def paired(ours: str, other: str, label: str | None = None) -> Compute:
         sittings = [ratios.paired_rounds(_run(p, label) if label else p, ours, other, "record")
                     for p in payloads]
         if len(sittings) == 1:
-            rounds = sittings[0].ratios
-            bounds = ratios.interval(rounds)
-            return Figure(ratios.geomean(rounds), low=bounds and bounds[0],
-                          high=bounds and bounds[1], n=len(rounds), counted="rounds")
-        summary = ratios.pooled(sittings)
-        bounds = summary["interval_over_sittings"]
-        return Figure(summary["geomean_of_sittings"], low=bounds and bounds[0],
-                      high=bounds and bounds[1], n=len(sittings), counted="sittings")
+            return geometric(sittings[0].ratios)
+        return geometric([sitting.geomean for sitting in sittings], counted="sittings")
     return compute
 
 
@@ -231,9 +232,7 @@ def async_over_sync(cell: str, mode: str = "async") -> Compute:
         for launch in data["raw"][cell]:
             by_mode = {run["mode"]: speed(run) for run in launch}
             rounds.append(by_mode[mode] / by_mode["sync"])
-        bounds = ratios.interval(rounds)
-        return Figure(ratios.geomean(rounds), low=bounds and bounds[0],
-                      high=bounds and bounds[1], n=len(rounds), counted="repeats")
+        return geometric(rounds, counted="repeats")
     return compute
 
 
@@ -244,9 +243,7 @@ def launch_ratio(slow: str, fast: str, part: str = "total") -> Compute:
         slow_runs = [r["parts"][part]["median_s"] for r in data if r["label"].endswith(slow)]
         fast_runs = [r["parts"][part]["median_s"] for r in data if r["label"].endswith(fast)]
         rounds = [a / b for a, b in zip(slow_runs, fast_runs, strict=True)]
-        bounds = ratios.interval(rounds)
-        return Figure(ratios.geomean(rounds), low=bounds and bounds[0],
-                      high=bounds and bounds[1], n=len(rounds), counted="rounds")
+        return geometric(rounds)
     return compute
 
 
@@ -287,9 +284,7 @@ def host_step(payloads: Sequence[Any]) -> Figure:
     rounds = [ours / plain for ours, plain in zip(systems["parallax"]["step_ms_rounds"],
                                                   systems["plain"]["step_ms_rounds"],
                                                   strict=True)]
-    bounds = ratios.interval(rounds)
-    return Figure(ratios.geomean(rounds), low=bounds and bounds[0], high=bounds and bounds[1],
-                  n=len(rounds), counted="rounds")
+    return geometric(rounds)
 
 
 # ---- the claims --------------------------------------------------------------------------

@@ -257,13 +257,15 @@ def add(bench: str, directory: Path, command: str, store: Path = STORE) -> list[
     with its companions of the same stem (``.md``), and every directory (profiles) as a
     record directory of its own; refuses outputs measured at another commit."""
     now = provenance(command.split())
-    filed: list[Path] = []
-    for output in sorted(directory.glob("*.json")):
-        payload = json.loads(output.read_text())
+    outputs = {output: json.loads(output.read_text())
+               for output in sorted(directory.glob("*.json"))}
+    for output, payload in outputs.items():  # all checked before any is filed
         own = _payload_provenance(payload)
         if own and own.get("commit") and now["commit"] and own["commit"] != now["commit"]:
             raise SystemExit(f"{output}: measured at {own['commit'][:7]}, the tree is at "
                              f"{now['commit'][:7]}: file it from a checkout of that commit")
+    filed: list[Path] = []
+    for output, payload in outputs.items():
         path = write(output.stem, payload, source=now, seeds=seeds_of(command), bench=bench,
                      store=store)
         for companion in sorted(directory.glob(f"{output.stem}.*")):
