@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 import parallax
+from parallax.engine.tables.own import OwnTable
 
 
 class _Model(nn.Module):
@@ -106,12 +107,28 @@ def test_one_worker_replicates_every_table_after_the_warmup(single_process) -> N
         parallax.shutdown()
 
 
-def test_one_worker_keeps_the_tables_on_the_servers_in_the_programs_own_loop(
+class _SparseAndDense(nn.Module):
+    """One dense-gradient table, one ``sparse=True`` table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(40, 4, mode="sum", sparse=True)
+        self.embedding = nn.Embedding(40, 4, padding_idx=3)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(self.bag(ids) + self.embedding(ids).mean(dim=1)).squeeze(1)
+
+
+def test_one_worker_own_loop_makes_a_dense_table_the_programs_own_parameter(
         single_process) -> None:
-    """The own loop may read ``.grad``, so a replica's would be a whole zero-filled table each
-    step: there the tables stay on the servers, and training still equals one device."""
+    """With one worker, after the warm-up, the own loop's dense-gradient table is the
+    program's own parameter: ``.grad`` is autograd's whole gradient, as on one device, every
+    step. A ``sparse=True`` table stays on the servers (a replica's gradient would be a
+    zero-filled table each step where the program reads ``.grad``). Training equals one
+    device, the gradients the program reads included."""
     torch.manual_seed(0)
-    model, reference = _Model(), _Model()
+    model, reference = _SparseAndDense(), _SparseAndDense()
     reference.load_state_dict(model.state_dict())
     model, optimizer = parallax.distribute(
         model, torch.optim.Adagrad(model.parameters(), lr=0.1),
@@ -119,15 +136,24 @@ def test_one_worker_keeps_the_tables_on_the_servers_in_the_programs_own_loop(
     plain = torch.optim.Adagrad(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
     try:
-        for _ in range(4):
+        for step in range(1, 6):
             ids, target = torch.randint(40, (6, 3), generator=generator), torch.rand(6)
             for net, opt in ((model, optimizer), (reference, plain)):
                 opt.zero_grad()
                 nn.functional.mse_loss(net(ids), target).backward()
+                if step > 2 and net is model:  # the program's read of the table's .grad
+                    ours = model.module.embedding.weight.grad
+                if net is reference:
+                    theirs = reference.embedding.weight.grad
                 opt.step()
-        plan = model.runner.plan.parameters
-        assert {p.sync for p in plan if p.sparse} == {"ps"}
-        assert all("own loop" in p.reason for p in plan if p.sparse)
+            if step > 2:
+                assert ours is not None and not ours.is_sparse
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+        plan = {p.name: p for p in model.runner.plan.parameters if p.sparse}
+        assert plan["embedding.weight"].sync == "allgatherv"
+        assert "one worker: no exchange" in plan["embedding.weight"].reason
+        assert isinstance(model.runner.tables["embedding.weight"], OwnTable)
+        assert plan["bag.weight"].sync == "ps" and "own loop" in plan["bag.weight"].reason
         for (name, ours), theirs in zip(model.state_dict().items(),
                                         reference.state_dict().values(), strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=name)

@@ -176,6 +176,8 @@ def _padding_row(table: Table, ids: Tensor, inverse: Tensor,
         return None
     if padding_idx < 0:
         padding_idx += table.num_rows
+    if inverse is ids:  # the table's rows are the whole weight (`OwnTable`)
+        return padding_idx
     hits = (ids.reshape(-1) == padding_idx).nonzero()
     return int(inverse.reshape(-1)[hits[0, 0]]) if hits.numel() else None
 

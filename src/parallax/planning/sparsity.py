@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
 from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, is_per_row, optimizer_of
+from parallax.engine.tables import own
 from parallax.engine.tables.handles import restore
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
@@ -73,7 +74,7 @@ def measure(tables: dict[str, Table], worker: WorkerInfo,
 
 def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
                       optimizers: list[torch.optim.Optimizer], shard_optimizer: ShardOptimizer,
-                      *, worker: WorkerInfo, group: dist.ProcessGroup) -> ReplicatedTable:
+                      *, worker: WorkerInfo, group: dist.ProcessGroup) -> Table:
     """Bring ``param``'s values and optimizer state back from the servers into the replica on
     every worker (collective); the user's optimizer updates it from now on."""
     restore(param, table.full_weight())  # the user's copy was released (engine.handles)
@@ -93,6 +94,9 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
     # SparseAdam needs sparse gradients; one worker gathers nothing either way, and the rows
     # a step touched are all it updates (an AllReduced table's update reads every row, many
     # times the step of the rows alone)
+    if own.eligible(world_size=worker.world_size, sparse_grad=table.sparse_grad,
+                    batch_dependent=table.batch_dependent):
+        return own.OwnTable(table.name, param, worker=worker)
     sync = "allgatherv" if table.sparse_grad or worker.world_size == 1 else "allreduce"
     return ReplicatedTable(table.name, param, worker=worker, group=group, traffic=table.traffic,
                            sparse_grad=table.sparse_grad, average=table.average, sync=sync,

@@ -21,6 +21,7 @@ from torch import nn
 from parallax.cluster import WorkerInfo
 from parallax.config import Config, DenseSyncName
 from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, optimizer_of
+from parallax.engine.tables import own
 from parallax.engine.tables.columns import column_slices
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
@@ -199,12 +200,15 @@ class PlanKeeper:
                 self.decisions[name] = (f"stays on the servers (sync="
                                         f"{str(self.config.sync)!r}); {why}")
                 move = False
-            if move and why == ONE_WORKER and self.program_sees_grads():
+            held = table.held
+            if (move and why == ONE_WORKER and self.program_sees_grads() and held is not None
+                    and not own.eligible(world_size=1, sparse_grad=held.sparse_grad,
+                                         batch_dependent=held.batch_dependent)):
                 # the own loop may read .grad, so a replica's would be a whole zero-filled
-                # table each step, slower than the servers' rows
+                # table each step, slower than the servers' rows (the program's own table
+                # is the plain one: its gradient is autograd's, as on one device)
                 self.decisions[name] = "stays on the servers (one worker, the program's own loop)"
                 move = False
-            held = table.held
             if not move or held is None:  # (replicated tables are there already)
                 continue
             self._replace_table(table, move_to_allreduce(
