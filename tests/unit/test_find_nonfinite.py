@@ -68,3 +68,20 @@ def test_finite_together_finds_a_bad_value_among_any_gradients(bad: float) -> No
     for poisoned in (0, 1, 2, 5):
         assert not bool(finite_together(grads(poisoned))), poisoned
     assert bool(finite_together([torch.empty(0), None]))
+
+
+def test_finite_together_leaves_every_gradient_bitwise_as_it_was() -> None:
+    """The fused check multiplies by one in place: values (a negative zero, a subnormal, the
+    largest float) and version counters stay as they were, and a gradient of a
+    ``create_graph`` backward keeps its graph."""
+    values = torch.tensor([-0.0, 5e-324, 1.7976931348623157e308, -3.25], dtype=torch.float64)
+    x = torch.ones(3, requires_grad=True)
+    (graph_grad,) = torch.autograd.grad((x ** 3).sum(), x, create_graph=True)
+    grads = [values.clone(), torch.tensor([1e-45, -2.5]), graph_grad]
+    before = [(g.detach().clone(), g._version) for g in grads]
+    assert bool(finite_together(grads))
+    for grad, (old, version) in zip(grads, before, strict=True):
+        assert torch.equal(grad.detach().view(torch.uint8), old.view(torch.uint8))
+        assert grad._version == version
+    assert graph_grad.grad_fn is not None
+    torch.autograd.grad(graph_grad.sum(), x)  # the second backward still runs

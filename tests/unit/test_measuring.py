@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 import parallax
 from parallax.engine.tables.own import OwnTable
+from parallax.planning.sparsity import WHOLE_STEP_ELEMENTS
 
 
 class _Model(nn.Module):
@@ -157,5 +158,62 @@ def test_one_worker_own_loop_makes_a_dense_table_the_programs_own_parameter(
         for (name, ours), theirs in zip(model.state_dict().items(),
                                         reference.state_dict().values(), strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=name)
+    finally:
+        parallax.shutdown()
+
+
+class _Large(nn.Module):
+    """A table past `WHOLE_STEP_ELEMENTS` on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(WHOLE_STEP_ELEMENTS["cpu"] // 4 + 1, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(self.embedding(ids).mean(dim=1)).squeeze(1)
+
+
+@pytest.mark.parametrize("door", ["step", "own loop"])
+@pytest.mark.parametrize("optimizer", ["Adagrad", "Adam"])
+def test_one_worker_steps_a_large_table_by_its_touched_rows_where_untouched_rows_do_not_move(
+        single_process, door: str, optimizer: str) -> None:
+    """A table too large for a cheap whole step, under an optimizer that leaves a row with a
+    zero gradient as it is (Adagrad), keeps its touched-rows update (a replica under
+    `Runner.step`, the servers in the own loop); under Adam every row moves each step anyway,
+    so it is the program's own. Either way training equals one device."""
+    torch.manual_seed(0)
+    model, reference = _Large(), _Large()
+    reference.load_state_dict(model.state_dict())
+    make = getattr(torch.optim, optimizer)
+    config = parallax.Config(sparsity_warmup_steps=1, partition_cache=None)
+    plain = make(reference.parameters(), lr=0.1)
+    if door == "step":
+        runner = parallax.get_runner(model, make(model.parameters(), lr=0.1),
+                                     nn.functional.mse_loss, config=config)
+    else:
+        distributed, ours = parallax.distribute(model, make(model.parameters(), lr=0.1),
+                                                config=config)
+        runner = distributed.runner
+    generator = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            ids = torch.randint(model.embedding.num_embeddings, (6, 3), generator=generator)
+            target = torch.rand(6)
+            if door == "step":
+                runner.step((ids, target))
+            else:
+                ours.zero_grad()
+                nn.functional.mse_loss(distributed(ids), target).backward()
+                ours.step()
+            plain.zero_grad()
+            nn.functional.mse_loss(reference(ids), target).backward()
+            plain.step()
+        table = runner.tables["embedding.weight"]
+        assert isinstance(table, OwnTable) == (optimizer == "Adam")
+        assert table.on_servers == (optimizer == "Adagrad" and door == "own loop")
+        for (name, mine), theirs in zip(runner.state_dict().items(),
+                                        reference.state_dict().values(), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7, msg=name)
     finally:
         parallax.shutdown()

@@ -49,6 +49,7 @@ class Forward:
         self.module = module
         self.sync_mode = sync_mode
         self.phases = phases
+        self.layout = layout
         # All lookups' ids from the inputs, when the model allows: one pull for all tables
         # (one program per state of the Python values its trace read, e.g. the mode)
         self._id_programs = (TraceCache(partial(traced_id_program, executed),
@@ -80,7 +81,9 @@ class Forward:
         """Pull the rows this forward will read; inside, lookups read them."""
         wanted: dict[str, tuple[Table, list[Tensor]]] = {}
         bags: list[pooled.BagCall] = []
-        program = self.id_program
+        # (no table on the servers, e.g. a world of one's own tables: nothing to look ahead for)
+        program = (self.id_program if any(t.on_servers for t in self.layout.sparse.values())
+                   else None)
         if program is not None:
             with self.phases.phase("id look-ahead"):
                 for path, ids, bag_args in program(*args, **kwargs):

@@ -21,9 +21,9 @@ from torch import nn
 from parallax.cluster import WorkerInfo
 from parallax.config import Config, DenseSyncName
 from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, optimizer_of
-from parallax.engine.tables import own
 from parallax.engine.tables.columns import column_slices
 from parallax.engine.tables.layout import Layout
+from parallax.engine.tables.own import OwnTable
 from parallax.engine.tables.table import Table
 from parallax.errors import PlanComplete
 from parallax.logs import log
@@ -41,7 +41,7 @@ from parallax.planning.architectures import (
 )
 from parallax.planning.memory import free_bytes, state_tensors_per_parameter
 from parallax.planning.plan import Plan
-from parallax.planning.sparsity import Sparsity, measure, move_to_allreduce
+from parallax.planning.sparsity import OWN, Sparsity, measure, move_to_allreduce, own_table_chosen
 from parallax.session import shutdown
 from parallax.step.aggregation_trial import AggregationTrial
 from parallax.step.hooks import StepDone
@@ -202,20 +202,24 @@ class PlanKeeper:
                 move = False
             held = table.held
             if (move and why == ONE_WORKER and self.program_sees_grads() and held is not None
-                    and not own.eligible(world_size=1, sparse_grad=held.sparse_grad,
-                                         batch_dependent=held.batch_dependent)):
+                    and not own_table_chosen(self.params[name], self.optimizers,
+                                             device=self.worker.device, world_size=1,
+                                             sparse_grad=held.sparse_grad,
+                                             batch_dependent=held.batch_dependent)):
                 # the own loop may read .grad, so a replica's would be a whole zero-filled
                 # table each step, slower than the servers' rows (the program's own table
                 # is the plain one: its gradient is autograd's, as on one device)
-                self.decisions[name] = "stays on the servers (one worker, the program's own loop)"
+                self.decisions[name] = ("stays on the servers (one worker, the program's own "
+                                        "loop, a large table whose untouched rows do not move: "
+                                        "the servers step the touched ones)")
                 move = False
             if not move or held is None:  # (replicated tables are there already)
                 continue
-            self._replace_table(table, move_to_allreduce(
-                held, self.params[name], list(self.optimizers), self.shard_optimizer,
-                worker=self.worker, group=self.group))
+            moved = move_to_allreduce(held, self.params[name], list(self.optimizers),
+                                      self.shard_optimizer, worker=self.worker, group=self.group)
+            self._replace_table(table, moved)
             self.replicated.append(self.params[name])
-            self.decisions[name] = why
+            self.decisions[name] = OWN if isinstance(moved, OwnTable) else why
         self._start_search()
         if self.tuner is None or not self.tuner.active:  # else once the search is done
             self._begin_trial()

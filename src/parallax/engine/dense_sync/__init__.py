@@ -45,7 +45,13 @@ HOOKS: dict[DenseSyncName, CommHook] = {
     DenseSyncName.QSGD: qsgd_allgather,
 }
 
-__all__ = ["HOOKS", "CommHook", "DenseSyncState", "QSGDCodec", "codec_of", "wrap_dense"]
+#: the hooks whose result is the exact sum of the workers' gradients: with one worker that
+#: is its own gradient, so there is nothing to run (``qsgd`` quantises even one worker's; a
+#: hook registered in `HOOKS` by the user runs whatever the world)
+SUMS_EXACTLY: frozenset[CommHook] = frozenset({hierarchical_allreduce, flat_allreduce})
+
+__all__ = ["HOOKS", "SUMS_EXACTLY", "CommHook", "DenseSyncState", "QSGDCodec", "codec_of",
+           "wrap_dense"]
 
 
 def codec_of(qsgd: QSGD | None) -> QSGDCodec | None:

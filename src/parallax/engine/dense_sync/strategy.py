@@ -30,7 +30,7 @@ from torch import nn
 
 from parallax.cluster import WorkerInfo
 from parallax.config import Config, DenseSyncName
-from parallax.engine.dense_sync import codec_of, wrap_dense
+from parallax.engine.dense_sync import HOOKS, SUMS_EXACTLY, codec_of, wrap_dense
 from parallax.engine.dense_sync.deferred import DenseRider, can_defer
 from parallax.engine.dense_sync.server_sync import ServerSync, build_server_sync
 from parallax.engine.diagnostics.phases import PhaseClock
@@ -201,10 +201,15 @@ def build_dense_sync(executed: nn.Module, *, replicated_dense: bool, hooks_repla
                      worker: WorkerInfo, group: dist.ProcessGroup, traffic: Traffic,
                      phases: PhaseClock) -> DenseSync:
     """The kind `Config.dense_sync` names for ``executed`` (collective). None of it when the
-    dense parameters are not replicated (``replicated_dense`` False: ps/optps pull them), and
-    no comm hook where model parallelism reduces the gradients itself (``hooks_replaced``)."""
+    dense parameters are not replicated (``replicated_dense`` False: ps/optps pull them), no
+    comm hook where model parallelism reduces the gradients itself (``hooks_replaced``), and
+    none in a world of one whose hook sums exactly (`SUMS_EXACTLY`): one worker's gradient is
+    the sum, so the backward is the program's own, with no DDP wrapper copying it into
+    buckets and back."""
     kind = DENSE_SYNCS[DenseSyncName(config.dense_sync)] if replicated_dense else DenseSync
-    if kind.by_hook and hooks_replaced:
+    name = DenseSyncName(config.dense_sync)
+    alone = worker.world_size == 1 and name in HOOKS and HOOKS[name] in SUMS_EXACTLY
+    if kind.by_hook and (hooks_replaced or alone):
         kind = DenseSync
     return kind(executed, optimizers=optimizers, config=config, worker=worker, group=group,
                 traffic=traffic, phases=phases)

@@ -9,6 +9,7 @@ same total, clips alike, and decides alike whether a step is finite.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -124,11 +125,45 @@ def all_finite_together(grads: Iterable[Tensor | None]) -> bool:
 
 def finite_together(grads: Iterable[Tensor | None]) -> Tensor | None:
     """Whether every value of every gradient (None: none) is finite, as a 0-dim bool tensor
-    on the gradients' device, not read back; None where there is no gradient."""
+    on the gradients' device, not read back; None where there is no gradient.
+
+    One fused operator per device and dtype, the one ``torch.amp.GradScaler`` checks its
+    gradients with (``_amp_foreach_non_finite_check_and_unscale_``, scale 1: each value is
+    multiplied by one, which leaves it bitwise as it was, and the version counters as they
+    are); a dtype it does not take goes by `largest_magnitudes`."""
     values = [grad._values() if grad.is_sparse else grad for grad in grads if grad is not None]
     if not values:
         return None
-    tops = largest_magnitudes(values)
-    if tops is None:  # only empty gradients: nothing is not finite
-        return torch.ones((), dtype=torch.bool, device=values[0].device)
-    return tops.isfinite().all()
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    others = []
+    for value in values:
+        if value.dtype in _CHECKED_FUSED:
+            groups.setdefault((value.device, value.dtype), []).append(value)
+        else:
+            others.append(value)
+    device = values[0].device
+    flags = []
+    with torch.no_grad():  # (a gradient of a create_graph backward has a graph of its own)
+        for (where, _), members in groups.items():
+            found = torch.zeros(1, dtype=torch.float32, device=where)
+            torch._amp_foreach_non_finite_check_and_unscale_(members, found, _one(where))
+            flags.append(found)
+    if len(flags) == 1 and not others:  # (the usual step: one device, one dtype)
+        return flags[0].view(()).eq(0)
+    finite = torch.cat([flag.to(device) for flag in flags]).eq(0).all() if flags else None
+    tops = largest_magnitudes(others) if others else None
+    if tops is None:
+        assert finite is not None
+        return finite
+    others_finite = tops.isfinite().all().to(device)
+    return others_finite if finite is None else finite & others_finite
+
+
+@functools.lru_cache(maxsize=16)
+def _one(device: torch.device) -> Tensor:
+    """The scale 1 of the fused check, made once per device (never written)."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+# the dtypes torch's fused check takes
+_CHECKED_FUSED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})

@@ -11,8 +11,9 @@ dict), so a checkpoint written here resumes on any cluster shape.
 
 It serves lookups whose gradient the plain layer makes densely and whose options do not
 depend on the batch; a ``sparse=True`` layer, ``max_norm`` or ``scale_grad_by_freq`` keep
-the replica of `parallax.engine.tables.replicated` (`eligible`). Implements
-`parallax.engine.tables.table.Table`.
+the replica of `parallax.engine.tables.replicated`, and so does a large table whose
+optimizer leaves a row with a zero gradient as it is (its touched rows are cheaper:
+`parallax.planning.sparsity.own_table_chosen`). Implements `parallax.engine.tables.table.Table`.
 """
 
 from __future__ import annotations
@@ -23,22 +24,13 @@ import torch
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.tables import lookup_options
 from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.riders import Rider
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import InternalError
 
-__all__ = ["OwnTable", "eligible"]
-
-
-def eligible(*, world_size: int, sparse_grad: bool,
-             batch_dependent: lookup_options.BatchDependent | None) -> bool:
-    """Whether a replicated table can be the program's own parameter: one worker, a
-    dense-gradient layer, no option that reads the batch (those keep the replica's
-    exchange, which implements them over the global batch)."""
-    return world_size == 1 and not sparse_grad and batch_dependent is None
+__all__ = ["OwnTable"]
 
 
 class OwnTable:
