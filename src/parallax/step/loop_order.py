@@ -78,15 +78,17 @@ class LoopOrder:
         Collective on every rank whatever ``enabled`` says (the caller's steps are aligned).
         Every call sends the same message (zeros past ``values``), so ranks at different calls
         meet in the same all_gather and are named rather than failing in gloo."""
-        mine = torch.zeros(2 + VALUES, dtype=torch.float64, device=values.device)
-        mine[0], mine[1] = int(call), step
-        mine[2:2 + values.numel()] = values.reshape(-1)
-        everyone = [torch.empty_like(mine) for _ in range(self.worker.world_size)]
+        width = 2 + VALUES
+        mine = torch.tensor([float(call), float(step)] + [0.0] * VALUES, dtype=torch.float64)
+        mine = mine.to(values.device, non_blocking=True)
+        if values.numel():
+            mine[2:2 + values.numel()] = values.reshape(-1)
+        everyone = mine.new_empty(width * self.worker.world_size)
         with self.explained():
-            dist.all_gather(everyone, mine, group=self.group)
-        rows = torch.stack(everyone)
+            dist.all_gather_into_tensor(everyone, mine, group=self.group)
+        rows = everyone.view(self.worker.world_size, width)
         if self.enabled and self.applies:
-            self._same_place([(Call(int(c)), int(s)) for c, s in rows[:, :2].tolist()])
+            self._same_place([(Call(int(c)), int(s)) for c, s, *_ in rows.tolist()])
         return rows[:, 2:2 + values.numel()]
 
     def _same_place(self, where: list[tuple[Call, int]]) -> None:
