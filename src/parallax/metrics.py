@@ -54,9 +54,15 @@ class Window:
         synchronisation per step) and target elements."""
         self.steps += 1
         if loss is not None:
-            self.loss_sum = self.loss_sum + (loss.detach().to(torch.float64)
-                                             if isinstance(loss, Tensor) else loss)
             self.losses += 1
+            total = self.loss_sum
+            if not isinstance(loss, Tensor):
+                self.loss_sum = total + loss
+            elif isinstance(total, Tensor) and total.device == loss.device:
+                with torch.no_grad():  # one operator a step, into the float64 sum
+                    total.add_(loss.reshape(()) if loss.dim() else loss)
+            else:  # the window's first tensor loss: a float64 sum of its own
+                self.loss_sum = loss.detach().to(torch.float64).reshape(()) + total
         if targets is not None:
             self.targets += targets
 

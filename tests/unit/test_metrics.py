@@ -74,3 +74,19 @@ def test_a_missing_tensorboard_is_refused_by_name(monkeypatch) -> None:
                         lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ConfigError, match="pip install tensorboard"):
         parallax.Config(log_dir="runs")
+
+
+def test_a_window_sums_its_losses_in_float64_without_their_graphs() -> None:
+    """Losses as tensors (with a graph, 1-element, float32) and as floats, in any order, sum
+    exactly in float64 where they are, and the sum holds no graph."""
+    from parallax.metrics import Window
+
+    window = Window()
+    window.add(torch.tensor(1.5, requires_grad=True) * 1, None)
+    window.add(torch.tensor([2.25]), None)
+    window.add(3.0, None)
+    window.add(torch.tensor(1e-8, dtype=torch.float32), None)
+    total = window.loss_sum
+    assert isinstance(total, torch.Tensor) and total.dtype == torch.float64
+    assert not total.requires_grad and window.losses == 4
+    assert float(total) == 1.5 + 2.25 + 3.0 + float(torch.tensor(1e-8, dtype=torch.float32))

@@ -185,3 +185,16 @@ def test_largest_magnitudes_on_the_cpu_are_the_infinity_norms(dtype) -> None:
     for g, e in zip(got, expected, strict=True):
         assert g.dtype == e.dtype == dtype and g.shape == ()
         assert torch.equal(g, e) or (g.isnan() and e.isnan()), (g, e)
+
+
+@pytest.mark.parametrize("value", [1.5, float("nan"), float("inf"), float("-inf")])
+def test_a_verdict_given_the_loss_checks_it_only_when_prepared(value: float) -> None:
+    """``Verdict(loss=...)`` leaves the loss alone until a push prepares the verdict; then a
+    NaN or infinite loss makes the step not provably finite."""
+    verdict = Verdict(loss=torch.tensor(value, dtype=torch.float64))
+    assert verdict.waiting is None
+    verdict.prepare(names=["a"], reached=[True], stale=0, limit=10.0, world=1,
+                    bound=torch.tensor(1.0, dtype=torch.float64))
+    assert verdict.waiting is not None
+    verdict.receive(verdict.waiting)
+    assert verdict.finite() == math.isfinite(value)

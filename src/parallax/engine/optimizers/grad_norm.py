@@ -18,7 +18,7 @@ from torch import Tensor
 
 from parallax.engine.tables import reduction
 from parallax.engine.tables.table import Table
-from parallax.engine.tables.verdict import largest_magnitudes
+from parallax.engine.tables.verdict import largest_magnitudes, nonfinite_flag
 from parallax.errors import NonFiniteError
 
 __all__ = ["NonFinite", "all_finite", "all_finite_together", "clip_by_global_norm",
@@ -58,22 +58,24 @@ def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
     if flags is not None:
         values[world + len(named):] = flags
     if loss is not None:  # (no host round trip: on a GPU each is a synchronisation)
-        values[rank] = (~torch.isfinite(loss.detach()).all()).to(values.dtype)
+        values[rank] = nonfinite_flag(loss)
     for i, (_, table) in enumerate(named):  # server-held: each server its own rows
         values[world + i] = table.grad_norm_squared()
     reduction.all_reduce(values, group=group)
     dense_finite = finite_together(grad for _, grad in dense)
     if dense_finite is None:
         dense_finite = torch.ones((), dtype=torch.bool, device=device)
-    # every flag in one read-back (on a GPU each read is a synchronisation)
-    read = torch.cat([values[:world] > 0, torch.isfinite(values[world:world + len(named)]),
-                      dense_finite.reshape(1)]).tolist()
+    # every flag in one read-back (on a GPU each read is a synchronisation); nothing is
+    # computed for tables where there are none (a world of one's own tables)
+    squared = values[world:world + len(named)]
+    parts = [values[:world] > 0, (squared - squared).eq(0)] if named else [values[:world] > 0]
+    read = torch.cat([*parts, dense_finite.reshape(1)]).tolist()
     ranks_bad, tables_finite = read[:world], read[world:world + len(named)]
     bad = [name for (name, _), finite in zip(named, tables_finite, strict=True) if not finite]
     if not read[-1]:  # names only when one is bad
         bad += [name for name, grad in dense if grad is not None and not all_finite(grad)]
     return NonFinite([r for r in range(world) if ranks_bad[r]], bad,
-                     values[world:world + len(named)].sum(),
+                     squared.sum() if named else values.new_zeros(()),
                      None if flags is None else values[world + len(named):])
 
 

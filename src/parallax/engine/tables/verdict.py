@@ -36,7 +36,7 @@ from torch import Tensor
 from parallax.engine.tables.riders import rank_order_sum
 from parallax.errors import InternalError
 
-__all__ = ["VERDICT_KEY", "Verdict", "bound_of", "largest_magnitudes"]
+__all__ = ["VERDICT_KEY", "Verdict", "bound_of", "largest_magnitudes", "nonfinite_flag"]
 
 #: the rider's name in a hop's message (not a parameter name: names have no parentheses)
 VERDICT_KEY = "(verdict)"
@@ -50,10 +50,13 @@ class Verdict:
 
     key = VERDICT_KEY
 
-    def __init__(self, *, loss_finite: bool | Tensor) -> None:
+    def __init__(self, *, loss_finite: bool | Tensor = True, loss: Tensor | None = None,
+                 ) -> None:
         #: a bool, or a 0-dim bool tensor (read by no one here: it travels as a value, so a
         #: GPU's loss costs no synchronisation)
         self.loss_finite = loss_finite
+        #: or the loss itself, checked only where a push carries the verdict (`prepare`)
+        self.loss = loss
         #: the server-held tables whose reached flags ride, in the push's (agreed) order
         self.names: list[str] = []
         self.limit = 0.0
@@ -75,6 +78,8 @@ class Verdict:
                            dtype=torch.float64).to(bound.device, non_blocking=True)
         if isinstance(loss, Tensor):
             row[_LOSS] = (~loss).to(torch.float64)
+        if self.loss is not None:
+            row[_LOSS] = nonfinite_flag(self.loss)
         row[_BOUND] = bound
         self.waiting = row.expand(world, row.numel()).contiguous()
 
@@ -127,3 +132,11 @@ def largest_magnitudes(tensors: Sequence[Tensor]) -> Tensor | None:
         ends = torch.stack([end for value in values for end in torch.aminmax(value)])
         return ends.abs().view(-1, 2).amax(1)  # (a NaN anywhere makes both ends NaN)
     return torch.stack(torch._foreach_norm(values, math.inf))
+
+
+def nonfinite_flag(value: Tensor) -> Tensor:
+    """Whether some element of ``value`` (a loss) is NaN or infinite, as a 0-dim bool tensor
+    on its device, not read back: ``x - x`` is 0 for every finite ``x`` and NaN otherwise
+    (three operators, where ``isfinite`` and its reduction take six)."""
+    detached = value.detach()
+    return (detached - detached).ne(0).any()
