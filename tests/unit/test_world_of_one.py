@@ -43,3 +43,26 @@ def test_one_worker_runs_ddp_only_where_its_hook_changes_the_gradient(
                 torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7, msg=name)
     finally:
         parallax.shutdown()
+
+
+@pytest.mark.parametrize("bad", [-1, 30])
+def test_one_workers_own_table_names_an_id_outside_it(single_process, bad: int) -> None:
+    """After the warm-up the table is the program's own, and an id outside it is still
+    named as on the servers (`SparseIdError`, an ``IndexError``), not torch's bare message."""
+    from parallax.engine.tables.own import OwnTable
+
+    model = _model()
+    runner = parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 nn.functional.mse_loss,
+                                 config=parallax.Config(sparsity_warmup_steps=1,
+                                                        partition_cache=None))
+    try:
+        runner.step((torch.randint(30, (5, 3)), torch.rand(5, 1)))
+        assert isinstance(runner.tables["0.weight"], OwnTable)
+        ids = torch.randint(30, (5, 3))
+        ids[2, 1] = bad
+        with pytest.raises(parallax.SparseIdError,
+                           match=rf"'0.weight' got id {bad} on rank 0 .*\[0, 30\)"):
+            runner.step((ids, torch.rand(5, 1)))
+    finally:
+        parallax.shutdown()

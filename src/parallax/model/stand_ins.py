@@ -233,10 +233,14 @@ class ShardedEmbeddingBag(TableLookup):
                                    include_last_offset=self.include_last_offset)
         rows, inverse = self.table.lookup(ids)
         padding = _padding_row(self.table, ids, inverse, self.padding_idx)
-        return F.embedding_bag(inverse, rows, offsets, mode=self.mode,
-                               per_sample_weights=per_sample_weights,
-                               include_last_offset=self.include_last_offset,
-                               padding_idx=padding)
+        try:
+            return F.embedding_bag(inverse, rows, offsets, mode=self.mode,
+                                   per_sample_weights=per_sample_weights,
+                                   include_last_offset=self.include_last_offset,
+                                   padding_idx=padding)
+        except IndexError as error:
+            _name_bad_id(self.table, ids, error)
+            raise
 
     def extra_repr(self) -> str:
         return f"'{self.table.name}', rows={self.table.num_rows}, mode={self.mode}"
@@ -252,6 +256,15 @@ class ShardedGather(TableLookup):
 
     def forward(self, ids: Tensor, padding_idx: int | None = None) -> Tensor:
         return _rows_for_bags(self.table, ids, padding_idx)
+
+
+def _name_bad_id(table: Table, ids: Tensor, error: IndexError) -> None:
+    """Raise the id outside a table whose rows are the whole weight (`OwnTable`: the layer's
+    own read failed on it) as the servers name it; return for any other index error (the
+    caller re-raises it as it came)."""
+    bad_id = getattr(table, "bad_id", None)
+    if bad_id is not None and ids.device.type == "cpu":
+        raise bad_id(ids) from error
 
 
 def bag_shaped(ids: Tensor, padding_idx: int | None) -> bool:
@@ -283,7 +296,11 @@ def _rows_for_bags(table: Table, ids: Tensor, padding_idx: int | None) -> Tensor
         return pooled_rows(table, ids, ahead)
     rows, inverse = table.lookup(ids)
     padding = _padding_row(table, ids, inverse, padding_idx)
-    out = F.embedding(inverse, rows, padding_idx=padding)
+    try:
+        out = F.embedding(inverse, rows, padding_idx=padding)
+    except IndexError as error:
+        _name_bad_id(table, ids, error)
+        raise
     if not (torch.is_grad_enabled() and table.measuring):
         return out
     if not bag_shaped(ids, padding_idx):  # (no bags an owner pools alike)

@@ -28,7 +28,7 @@ from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.riders import Rider
 from parallax.engine.tables.verdict import Verdict
-from parallax.errors import InternalError
+from parallax.errors import InternalError, SparseIdError
 
 __all__ = ["OwnTable"]
 
@@ -75,8 +75,18 @@ class OwnTable:
 
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """The whole weight and the ids themselves: the stand-in's ``F.embedding(ids,
-        weight)`` is then the user's layer's own read, its gradient autograd's."""
+        weight)`` is then the user's layer's own read, its gradient autograd's (an id outside
+        the table fails there: `bad_id` names it)."""
         return self.param, ids
+
+    def bad_id(self, ids: Tensor) -> SparseIdError:
+        """The error for ``ids``, which hold one outside the table, named as on the servers
+        (read only on that failure: nothing is checked ahead, as in the plain layer)."""
+        low, high = torch.stack(torch.aminmax(ids.detach().reshape(-1))).tolist()
+        return SparseIdError(
+            f"parallax: sparse parameter '{self.name}' got id {low if low < 0 else high} on "
+            f"rank {self.worker.rank} (machine {self.worker.machine}), outside its rows "
+            f"[0, {self.num_rows})")
 
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
         return self.param.detach()[ids]
