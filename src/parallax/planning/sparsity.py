@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
 from parallax.collective import agree
+from parallax.engine.optimizers.replica_rows import param_group_of
 from parallax.engine.optimizers.shard_optimizer import (
     ShardOptimizer,
     is_per_row,
@@ -107,11 +108,8 @@ def own_table_chosen(param: nn.Parameter, optimizers: Sequence[torch.optim.Optim
         return False
     if param.numel() <= WHOLE_STEP_ELEMENTS.get(device.type, WHOLE_STEP_ELEMENTS["cpu"]):
         return True
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            if any(p is param for p in group["params"]):
-                return not zero_gradient_is_identity(optimizer, group)
-    return True  # (in no optimizer: nothing steps it)
+    owner = param_group_of(param, optimizers)
+    return owner is None or not zero_gradient_is_identity(*owner)  # (None: nothing steps it)
 
 
 def move_to_allreduce(table: ShardedTable, param: nn.Parameter,

@@ -25,7 +25,7 @@ from parallax.engine.optimizers.row_update import has_row_update, update_rows
 from parallax.engine.optimizers.shard_optimizer import optimizer_class, zero_gradient_is_identity
 from parallax.engine.tables.replicated import ReplicatedTable
 
-__all__ = ["touched_rows_only"]
+__all__ = ["param_group_of", "touched_rows_only"]
 
 
 @contextmanager
@@ -42,7 +42,7 @@ def touched_rows_only(tables: Iterable[object],
             param, grad, rows = table.param, table.param.grad, table.touched_rows()
             if grad is None or grad.is_sparse or rows is None or rows.numel() == table.num_rows:
                 continue
-            owner = _owner(param, optimizers)
+            owner = param_group_of(param, optimizers)
             if owner is None or not zero_gradient_is_identity(*owner):
                 continue
             cls = optimizer_class(owner[0])
@@ -57,8 +57,8 @@ def touched_rows_only(tables: Iterable[object],
             param.grad = grad
 
 
-def _owner(param: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer],
-           ) -> tuple[torch.optim.Optimizer, dict[str, Any]] | None:
+def param_group_of(param: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer],
+                   ) -> tuple[torch.optim.Optimizer, dict[str, Any]] | None:
     """The optimizer and param group that update ``param`` (None: none of them)."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
