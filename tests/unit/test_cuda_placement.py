@@ -52,7 +52,7 @@ def test_the_verdict_is_prepared_without_waiting_for_the_gpu() -> None:
     """What the host knows goes to the GPU in a copy that does not synchronise the stream."""
     cuda = torch.device("cuda", 0)
     loss = torch.tensor(2.0, device=cuda)
-    verdict = Verdict(loss_finite=torch.isfinite(loss).all())
+    verdict = Verdict(loss=loss)
     bound = torch.ones((), dtype=torch.float64, device=cuda)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -15,9 +15,9 @@ from parallax.engine.tables.verdict import VERDICT_KEY, Verdict, bound_of, large
 from parallax.step import gradients as step_gradients
 
 
-def _verdict(*, loss_finite: bool = True, stale: int = 0, bound: float = 1.0,
+def _verdict(*, loss: float = 1.0, stale: int = 0, bound: float = 1.0,
              reached: tuple[bool, ...] = (True, False)) -> Verdict:
-    verdict = Verdict(loss_finite=loss_finite)
+    verdict = Verdict(loss=torch.tensor(loss))
     verdict.prepare(names=["a", "b"][:len(reached)], reached=reached, stale=stale,
                     bound=torch.tensor(bound, dtype=torch.float64), limit=10.0, world=3)
     return verdict
@@ -34,7 +34,7 @@ def test_every_rank_adds_the_ranks_verdicts_in_rank_order() -> None:
 
 
 @pytest.mark.parametrize("rank_verdict", [
-    {"loss_finite": False}, {"stale": 1}, {"bound": 9.5}, {"bound": float("nan")},
+    {"loss": float("nan")}, {"stale": 1}, {"bound": 9.5}, {"bound": float("nan")},
     {"bound": float("inf")}])
 def test_it_cannot_say_finite_for_a_bad_loss_stale_rows_or_a_large_bound(rank_verdict) -> None:
     verdict = _verdict(bound=0.5)
@@ -47,13 +47,13 @@ def test_it_cannot_say_finite_for_a_bad_loss_stale_rows_or_a_large_bound(rank_ve
 def test_a_loss_verdict_kept_on_the_device_is_read_by_no_one_until_summed() -> None:
     """A tensor loss verdict and the bound stay where they are (a meta device has no values
     to read: any read-back here would fail); on the CPU a bad one is not finite."""
-    meta = Verdict(loss_finite=torch.tensor(True, device="meta"))
+    meta = Verdict(loss=torch.tensor(1.0, device="meta"))
     meta.prepare(names=["a"], reached=[True], stale=1, limit=1.0, world=2,
                  bound=torch.zeros((), dtype=torch.float64, device="meta"))
     assert meta.waiting is not None and meta.waiting.device.type == "meta"
     assert meta.waiting.shape == (2, 4)
     for finite in (True, False):
-        verdict = Verdict(loss_finite=torch.tensor(finite))
+        verdict = Verdict(loss=torch.tensor(1.0 if finite else float("inf")))
         verdict.prepare(names=["a"], reached=[False], stale=0, limit=10.0, world=1,
                         bound=torch.tensor(1.0, dtype=torch.float64))
         assert verdict.waiting is not None

@@ -131,12 +131,12 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
     owner = optimizer_of(optimizers, param)
     if owner is not None:
         owner.state[param] = moved
+    if own_table_chosen(param, optimizers, device=worker.device, world_size=worker.world_size,
+                        sparse_grad=table.sparse_grad, batch_dependent=table.batch_dependent):
+        return OwnTable(table.name, param, worker=worker)
     # SparseAdam needs sparse gradients; one worker gathers nothing either way, and the rows
     # a step touched are all it updates (an AllReduced table's update reads every row, many
     # times the step of the rows alone)
-    if own_table_chosen(param, optimizers, device=worker.device, world_size=worker.world_size,
-                  sparse_grad=table.sparse_grad, batch_dependent=table.batch_dependent):
-        return OwnTable(table.name, param, worker=worker)
     sync = "allgatherv" if table.sparse_grad or worker.world_size == 1 else "allreduce"
     return ReplicatedTable(table.name, param, worker=worker, group=group, traffic=table.traffic,
                            sparse_grad=table.sparse_grad, average=table.average, sync=sync,

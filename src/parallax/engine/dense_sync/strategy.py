@@ -206,8 +206,8 @@ def build_dense_sync(executed: nn.Module, *, replicated_dense: bool, hooks_repla
     none in a world of one whose hook sums exactly (`SUMS_EXACTLY`): one worker's gradient is
     the sum, so the backward is the program's own, with no DDP wrapper copying it into
     buckets and back."""
-    kind = DENSE_SYNCS[DenseSyncName(config.dense_sync)] if replicated_dense else DenseSync
     name = DenseSyncName(config.dense_sync)
+    kind = DENSE_SYNCS[name] if replicated_dense else DenseSync
     alone = worker.world_size == 1 and name in HOOKS and HOOKS[name] in SUMS_EXACTLY
     if kind.by_hook and (hooks_replaced or alone):
         kind = DenseSync

@@ -50,12 +50,9 @@ class Verdict:
 
     key = VERDICT_KEY
 
-    def __init__(self, *, loss_finite: bool | Tensor = True, loss: Tensor | None = None,
-                 ) -> None:
-        #: a bool, or a 0-dim bool tensor (read by no one here: it travels as a value, so a
-        #: GPU's loss costs no synchronisation)
-        self.loss_finite = loss_finite
-        #: or the loss itself, checked only where a push carries the verdict (`prepare`)
+    def __init__(self, *, loss: Tensor | None = None) -> None:
+        #: the step's loss (None: none is known), checked only where a push carries the
+        #: verdict (`prepare`), on its device: a GPU's loss costs no synchronisation
         self.loss = loss
         #: the server-held tables whose reached flags ride, in the push's (agreed) order
         self.names: list[str] = []
@@ -72,12 +69,8 @@ class Verdict:
         self.names, self.limit = list(names), limit
         # what the host knows, sent to the device in one copy that does not wait for it
         # (a blocking copy to a GPU synchronises the stream); then the device's values
-        loss = self.loss_finite
-        loss_bad = 0.0 if isinstance(loss, Tensor) or loss else 1.0
-        row = torch.tensor([loss_bad, float(stale), 0.0, *(float(r) for r in reached)],
+        row = torch.tensor([0.0, float(stale), 0.0, *(float(r) for r in reached)],
                            dtype=torch.float64).to(bound.device, non_blocking=True)
-        if isinstance(loss, Tensor):
-            row[_LOSS] = (~loss).to(torch.float64)
         if self.loss is not None:
             row[_LOSS] = nonfinite_flag(self.loss)
         row[_BOUND] = bound
