@@ -59,8 +59,9 @@ class Window:
             if not isinstance(loss, Tensor):
                 self.loss_sum = total + loss
             elif isinstance(total, Tensor) and total.device == loss.device:
-                with torch.no_grad():  # one operator a step, into the float64 sum
-                    total.add_(loss.reshape(()) if loss.dim() else loss)
+                if loss.requires_grad:  # (the sum records no graph: no no_grad() each step)
+                    loss = loss.detach()
+                total.add_(loss.reshape(()) if loss.ndim else loss)  # one operator a step
             else:  # the window's first tensor loss: a float64 sum of its own
                 self.loss_sum = loss.detach().to(torch.float64).reshape(()) + total
         if targets is not None:

@@ -36,6 +36,7 @@ from parallax.engine.optimizers.shard_optimizer import (
 from parallax.engine.tables.backward_push import BackwardPush
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.handles import ServerGradient
+from parallax.engine.tables.own import OwnTable
 from parallax.engine.tables.pool import default_threads, shared_pool
 from parallax.errors import ArgumentTypeError
 from parallax.model.detect import SparseUse, find_sparse_parameters, tracing_once
@@ -46,7 +47,7 @@ from parallax.model.exactness import (
     check_not_compiled,
     warn_per_worker_statistics,
 )
-from parallax.model.loop_reads import serve_layer_calls
+from parallax.model.loop_reads import layers_back, serve_layer_calls
 from parallax.model.meta_init import place_on_device
 from parallax.model.stand_ins import executed_copy, mirror
 from parallax.parallelism import Parallelism, build_parallelism
@@ -58,6 +59,7 @@ from parallax.session import check_same_everywhere, on_shutdown, track
 from parallax.step.checkpoints import Checkpoints
 from parallax.step.forward import (
     Forward,
+    ProgramForward,
     checked_loss,
     evaluating,
     mean_loss,
@@ -70,7 +72,7 @@ from parallax.step.gradients import StepGradients
 from parallax.step.hooks import Reporting, StepHook
 from parallax.step.loop_order import Call, LoopOrder
 from parallax.step.nonfinite import NonFinitePolicy
-from parallax.step.one_backward import refuse_a_second_backward
+from parallax.step.one_backward import watch_backwards
 from parallax.step.plan_keeper import PlanKeeper
 from parallax.step.round import StepRound
 from parallax.step.servers import hand_over
@@ -200,9 +202,10 @@ class Runner:
             config=self.config, worker=self.worker, group=self.group, traffic=self.traffic,
             phases=self.phases)
         on_shutdown(self.dense.release)
-        self.forward_pass = Forward(executed, lambda: self.dense.module, self.layout,
-                                    self._params, sync_mode=self.sync_mode, phases=self.phases,
-                                    device=self.device)
+        self.forward_pass: Forward | ProgramForward = Forward(
+            executed, lambda: self.dense.module, self.layout, self._params,
+            mirror=self._mirror, sync_mode=self.sync_mode, phases=self.phases,
+            device=self.device)
 
     def _build_step(self) -> None:
         """The step's parts (`parallax.step`) and the hooks after it."""
@@ -219,7 +222,8 @@ class Runner:
             swaps_dense_values=self.dense.server is not None,
             check_export=lambda: self.order.check_export(self.global_step + 1))
         self.planner.attach(self._executed, self.optimizers, self.shard_optimizer,
-                            self.replicated_parameters, self.parallelism, self.pool.threads)
+                            self.replicated_parameters, self.parallelism, self.pool.threads,
+                            completed=self._run_the_program_alone)
         self.checkpoints = Checkpoints(self, self.phases, quiet=self._quiet,
                                        refuse=self.dense.require_aggregated,
                                        after_load=self.sync_mode.after_load)
@@ -235,6 +239,20 @@ class Runner:
             gradients=self.gradients, order=self.order, phases=self.phases,
             progress=self.progress, explained=self._explained, traffic=self.traffic,
             hooks=self.step_hooks, run=self.training_run)
+
+    def _run_the_program_alone(self) -> None:
+        """Once the plan is complete: a world of one whose every table is the program's own
+        parameter, with nothing split and no DDP, runs the program's module itself, its
+        layers their own again (`ProgramForward`): nothing to exchange, nothing done."""
+        tables = self.layout.all_tables()
+        if (self.worker.world_size != 1 or self.layout.pulled_whole
+                or self._split_parameters or self.dense.module is not self._executed
+                or not all(isinstance(table, OwnTable) for table in tables.values())):
+            return
+        layers_back(self.model)
+        self.forward_pass = ProgramForward(
+            self.model, [t for t in tables.values() if isinstance(t, OwnTable)],
+            phases=self.phases)
 
     # ---- training (a step is a round: `parallax.step.round`) ---------------------------------
     @property
@@ -257,18 +275,16 @@ class Runner:
         if torch.is_grad_enabled():
             self._requires_grad.check(self.global_step + 1)
             self.round.begin()
-        self._mirror()
         with self._explained():
             # an evaluation forward apart: one rank evaluating alone is named, not hung
             self.order.check(Call.FORWARD if torch.is_grad_enabled() else Call.EVALUATE,
                              self.global_step + 1)
             with self._torch_errors():
                 output = self.forward_pass(args, kwargs)
-        self._mirror.back()  # what the forward set on the copies it ran: the program's
         if self.order.enabled and torch.is_grad_enabled():
-            self.phases.time_backward_of(output)  # the own loop's loss.backward()
+            # the own loop's loss.backward(): timed, and only one
+            watch_backwards(output, self.worker.rank, self.phases)
             self.backward_push.arm()  # replicated tables' .grad ready after it, as DDP's
-            refuse_a_second_backward(output, self.worker.rank)
         return output
 
     def _layer_call(self, args: tuple[Any, ...], kwargs: dict[str, Any],

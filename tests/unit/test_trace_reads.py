@@ -124,8 +124,11 @@ def _side_by_side(model_class: type[nn.Module]) -> tuple[
     torch.manual_seed(0)
     plain = model_class()
     mine = copy.deepcopy(plain)
+    # (the warm-up outlasts the tests' steps: after it, a world of one runs the program's
+    # own module, with no trace to read; `tests/unit/test_world_of_one.py`)
     model, opt = parallax.distribute(mine, torch.optim.SGD(mine.parameters(), lr=0.1),
-                                     config=parallax.Config(partition_cache=None))
+                                     config=parallax.Config(partition_cache=None,
+                                                            sparsity_warmup_steps=50))
     return plain, torch.optim.SGD(plain.parameters(), lr=0.1), mine, model, opt
 
 

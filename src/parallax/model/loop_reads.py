@@ -19,7 +19,7 @@ from torch import nn
 from parallax.model.detect import SparseUse
 from parallax.model.stand_ins import ShardedEmbedding, ShardedEmbeddingBag
 
-__all__ = ["LayerCall", "serve_layer_calls"]
+__all__ = ["LayerCall", "layers_back", "serve_layer_calls"]
 
 
 class LayerCall:
@@ -54,3 +54,12 @@ def serve_layer_calls(model: nn.Module, executed: nn.Module, sparse_uses: dict[s
         layer = model.get_submodule(path)
         if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)):
             layer.forward = LayerCall(stand_in, before)  # type: ignore[method-assign]
+
+
+def layers_back(model: nn.Module) -> None:
+    """Each layer of ``model`` that `serve_layer_calls` pointed at its stand-in calls its own
+    ``forward`` again (a world of one whose tables are the program's own parameters: the
+    layer's read is the table's)."""
+    for layer in model.modules():
+        if isinstance(layer.__dict__.get("forward"), LayerCall):
+            del layer.forward

@@ -46,6 +46,7 @@ class Parallelism(Protocol):
 
     grid: Grid
     replaces_ddp: bool  # it synchronises the dense gradients itself (no DDP)
+    reduces_gradients: bool  # `reduce_gradients` has work to do (False: it is a no-op)
     sharded: dict[str, Any]  # split parameters by their name in the model
 
     def prepare(self, executed: nn.Module, model: nn.Module,

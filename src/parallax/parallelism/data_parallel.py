@@ -22,6 +22,7 @@ class DataParallel:
     """The ``data`` parallelism: see the module docstring."""
 
     replaces_ddp = False
+    reduces_gradients = False
 
     def __init__(self, world_size: int) -> None:
         self.grid = Grid(world_size, 1)

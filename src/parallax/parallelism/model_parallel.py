@@ -83,6 +83,7 @@ class ModelParallel:
     module docstring. ``traffic`` receives the bytes of both communicators."""
 
     replaces_ddp = True
+    reduces_gradients = True
 
     def __init__(self, mesh: Mesh, *, traffic: Traffic, average: bool, rank: int,
                  find_unused_parameters: bool = False, pairs: bool = True) -> None:

@@ -3,6 +3,9 @@ read are pulled in one exchange (the sync mode's ``prefetch``): all of a ps mode
 parameters, and the sparse lookups whose ids the id program (`parallax.model.lookahead`)
 computes from the inputs; a lookup the program cannot foresee pulls its rows itself.
 
+A world of one whose every table is the program's own parameter runs `ProgramForward`
+instead: the program's module itself, nothing pulled, looked ahead or mirrored.
+
 Also the batch helpers the runner needs (device moves, target counts, shapes).
 """
 
@@ -16,15 +19,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.tables import pooled
 from parallax.engine.tables.layout import Layout
+from parallax.engine.tables.own import OwnTable
 from parallax.engine.tables.table import Table
 from parallax.errors import ArgumentError, ArgumentTypeError
 from parallax.model.lookahead import IdProgram, traced_id_program
 from parallax.model.stand_ins import (
+    Mirror,
     RetracedRoot,
     ShardedEmbedding,
     ShardedEmbeddingBag,
@@ -35,17 +41,20 @@ from parallax.model.stand_ins import (
 from parallax.model.trace_reads import TraceCache
 from parallax.step.sync_modes import SyncMode
 
-__all__ = ["Forward", "checked_loss", "evaluating", "mean_loss", "numel", "shapes", "to_device"]
+__all__ = ["Forward", "ProgramForward", "checked_loss", "evaluating", "mean_loss", "numel",
+           "shapes", "to_device"]
 
 
 class Forward:
     """``forward(args, kwargs)``: the output of ``module()`` (the executed copy, under DDP
-    where the dense sync uses it) for the inputs, with its rows pulled ahead."""
+    where the dense sync uses it) for the inputs, with its rows pulled ahead; ``mirror``
+    brings the program's module attributes to the copies before, and back after."""
 
     def __init__(self, executed: nn.Module, module: Callable[[], nn.Module], layout: Layout,
-                 params: dict[str, nn.Parameter], *, sync_mode: SyncMode, phases: PhaseClock,
-                 device: torch.device) -> None:
+                 params: dict[str, nn.Parameter], *, mirror: Mirror, sync_mode: SyncMode,
+                 phases: PhaseClock, device: torch.device) -> None:
         self.executed = executed
+        self.mirror = mirror
         self.module = module
         self.sync_mode = sync_mode
         self.phases = phases
@@ -66,15 +75,21 @@ class Forward:
         return self._id_programs.get() if self._id_programs is not None else None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.mirror()
         with self._pulled_ahead(args, kwargs), self.phases.phase("forward"):
-            if not self.whole_pulls:
-                return self.module()(*args, **kwargs)
-            pulled = {name: table.lookup(rows)[0].view(shape)
-                      for name, (table, rows, shape) in self.whole_pulls.items()}
-            module = self.module()
-            if isinstance(module, RetracedRoot):  # (the parameters under the program's names)
-                module = module.select()
-            return torch.func.functional_call(module, pulled, args, kwargs)
+            output = self._run(args, kwargs)
+        self.mirror.back()  # what the forward set on the copies it ran: the program's
+        return output
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.whole_pulls:
+            return self.module()(*args, **kwargs)
+        pulled = {name: table.lookup(rows)[0].view(shape)
+                  for name, (table, rows, shape) in self.whole_pulls.items()}
+        module = self.module()
+        if isinstance(module, RetracedRoot):  # (the parameters under the program's names)
+            module = module.select()
+        return torch.func.functional_call(module, pulled, args, kwargs)
 
     def _pulled_ahead(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                       ) -> contextlib.ExitStack:
@@ -113,6 +128,48 @@ class Forward:
                 pooled.pool_ahead(bags)
             stack.callback(_forget_pooled_ahead, bags)
         return stack
+
+
+class ProgramForward:
+    """The forward of a world of one whose every table is the program's own parameter
+    (`parallax.engine.tables.own`), with no split layer and no DDP: the program's module
+    runs as it is, its layers reading their own weights, as on one device. An id outside a
+    table fails in the layer's read, as there, and is named as the servers name it
+    (`OwnTable.bad_id`)."""
+
+    def __init__(self, model: nn.Module, tables: Iterable[OwnTable], *,
+                 phases: PhaseClock) -> None:
+        self.model = model
+        self.phases = phases
+        self._tables = {id(table.param): table for table in tables}
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self.phases.phase("forward"):
+            try:
+                return self.model(*args, **kwargs)
+            except IndexError as error:
+                named = _bad_id_named(error, self._tables)
+                if named is None:
+                    raise
+                raise named from error
+
+
+_READS = (F.embedding.__code__, F.embedding_bag.__code__)  # a layer's read of its weight
+
+
+def _bad_id_named(error: IndexError, tables: dict[int, OwnTable]) -> Exception | None:
+    """The table's own error for an id outside it, where ``error`` came from a read of a
+    table's weight (`F.embedding` / `F.embedding_bag` over it, on the CPU); None otherwise."""
+    trace = error.__traceback__
+    while trace is not None:
+        frame = trace.tb_frame
+        if frame.f_code in _READS:
+            ids, weight = frame.f_locals.get("input"), frame.f_locals.get("weight")
+            table = tables.get(id(weight))
+            if table is not None and isinstance(ids, Tensor) and ids.device.type == "cpu":
+                return table.bad_id(ids)
+        trace = trace.tb_next
+    return None
 
 
 def _rows_summed_or_averaged(layer: nn.Module, ids: Tensor) -> bool:
@@ -203,10 +260,10 @@ def shapes(value: Any) -> Any:
 
 def to_device(value: Any, device: torch.device) -> Any:
     """``value``'s tensors (anywhere inside tuples, lists and dicts) on ``device``."""
-    if isinstance(value, Tensor):
-        return value.to(device)
+    if isinstance(value, Tensor):  # (one there already is itself: no operator each step)
+        return value if value.device == device else value.to(device)
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device) for v in value)
+        return type(value)([to_device(v, device) for v in value])
     return value

@@ -21,6 +21,7 @@ from parallax.engine.optimizers.grad_norm import (
     all_finite_together,
     clip_by_global_norm,
     find_nonfinite,
+    find_nonfinite_here,
 )
 from parallax.engine.optimizers.shard_optimizer import parameter_ids
 from parallax.engine.tables import reduction
@@ -53,7 +54,7 @@ class StepGradients:
         self.worker = worker
         self.group = group
         self.device = device
-        self._named: tuple[tuple[int, ...], list[tuple[str, nn.Parameter]]] | None = None
+        self._named: tuple[int, list[tuple[str, nn.Parameter]]] | None = None
         #: the tables' summed squared norm of this step, when the finiteness check has it
         self.tables_squared: Tensor | None = None
         #: the norm `Config.clip_grad_norm` clipped by, at the latest step that clipped
@@ -76,9 +77,9 @@ class StepGradients:
         """The replicated parameters with their names in the user's model (found again only
         when the list changed: a table the warm-up moved joins it; the finiteness check
         asks every step)."""
-        key = tuple(map(id, self.replicated))
+        key = len(self.replicated)  # (the list only grows: a moved table joins it)
         if self._named is None or self._named[0] != key:
-            ids = set(key)
+            ids = set(map(id, self.replicated))
             self._named = (key, [(n, p) for n, p in self.model.named_parameters()
                                  if id(p) in ids])
         return self._named[1]
@@ -105,8 +106,8 @@ class StepGradients:
         """Clear every gradient, or those of the parameters ``optimizers`` update, as
         ``Optimizer.zero_grad(set_to_none)`` does on one device."""
         mine = None if optimizers is None else parameter_ids(optimizers)
-        tables = (list(self.tables().values()) if optimizers is None
-                  else self.tables_of(optimizers))
+        tables = [t for name, t in self.tables().items()
+                  if mine is None or id(self.params[name]) in mine]
         for table in tables:  # first: a replicated table keeps its cleared gradient's buffer
             table.zero_grad(set_to_none=set_to_none)
             self.program_scales.pop(table.name, None)
@@ -194,7 +195,11 @@ class StepGradients:
         tables' squared norm for clipping."""
         # (a replica's gradient is checked with the dense ones: its norm part is zero)
         held = {name: table for name, table in self.tables().items() if table.on_servers}
-        found = find_nonfinite(loss, {**held, **self.parallelism.norm_parts()},
+        parts = self.parallelism.norm_parts()
+        if self.worker.world_size == 1 and not held and not parts:  # nothing elsewhere
+            self.tables_squared = None
+            return find_nonfinite_here(loss, self._replicated_grads_to_check())
+        found = find_nonfinite(loss, {**held, **parts},
                                self._replicated_grads_to_check(),
                                rank=self.worker.rank, world=self.worker.world_size,
                                group=self.group, device=self.device,
@@ -215,11 +220,14 @@ class StepGradients:
         """The replicated gradients by name; of a replicated table whose gradient is the
         exchange's own, only its touched rows (the rest are zeros it wrote): a table of
         millions of rows is not read whole each step for the few hundred a batch touched."""
-        tables = self.tables()
+        replicas = {name: table for name, table in self.tables().items()
+                    if isinstance(table, ReplicatedTable)}
+        if not replicas:  # (no loop per parameter: this runs every step)
+            return [(name, param.grad) for name, param in self.replicated_named()]
         checked: list[tuple[str, Tensor | None]] = []
         for name, param in self.replicated_named():
-            grad, table = param.grad, tables.get(name)
-            if grad is not None and not grad.is_sparse and isinstance(table, ReplicatedTable):
+            grad, table = param.grad, replicas.get(name)
+            if grad is not None and not grad.is_sparse and table is not None:
                 rows = table.touched_rows()
                 if rows is not None:
                     grad = grad[rows]

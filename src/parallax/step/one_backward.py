@@ -1,4 +1,7 @@
-"""One backward per forward in the own loop: a second one through the same outputs is refused.
+"""One backward per forward in the own loop: a second one through the same outputs is refused,
+and the one taken is timed as the step's backward phase (the program's own ``loss.backward()``:
+from the first gradient that reaches the forward's outputs to the backward's end). One hook
+per output does both.
 
 ``loss.backward(retain_graph=True)`` followed by another backward through the same forward's
 graph trains exactly on one device, but not on several workers: DDP's reducer averages the
@@ -14,17 +17,20 @@ from __future__ import annotations
 from typing import Any
 
 from parallax.engine.backward_ends import on_each_backward
+from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.errors import UnsupportedProgramError
 
-__all__ = ["refuse_a_second_backward"]
+__all__ = ["watch_backwards"]
 
 
-def refuse_a_second_backward(output: Any, rank: int) -> None:
-    """Hook ``output`` (one forward's) so that a backward reaching it after an earlier one
-    through it ended raises `UnsupportedProgramError`."""
-    ended = False
+def watch_backwards(output: Any, rank: int, clock: PhaseClock) -> None:
+    """Hook ``output`` (one forward's) so that a backward reaching it is timed on ``clock``
+    as the phase ``backward``, and one after an earlier one through it ended raises
+    `UnsupportedProgramError`."""
+    ended = timed = False
 
     def first() -> bool:
+        nonlocal timed
         if ended:
             raise UnsupportedProgramError(
                 f"rank {rank}: a second backward through the outputs of one forward of the "
@@ -33,10 +39,13 @@ def refuse_a_second_backward(output: Any, rank: int) -> None:
                 f"forward, as under DDP, so the second backward's would not be, and training "
                 f"would silently differ from one device. Add the losses and call backward once "
                 f"((loss1 + loss2).backward()), or run the forward again")
+        timed = clock.open_on_step_thread("backward")
         return True
 
     def end() -> None:
         nonlocal ended
         ended = True
+        if timed:
+            clock.close("backward")
 
     on_each_backward(output, first, end)

@@ -108,9 +108,12 @@ class PlanKeeper:
 
     def attach(self, executed: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                shard_optimizer: ShardOptimizer, replicated: list[nn.Parameter],
-               parallelism: Parallelism, threads: int) -> None:
+               parallelism: Parallelism, threads: int,
+               completed: Callable[[], None] = lambda: None) -> None:
         """The training machinery, once built: what the warm-up rewires when a table moves,
-        and the partition search's tuner."""
+        the partition search's tuner, and ``completed``, called once the warm-up's decisions
+        are applied (what runs may follow them)."""
+        self.completed = completed
         self.executed = executed
         self.optimizers = optimizers
         self.shard_optimizer = shard_optimizer
@@ -225,6 +228,7 @@ class PlanKeeper:
             self._begin_trial()
         self.build()
         self._exit_if_plan_only()
+        self.completed()
 
     # ---- the leader hop's trial --------------------------------------------------------------
     def _begin_trial(self) -> None:

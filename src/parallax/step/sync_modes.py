@@ -156,13 +156,16 @@ class Synchronous(SyncMode):
     def push(self, gradients: StepGradients, loss: Tensor | None, *, scaled: bool,
              step: int, riders: Sequence[Rider] = ()) -> bool:
         verdict = Verdict(loss=loss)  # (its loss checked only if a push carries it)
-        with self.phases.phase("push"):
-            if self.early is not None:
-                self.early.flush()  # what Runner.step's backward did not push yet
-            push_all(self.layout.all_tables().values(), verdict, riders)
-            settle(riders, None)  # those no message took (no server-held table was used)
-        with self.phases.phase("dense sync"):
-            gradients.reduce_split_layers()
+        exchanged = [t for t in self.layout.all_tables().values() if t.exchanges]
+        if exchanged or riders:  # (nothing to push: a world of one's own tables)
+            with self.phases.phase("push"):
+                if self.early is not None:
+                    self.early.flush()  # what Runner.step's backward did not push yet
+                push_all(exchanged, verdict, riders)
+                settle(riders, None)  # those no message took (no server-held table was used)
+        if gradients.parallelism.reduces_gradients:
+            with self.phases.phase("dense sync"):
+                gradients.reduce_split_layers()
         with self.phases.phase("clip and check"):
             gradients.apply_program_scales()  # the program's p.grad.div_(k), before clipping
             gradients.tables_squared = None
@@ -202,8 +205,9 @@ class Synchronous(SyncMode):
 
     def update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         assert self.shard_optimizer is not None, "Synchronous.update before start"
-        with self.phases.phase("server update"):
-            self.shard_optimizer.step(optimizers)
+        if self.shard_optimizer.holds_tables:
+            with self.phases.phase("server update"):
+                self.shard_optimizer.step(optimizers)
 
     def before_backward(self) -> None:
         """`Config.overlap_push`: the server-held rows leave during the backward."""

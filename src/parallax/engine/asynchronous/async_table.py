@@ -42,6 +42,7 @@ class AsyncTable:
 
     sync = "ps"
     on_servers = True
+    exchanges = True
     replica = None
     local_aggregation = False
     pools = False  # (refused under an asynchronous sync: Config.pooled_tables)

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from parallax.cluster import TIMELINE_ENV
-from parallax.engine.backward_ends import on_each_backward
 from parallax.engine.diagnostics import failing
 
 __all__ = ["PHASES", "PROFILER_PREFIX", "STATS_KEY", "TIMELINE_ENV", "PhaseClock", "Timed",
@@ -112,13 +111,10 @@ class PhaseClock:
         self.thread = threading.get_ident()
         _active = self
 
-    def time_backward_of(self, output: Any) -> None:
-        """Time the user's own ``loss.backward()`` of ``output`` (`parallax.distribute`) as
-        the step's backward phase: from the first gradient that reaches the outputs to the
-        end of the backward (`parallax.engine.backward_ends`)."""
-        on_each_backward(output,
-                         lambda: self.thread == threading.get_ident() and self.open("backward"),
-                         lambda: self.close("backward"))
+    def open_on_step_thread(self, name: str) -> bool:
+        """`open` ``name`` if this is the step's thread (a backward runs its hooks on
+        autograd's threads, and another thread's backward is not the step's)."""
+        return self.thread == threading.get_ident() and self.open(name)
 
     def after_step(self, done: object) -> None:
         """A step hook (`parallax.step.hooks`): the step's time ends here."""

@@ -22,14 +22,14 @@ from parallax.engine.tables.verdict import largest_magnitudes, nonfinite_flag
 from parallax.errors import NonFiniteError
 
 __all__ = ["NonFinite", "all_finite", "all_finite_together", "clip_by_global_norm",
-           "find_nonfinite", "finite_together"]
+           "find_nonfinite", "find_nonfinite_here", "finite_together"]
 
 
 class NonFinite:
     """What `find_nonfinite` found: ranks whose loss and parameters whose aggregated gradient
     are NaN/Inf (both empty when the step is finite), and the tables' summed squared norm."""
 
-    def __init__(self, ranks: list[int], parameters: list[str], tables_squared: Tensor,
+    def __init__(self, ranks: list[int], parameters: list[str], tables_squared: Tensor | None,
                  flags: Tensor | None = None):
         self.ranks = ranks
         self.parameters = parameters
@@ -77,6 +77,23 @@ def find_nonfinite(loss: Tensor | None, tables: dict[str, Table],
     return NonFinite([r for r in range(world) if ranks_bad[r]], bad,
                      squared.sum() if named else values.new_zeros(()),
                      None if flags is None else values[world + len(named):])
+
+
+def find_nonfinite_here(loss: Tensor | None,
+                        dense: Sequence[tuple[str, Tensor | None]]) -> NonFinite:
+    """`find_nonfinite` where every gradient is here (a world of one, no table on a server
+    and no split layer): the loss and the gradients in one fused check and one read-back,
+    no collective; what is not finite is named only when something is. ``tables_squared`` is
+    None: no table has a norm part."""
+    checked = [grad for _, grad in dense]
+    if loss is not None:
+        checked.append(loss.detach().reshape(1))
+    finite = finite_together(checked)
+    if finite is None or bool(finite):
+        return NonFinite([], [], None)
+    ranks = [0] if loss is not None and not all_finite(loss.detach()) else []
+    return NonFinite(ranks, [name for name, grad in dense
+                             if grad is not None and not all_finite(grad)], None)
 
 
 def clip_by_global_norm(max_norm: float, dense_grads: Sequence[Tensor], tables: Sequence[Table],
@@ -136,6 +153,11 @@ def finite_together(grads: Iterable[Tensor | None]) -> Tensor | None:
     values = [grad._values() if grad.is_sparse else grad for grad in grads if grad is not None]
     if not values:
         return None
+    kinds = {(value.device, value.dtype) for value in values}
+    if len(kinds) == 1:  # (the usual step: one device, one dtype; no loop per gradient)
+        ((where, dtype),) = kinds
+        if dtype in _CHECKED_FUSED:
+            return _fused_check(values, where).view(()).eq(0)
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     others = []
     for value in values:
@@ -144,14 +166,7 @@ def finite_together(grads: Iterable[Tensor | None]) -> Tensor | None:
         else:
             others.append(value)
     device = values[0].device
-    flags = []
-    with torch.no_grad():  # (a gradient of a create_graph backward has a graph of its own)
-        for (where, _), members in groups.items():
-            found = torch.zeros(1, dtype=torch.float32, device=where)
-            torch._amp_foreach_non_finite_check_and_unscale_(members, found, _one(where))
-            flags.append(found)
-    if len(flags) == 1 and not others:  # (the usual step: one device, one dtype)
-        return flags[0].view(()).eq(0)
+    flags = [_fused_check(members, where) for (where, _), members in groups.items()]
     finite = torch.cat([flag.to(device) for flag in flags]).eq(0).all() if flags else None
     tops = largest_magnitudes(others) if others else None
     if tops is None:
@@ -159,6 +174,21 @@ def finite_together(grads: Iterable[Tensor | None]) -> Tensor | None:
         return finite
     others_finite = tops.isfinite().all().to(device)
     return others_finite if finite is None else finite & others_finite
+
+
+def _fused_check(values: list[Tensor], device: torch.device) -> Tensor:
+    """A one-element count, non-zero where some value of ``values`` (one device and dtype)
+    is NaN or infinite: torch's fused check with scale 1."""
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    # no autograd: a gradient of a create_graph backward has a graph of its own (the mode set
+    # directly, not by a torch.no_grad() context: this runs every step)
+    enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(values, found, _one(device))
+    finally:
+        torch._C._set_grad_enabled(enabled)
+    return found
 
 
 @functools.lru_cache(maxsize=16)

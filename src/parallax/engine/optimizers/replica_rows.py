@@ -14,8 +14,7 @@ dense program's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -28,33 +27,47 @@ from parallax.engine.tables.replicated import ReplicatedTable
 __all__ = ["param_group_of", "touched_rows_only"]
 
 
-@contextmanager
-def touched_rows_only(tables: Iterable[object],
-                      optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+class touched_rows_only:  # noqa: N801 (used as a context manager, as contextlib's are)
     """On entry, every eligible replicated table among ``tables`` has its touched rows
     stepped and its gradient hidden from ``optimizers`` while inside (put back on the way out),
-    so that their ``step()`` leaves it alone."""
-    swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
-    try:
-        for table in tables:
-            if not isinstance(table, ReplicatedTable):
-                continue
-            param, grad, rows = table.param, table.param.grad, table.touched_rows()
-            if grad is None or grad.is_sparse or rows is None or rows.numel() == table.num_rows:
-                continue
-            owner = param_group_of(param, optimizers)
-            if owner is None or not zero_gradient_is_identity(*owner):
-                continue
-            cls = optimizer_class(owner[0])
-            if not has_row_update(cls, param):
-                continue
-            update_rows(cls, owner[1], owner[0].state[param], param, grad, rows)
-            param.grad = None
-            swapped.append((param, grad))
-        yield
-    finally:
-        for param, grad in swapped:
+    so that their ``step()`` leaves it alone. (A class, not a generator context: it runs
+    every step, and a generator context costs several Python calls more.)"""
+
+    def __init__(self, tables: Iterable[object],
+                 optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.tables = [table for table in tables if isinstance(table, ReplicatedTable)]
+        self.optimizers = optimizers
+        self.swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        try:
+            for table in self.tables:
+                self._step_touched_rows(table)
+        except BaseException:
+            self._put_back()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._put_back()
+
+    def _step_touched_rows(self, table: ReplicatedTable) -> None:
+        param, grad, rows = table.param, table.param.grad, table.touched_rows()
+        if grad is None or grad.is_sparse or rows is None or rows.numel() == table.num_rows:
+            return
+        owner = param_group_of(param, self.optimizers)
+        if owner is None or not zero_gradient_is_identity(*owner):
+            return
+        cls = optimizer_class(owner[0])
+        if not has_row_update(cls, param):
+            return
+        update_rows(cls, owner[1], owner[0].state[param], param, grad, rows)
+        param.grad = None
+        self.swapped.append((param, grad))
+
+    def _put_back(self) -> None:
+        for param, grad in self.swapped:
             param.grad = grad
+        self.swapped.clear()
 
 
 def param_group_of(param: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer],

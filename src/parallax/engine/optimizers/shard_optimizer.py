@@ -214,6 +214,11 @@ class ShardOptimizer:
         live = {part for table in self._tables.values() for part in table.parts}
         self._deferred = {part: rows for part, rows in self._deferred.items() if part in live}
 
+    @property
+    def holds_tables(self) -> bool:
+        """Whether any table's rows are on the servers for this optimizer to update."""
+        return bool(self._tables)
+
     def step(self, optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
         """Apply the update of every user optimizer (or of ``optimizers``) to its rows.
 
@@ -226,6 +231,8 @@ class ShardOptimizer:
         Under SGD with momentum or weight decay (`deferrable_sgd`) the touched rows take the
         step and the others' steps are deferred (`parallax.engine.optimizers.deferred_sgd`) until
         they are read (`catch_up`)."""
+        if not self._tables:  # (none on the servers: a world of one's own tables)
+            return
         wanted = None if optimizers is None else {id(o) for o in optimizers}
         slots = [slot for slot in self._slots if wanted is None or id(slot[1]) in wanted]
         for server_opt, user_opt, indices in slots:

@@ -27,14 +27,12 @@ it) sees the plain meta tensor.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
 import sysconfig
 import threading
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -66,14 +64,15 @@ _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _state = threading.local()
 
 
-@contextlib.contextmanager
-def internal() -> Iterator[None]:
-    """Parallax code running the user's own code over handles (the dense step of a
-    user-defined optimizer class): handles answer as plain meta tensors inside."""
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class internal:  # noqa: N801 (used as a context manager, as contextlib's are)
+    """``with internal():`` parallax code running the user's own code over handles (the
+    dense step of a user-defined optimizer class): handles answer as plain meta tensors
+    inside. (A class, not a generator context: every step enters it.)"""
+
+    def __enter__(self) -> None:
+        _state.depth = getattr(_state, "depth", 0) + 1
+
+    def __exit__(self, *exc_info: object) -> None:
         _state.depth -= 1
 
 

@@ -37,6 +37,7 @@ class OwnTable:
     """The one worker's table: the parameter itself, read and stepped as on one device."""
 
     on_servers = False
+    exchanges = False
     local_aggregation = False
     pools = False
     pool: PartitionPool = SERIAL

@@ -40,6 +40,7 @@ class ReplicatedTable:
     """
 
     on_servers = False
+    exchanges = True
     local_aggregation = False  # replicas exchange directly
     pools = False  # every worker pools its own bags from its replica
     measuring = True  # `Table.measuring`

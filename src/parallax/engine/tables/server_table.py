@@ -136,6 +136,7 @@ class ShardedTable:
 
     sync = "ps"
     on_servers = True
+    exchanges = True
     replica = None  # no worker holds the whole parameter
     #: bags pooled on the owner (`parallax.engine.tables.pooled`): set where the layout is
     #: built (`Config.pooled_tables`) or by the planner after the warm-up

@@ -43,6 +43,9 @@ class Table(Protocol):
     sync: str
     #: rows partitioned over the servers (pulled and pushed), rather than replicated
     on_servers: bool
+    #: its gradients travel at the step's push (False: the program's own parameter, whose
+    #: gradient autograd wrote whole, with nothing to exchange)
+    exchanges: bool
     rows_used: list[int]  # per training step, the rows this worker read (α's measurement)
     machine_rows_used: list[int]
     bag_use: BagUse  # its nn.EmbeddingBag calls' ids and bags over those steps
