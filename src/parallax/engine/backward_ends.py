@@ -35,6 +35,8 @@ def on_each_backward(output: Any, first: Callable[[], bool], end: Callable[[], N
                 end()
         torch.autograd.Variable._execution_engine.queue_callback(ended)
 
-    for tensor in _pytree.tree_leaves(output):
+    # (a forward that returns one tensor, the usual case: no tree walk each step)
+    leaves = [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output)
+    for tensor in leaves:
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
             tensor.register_hook(reached)

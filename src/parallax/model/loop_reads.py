@@ -34,7 +34,8 @@ class LayerCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.before(args, kwargs)
-        return self.stand_in(*args, **kwargs)
+        # its forward alone: the layer's call around it runs the hooks the two share
+        return self.stand_in.forward(*args, **kwargs)
 
 
 def serve_layer_calls(model: nn.Module, executed: nn.Module, sparse_uses: dict[str, SparseUse],

@@ -60,6 +60,7 @@ def executed_copy(model: nn.Module, sparse_uses: dict[str, SparseUse],
         else:
             raise InternalError(f"'{name}' ({use.kind}) is read by {type(original).__name__} "
                                 f"at {path!r}, not by an embedding layer")
+        _share_forward_hooks(original, stand_in)
         parent_path, _, child = str(path).rpartition(".")
         executed.get_submodule(parent_path).register_module(child, stand_in)
     if not any(use.kind == "gather" for use in sparse_uses.values()):
@@ -109,6 +110,21 @@ class RetracedRoot(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.select()(*args, **kwargs)
+
+
+#: an ``nn.Module``'s forward hooks (torch's own attributes: ``register_forward_hook`` and
+#: ``register_forward_pre_hook`` add to these dicts, a handle's ``remove`` takes from them)
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _share_forward_hooks(layer: nn.Module, stand_in: nn.Module) -> None:
+    """``stand_in`` runs ``layer``'s forward hooks and pre-hooks, those registered before
+    `parallax.distribute` and after alike: it holds the layer's own hook dicts (a hook that
+    changes the output changes the stand-in's, as on one device). A hook is called with the
+    stand-in as its module."""
+    for attribute in _FORWARD_HOOKS:
+        setattr(stand_in, attribute, getattr(layer, attribute))
 
 
 def _ancestors(path: str) -> list[str]:

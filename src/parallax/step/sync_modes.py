@@ -205,7 +205,8 @@ class Synchronous(SyncMode):
 
     def update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         assert self.shard_optimizer is not None, "Synchronous.update before start"
-        if self.shard_optimizer.holds_tables:
+        # (every rank times it, a server of no shard too, while any table is on the servers)
+        if any(table.on_servers for table in self.layout.all_tables().values()):
             with self.phases.phase("server update"):
                 self.shard_optimizer.step(optimizers)
 

@@ -214,11 +214,6 @@ class ShardOptimizer:
         live = {part for table in self._tables.values() for part in table.parts}
         self._deferred = {part: rows for part, rows in self._deferred.items() if part in live}
 
-    @property
-    def holds_tables(self) -> bool:
-        """Whether any table's rows are on the servers for this optimizer to update."""
-        return bool(self._tables)
-
     def step(self, optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
         """Apply the update of every user optimizer (or of ``optimizers``) to its rows.
 
