@@ -245,14 +245,12 @@ class Runner:
         parameter, with nothing split and no DDP, runs the program's module itself, its
         layers their own again (`ProgramForward`): nothing to exchange, nothing done."""
         tables = self.layout.all_tables()
-        if (self.worker.world_size != 1 or self.layout.pulled_whole
-                or self._split_parameters or self.dense.module is not self._executed
-                or not all(isinstance(table, OwnTable) for table in tables.values())):
+        own = [table for table in tables.values() if isinstance(table, OwnTable)]
+        if (self.worker.world_size != 1 or self.layout.pulled_whole or len(own) != len(tables)
+                or self._split_parameters or self.dense.module is not self._executed):
             return
         layers_back(self.model)
-        self.forward_pass = ProgramForward(
-            self.model, [t for t in tables.values() if isinstance(t, OwnTable)],
-            phases=self.phases)
+        self.forward_pass = ProgramForward(self.model, own, phases=self.phases)
 
     # ---- training (a step is a round: `parallax.step.round`) ---------------------------------
     @property

@@ -66,8 +66,12 @@ class StepGradients:
     # ---- which gradients ---------------------------------------------------------------------
     def tables_of(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[Table]:
         """The tables whose parameters ``optimizers`` hold."""
-        mine = parameter_ids(optimizers)
-        return [t for name, t in self.tables().items() if id(self.params[name]) in mine]
+        return self._tables_with(parameter_ids(optimizers))
+
+    def _tables_with(self, ids: set[int] | None) -> list[Table]:
+        """The tables whose parameter's id is in ``ids`` (None: every table)."""
+        return [t for name, t in self.tables().items()
+                if ids is None or id(self.params[name]) in ids]
 
     def server_held(self) -> list[ShardedTable]:
         """The server-held tables (`Table.held`), whose rows the servers aggregate."""
@@ -106,8 +110,7 @@ class StepGradients:
         """Clear every gradient, or those of the parameters ``optimizers`` update, as
         ``Optimizer.zero_grad(set_to_none)`` does on one device."""
         mine = None if optimizers is None else parameter_ids(optimizers)
-        tables = [t for name, t in self.tables().items()
-                  if mine is None or id(self.params[name]) in mine]
+        tables = self._tables_with(mine)
         for table in tables:  # first: a replicated table keeps its cleared gradient's buffer
             table.zero_grad(set_to_none=set_to_none)
             self.program_scales.pop(table.name, None)
