@@ -62,11 +62,13 @@ def test_no_push_is_lost(trained, mode) -> None:
 
 
 def test_a_straggler_does_not_slow_the_others_without_a_bound(trained) -> None:
-    times = trained["straggler/None"][:, 0]
-    slow, fast = times[-1], times[:-1]
-    # the straggler sleeps 3 x BASE per step: at least that long in all
-    assert slow >= async_worker.STRAGGLER_STEPS * 3 * async_worker.BASE
-    assert fast.max() < 0.6 * slow, times
+    result = trained["straggler/None"]
+    straggler_done = result[:-1, 3]
+    # each fast worker finished its last step while the straggler (3x the sleep a step) was
+    # more steps behind than the bound-2 run lets it be: an order of events, not a wall-time
+    # ratio, so a slow host's per-step overhead does not change it
+    lead = async_worker.STRAGGLER_STEPS - straggler_done
+    assert (lead > 2).all(), straggler_done
 
 
 def test_a_staleness_bound_holds_the_others_back_exactly_as_far_as_it_says(trained) -> None:

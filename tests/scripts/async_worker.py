@@ -7,7 +7,8 @@ Runs, in one launch, and saves on rank 0:
   interleave: every worker's pushed rows summed (all-reduced), what the servers applied, and
   the initial and final parameters;
 - ``straggler/<bound>``: "async" with every worker sleeping BASE s per step and the last rank
-  3x as long: each rank's wall time, the staleness gate's lags and waits;
+  3x as long: each rank's wall time, the staleness gate's lags and waits, and the steps the
+  straggler had finished when the rank finished its last;
 - ``snapshot``: a checkpoint saved mid-run under "async" with pushes in flight until the
   save, the state_dict at that point, and a new runner's state_dict after loading it;
 - ``skip``: Config(nonfinite="skip") with rank 1's loss NaN at one step;
@@ -162,7 +163,9 @@ def straggler(results: dict, bound: int | None) -> None:
         runner.step(worker_batch(step, worker.rank, worker.world_size))
     elapsed = time.perf_counter() - began
     gate = runner.sync_mode.training.gate
-    mine = torch.tensor([elapsed, max(gate.lags, default=0), gate.waited_s],
+    # how many steps the straggler had finished when this worker finished its last
+    straggler_done = gate.clocks()[worker.world_size - 1]
+    mine = torch.tensor([elapsed, max(gate.lags, default=0), gate.waited_s, straggler_done],
                         dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(worker.world_size)]
     dist.all_gather(everyone, mine, group=runner.group)
