@@ -60,6 +60,7 @@ from parallax.step.checkpoints import Checkpoints
 from parallax.step.forward import (
     Forward,
     ProgramForward,
+    call_to_device,
     checked_loss,
     evaluating,
     mean_loss,
@@ -158,7 +159,7 @@ class Runner:
             config, self.worker, self.phases, self.nonfinite, self.layout,
             sparse_uses=self.sparse_uses, traffic=self.traffic)
         self.tables = self.layout.sparse
-        self.backward_push = BackwardPush(self.layout.all_tables)
+        self.backward_push = BackwardPush(self.layout.replicas)
         check_per_shard(self.optimizers, server_held)
         if config.lazy_sparse_updates:
             check_lazy(self.optimizers, {n: self._params[n] for n in self.sparse_uses})
@@ -211,9 +212,9 @@ class Runner:
         """The step's parts (`parallax.step`) and the hooks after it."""
         worker, group = self.worker, self.group
         self.gradients = StepGradients(
-            self.model, self._params, self.layout.all_tables, self.replicated_parameters,
-            self._split_parameters, self.parallelism, worker=worker, group=group,
-            device=self.device)
+            self.model, self._params, self.layout.all_tables, self.layout.replicas,
+            self.replicated_parameters, self._split_parameters, self.parallelism,
+            worker=worker, group=group, device=self.device)
         self.order = LoopOrder(worker, group, self._explained, applies=self.sync_mode.aligned)
         self.view = SingleDeviceView(
             self.model, self._params, self.layout.all_tables, self.parallelism,
@@ -269,17 +270,18 @@ class Runner:
         """``model(*args, **kwargs)`` as the user's module returns it (collective). Under
         autograd it belongs to the current step: its rows' gradients are pushed by the next
         `sync_gradients`."""
-        args, kwargs = to_device(args, self.device), to_device(kwargs, self.device)
-        if torch.is_grad_enabled():
-            self._requires_grad.check(self.global_step + 1)
-            self.round.begin()
-        with self._explained():
+        args, kwargs = call_to_device(args, kwargs, self.device)
+        training, round_ = torch.is_grad_enabled(), self.round
+        if training:
+            self._requires_grad.check(round_.global_step + 1)
+            round_.begin()  # (which may end the step before: the step is read after it)
+        with self._explained:
             # an evaluation forward apart: one rank evaluating alone is named, not hung
-            self.order.check(Call.FORWARD if torch.is_grad_enabled() else Call.EVALUATE,
-                             self.global_step + 1)
-            with self._torch_errors():
+            self.order.check(Call.FORWARD if training else Call.EVALUATE,
+                             round_.global_step + 1)
+            with self._torch_errors:
                 output = self.forward_pass(args, kwargs)
-        if self.order.enabled and torch.is_grad_enabled():
+        if self.order.enabled and training:
             # the own loop's loss.backward(): timed, and only one
             watch_backwards(output, self.worker.rank, self.phases)
             self.backward_push.arm()  # replicated tables' .grad ready after it, as DDP's
@@ -290,7 +292,7 @@ class Runner:
         """Before the program's own call of a table's layer (`parallax.model.loop_reads`):
         collective, so every rank must make it where the others do (the loop's order)."""
         self.order.check(Call.LAYER, self.global_step + 1)
-        return to_device(args, self.device), to_device(kwargs, self.device)
+        return call_to_device(args, kwargs, self.device)
 
     def explain_error(self, error: BaseException) -> Exception | None:
         """``error`` (torch's, uncaught) in parallax's terms with the fix, or None."""
@@ -335,7 +337,7 @@ class Runner:
         inputs, targets = batch
         if self.planner.batch_signature is None:
             self.planner.batch_signature = shapes(batch)
-        with self._explained():
+        with self._explained:
             self.zero_grad()
             with self.parallelism.counting():
                 output = self.forward(inputs)
@@ -349,7 +351,7 @@ class Runner:
                 self.sync_mode.before_backward()
                 if self.sync_mode.carries_riders:  # nothing of the user's before the push
                     self.dense.defer_backward()
-                with self.phases.phase("backward"), self._torch_errors():
+                with self.phases.phase("backward"), self._torch_errors:
                     loss.backward()
             self.reporting.note(loss.detach(), float(numel(targets) * self.worker.world_size))
             self.apply_update(self.optimizers, loss=loss)
@@ -368,7 +370,7 @@ class Runner:
         """For `parallax.GradScaler`, after the push: multiply the aggregated rows of the
         tables ``optimizers`` update by ``inv_scale``; returns whether any of them is NaN or
         infinite (collective: the same answer on every rank)."""
-        with self._explained():
+        with self._explained:
             return self.gradients.unscale_tables(optimizers, inv_scale)
 
     def apply_update(self, optimizers: Sequence[torch.optim.Optimizer], *,

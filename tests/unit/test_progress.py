@@ -218,20 +218,20 @@ def test_the_explainer_explains_a_failed_collective_once_at_the_outermost_use() 
     named = StalledRankError("rank 1 did not arrive")
     progress = _Explains(named)
     explained = Explainer(progress, lambda: 7)  # type: ignore[arg-type]
-    with pytest.raises(StalledRankError) as caught, explained():
-        with explained():
+    with pytest.raises(StalledRankError) as caught, explained:
+        with explained:
             raise RuntimeError("[gloo] Timed out waiting 1000ms")
     assert caught.value is named and isinstance(caught.value.__cause__, RuntimeError)
     assert progress.asked == [("[gloo] Timed out waiting 1000ms", 7)]
-    with pytest.raises(KeyError), explained():  # not a collective's: as it was, unexplained
+    with pytest.raises(KeyError), explained:  # not a collective's: as it was, unexplained
         raise KeyError("x")
-    with pytest.raises(RuntimeError, match="shape mismatch"), explained():
+    with pytest.raises(RuntimeError, match="shape mismatch"), explained:
         raise RuntimeError("shape mismatch")
     unexplained = Explainer(_Explains(None), lambda: 1)  # type: ignore[arg-type]
     error = RuntimeError("Connection closed by peer")
-    with pytest.raises(RuntimeError) as same, unexplained():
+    with pytest.raises(RuntimeError) as same, unexplained:
         raise error
     assert same.value is error and len(progress.asked) == 1
-    with explained():  # nothing raised: nothing asked, and the depth is back to none
+    with explained:  # nothing raised: nothing asked, and the depth is back to none
         pass
     assert explained._depth == 0

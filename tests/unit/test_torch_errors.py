@@ -22,7 +22,7 @@ DDP_UNUSED = (
 def _raised(message: str) -> BaseException:
     errors = TorchErrors(1, torch.device("cpu"), lambda: 3,
                          lambda: ["a.weight", "a.bias", "b.weight", "b.bias"])
-    with pytest.raises(BaseException) as caught, errors():
+    with pytest.raises(BaseException) as caught, errors:
         raise RuntimeError(message)
     return caught.value
 

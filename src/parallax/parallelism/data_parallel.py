@@ -17,6 +17,9 @@ from parallax.parallelism.grid import Grid
 
 __all__ = ["DataParallel"]
 
+# nothing of the model group to count: one reusable context, none made each step
+_NOTHING_TO_COUNT = contextlib.nullcontext()
+
 
 class DataParallel:
     """The ``data`` parallelism: see the module docstring."""
@@ -33,7 +36,7 @@ class DataParallel:
         return executed
 
     def counting(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        return _NOTHING_TO_COUNT
 
     def reduce_gradients(self) -> None:
         """DDP reduced them during the backward."""

@@ -420,7 +420,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
             table = _column_table(name, params[name], by_columns.index(name), config=config,
                                   worker=worker, group=group, traffic=traffic,
                                   sparse_grad=sparse_grad)
-            layout.sparse[name] = table
+            layout.add(table)
             partitioning = table.partitioning
             layout.placements[name] = Placement("ps", table.column_slices, tuple(
                 servers[partitioning.server_of_partition(k)]
@@ -433,14 +433,14 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
                 first_server=owners[name], initial_rows=_initial_rows(params[name]))
             table.pools = True
-            layout.sparse[name] = table
+            layout.add(table)
             layout.placements[name] = Placement("ps", 1, (servers[owners[name]],))
             _hand_over_early(layout, table, params[name], optimizers, worker)
         elif not architecture.sparse_on_servers:
-            layout.sparse[name] = ReplicatedTable(
+            layout.add(ReplicatedTable(
                 name, params[name], worker=worker, group=group, traffic=traffic,
                 sparse_grad=sparse_grad, average=config.average_sparse,
-                batch_dependent=use.batch_dependent)
+                batch_dependent=use.batch_dependent))
             layout.placements[name] = Placement("allgatherv", 0, ())
         else:
             _drop_unread_copy(params[name], name, worker)
@@ -450,7 +450,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 local_aggregation=aggregates and name not in by_rows,
                 batch_dependent=use.batch_dependent, initial_rows=_initial_rows(params[name]))
             table.pools = table.pools_by_rows = name in by_rows
-            layout.sparse[name] = table
+            layout.add(table)
             layout.placements[name] = Placement("ps", num_partitions, servers)
             _hand_over_early(layout, layout.sparse[name], params[name], optimizers, worker)
     if architecture.dense_on_servers:

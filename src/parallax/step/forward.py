@@ -41,8 +41,8 @@ from parallax.model.stand_ins import (
 from parallax.model.trace_reads import TraceCache
 from parallax.step.sync_modes import SyncMode
 
-__all__ = ["Forward", "ProgramForward", "checked_loss", "evaluating", "mean_loss", "numel",
-           "shapes", "to_device"]
+__all__ = ["Forward", "ProgramForward", "call_to_device", "checked_loss", "evaluating",
+           "mean_loss", "numel", "shapes", "to_device"]
 
 
 class Forward:
@@ -191,7 +191,7 @@ def _forget_pooled_ahead(calls: list[pooled.BagCall]) -> None:
 
 def checked_loss(loss: Any, rank: int) -> Tensor:
     """``loss_fn``'s result for `Runner.step`: one value with autograd, or a clear error."""
-    if not isinstance(loss, Tensor):
+    if type(loss) is not Tensor and not isinstance(loss, Tensor):  # (type: no call a step)
         raise ArgumentTypeError(
             f"rank {rank}: get_runner's loss_fn returned {type(loss).__name__}, Runner.step "
             f"needs the loss alone (a one-value tensor): return it alone and compute metrics "
@@ -238,7 +238,7 @@ def evaluating(*trees: nn.Module) -> Iterator[None]:
 
 def numel(value: Any) -> int:
     """Target elements of a batch's targets (tensors anywhere inside)."""
-    if isinstance(value, Tensor):
+    if type(value) is Tensor or isinstance(value, Tensor):  # (type: no call a step)
         return value.numel()
     if isinstance(value, dict):
         return sum(numel(v) for v in value.values())
@@ -258,9 +258,20 @@ def shapes(value: Any) -> Any:
     return type(value).__name__
 
 
+def call_to_device(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments on ``device`` (`to_device`), with no walk for the usual call: a
+    tensor already there, as a positional argument, is itself (a forward makes this call
+    every step)."""
+    return (tuple([arg if type(arg) is Tensor and arg.device == device
+                   else to_device(arg, device) for arg in args]),
+            to_device(kwargs, device) if kwargs else kwargs)
+
+
 def to_device(value: Any, device: torch.device) -> Any:
     """``value``'s tensors (anywhere inside tuples, lists and dicts) on ``device``."""
-    if isinstance(value, Tensor):  # (one there already is itself: no operator each step)
+    if type(value) is Tensor or isinstance(value, Tensor):  # (type: no call a step)
+        # (one there already is itself: no operator each step)
         return value if value.device == device else value.to(device)
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}

@@ -42,12 +42,14 @@ class StepGradients:
     it)."""
 
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter],
-                 tables: Callable[[], dict[str, Table]], replicated: list[nn.Parameter],
+                 tables: Callable[[], dict[str, Table]],
+                 replicas: Callable[[], list[ReplicatedTable]], replicated: list[nn.Parameter],
                  split: list[nn.Parameter], parallelism: Parallelism, *, worker: WorkerInfo,
                  group: dist.ProcessGroup, device: torch.device) -> None:
         self.model = model
         self.params = params
         self.tables = tables
+        self.replicas = replicas  # the replicated tables, in name order
         self.replicated = replicated
         self.split = split
         self.parallelism = parallelism
@@ -99,6 +101,8 @@ class StepGradients:
     def apply_program_scales(self) -> None:
         """After the push: the factors the program scaled the tables' ``.grad`` by, on the
         aggregated rows (the sum of the workers' scaled rows is the scaled sum)."""
+        if not self.program_scales:  # (the usual step: nothing scaled)
+            return
         tables = self.tables()
         for name, factor in self.program_scales.items():
             tables[name].scale_grad(torch.tensor(factor, dtype=torch.float64))
@@ -111,12 +115,21 @@ class StepGradients:
         ``Optimizer.zero_grad(set_to_none)`` does on one device."""
         mine = None if optimizers is None else parameter_ids(optimizers)
         tables = self._tables_with(mine)
+        scaled = self.program_scales
         for table in tables:  # first: a replicated table keeps its cleared gradient's buffer
             table.zero_grad(set_to_none=set_to_none)
-            self.program_scales.pop(table.name, None)
-        for param in [*self.replicated, *self.split]:
-            if mine is None or id(param) in mine:
-                clear_grad(param, set_to_none)
+            if scaled:
+                scaled.pop(table.name, None)
+        params = [*self.replicated, *self.split]
+        # (no test per parameter where the optimizers hold them all: this runs every step)
+        if mine is not None and not mine.issuperset(map(id, params)):
+            params = [param for param in params if id(param) in mine]
+        if set_to_none:
+            for param in params:
+                param.grad = None
+            return
+        for param in params:
+            clear_grad(param, set_to_none)
 
     def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None, *,
              error_if_nonfinite: bool = False) -> float:
@@ -223,10 +236,9 @@ class StepGradients:
         """The replicated gradients by name; of a replicated table whose gradient is the
         exchange's own, only its touched rows (the rest are zeros it wrote): a table of
         millions of rows is not read whole each step for the few hundred a batch touched."""
-        replicas = {name: table for name, table in self.tables().items()
-                    if isinstance(table, ReplicatedTable)}
-        if not replicas:  # (no loop per parameter: this runs every step)
+        if not self.replicas():  # (no loop per parameter: this runs every step)
             return [(name, param.grad) for name, param in self.replicated_named()]
+        replicas = {table.name: table for table in self.replicas()}
         checked: list[tuple[str, Tensor | None]] = []
         for name, param in self.replicated_named():
             grad, table = param.grad, replicas.get(name)

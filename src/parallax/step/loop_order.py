@@ -84,7 +84,7 @@ class LoopOrder:
         if values.numel():
             mine[2:2 + values.numel()] = values.reshape(-1)
         everyone = mine.new_empty(width * self.worker.world_size)
-        with self.explained():
+        with self.explained:
             dist.all_gather_into_tensor(everyone, mine, group=self.group)
         rows = everyone.view(self.worker.world_size, width)
         if self.enabled and self.applies:

@@ -107,7 +107,7 @@ class StepRound:
                 "Config.clip_grad_norm would clip the loss scaler's scaled gradients: clip "
                 "with parallax.clip_grad_norm_ after scaler.unscale_(optimizer) instead")
         self.gradients.check_none_outside_lookups()
-        with self.explained():
+        with self.explained:
             self._check_order_and_settings()
             settings = self._settings_rider()
             riders = self.dense.riders()
@@ -151,7 +151,7 @@ class StepRound:
         """See `Runner.clip_grad_norm`: the gradients made ready, then clipped."""
         self._require_aggregated("clipping by the global norm of the aggregated gradients")
         self.gradients_ready()
-        with self.explained():
+        with self.explained:
             return self.gradients.clip(max_norm, parameters,
                                        error_if_nonfinite=error_if_nonfinite)
 
@@ -159,7 +159,7 @@ class StepRound:
         """See `Runner.clip_grad_value`: the gradients made ready, then clamped."""
         self._require_aggregated("clipping the aggregated gradients by value")
         self.gradients_ready()
-        with self.explained():
+        with self.explained:
             self.gradients.clamp(value, parameters)
 
     def _require_aggregated(self, what: str) -> None:
@@ -175,9 +175,9 @@ class StepRound:
                loss: Tensor | None = None) -> None:
         """See `Runner.apply_update`."""
         if self.gradients_ready(loss):
-            with self.explained():
+            with self.explained:
                 with (self.phases.phase("dense update"), handles.internal(),
-                      touched_rows_only(self.gradients.tables().values(), optimizers)):
+                      touched_rows_only(self.gradients.replicas(), optimizers)):
                     for optimizer in optimizers:
                         dense_step = getattr(optimizer, "parallax_dense_step", None)
                         (dense_step or optimizer.step)()
@@ -186,13 +186,13 @@ class StepRound:
 
     def optimizers_done(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """``optimizers`` stepped (or skipped); the step ends once every optimizer has."""
-        self._stepped.update(id(optimizer) for optimizer in optimizers)
+        self._stepped.update(map(id, optimizers))
         if self._stepped >= self._all:
             self.end()
 
     def end(self) -> StepDone:
         """Close the step: the dense sync's end of step, the counters, then the hooks."""
-        with self.explained():
+        with self.explained:
             self.dense.end_step(self.global_step + 1)
         if self.progress is not None:
             with self.phases.phase("progress record"):

@@ -70,7 +70,7 @@ def ddp_parameter_names(module: nn.Module) -> list[str]:
 
 
 class TorchErrors:
-    """``with errors():`` — a torch error `translated` knows, raised inside, becomes its
+    """``with errors:`` — a torch error `translated` knows, raised inside, becomes its
     parallax error (the original chained); anything else goes on as it is."""
 
     def __init__(self, rank: int, device: torch.device, step: Callable[[], int],
@@ -80,14 +80,13 @@ class TorchErrors:
         self.step = step
         self.dense_names = dense_names
 
-    def __call__(self) -> TorchErrors:
-        return self
-
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
+        if error is None:
+            return
         parallax_error = self.translate(error)
         if parallax_error is not None:
             raise parallax_error from error

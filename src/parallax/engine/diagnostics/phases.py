@@ -67,11 +67,16 @@ class PhaseClock:
         self.thread = threading.get_ident()  # phases of other threads are not the step's
         # wall-clock time of a monotonic reading: events go out on the wall clock
         self._wall_minus_mono = time.time_ns() - time.perf_counter_ns()
+        self._timed: dict[str, Timed] = {}  # one context per phase name, made once
 
     def phase(self, name: str) -> Timed:
         """Time ``name`` (its self time: nested phases are subtracted) over a ``with`` block;
         nothing outside a step (an evaluation's pulls are no step's)."""
-        return Timed(self, name)
+        try:
+            return self._timed[name]
+        except KeyError:
+            timed = self._timed[name] = Timed(self, name)
+            return timed
 
     def open(self, name: str) -> bool:
         """Start ``name`` where its end is elsewhere (a backward hook, and the callback at the
@@ -223,26 +228,44 @@ def phase(name: str) -> Timed:
     step): for engine code that runs inside a step without holding the runner (pulls in a
     lookup, comm hooks)."""
     clock = _active
-    return Timed(clock if clock is not None and clock.thread == threading.get_ident()
-                 else None, name)
+    if clock is None or clock.thread != threading.get_ident():
+        return _NOT_TIMED
+    try:  # (the clock's own context, read here: a call fewer, several a step)
+        return clock._timed[name]
+    except KeyError:
+        return clock.phase(name)
 
 
 class Timed:
-    """A ``with`` block timed as the phase ``name`` of ``clock`` (None: not timed). A class,
-    not a generator context manager: phases open several times a step, and each generator
-    context costs about twice the Python calls."""
+    """``with`` blocks timed as the phase ``name`` of ``clock`` (None: not timed); one per
+    clock and name, made once and reused, nested in itself as well (its outermost block is
+    the phase). A class, not a generator context manager: phases open several times a step,
+    and each generator context costs about twice the Python calls."""
 
-    __slots__ = ("clock", "name", "opened")
+    __slots__ = ("clock", "depth", "name", "opened")
 
     def __init__(self, clock: PhaseClock | None, name: str) -> None:
         self.clock = clock
         self.name = name
-        self.opened = False
+        self.depth = 0  # blocks of this context running
+        self.opened = False  # its outermost block started the phase
 
     def __enter__(self) -> None:
-        if self.clock is not None:
-            self.opened = self.clock.open(self.name)
+        clock = self.clock
+        if clock is None:
+            return
+        self.depth += 1
+        if self.depth == 1:
+            self.opened = clock.open(self.name)
 
     def __exit__(self, *exc_info: object) -> None:
-        if self.opened and self.clock is not None:
-            self.clock.close(self.name)
+        clock = self.clock
+        if clock is None:
+            return
+        self.depth -= 1
+        if self.depth == 0 and self.opened:
+            self.opened = False
+            clock.close(self.name)
+
+
+_NOT_TIMED = Timed(None, "")  # a phase outside a step, or on another thread

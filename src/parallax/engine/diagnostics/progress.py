@@ -333,18 +333,15 @@ def is_collective_failure(error: BaseException) -> bool:
 
 
 class Explainer:
-    """``with explainer():`` — a failed collective raised inside becomes the error that names
+    """``with explainer:`` — a failed collective raised inside becomes the error that names
     the rank that is missing (`Progress.explain` for the step ``step()`` says is running);
-    nested uses explain once, at the outermost. Nothing to explain with one worker."""
+    nested uses explain once, at the outermost. Nothing to explain with one worker. (The
+    object is its own context, a class rather than a generator context: several a step.)"""
 
     def __init__(self, progress: Progress | None, step: Callable[[], int]) -> None:
         self.progress = progress
         self.step = step
         self._depth = 0
-
-    def __call__(self) -> Explainer:
-        """The context itself (a class rather than a generator context: several a step)."""
-        return self
 
     def __enter__(self) -> None:
         self._depth += 1
@@ -354,6 +351,8 @@ class Explainer:
         """Anything raised inside goes on (None: not swallowed), explained where it is a
         failed collective of the outermost use."""
         self._depth -= 1
+        if error is None:
+            return
         # gloo's are RuntimeErrors; an inner use leaves its error to the outermost
         if (not isinstance(error, (RuntimeError, ValueError)) or self._depth > 0
                 or self.progress is None or not is_collective_failure(error)):

@@ -14,7 +14,7 @@ dense program's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,14 +28,14 @@ __all__ = ["param_group_of", "touched_rows_only"]
 
 
 class touched_rows_only:  # noqa: N801 (used as a context manager, as contextlib's are)
-    """On entry, every eligible replicated table among ``tables`` has its touched rows
+    """On entry, every eligible table of ``tables`` (replicated) has its touched rows
     stepped and its gradient hidden from ``optimizers`` while inside (put back on the way out),
     so that their ``step()`` leaves it alone. (A class, not a generator context: it runs
     every step, and a generator context costs several Python calls more.)"""
 
-    def __init__(self, tables: Iterable[object],
+    def __init__(self, tables: Sequence[ReplicatedTable],
                  optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.tables = [table for table in tables if isinstance(table, ReplicatedTable)]
+        self.tables = tables
         self.optimizers = optimizers
         self.swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
 

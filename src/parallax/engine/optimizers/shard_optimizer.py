@@ -80,8 +80,11 @@ def as_optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Op
 
 def parameter_ids(optimizers: Sequence[torch.optim.Optimizer]) -> set[int]:
     """The ids of every parameter ``optimizers`` update."""
-    return {id(p) for optimizer in optimizers for group in optimizer.param_groups
-            for p in group["params"]}
+    ids: set[int] = set()
+    for optimizer in optimizers:  # (no Python call per parameter: this runs every step)
+        for group in optimizer.param_groups:
+            ids.update(map(id, group["params"]))
+    return ids
 
 
 def optimizer_of(optimizers: Sequence[torch.optim.Optimizer],

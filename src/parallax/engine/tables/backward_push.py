@@ -15,13 +15,12 @@ retained graph is pushed at its own end; the step then pushes nothing more
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from parallax.engine.tables.replicated import ReplicatedTable
-from parallax.engine.tables.table import Table
 
 __all__ = ["BackwardPush"]
 
@@ -31,14 +30,14 @@ _HOOKED = "_parallax_backward_push"  # marks a lookup's rows already hooked
 class BackwardPush:
     """`arm` after each own-loop forward; the pushes then follow each backward."""
 
-    def __init__(self, tables: Callable[[], Mapping[str, Table]]) -> None:
-        self.tables = tables  # the layout's current tables (the warm-up may move some)
+    def __init__(self, replicas: Callable[[], list[ReplicatedTable]]) -> None:
+        self.replicas = replicas  # the layout's, in name order (the warm-up may move some)
         self._queued = False
 
     def arm(self) -> None:
         """Hook the rows the replicated tables' lookups of this forward returned."""
         self._queued = False  # a backward that failed never ran its callback
-        for table in self._replicated():
+        for table in self.replicas():
             table.reuse_cleared_grad = False  # the program sees .grad: no buffer kept
             for rows in table.pending_rows():
                 if not getattr(rows, _HOOKED, False):
@@ -52,10 +51,5 @@ class BackwardPush:
 
     def _push(self) -> None:
         self._queued = False
-        for table in self._replicated():
+        for table in self.replicas():
             table.push_after_backward()
-
-    def _replicated(self) -> list[ReplicatedTable]:
-        tables = self.tables()
-        return [table for name in sorted(tables)
-                if isinstance(table := tables[name], ReplicatedTable)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.table import Table
 
 __all__ = ["REPLICATED", "Layout", "Placement"]
@@ -41,6 +42,9 @@ class Layout:
     #: (this server's rows; `parallax.engine.optimizers.shard_optimizer.take_user_state`)
     #: until the servers' optimizer adopts it
     user_state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the replicated tables, in name order, found once (`replicas`; `add` and `replace`,
+    # through which tables come and go, forget them)
+    _replicas: list[ReplicatedTable] | None = field(default=None, init=False, repr=False)
 
     @property
     def uses_ddp(self) -> bool:
@@ -54,9 +58,22 @@ class Layout:
         """Where parameter ``name`` lives (`REPLICATED` when no table holds it)."""
         return self.placements.get(name, REPLICATED)
 
+    def replicas(self) -> list[ReplicatedTable]:
+        """The sparse tables replicated on every worker, in name order (asked several times
+        a step: found once per change of the tables)."""
+        if self._replicas is None:
+            self._replicas = [table for name in sorted(self.sparse)
+                              if isinstance(table := self.sparse[name], ReplicatedTable)]
+        return self._replicas
+
+    def add(self, table: Table) -> None:
+        """``table`` holds its sparse parameter (as the architecture builds the layout)."""
+        self.sparse[table.name] = table
+        self._replicas = None
+
     def replace(self, new: Table) -> None:
         """``new`` holds its sparse parameter from now on (moved off the servers)."""
-        self.sparse[new.name] = new
+        self.add(new)
         self.placements[new.name] = Placement(
             "allreduce" if new.sync == "allreduce" else "allgatherv", 0, ())
 
