@@ -33,6 +33,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor, nn
 
 from parallax.config import Config
@@ -182,7 +183,10 @@ class RequiresGradWatch:
 
     def check(self, step: int) -> None:
         """Before a training forward of ``step``: raise naming what changed, if anything."""
-        if [p.requires_grad for _, p in self.params] == self.wanted:
+        # (a server-held parameter's handle answers as itself: no torch function per read)
+        with torch._C.DisableTorchFunctionSubclass():
+            now = [p.requires_grad for _, p in self.params]
+        if now == self.wanted:
             return
         changed = [(name, p.requires_grad) for (name, p), was in zip(self.params, self.wanted,
                                                                    strict=True)

@@ -28,7 +28,9 @@ __all__ = ["SettingsRider", "fingerprint", "name_the_difference"]
 
 def settings(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[tuple[str, Any]]]:
     """Each param group's settings (everything but its parameters), as plain values."""
-    return [sorted((key, _plain(value)) for key, value in group.items() if key != "params")
+    # (a plain value is itself without a call: the push carries this every step)
+    return [sorted([(key, value if type(value) in _PLAIN_TYPES else _plain(value))
+                    for key, value in group.items() if key != "params"])
             for optimizer in optimizers for group in optimizer.param_groups]
 
 
@@ -90,6 +92,9 @@ def _first_difference(everyone: list[list[list[tuple[str, Any]]]]) -> str:
                 return (f"param group {index}'s {key!r} differs: "
                         + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values)))
     return "a setting differs"
+
+
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
 
 
 def _plain(value: Any) -> Any:

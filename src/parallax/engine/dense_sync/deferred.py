@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from parallax.engine.tables import reduction
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.riders import rank_order_sum
 
@@ -52,9 +51,9 @@ class DenseRider:
         self.world = world
         self.average = average
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        for param, grad in zip(self.params, grads, strict=True):
-            reduction.account(grad, traffic=traffic, name=names.get(id(param), "dense"),
-                              all_to_all=True)
+        for param, grad in zip(self.params, grads, strict=True):  # (its bytes by parameter)
+            traffic.record_to_every_peer(names.get(id(param), "dense"),
+                                         grad.numel() * grad.element_size())
         flat = torch.cat([grad.detach().reshape(-1) for grad in grads]).reshape(1, -1)
         self.waiting: Tensor | None = flat.expand(world, -1).contiguous()
 

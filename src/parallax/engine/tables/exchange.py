@@ -153,6 +153,17 @@ class Traffic:
             counts[sent_key] += send_counts[peer] * bytes_per_item
             counts[received_key] += recv_counts[peer] * bytes_per_item
 
+    def record_to_every_peer(self, name: str, payload: int) -> None:
+        """``payload`` bytes sent to every other rank and as many received from each (an
+        all_to_all of one whole payload per peer; `record` without its count lists)."""
+        peers = self._keys if self._keys is not None else self._peer_keys()
+        if not peers:  # a world of one: all of it self-traffic
+            return
+        counts = self.bytes[name]
+        for _, sent_key, received_key in peers:
+            counts[sent_key] += payload
+            counts[received_key] += payload
+
     def _peer_keys(self) -> list[tuple[int, str, str]]:
         """``(peer, sent key, received key)`` of every other rank, worked out once."""
         mine = self.machine_of_rank[self.rank]

@@ -83,8 +83,11 @@ class ServerHeldParameter(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(_state, "depth", 0):  # parallax's own use (`internal`): first, no name
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         name = _name_of(func)
-        passes = (getattr(_state, "depth", 0) or name.removesuffix(".__get__") in _METADATA
+        passes = (name.removesuffix(".__get__") in _METADATA
                   or name == "grad.__set__" and args[1] is None)
         caller = None if passes else _users_frame()
         if caller is None:

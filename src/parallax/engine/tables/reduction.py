@@ -76,9 +76,7 @@ def account(tensor: torch.Tensor, *, traffic: Traffic, name: str, all_to_all: bo
     """Record, under ``name``, the bytes `all_reduce` moves for ``tensor`` (a whole payload
     or a parameter's piece of it) under the scheme ``all_to_all`` says (derived from the
     scheme: c10d reports none)."""
-    if all_to_all:
-        payload = tensor.numel() * tensor.element_size()
-        world = len(traffic.machine_of_rank)
-        traffic.record(name, [1] * world, [1] * world, payload)  # (itself not counted)
+    if all_to_all:  # (itself not counted)
+        traffic.record_to_every_peer(name, tensor.numel() * tensor.element_size())
     else:
         hierarchy.account(tensor, traffic=traffic, name=name)
