@@ -278,9 +278,10 @@ def _name_bad_id(table: Table, ids: Tensor, error: IndexError) -> None:
     """Raise the id outside a table whose rows are the whole weight (`OwnTable`: the layer's
     own read failed on it) as the servers name it; return for any other index error (the
     caller re-raises it as it came)."""
-    bad_id = getattr(table, "bad_id", None)
-    if bad_id is not None and ids.device.type == "cpu":
-        raise bad_id(ids) from error
+    named = getattr(table, "named_bad_id", None)
+    found = named(ids) if named is not None else None
+    if found is not None:
+        raise found from error
 
 
 def bag_shaped(ids: Tensor, padding_idx: int | None) -> bool:

@@ -166,8 +166,9 @@ def _bad_id_named(error: IndexError, tables: dict[int, OwnTable]) -> Exception |
         if frame.f_code in _READS:
             ids, weight = frame.f_locals.get("input"), frame.f_locals.get("weight")
             table = tables.get(id(weight))
-            if table is not None and isinstance(ids, Tensor) and ids.device.type == "cpu":
-                return table.bad_id(ids)
+            found = table.named_bad_id(ids) if table is not None else None
+            if found is not None:
+                return found
         trace = trace.tb_next
     return None
 

@@ -89,6 +89,15 @@ class OwnTable:
             f"rank {self.worker.rank} (machine {self.worker.machine}), outside its rows "
             f"[0, {self.num_rows})")
 
+    def named_bad_id(self, ids: object) -> SparseIdError | None:
+        """`bad_id` where a failed read of ``ids`` can be named here: a tensor on the CPU (on
+        a GPU an id outside the table is a device-side assert, no IndexError); None
+        otherwise. The one rule of the layer's read in the executed copy and of the
+        program's own module (`parallax.step.forward.ProgramForward`)."""
+        if isinstance(ids, Tensor) and ids.device.type == "cpu":
+            return self.bad_id(ids)
+        return None
+
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
         return self.param.detach()[ids]
 
