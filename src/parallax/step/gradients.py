@@ -195,10 +195,12 @@ class StepGradients:
         """A server-held parameter gets its gradient through its lookups only; one that the
         program read directly (a loss term on the whole table, under ps a dense weight used
         outside the model's forward) has a gradient nobody would push: refused."""
+        held = [name for name, table in self.tables().items() if table.on_servers]
+        if not held:
+            return
         # (the handle's own gradient, read as a plain tensor's: no torch function per table)
         with torch._C.DisableTorchFunctionSubclass():
-            used = [name for name, table in self.tables().items()
-                    if table.on_servers and self.params[name].grad is not None]
+            used = [name for name in held if self.params[name].grad is not None]
         if used:
             raise UnsupportedProgramError(
                 f"rank {self.worker.rank}: parameter(s) {used} live on the parameter servers, "
