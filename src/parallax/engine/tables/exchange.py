@@ -44,13 +44,27 @@ def all_to_all(out: Tensor, message: Tensor, recv_splits: Sequence[int] | None =
     """``dist.all_to_all_single``, except in a group of one rank, whose message is what it
     receives: copied here, without the collective (on a GPU an all_to_all of one rank still
     launches NCCL's kernels; on a CPU it still goes through gloo). None: nothing to wait for."""
-    if dist.get_world_size(group) == 1:
+    # (the group's own size: a call, where dist.get_world_size is several, each exchange)
+    if (group.size() if group is not None else dist.get_world_size()) == 1:
         out.copy_(message)
         return None
     work: dist.Work | None = dist.all_to_all_single(
         out, message, list(recv_splits) if recv_splits else None,
         list(send_splits) if send_splits else None, group=group, async_op=async_op)
     return work
+
+
+def peer_splits(names: Sequence[str], counts: dict[str, list[int]],
+                item: dict[str, int]) -> list[int]:
+    """Per peer, the sum over the tables ``names`` of their ``counts`` to (from) it, each
+    count times the table's ``item`` (its bytes, or 1: items). (Loops, not a generator per
+    peer: every exchange of a step works these out.)"""
+    splits = [0] * len(counts[names[0]])
+    for name in names:
+        size = item[name]
+        for peer, count in enumerate(counts[name]):
+            splits[peer] += count * size
+    return splits
 
 
 def exchange_counts(message: Tensor, *, group: dist.ProcessGroup | None,
@@ -363,8 +377,8 @@ class Hop:
                       [count * item[name] for count in send[name]])
                   for name, p in payloads.items()}
         message = torch.cat([pieces[name][peer] for peer in range(world) for name in names])
-        send_splits = [sum(send[n][peer] * item[n] for n in names) for peer in range(world)]
-        recv_splits = [sum(receive[n][peer] * item[n] for n in names) for peer in range(world)]
+        send_splits, recv_splits = peer_splits(names, send, item), peer_splits(
+            names, receive, item)
         out = message.new_empty(sum(recv_splits))
         work = all_to_all(out, message, recv_splits, send_splits, group=self.group,
                           async_op=async_op)

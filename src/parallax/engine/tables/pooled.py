@@ -426,9 +426,8 @@ def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: li
             payload[owner] = torch.cat([share.starts.to(wire), share.ids.to(wire)]).to(
                 first.device)
     sends = {k: [p.numel() for p in payload] for k, payload in zip(keys, payloads, strict=True)}
-    room_to = {k: [room.to(p) for p in range(world)] for k, room in zip(keys, rooms, strict=True)}
-    room_from = {k: [room.from_(p) for p in range(world)]
-                 for k, room in zip(keys, rooms, strict=True)}
+    room_to = {k: room.rooms_to() for k, room in zip(keys, rooms, strict=True)}
+    room_from = {k: room.rooms_from() for k, room in zip(keys, rooms, strict=True)}
     overflowed = any(sends[k][p] > room_to[k][p] for k in keys for p in range(world))
     header = _header(calls, shares, refused, overflowed)
     fields = len(calls) * _FIELDS * 8 // wire.itemsize  # the header's values, as ``wire``

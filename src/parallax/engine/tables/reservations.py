@@ -36,6 +36,7 @@ from parallax.engine.tables.exchange import (
     Traffic,
     all_to_all,
     header_of,
+    peer_splits,
     raise_bad_ids,
     wire_id_dtype,
     with_header,
@@ -61,11 +62,13 @@ class Reservations:
         self.sent: list[deque[int]] = [deque(maxlen=HISTORY) for _ in range(self.world)]
         self.received: list[deque[int]] = [deque(maxlen=HISTORY) for _ in range(self.world)]
 
-    def to(self, peer: int) -> int:
-        return _room(self.sent[peer])
+    def rooms_to(self) -> list[int]:
+        """The room for ids to each peer, in rank order."""
+        return [_room(counts) for counts in self.sent]
 
-    def from_(self, peer: int) -> int:
-        return _room(self.received[peer])
+    def rooms_from(self) -> list[int]:
+        """The room for ids from each peer, in rank order."""
+        return [_room(counts) for counts in self.received]
 
     def note(self, sent: Sequence[int], received: Sequence[int]) -> None:
         for peer in range(self.world):
@@ -95,16 +98,17 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
     world = len(send_counts[names[0]])
     wire = wire_id_dtype([num_rows[n] for n in names])
     header_width = len(names) * _HEADER * 8 // wire.itemsize
-    room_to = {n: [reservations[n].to(p) for p in range(world)] for n in names}
-    room_from = {n: [reservations[n].from_(p) for p in range(world)] for n in names}
+    room_to = {n: reservations[n].rooms_to() for n in names}
+    room_from = {n: reservations[n].rooms_from() for n in names}
     pieces = {n: payloads[n].to(wire).split_with_sizes(send_counts[n]) for n in names}
     overflowed = any(send_counts[n][p] > room_to[n][p] for n in names for p in range(world))
     sent_fields, headers_out = _headers(names, send_counts, bad_ids, overflowed, world,
                                         like=pieces[names[0]][0])
     message = torch.cat([part for peer in range(world) for part in _to_peer(
         peer, names, pieces, room_to, headers_out[peer])])
-    send_splits = [header_width + sum(room_to[n][p] for n in names) for p in range(world)]
-    recv_splits = [header_width + sum(room_from[n][p] for n in names) for p in range(world)]
+    ones = dict.fromkeys(names, 1)
+    send_splits = [header_width + ids for ids in peer_splits(names, room_to, ones)]
+    recv_splits = [header_width + ids for ids in peer_splits(names, room_from, ones)]
     out = message.new_empty(sum(recv_splits))
     all_to_all(out, message, recv_splits, send_splits, group=group)
     chunks = out.split_with_sizes(recv_splits)
