@@ -27,9 +27,9 @@ CEILINGS = {
                         "collectives_per_step": 0},
     (1, "runner"): {"aten_ops_per_step": 276, "python_calls_per_step": 497,
                     "collectives_per_step": 0},
-    (2, "distribute"): {"aten_ops_per_step": 825, "python_calls_per_step": 1970,
+    (2, "distribute"): {"aten_ops_per_step": 825, "python_calls_per_step": 1908,
                         "collectives_per_step": 6},
-    (2, "runner"): {"aten_ops_per_step": 841, "python_calls_per_step": 1906,
+    (2, "runner"): {"aten_ops_per_step": 841, "python_calls_per_step": 1836,
                     "collectives_per_step": 3},
 }
 PLAIN = {1: {"aten_ops_per_step": 248, "collectives_per_step": 0},
