@@ -15,7 +15,9 @@ from torch import Tensor
 from parallax.cluster import WorkerInfo
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.lookup_options import BatchDependent
-from parallax.engine.tables.server_table import RowPartitioning, ShardedTable, prefetch
+from parallax.engine.tables.row_exchange import prefetch
+from parallax.engine.tables.server_table import RowPartitioning, ShardedTable
+from parallax.engine.tables.step_context import TableSteps
 from parallax.errors import SparseIdError, UnsupportedProgramError
 
 # ---- RowPartitioning (no group) ---------------------------------------------------------------
@@ -255,17 +257,18 @@ def test_one_pull_of_tables_with_one_and_several_partitions(group, worker,
     """A one-partition table's ids go to their one owner unsorted (no argsort) and its server
     takes the rows they address as its touched rows (no unique); the other tables' counts come
     back in one read; values and gradients are the single-device ones."""
-    from parallax.engine.tables import server_table
+    from parallax.engine.tables import row_exchange
     weights = [_weight(10, seed) for seed in range(3)]
+    steps = TableSteps()  # (one run's tables share its step)
     tables = [ShardedTable(name, weight, num_partitions=partitions, worker=worker, group=group,
                            traffic=Traffic(worker.rank, worker.machine_of_rank),
-                           sparse_grad=False, average=True)
+                           sparse_grad=False, average=True, steps=steps)
               for name, weight, partitions in zip(("a", "b", "c"), weights, (1, 3, 2),
                                                   strict=True)]
     sorts, reads = [], []
-    argsort, read_back = torch.argsort, server_table.read_back
+    argsort, read_back = torch.argsort, row_exchange.read_back
     monkeypatch.setattr(torch, "argsort", lambda *a, **k: sorts.append(1) or argsort(*a, **k))
-    monkeypatch.setattr(server_table, "read_back",
+    monkeypatch.setattr(row_exchange, "read_back",
                         lambda vectors: reads.append(len(vectors)) or read_back(vectors))
     lookups = [_lookups(10, seed) for seed in range(3)]
     for table in tables:
@@ -279,7 +282,7 @@ def test_one_pull_of_tables_with_one_and_several_partitions(group, worker,
             assert torch.equal(rows[inverse], weight[ids])
             loss = loss + (rows[inverse] * coefficient).sum()
     loss.backward()
-    server_table.push_gradients(tables)
+    row_exchange.push_gradients(tables)
     for table, weight, table_lookups in zip(tables, weights, lookups, strict=True):
         torch.testing.assert_close(_dense_shard_grad(table),
                                    reference_grad(weight, table_lookups)[_shard_order(table)])
@@ -303,7 +306,7 @@ def test_a_lookup_of_the_very_ids_read_ahead_is_served_without_a_search(group, w
     (first, first_grad), (second, second_grad) = _lookups(10)
     written = second.clone()
     prefetch([table], [[first, written]])
-    leaf = table.prefetched.rows
+    leaf = _prefetched_rows(table)
     rows, inverse = table.lookup(first)
     assert rows is leaf and torch.equal(rows[inverse], weight[first])
     written.copy_(second)  # the same values, but written since the look-ahead: searched
@@ -329,7 +332,7 @@ def test_a_view_of_the_same_columns_is_served_and_another_column_searched(group,
     table.zero_grad()
     x = torch.tensor([[1, 5], [5, 9], [2, 1]])
     prefetch([table], [[x[:, 0], x[:, 1]]])
-    leaf = table.prefetched.rows
+    leaf = _prefetched_rows(table)
     first, first_inverse = table.lookup(x[:, 0])
     assert first is leaf and torch.equal(first[first_inverse], weight[x[:, 0]])
     assert table.lookup(x[:, 0].clone())[0] is not leaf  # other memory: searched
@@ -357,7 +360,7 @@ def test_ids_made_in_inference_mode_are_searched_among_the_pulled(group, worker)
         ids = torch.tensor([[1, 5], [5, 9]])
         prefetch([table], [[ids]])
         rows, inverse = table.lookup(ids)
-    assert rows is not table.prefetched.rows and torch.equal(rows[inverse], weight[ids])
+    assert rows is not _prefetched_rows(table) and torch.equal(rows[inverse], weight[ids])
 
 
 def test_prefetch_takes_int32_ids_as_lookup_does(group, worker) -> None:
@@ -413,3 +416,8 @@ def test_refusals_at_construction(group, worker) -> None:
     with pytest.raises(UnsupportedProgramError, match="parameter 'emb': scale_grad_by_freq"):
         _table(group, worker, _weight(), sparse_grad=True,
                batch_dependent=BatchDependent(scale_grad_by_freq=True))
+
+
+def _prefetched_rows(table: ShardedTable) -> Tensor:
+    """The leaf rows ``table``'s last prefetch pulled for this step."""
+    return table.steps.current.prefetched[table.name].rows

@@ -309,7 +309,8 @@ def _rows_for_bags(table: Table, ids: Tensor, padding_idx: int | None) -> Tensor
         # (pooled ahead with the forward's other bags when the id look-ahead saw this lookup)
         held = table.held
         ahead = (pooled.serve_ahead(pooled.rows_ahead_call(held, ids))
-                 if held is not None and held.pooled_ahead else None)
+                 if held is not None and held.steps.current.pooled_ahead.get(held.name)
+                 else None)
         return pooled_rows(table, ids, ahead)
     rows, inverse = table.lookup(ids)
     padding = _padding_row(table, ids, inverse, padding_idx)

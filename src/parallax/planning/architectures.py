@@ -35,6 +35,7 @@ from parallax.engine.tables.handles import release
 from parallax.engine.tables.layout import Layout, Placement
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.step_context import TableSteps
 from parallax.engine.tables.table import Table
 from parallax.errors import ArgumentError, InternalError, UnsupportedProgramError
 from parallax.model.detect import SparseUse
@@ -419,7 +420,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
             _drop_unread_copy(params[name], name, worker)
             table = _column_table(name, params[name], by_columns.index(name), config=config,
                                   worker=worker, group=group, traffic=traffic,
-                                  sparse_grad=sparse_grad)
+                                  sparse_grad=sparse_grad, steps=layout.steps)
             layout.add(table)
             partitioning = table.partitioning
             layout.placements[name] = Placement("ps", table.column_slices, tuple(
@@ -431,7 +432,8 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
             table = ShardedTable(
                 name, params[name], num_partitions=1, worker=worker, group=group,
                 traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
-                first_server=owners[name], initial_rows=_initial_rows(params[name]))
+                first_server=owners[name], initial_rows=_initial_rows(params[name]),
+                steps=layout.steps)
             table.pools = True
             layout.add(table)
             layout.placements[name] = Placement("ps", 1, (servers[owners[name]],))
@@ -448,7 +450,8 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 name, params[name], num_partitions=num_partitions, worker=worker, group=group,
                 traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
                 local_aggregation=aggregates and name not in by_rows,
-                batch_dependent=use.batch_dependent, initial_rows=_initial_rows(params[name]))
+                batch_dependent=use.batch_dependent, initial_rows=_initial_rows(params[name]),
+                steps=layout.steps)
             table.pools = table.pools_by_rows = name in by_rows
             layout.add(table)
             layout.placements[name] = Placement("ps", num_partitions, servers)
@@ -461,14 +464,15 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 name, weight.reshape(1) if weight.dim() == 0 else weight, num_partitions=1,
                 worker=worker, group=group, traffic=traffic, sparse_grad=False,
                 average=config.average_dense, local_aggregation=aggregates,
-                first_server=server, initial_rows=_initial_rows(params[name]))
+                first_server=server, initial_rows=_initial_rows(params[name]),
+                steps=layout.steps)
             layout.placements[name] = Placement("ps", 1, (servers[server],))
     return layout
 
 
 def _column_table(name: str, param: nn.Parameter, index: int, *, config: Config,
                   worker: WorkerInfo, group: dist.ProcessGroup, traffic: Traffic,
-                  sparse_grad: bool) -> ShardedTable:
+                  sparse_grad: bool, steps: TableSteps) -> ShardedTable:
     """A table of `Config.pooled_by_columns` (the ``index``-th): its rows cut into the most
     column slices that divide them, at most one per server, slice k on its own server (each
     table's first slice one server further on, so the slices of several spread out); the
@@ -480,7 +484,7 @@ def _column_table(name: str, param: nn.Parameter, index: int, *, config: Config,
         name, slices_view(param.detach(), slices), num_partitions=slices, worker=worker,
         group=group, traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
         first_server=index * slices % servers,
-        initial_rows=None if recipe is None else slices_of_rows(recipe, slices))
+        initial_rows=None if recipe is None else slices_of_rows(recipe, slices), steps=steps)
     table.pools, table.column_slices = True, slices
     return table
 

@@ -187,7 +187,7 @@ def _forget_pooled_ahead(calls: list[pooled.BagCall]) -> None:
     """After the forward: calls pooled ahead that it did not make are dropped (their
     gradients, none, are still pushed as zeros)."""
     for call in calls:
-        call.table.pooled_ahead.clear()
+        call.table.steps.forward_done([call.table.name])
 
 
 def checked_loss(loss: Any, rank: int) -> Tensor:

@@ -41,7 +41,8 @@ from parallax.engine.tables.early_push import EarlyPush
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.riders import Rider, settle
-from parallax.engine.tables.server_table import ShardedTable, prefetch
+from parallax.engine.tables.row_exchange import prefetch
+from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table, held_tables, push_all
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import ConfigError, UnsupportedProgramError
@@ -338,7 +339,7 @@ def _serving_pulled(tables: Sequence[ShardedTable] | Sequence[AsyncTable]) -> It
         yield
     finally:
         for table in tables:
-            table.prefetched = None
+            table.forget_prefetched()
 
 
 def _refuse_batch_dependent(sparse_uses: dict[str, SparseUse], config: Config) -> None:

@@ -192,12 +192,12 @@ class ServerState:
                 total.index_add_(0, table_ids, values)
             if table.average:
                 values = values / self.world_size
-            table._accumulate(table.shard_rows_of(table_ids), values)
+            table.accumulate(table.shard_rows_of(table_ids), values)
 
     def _step(self) -> None:
         for table in self.tables:
             if table.shard is not None:
-                table._finish_aggregation()
+                table.finish_aggregation()
         if self.optimizer is not None:
             self.optimizer.step()
         self.updates += 1

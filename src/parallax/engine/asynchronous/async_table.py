@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import unique_ids
 from parallax.engine.tables.riders import Rider
-from parallax.engine.tables.server_table import ShardedTable, rows_pulled_ahead
+from parallax.engine.tables.row_exchange import rows_pulled_ahead
+from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import SparseIdError
 
@@ -104,6 +105,10 @@ class AsyncTable:
         for table, unique, rows in zip(tables, uniques, pull_together(tables, uniques),
                                        strict=True):
             table.prefetched = (unique, rows)
+
+    def forget_prefetched(self) -> None:
+        """The forward that read rows ahead has ended: the next one pulls its own."""
+        self.prefetched = None
 
     # ---- backward ----------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -34,13 +34,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallax.engine.diagnostics import phases
-from parallax.engine.tables.server_table import (
-    ShardedTable,
-    _Pull,
-    can_push_early,
-    pending_pulls,
-    start_push,
-)
+from parallax.engine.tables.row_exchange import can_push_early, pending_pulls, start_push
+from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.step_context import Pull
 from parallax.errors import InternalError
 
 __all__ = ["MIN_GAP_S", "EarlyPush", "groups_from_arrivals"]
@@ -73,7 +69,7 @@ class EarlyPush:
         self.last_arrivals: list[tuple[str, float]] = []  # the last armed step's, relative
         self.launched_early = 0  # items issued before the backward ended, since construction
         self.items_total = 0
-        self._items: list[tuple[_Pull, list[str]]] = []
+        self._items: list[tuple[Pull, list[str]]] = []
         self._next = 0
         self._ready: set[tuple[int, str]] = set()
         self._arrivals: dict[str, float] = {}
@@ -100,10 +96,10 @@ class EarlyPush:
                     self._handles.append(lookup.rows.register_post_accumulate_grad_hook(
                         partial(self._arrived, record, name)))
 
-    def _plan(self, records: list[_Pull]) -> list[tuple[_Pull, list[str]]]:
+    def _plan(self, records: list[Pull]) -> list[tuple[Pull, list[str]]]:
         """The items in launch order: the last pulls first (the backward meets them first),
         each pull's tables in the schedule's groups."""
-        items: list[tuple[_Pull, list[str]]] = []
+        items: list[tuple[Pull, list[str]]] = []
         for record in reversed(records):
             if not can_push_early(record):
                 continue  # through the leader hop: pushed whole at sync_gradients
@@ -114,7 +110,7 @@ class EarlyPush:
         self.items_total += len(items)
         return items
 
-    def _arrived(self, record: _Pull, name: str, _rows: Tensor) -> None:
+    def _arrived(self, record: Pull, name: str, _rows: Tensor) -> None:
         self._arrivals[name] = time.perf_counter() - self._start
         self._ready.add((id(record), name))
         self._launch(only_ready=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from parallax.engine.tables.replicated import ReplicatedTable
+from parallax.engine.tables.step_context import TableSteps
 from parallax.engine.tables.table import Table
 
 __all__ = ["REPLICATED", "Layout", "Placement"]
@@ -42,6 +43,9 @@ class Layout:
     #: (this server's rows; `parallax.engine.optimizers.shard_optimizer.take_user_state`)
     #: until the servers' optimizer adopts it
     user_state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the step of the run's server-held tables: what their pulls owe between a step's calls
+    #: (`parallax.engine.tables.step_context`), shared by every one of them
+    steps: TableSteps = field(default_factory=TableSteps)
     # the replicated tables, in name order, found once (`replicas`; `add` and `replace`,
     # through which tables come and go, forget them)
     _replicas: list[ReplicatedTable] | None = field(default=None, init=False, repr=False)

@@ -72,6 +72,7 @@ from parallax.engine.tables.exchange import (
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.reservations import Reservations, cut_rooms, merge_rest
 from parallax.engine.tables.riders import Rider, alight, board
+from parallax.engine.tables.step_context import TableSteps, shared_steps
 from parallax.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -116,8 +117,8 @@ class PoolingTable(Protocol):
     has_gradient: bool
     rows_used: list[int]
     measuring: bool
-    pooled_calls: list[PooledExchange]
-    pooled_ahead: list[tuple[BagCall, Tensor]]
+    #: the run's step: the exchanges owed and the bags pooled ahead live there
+    steps: TableSteps
     #: the rooms `pool_many` reserves for each call's offsets and ids, per exchange key
     pooled_reservations: dict[str, Reservations]
     before_read: Callable[[Tensor | None], None] | None
@@ -127,10 +128,10 @@ class PoolingTable(Protocol):
 
     def server_shard(self) -> nn.Parameter: ...
 
-    def _rows(self, count: int) -> Tensor: ...
+    def empty_rows(self, count: int) -> Tensor: ...
 
-    def _accumulate(self, local_rows: Tensor, grad_rows: Tensor,
-                    touched: Tensor | None = None) -> None: ...
+    def accumulate(self, local_rows: Tensor, grad_rows: Tensor,
+                   touched: Tensor | None = None) -> None: ...
 
 
 @dataclass
@@ -337,8 +338,9 @@ def pool_ahead(calls: Sequence[BagCall]) -> None:
     its layers' calls in order (`serve_ahead`)."""
     if not calls:
         return
+    ahead = shared_steps([call.table for call in calls]).current.pooled_ahead
     for call, out in zip(calls, pool_many(calls), strict=True):
-        call.table.pooled_ahead.append((call, out))
+        ahead.setdefault(call.table.name, []).append((call, out))
 
 
 def rows_ahead_call(table: PoolingTable, ids: Tensor) -> BagCall:
@@ -360,7 +362,7 @@ def rows_reduced(summed: Tensor, mode: str, bag_length: int) -> Tensor:
 def serve_ahead(call: BagCall) -> Tensor:
     """The pooled rows of ``call``, pooled ahead for this forward."""
     table = call.table
-    ahead, out = table.pooled_ahead.pop(0)
+    ahead, out = table.steps.current.pooled_ahead[table.name].pop(0)
     if not ahead.same_as(call):
         raise InternalError(
             f"parallax internal error: rank {table.worker.rank} made a call of '{table.name}' "
@@ -385,7 +387,7 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     owned = {i: _pool_at_owner(call, header[:, i], received[keys[i]], weights.get(keys[i]),
                                grad=grad)
              for i, call in enumerate(calls) if rank in owners[i]}
-    payloads = {k: owned[i].pooled.detach() if i in owned else c.table._rows(0)
+    payloads = {k: owned[i].pooled.detach() if i in owned else c.table.empty_rows(0)
                 for i, (k, c) in enumerate(zip(keys, calls, strict=True))}
     sends = {k: header[:, i, _BAGS].tolist() if rank in owners[i] else [0] * world
              for i, k in enumerate(keys)}
@@ -400,9 +402,8 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     result = [_added(call, leaf, len(mine))
               for call, leaf, mine in zip(calls, leaves, owners, strict=True)]
     if grad:
-        record = PooledExchange(list(calls), leaves, keys, hop, owned)
-        for table in {id(c.table): c.table for c in calls}.values():
-            table.pooled_calls.append(record)
+        shared_steps([call.table for call in calls]).current.pooled.append(
+            PooledExchange(list(calls), leaves, keys, hop, owned))
     return result
 
 
@@ -576,7 +577,7 @@ def _send_weights(calls: Sequence[BagCall], shares: list[dict[int, _Share]], hea
 def _weights_of(call: BagCall, share: _Share) -> Tensor:
     """A share's weights as sent (an empty tensor of the table's dtype for none)."""
     if share.weights is None:
-        return call.table._rows(0).new_empty(0)
+        return call.table.empty_rows(0).new_empty(0)
     return share.weights.detach()
 
 
@@ -697,12 +698,15 @@ def _autograd_backward(pooled: Tensor, rows: Tensor) -> Callable[[Tensor], Tenso
 def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:
     """This step's pooled exchanges not yet pushed, in the order `push_pooled` sends them
     (the same on every rank); records each table's use (`has_gradient`, `rows_used`)."""
-    records: dict[int, PooledExchange] = {}
+    if not tables:
+        return []
+    owed: list[PooledExchange] = tables[0].steps.current.pooled
+    if not owed:
+        return []
+    ids = {id(table) for table in tables}
+    records = [record for record in owed if any(id(call.table) in ids for call in record.calls)]
     for table in tables:
-        for record in table.pooled_calls:
-            records.setdefault(id(record), record)
-    for table in tables:
-        mine = [(call, out) for record in records.values()
+        mine = [(call, out) for record in records
                 for call, out in zip(record.calls, record.outs, strict=True)
                 if call.table is table]
         if mine:
@@ -710,7 +714,7 @@ def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:
             if table.measuring:  # (the rows of its slices, for a table held as such)
                 table.rows_used.append(table.column_slices * sum(
                     int(torch.unique(c.ids).numel()) for c, _ in mine))
-    return list(records.values())  # dicts keep insertion order: the same on all ranks
+    return records  # (in call order: the same on all ranks)
 
 
 def bound_of_exchanges(exchanges: Sequence[PooledExchange],
@@ -745,8 +749,6 @@ def push_pooled(exchanges: Sequence[PooledExchange], riders: Sequence[Rider] = (
         received = alight(riders, hop.backward_many(payloads))
         for i, owned in record.owned.items():
             _backward_at_owner(record.calls[i], owned, received[record.keys[i]])
-        for call in record.calls:
-            call.table.pooled_calls = [r for r in call.table.pooled_calls if r is not record]
 
 
 def _backward_at_owner(call: BagCall, owned: _Owned, grads: Tensor) -> None:
@@ -762,11 +764,11 @@ def _backward_at_owner(call: BagCall, owned: _Owned, grads: Tensor) -> None:
         if found is None:
             return
         positions, per_id = found
-        table._accumulate(owned.local_rows[positions], per_id, touched=owned.local_rows)
+        table.accumulate(owned.local_rows[positions], per_id, touched=owned.local_rows)
         return
     rows_grad = owned.backward(grads)
     if rows_grad is None:
         return
     if table.average:
         rows_grad.div_(table.worker.world_size)
-    table._accumulate(owned.local_rows, rows_grad)
+    table.accumulate(owned.local_rows, rows_grad)

@@ -16,105 +16,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options, pooled
 from parallax.engine.tables.bag_use import BagUse
-from parallax.engine.tables.exchange import (
-    Hop,
-    Traffic,
-    all_to_all,
-    read_back,
-    unique_ids,
-    unique_ids_many,
-)
+from parallax.engine.tables.exchange import Traffic, all_to_all, unique_ids
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
-from parallax.engine.tables.reservations import Reservations, open_carrying
-from parallax.engine.tables.riders import Rider, alight, board
-from parallax.engine.tables.verdict import Verdict, bound_of
+from parallax.engine.tables.reservations import Reservations
+from parallax.engine.tables.riders import Rider
+from parallax.engine.tables.row_exchange import (
+    pull,
+    push_gradients,
+    read_rows_direct,
+    rows_pulled_ahead,
+)
+from parallax.engine.tables.step_context import Pull, TableSteps
+from parallax.engine.tables.verdict import Verdict
 from parallax.errors import ArgumentError, InternalError, SparseIdError
 
-__all__ = ["RowPartitioning", "ShardedTable", "SparseIdError", "can_push_early",
-           "pending_pulls", "prefetch", "pull", "push_gradients", "rows_pulled_ahead",
-           "start_push"]
-
-
-@dataclass
-class _Lookup:
-    """One table's part of a `_Pull`."""
-
-    ids: Tensor                 # this worker's unique ids
-    rows: Tensor                # leaf [unique ids, *row]; its .grad is what gets pushed
-    # permutation sorting the (merged) ids by owner rank; None: already sorted (one owner)
-    order: Tensor | None
-    recv_local_rows: Tensor     # on a server: the shard rows the received ids address
-    # those rows are sorted and distinct (one sender's unique ids, one partition here)
-    local_sorted: bool = False
-    merged_inverse: Tensor | None = None  # at a leader: received piece -> merged row
-    merged_count: int = 0
-    counts: Tensor | None = None  # scale_grad_by_freq: how often the batch looked up each id
-
-
-@dataclass
-class _Pull:
-    """Rows of several tables pulled in one exchange; their gradients go back the same way
-    (in one exchange, or, pushed early, in one per group of tables: `start_push`)."""
-
-    lookups: dict[str, _Lookup]
-    direct: Hop                   # worker -> owners (leader -> owners when aggregating)
-    to_leader: Hop | None = None  # worker -> its machine's leader (local aggregation)
-    # pushed early: the exchanges issued (each returns what its owners received) and their
-    # tables; `push_gradients` waits for them
-    in_flight: list[Callable[[], dict[str, Tensor]]] = field(default_factory=list)
-    launched: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Prefetched:
-    """A table's rows pulled ahead of the forward, for all of the step's lookups at once."""
-
-    ids: Tensor   # sorted unique ids
-    rows: Tensor  # the pull's leaf rows
-    # per lookup read ahead: its ids tensor, that tensor's version then (None: an inference
-    # tensor, which keeps none), and the index of each of its ids among ``ids`` (the pull's
-    # inverse)
-    lookups: list[tuple[Tensor, int | None, Tensor]] = field(default_factory=list)
-
-    def inverse_of(self, ids: Tensor) -> Tensor | None:
-        """The index of each of ``ids`` among the pulled rows when ``ids`` is the very tensor
-        a lookup was read ahead from, or a view of the same memory laid out alike (the
-        forward's own ``x[:, 0]`` beside the look-ahead's), unchanged since (no in-place
-        write: views share their base's version); None otherwise (the lookup then finds its
-        ids among the pulled ones)."""
-        for known, version, inverse in self.lookups:
-            if (version is not None and _same_memory(known, ids)
-                    and version == _version_of(ids)):
-                return inverse.view(ids.shape)
-        return None
-
-
-def _same_memory(known: Tensor, ids: Tensor) -> bool:
-    """Whether ``ids`` reads the very elements ``known`` reads, as ``known`` reads them
-    (``known`` is kept alive, so its storage cannot be another tensor's since)."""
-    return known is ids or (
-        known.numel() > 0 and ids.layout == known.layout == torch.strided
-        and known.dtype == ids.dtype and known.device == ids.device
-        and known.shape == ids.shape and known.stride() == ids.stride()
-        and known.storage_offset() == ids.storage_offset()
-        and known.untyped_storage().data_ptr() == ids.untyped_storage().data_ptr())
-
-
-def _version_of(ids: Tensor) -> int | None:
-    """``ids``' version counter (bumped by every in-place write), None for an inference
-    tensor (made under ``torch.inference_mode``), which has none: such ids are searched."""
-    return None if ids.is_inference() else ids._version
+__all__ = ["RowPartitioning", "ShardedTable", "SparseIdError"]
 
 
 #: the most bytes of a table (or of its optimizer state) rank 0 sends per round of
@@ -156,7 +81,8 @@ class ShardedTable:
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
                  local_aggregation: bool = False, first_server: int = 0,
                  batch_dependent: lookup_options.BatchDependent | None = None,
-                 initial_rows: Callable[[Tensor], Tensor] | None = None):
+                 initial_rows: Callable[[Tensor], Tensor] | None = None,
+                 steps: TableSteps | None = None):
         if weight.dim() < 1:
             raise ArgumentError(f"parameter '{name}' must have rows (dim >= 1), got a scalar")
         lookup_options.check_batch_dependent(name, batch_dependent, sparse_grad)
@@ -165,7 +91,10 @@ class ShardedTable:
         # serving them; scale_grad_by_freq: workers push their id counts with the gradient
         # rows, owners divide each aggregated row by its count over the global batch.
         self.batch_dependent = batch_dependent
-        self._lookups = 0  # with gradients, this step (scale_grad_by_freq allows one)
+        # the run's step (what its pulls owe: `parallax.engine.tables.step_context`), shared
+        # by the run's tables; a table made alone is its own run
+        self.steps = steps if steps is not None else TableSteps()
+        # (shard rows, lookup counts) received by this push (scale_grad_by_freq)
         self._received_counts: list[tuple[Tensor, Tensor]] = []
         self.num_rows = weight.shape[0]
         self.row_shape = tuple(weight.shape[1:])
@@ -208,7 +137,6 @@ class ShardedTable:
         self.rows_used: list[int] = []          # per training step, this worker's rows
         self.machine_rows_used: list[int] = []  # per step at a leader: its machine's rows
         self.bag_use = BagUse()
-        self._pending: list[_Pull] = []  # this step's pulls that hold rows of this table
         # Whether the single-device parameter would have a .grad now: a backward reached
         # this table's rows on this worker since the last clear to None (`has_gradient`), on
         # any worker (`gradient_anywhere`, agreed by the runner before the update). Without
@@ -216,12 +144,9 @@ class ShardedTable:
         # would otherwise move every row with a zero gradient).
         self.has_gradient = False
         self.gradient_anywhere = True
-        self.prefetched: _Prefetched | None = None
-        self.pooled_calls: list[pooled.PooledExchange] = []  # this step's, until pushed
-        self.pooled_ahead: list[tuple[pooled.BagCall, Tensor]] = []  # this forward's
         # the rooms reserved for pooled calls' ids, per exchange key (`pooled.pool_many`)
         self.pooled_reservations: dict[str, Reservations] = {}
-        # (shard rows, gradient rows) received this step, summed by `_finish_aggregation`
+        # (shard rows, gradient rows) received by this push, summed by `finish_aggregation`
         self._received: list[tuple[Tensor, Tensor]] = []
         # shard rows that received gradient since the last zero_grad (`touched_rows_by_part`)
         self._touched: list[Tensor] = []
@@ -314,10 +239,12 @@ class ShardedTable:
                           for start, stop in self.blocks]
 
     @property
-    def _leader(self) -> int:
+    def leader(self) -> int:
+        """This worker's machine's leader (local aggregation's merging rank)."""
         return self.worker.server_ranks[self.worker.machine]
 
-    def _rows(self, count: int) -> Tensor:
+    def empty_rows(self, count: int) -> Tensor:
+        """``count`` uninitialised rows of this table's shape, dtype and device."""
         return torch.empty((count, *self.row_shape), dtype=self.dtype, device=self.device)
 
     # ---- forward: pull ------------------------------------------------------------------
@@ -326,11 +253,13 @@ class ShardedTable:
         looked-up values; the gradient of ``rows`` is what `push_gradients` sends back. Served
         from the rows `pull` prefetched for this step when there are any."""
         if self.scales_by_freq and torch.is_grad_enabled():
-            self._lookups += 1
-            lookup_options.check_one_lookup(self.name, self.worker.rank, self._lookups)
-        if self.prefetched is None:
+            lookups = self.steps.lookups
+            lookups[self.name] = lookups.get(self.name, 0) + 1
+            lookup_options.check_one_lookup(self.name, self.worker.rank, lookups[self.name])
+        prefetched = self.steps.current.prefetched
+        if self.name not in prefetched:
             return pull([self], [ids])[0]
-        held = self.prefetched
+        held = prefetched[self.name]
         # the ids a lookup was read from ahead: the pull's leaf rows and inverse serve it as
         # they serve a lookup pulled on its own (no second unique, search or gather)
         ahead = held.inverse_of(ids)
@@ -340,13 +269,19 @@ class ShardedTable:
         return rows_pulled_ahead(held.ids, held.rows, unique, self.name, self.worker.rank,
                                  bad_id=bad_id), inverse
 
+    def forget_prefetched(self) -> None:
+        """The forward that read rows ahead has ended: the next one pulls its own."""
+        prefetched = self.steps.current.prefetched
+        if self.name in prefetched:  # (no call: every forward ends so)
+            del prefetched[self.name]
+
     def pool_bags(self, ids: Tensor, offsets: Tensor | None, per_sample_weights: Tensor | None, *,
                   mode: str, padding_idx: int | None, include_last_offset: bool) -> Tensor:
         """``F.embedding_bag`` of this table computed on its owner: this rank's pooled rows
         (collective; a table with ``pools`` only, `parallax.engine.tables.pooled`)."""
         call = pooled.bag_call(self, ids, offsets, per_sample_weights, mode=mode,
                                padding_idx=padding_idx, include_last_offset=include_last_offset)
-        if self.pooled_ahead:  # pooled before the forward (`pooled.pool_ahead`)
+        if self.steps.current.pooled_ahead.get(self.name):  # (`pooled.pool_ahead`)
             return pooled.serve_ahead(call)
         return pooled.pool_many([call])[0]
 
@@ -355,7 +290,7 @@ class ShardedTable:
         shards or from ``source``, a tensor each server holds shaped like its shard."""
         with torch.no_grad():
             unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-            rows = _pull_direct([self], [unique], [None], source)[0][self.name]
+            rows = read_rows_direct(self, unique, source)
         if unique.numel() == ids.numel() and torch.equal(unique, ids.reshape(-1)):
             return rows.view(*ids.shape, *self.row_shape)  # ids in order (a move's): no copy
         return rows[inverse].view(*ids.shape, *self.row_shape)
@@ -373,16 +308,20 @@ class ShardedTable:
         zeros, and the optimizer still steps the table)."""
         if set_to_none:
             self.has_gradient = False
-        for record in self._pending:
-            record.lookups[self.name].rows.grad = None
-        for exchange in self.pooled_calls:
+        name, step = self.name, self.steps.current
+        for record in step.pulls:  # (loops, not calls: every step clears every table)
+            if name in record.lookups:
+                record.lookups[name].rows.grad = None
+        for exchange in step.pooled:
             for call, out in zip(exchange.calls, exchange.outs, strict=True):
                 if call.table is self:
                     out.grad = None
-        self.prefetched = None
+        if name in step.prefetched:
+            del step.prefetched[name]
         self._received.clear()
         self._received_counts.clear()
-        self._lookups = 0
+        if name in self.steps.lookups:
+            del self.steps.lookups[name]
         if self.shard is not None and self.sparse_grad:
             for part in self.parts:
                 part.grad = None
@@ -419,31 +358,39 @@ class ShardedTable:
         """`push_gradients` of this table alone."""
         push_gradients([self])
 
-    def _record_usage(self) -> None:
-        if not self._pending:
+    def record_usage(self, pulls: Sequence[Pull]) -> None:
+        """Note what this step's ``pulls`` (those being pushed) looked up of this table: whether
+        a backward reached its rows, and how many rows it used (`rows_used`)."""
+        lookups = [pull.lookups[self.name] for pull in pulls if self.name in pull.lookups]
+        if not lookups:
             return
-        lookups = [pull.lookups[self.name] for pull in self._pending]
         self.has_gradient = self.has_gradient or any(
             lookup.rows.grad is not None for lookup in lookups)
         if not self.measuring:
             return
         ids = torch.cat([lookup.ids for lookup in lookups])
         self.rows_used.append(int(torch.unique(ids).numel()))
-        if self.local_aggregation and self.worker.rank == self._leader:
+        if self.local_aggregation and self.worker.rank == self.leader:
             self.machine_rows_used.append(sum(lookup.merged_count for lookup in lookups))
 
     @property
     def sums_as_rows_arrive(self) -> bool:
         """Whether gradient rows go straight into the shard's dense gradient as they arrive
         (one partition, dense gradients), so that rows repeated in one arrival cost nothing
-        more than distinct ones (`_accumulate`)."""
+        more than distinct ones (`accumulate`)."""
         return not self.sparse_grad and len(self.parts) == 1
 
-    def _accumulate(self, local_rows: Tensor, grad_rows: Tensor,
-                    touched: Tensor | None = None, sorted_distinct: bool = False) -> None:
-        """Add ``grad_rows`` at shard rows ``local_rows`` (repeats allowed); ``touched``: those
-        rows, distinct, where the caller has them; ``sorted_distinct``: ``local_rows`` are
-        sorted and distinct already."""
+    @property
+    def holds_gradient_rows(self) -> bool:
+        """Whether rows of this server's shard received gradient since the last zero_grad."""
+        return bool(self._touched)
+
+    def accumulate(self, local_rows: Tensor, grad_rows: Tensor,
+                   touched: Tensor | None = None, sorted_distinct: bool = False) -> None:
+        """At a server: add ``grad_rows`` at shard rows ``local_rows`` (repeats allowed);
+        ``touched``: those rows, distinct, where the caller has them; ``sorted_distinct``:
+        ``local_rows`` are sorted and distinct already. `finish_aggregation` ends a push's
+        sums."""
         self._touched_sorted = sorted_distinct and not self._touched
         self._touched.append(local_rows if touched is None else touched)
         self._touched_unique = None
@@ -455,7 +402,19 @@ class ShardedTable:
                 self._zero_dense_grad()
             _grad_of(shard).index_add_(0, local_rows, grad_rows)
 
-    def _finish_aggregation(self) -> None:
+    def receive_counts(self, local_rows: Tensor, counts: Tensor) -> None:
+        """At a server: one sender's lookup counts of shard rows ``local_rows``
+        (scale_grad_by_freq), divided out by `finish_aggregation`."""
+        self._received_counts.append((local_rows, counts))
+
+    def finish_aggregation(self) -> None:
+        """The end of a push at a server: the gradient rows received summed, and, under
+        scale_grad_by_freq, divided by their counts over the global batch."""
+        self._sum_received()
+        if self.scales_by_freq:
+            self._divide_by_counts()
+
+    def _sum_received(self) -> None:
         """Sum the received gradient rows per partition, the partitions in parallel: into the
         shard's gradient (dense gradients), or into each partition's coalesced sparse gradient.
         With one partition, dense rows were summed as they arrived."""
@@ -468,7 +427,7 @@ class ShardedTable:
             values = torch.cat([values for _, values in self._received])
         else:
             rows = torch.empty(0, dtype=torch.long, device=self.device)
-            values = self._rows(0)
+            values = self.empty_rows(0)
         self._received.clear()
         if len(self.parts) > 1:  # group the rows by partition: one slice each
             rows, order = torch.sort(rows, stable=True)
@@ -504,13 +463,13 @@ class ShardedTable:
         return self.shard
 
     @property
-    def _one_partition(self) -> bool:
+    def one_partition(self) -> bool:
         """Whether this server's shard is one partition (from the shard's first row)."""
         return len(self.blocks) == 1 and self.blocks[0][0] == 0
 
     def shard_rows_of(self, ids: Tensor) -> Tensor:
         """The rows of this server's shard that hold ``ids`` (ids this rank owns)."""
-        if self._one_partition:
+        if self.one_partition:
             # its local row is the id's quotient (ids itself with one partition in all),
             # without the partition tables' lookups
             partitions = self.partitioning.num_partitions
@@ -531,7 +490,7 @@ class ShardedTable:
     def touched_rows_by_part(self) -> list[Tensor]:
         """Per partition, `touched_rows` in the partition's own row numbers."""
         rows = self.touched_rows()
-        if self._one_partition:  # the shard's rows are the partition's
+        if self.one_partition:  # the shard's rows are the partition's
             return [rows]
         key = (*self.blocks, self.server_shard().shape[0], rows.dtype, rows.device)
         if self._block_starts is None or self._block_starts[0] != key:
@@ -613,303 +572,6 @@ class ShardedTable:
         """The whole table (or a shard-shaped ``source``), gathered from the servers
         (collective)."""
         return self.read_rows(torch.arange(self.num_rows, device=self.device), source)
-
-
-# ---- several tables at once ------------------------------------------------------------------
-def rows_pulled_ahead(held: Tensor, rows: Tensor, unique: Tensor, name: str, rank: int, *,
-                      bad_id: int | None = None) -> Tensor:
-    """The rows of the sorted ``unique`` ids among a step's prefetched ``held`` ids and their
-    ``rows`` (every lookup's ids were pulled ahead, and the pull refused out-of-range ones:
-    anything else is a bug of ours)."""
-    position = torch.searchsorted(held, unique)
-    if bad_id is not None or unique.numel() and (held.numel() == 0 or not torch.equal(
-            held[position.clamp_max(held.numel() - 1)], unique)):
-        raise InternalError(
-            f"parallax internal error: rank {rank} looked up ids of '{name}' that were not "
-            f"pulled ahead for this step; please report it")
-    return rows[position]
-
-
-def pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
-    """Rows of ``ids[i]`` from ``tables[i]`` (distinct tables of one runner), all in one
-    exchange; ``(rows, inverse)`` per table as `ShardedTable.lookup` returns them."""
-    return [(rows, inverse) for rows, inverse, _ in _timed_pull(tables, ids)]
-
-
-def _timed_pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
-                ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    with phases.phase("pull"):
-        return _pull(tables, ids)
-
-
-def _pull(tables: Sequence[ShardedTable], ids: Sequence[Tensor],
-          ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """`pull`'s ``(rows, inverse)`` per table, and the sorted unique ids the rows are of."""
-    first = tables[0]
-    requests = unique_ids_many(ids, [t.num_rows for t in tables], [t.name for t in tables],
-                               first.worker.rank)
-    uniques = {t.name: unique for t, (unique, _, _) in zip(tables, requests, strict=True)}
-    bad_ids = {t.name: bad for t, (_, _, bad) in zip(tables, requests, strict=True)}
-    to_leader = None
-    if first.local_aggregation:
-        counts = {}
-        for table in tables:
-            counts[table.name] = [0] * first.worker.world_size
-            counts[table.name][table._leader] = uniques[table.name].numel()
-        to_leader = _open(tables, counts, bad_ids)
-        pieces = to_leader.forward_many(uniques)  # at a leader: every local worker's ids
-        merged = {name: torch.unique(piece, return_inverse=True)
-                  for name, piece in pieces.items()}
-        merged_rows, direct, lookups = _pull_direct(tables, [m for m, _ in merged.values()],
-                                                    [None] * len(tables), lookup=True)
-        rows = to_leader.backward_many({name: merged_rows[name].index_select(0, inverse)
-                                        for name, (_, inverse) in merged.items()})
-        for name, (ids_merged, inverse) in merged.items():
-            lookups[name].merged_inverse = inverse
-            lookups[name].merged_count = ids_merged.numel()
-    else:
-        rows, direct, lookups = _pull_direct(tables, list(uniques.values()),
-                                             list(bad_ids.values()), lookup=True)
-    for name, lookup in lookups.items():
-        lookup.ids, lookup.rows = uniques[name], rows[name]
-    for table, (unique, inverse, _) in zip(tables, requests, strict=True):
-        if table.scales_by_freq:
-            lookups[table.name].counts = torch.bincount(inverse.reshape(-1),
-                                                        minlength=unique.numel())
-    if torch.is_grad_enabled():
-        record = _Pull(lookups, direct, to_leader)
-        for table in tables:
-            lookups[table.name].rows.requires_grad_(True)
-            table._pending.append(record)
-    return [(rows[t.name], inverse, unique)
-            for t, (unique, inverse, _) in zip(tables, requests, strict=True)]
-
-
-def prefetch(tables: Sequence[ShardedTable], ids: Sequence[Sequence[Tensor]]) -> None:
-    """Pull, in one exchange, the rows of all lookups a forward is about to make: ``ids[i]``
-    lists the ids of every lookup of ``tables[i]``; each lookup is then served locally."""
-    # int64 whatever the lookups' dtypes (nn.Embedding takes int32 ids too)
-    # (one lookup's ids as they are: the pull only reads them)
-    unions = [(table_ids[0].reshape(-1).long() if len(table_ids) == 1 else
-               torch.cat([i.reshape(-1).long() for i in table_ids])) if table_ids
-              else torch.empty(0, dtype=torch.long) for table_ids in ids]
-    pulled = _timed_pull(tables, unions)
-    for table, table_ids, (rows, inverse, unique) in zip(tables, ids, pulled, strict=True):
-        pieces = inverse.split_with_sizes([i.numel() for i in table_ids])  # each lookup's, in order
-        table.prefetched = _Prefetched(unique, rows, [
-            (i, _version_of(i), piece) for i, piece in zip(table_ids, pieces, strict=True)])
-
-
-def _open(tables: Sequence[ShardedTable], counts: dict[str, list[int]],
-          bad_ids: dict[str, int | None]) -> Hop:
-    first = tables[0]
-    return Hop.open_many(counts, group=first.group, traffic=first.traffic,
-                         num_rows={t.name: t.num_rows for t in tables}, bad_ids=bad_ids,
-                         device=first.device)
-
-
-def _pull_direct(tables: Sequence[ShardedTable], uniques: Sequence[Tensor],
-                 bad_ids: Sequence[int | None], source: Tensor | None = None,
-                 lookup: bool = False) -> tuple[dict[str, Tensor], Hop, dict[str, _Lookup]]:
-    """Rows ``uniques[i]`` of ``tables[i]`` from their owners' shards (or from ``source``, a
-    tensor shaped like the shard, e.g. an optimizer state; one table only). A ``lookup``'s
-    pull (training or evaluation, not an export) sends its ids with the count message
-    (`open_carrying`), and owners of a ``max_norm`` table first renormalise the requested
-    rows in place, as ``F.embedding`` does on one device: the requests of all workers
-    together are the global batch's ids, and renormalising is idempotent, so the result is
-    exact."""
-    world = tables[0].worker.world_size
-    orders: dict[str, Tensor | None] = {}
-    counts: dict[str, list[int]] = {}
-    by_owner: dict[str, Tensor] = {}
-    for table, unique, bad_id in zip(tables, uniques, bad_ids, strict=True):
-        single = table.partitioning.single_owner
-        if single is not None:  # one owner: its count is known here, the ids stay in order
-            orders[table.name] = None
-            counts[table.name] = [unique.numel() if r == single else 0 for r in range(world)]
-            continue
-        # (a bad id is refused on every rank once the count message is read: until then it
-        # only needs an owner)
-        owner = table.partitioning.owner_rank(
-            unique if bad_id is None else unique.clamp(0, max(table.num_rows - 1, 0)))
-        orders[table.name] = torch.argsort(owner, stable=True)
-        by_owner[table.name] = torch.bincount(owner, minlength=world)
-    counts.update(zip(by_owner, read_back(list(by_owner.values())), strict=True))
-    counts = {t.name: counts[t.name] for t in tables}  # the tables' order: the message's
-    sorted_ids = {t.name: _by_owner(u, orders[t.name])
-                  for t, u in zip(tables, uniques, strict=True)}
-    bad = dict(zip(counts, bad_ids, strict=True))
-    if lookup:
-        first = tables[0]
-        hop, recv_ids = open_carrying(
-            sorted_ids, counts, reservations={t.name: t.reservations for t in tables},
-            group=first.group, traffic=first.traffic,
-            num_rows={t.name: t.num_rows for t in tables}, bad_ids=bad)
-    else:
-        hop = _open(tables, counts, bad)
-        recv_ids = hop.forward_many(sorted_ids)
-    served, lookups = {}, {}
-    for table in tables:
-        local = table.shard_rows_of(recv_ids[table.name])
-        if table.shard is not None and table.before_read is not None:
-            table.before_read(local)  # deferred steps first (values and optimizer state)
-        held = source if source is not None else table.shard
-        options = table.batch_dependent
-        if lookup and held is not None and options is not None and options.max_norm is not None:
-            with torch.no_grad():
-                torch.embedding_renorm_(held.detach(), local, options.max_norm,
-                                        options.norm_type)
-        served[table.name] = (held.detach().index_select(0, local) if held is not None
-                              else table._rows(0))
-        senders = sum(1 for count in hop.recv_counts[table.name] if count)
-        lookups[table.name] = _Lookup(recv_ids[table.name], table._rows(0),
-                                      orders[table.name], local,
-                                      local_sorted=senders <= 1 and table._one_partition)
-    back = hop.backward_many(served)
-    rows = {}
-    for table, unique in zip(tables, uniques, strict=True):
-        order = orders[table.name]
-        if order is None:  # (arrived in the ids' order)
-            if back[table.name].dtype != table.dtype:
-                raise InternalError(f"'{table.name}': rows of {back[table.name].dtype} pulled "
-                                    f"for a table of {table.dtype}; please report it")
-            rows[table.name] = back[table.name]
-            continue
-        # (back in the ids' order: one index_copy_, not indexing's Python machinery)
-        rows[table.name] = table._rows(unique.numel()).index_copy_(0, order, back[table.name])
-    return rows, hop, lookups
-
-
-def _by_owner(values: Tensor, order: Tensor | None) -> Tensor:
-    """``values`` (one per unique id) sorted by owner rank, as a pull's ``order`` says (None:
-    already)."""
-    return values if order is None else values.index_select(0, order)
-
-
-def push_gradients(tables: Sequence[ShardedTable], verdict: Verdict | None = None,
-                   riders: Sequence[Rider] = ()) -> None:
-    """Send the gradient rows of every pull of this step to their servers (collective, in pull
-    order, one exchange per pull for all its tables, unless `start_push` sent some already);
-    servers sum the rows of all workers and, by default, divide by the worker count.
-    ``tables`` must hold every table of those pulls. The step's ``verdict``
-    (`parallax.engine.tables.verdict`, prepared here) and the other ``riders`` travel in the
-    first message sent here (`parallax.engine.tables.riders`)."""
-    by_name = {table.name: table for table in tables}
-    for table in tables:
-        table._record_usage()
-    exchanges = pooled.pending_exchanges(tables)
-    records = pending_pulls(tables)
-    if verdict is not None and tables:
-        _prepare_verdict(verdict, tables, records, exchanges)
-    aboard = [*([verdict] if verdict is not None else []), *riders]
-    pooled.push_pooled(exchanges, aboard)
-    for record in records:
-        rest = [name for name in record.lookups if name not in record.launched]
-        if record.in_flight:
-            if rest:  # the part `EarlyPush` left for here
-                start_push(record, rest, aboard)
-            for finish in record.in_flight:
-                _deliver(record, alight(aboard, finish()), by_name)
-            continue
-        grads = _gradients_to_push(record, list(record.lookups))
-        if record.to_leader is not None:
-            hop, payloads = board(aboard, record.to_leader, grads)
-            pieces = alight(aboard, hop.forward_many(payloads))
-            for name, lookup in record.lookups.items():
-                merged = pieces[name].new_zeros((lookup.merged_count, *pieces[name].shape[1:]))
-                if lookup.merged_inverse is None:
-                    raise InternalError(f"'{name}': a leader's push without its pull's merge")
-                grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
-        hop, payloads = board(aboard, record.direct, {
-            name: _by_owner(grads[name], lookup.order)
-            for name, lookup in record.lookups.items()})
-        _deliver(record, alight(aboard, hop.forward_many(payloads)), by_name)
-    with phases.phase("server aggregation"):
-        for table in tables:
-            table._pending.clear()
-            table._finish_aggregation()
-            if table.scales_by_freq:
-                table._divide_by_counts()
-
-
-def _prepare_verdict(verdict: Verdict, tables: Sequence[ShardedTable], records: list[_Pull],
-                     exchanges: list[pooled.PooledExchange]) -> None:
-    """This rank's verdict (before the push's first message): the tables a backward reached,
-    the shards holding gradient from before, and a bound on what this rank adds to any
-    aggregated element (each pull's rows are distinct: one row per element and message)."""
-    rows = bound_of([lookup.rows.grad for record in records
-                     for lookup in record.lookups.values() if lookup.rows.grad is not None],
-                    tables[0].device)
-    first = tables[0]
-    verdict.prepare(
-        names=[table.name for table in tables],
-        reached=[table.has_gradient for table in tables],
-        stale=sum(bool(table._touched) for table in tables),
-        # (on the exchange's device: the verdict travels in its messages)
-        bound=rows.to(first.device) + pooled.bound_of_exchanges(exchanges, first.device),
-        limit=min(torch.finfo(table.dtype).max for table in tables) / 2,
-        world=first.worker.world_size)
-
-
-def pending_pulls(tables: Sequence[ShardedTable]) -> list[_Pull]:
-    """This step's pulls not yet pushed, in the order `push_gradients` takes them (the same
-    on every rank)."""
-    pulls: dict[int, _Pull] = {}
-    for table in tables:
-        for record in table._pending:
-            pulls.setdefault(id(record), record)
-    return list(pulls.values())  # dicts keep insertion order: the same on all ranks
-
-
-def can_push_early(record: _Pull) -> bool:
-    """Whether `start_push` may send ``record``'s gradients: not through a machine's leader
-    (that hop merges rows of several workers before the direct exchange can start)."""
-    return record.to_leader is None
-
-
-def start_push(record: _Pull, names: Sequence[str], riders: Sequence[Rider] = ()) -> None:
-    """Issue now, without waiting, the exchange of the gradient rows that ``record`` holds
-    for the tables ``names`` (their backward must be complete); `push_gradients` waits for
-    it and hands the rows to the servers. Every rank must start the same groups of the
-    same pulls in the same order (collective). ``riders``: those still waiting ride along."""
-    if not can_push_early(record):
-        raise InternalError("parallax internal error: an early push through the leader hop")
-    names = list(names)
-    grads = _gradients_to_push(record, names)
-    hop = record.direct if len(names) == len(record.lookups) else record.direct.subset(names)
-    hop, payloads = board(riders, hop, {
-        name: _by_owner(grads[name], record.lookups[name].order) for name in names})
-    record.in_flight.append(hop.start_forward_many(payloads))
-    record.launched.extend(names)
-
-
-def _gradients_to_push(record: _Pull, names: Sequence[str]) -> dict[str, Tensor]:
-    """The gradient rows of ``names`` in ``record`` (zeros where backward gave none), with
-    their lookup counts as one more column under ``scale_grad_by_freq``."""
-    grads = {}
-    for name in names:
-        lookup = record.lookups[name]
-        grad = lookup.rows.grad
-        grads[name] = torch.zeros_like(lookup.rows) if grad is None else grad
-        if lookup.counts is not None:  # counts travel as one more column of the rows
-            grads[name] = lookup_options.with_counts(grads[name], lookup.counts)
-    return grads
-
-
-def _deliver(record: _Pull, received: dict[str, Tensor],
-             by_name: dict[str, ShardedTable]) -> None:
-    """At the servers: add the gradient rows received for ``record``'s tables."""
-    for name, values in received.items():
-        table = by_name[name]
-        if table.shard is None:
-            continue
-        lookup = record.lookups[name]
-        if table.scales_by_freq:
-            values, counts = lookup_options.split_counts(values, table.row_shape)
-            table._received_counts.append((lookup.recv_local_rows, counts))
-        if table.average:
-            values.div_(table.worker.world_size)
-        table._accumulate(lookup.recv_local_rows, values, sorted_distinct=lookup.local_sorted)
 
 
 def _grad_of(param: Tensor) -> Tensor:

@@ -1,0 +1,380 @@
+"""The exchange of the server-held tables' rows: the pull (and the prefetch, for all of a
+forward's lookups at once), and the push of their gradient rows back to the servers.
+
+Every call here is collective, over the `parallax.engine.tables.exchange.Hop` s it opens; what a
+step pulled and owes between its calls lives in the run's step context
+(`parallax.engine.tables.step_context`), never on a table; the rows and the arithmetic on
+them are the table's (`parallax.engine.tables.server_table.ExchangedTable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from parallax.engine.diagnostics import phases
+from parallax.engine.tables import lookup_options, pooled
+from parallax.engine.tables.exchange import Hop, read_back, unique_ids_many
+from parallax.engine.tables.lookup_options import BatchDependent
+from parallax.engine.tables.reservations import Reservations, open_carrying
+from parallax.engine.tables.riders import Rider, alight, board
+from parallax.engine.tables.step_context import (
+    Lookup,
+    Prefetched,
+    Pull,
+    shared_steps,
+    version_of,
+)
+from parallax.engine.tables.verdict import Verdict, bound_of
+from parallax.errors import InternalError
+
+__all__ = ["ExchangedTable", "can_push_early", "pending_pulls", "prefetch", "pull",
+           "push_gradients", "read_rows_direct", "rows_pulled_ahead", "start_push"]
+
+
+class ExchangedTable(pooled.PoolingTable, Protocol):
+    """What the exchange needs of a server-held table: its rows' place and shape, and the
+    server's sums of what it receives
+    (`parallax.engine.tables.server_table.ExchangedTable` is one)."""
+
+    row_shape: tuple[int, ...]
+    local_aggregation: bool
+    reservations: Reservations
+    shard: nn.Parameter | None
+    batch_dependent: BatchDependent | None
+    before_read: Callable[[Tensor | None], None] | None
+
+    @property
+    def leader(self) -> int: ...
+
+    @property
+    def one_partition(self) -> bool: ...
+
+    @property
+    def scales_by_freq(self) -> bool: ...
+
+    @property
+    def holds_gradient_rows(self) -> bool: ...
+
+    def shard_rows_of(self, ids: Tensor) -> Tensor: ...
+
+    def record_usage(self, pulls: Sequence[Pull]) -> None: ...
+
+    def receive_counts(self, local_rows: Tensor, counts: Tensor) -> None: ...
+
+    def accumulate(self, local_rows: Tensor, grad_rows: Tensor,
+                   touched: Tensor | None = None, sorted_distinct: bool = False) -> None: ...
+
+    def finish_aggregation(self) -> None: ...
+
+
+def rows_pulled_ahead(held: Tensor, rows: Tensor, unique: Tensor, name: str, rank: int, *,
+                      bad_id: int | None = None) -> Tensor:
+    """The rows of the sorted ``unique`` ids among a step's prefetched ``held`` ids and their
+    ``rows`` (every lookup's ids were pulled ahead, and the pull refused out-of-range ones:
+    anything else is a bug of ours)."""
+    position = torch.searchsorted(held, unique)
+    if bad_id is not None or unique.numel() and (held.numel() == 0 or not torch.equal(
+            held[position.clamp_max(held.numel() - 1)], unique)):
+        raise InternalError(
+            f"parallax internal error: rank {rank} looked up ids of '{name}' that were not "
+            f"pulled ahead for this step; please report it")
+    return rows[position]
+
+
+def pull(tables: Sequence[ExchangedTable], ids: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """Rows of ``ids[i]`` from ``tables[i]`` (distinct tables of one runner), all in one
+    exchange; ``(rows, inverse)`` per table as `ExchangedTable.lookup` returns them."""
+    return [(rows, inverse) for rows, inverse, _ in _timed_pull(tables, ids)]
+
+
+def _timed_pull(tables: Sequence[ExchangedTable], ids: Sequence[Tensor],
+                ) -> list[tuple[Tensor, Tensor, Tensor]]:
+    with phases.phase("pull"):
+        return _pull(tables, ids)
+
+
+def _pull(tables: Sequence[ExchangedTable], ids: Sequence[Tensor],
+          ) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """`pull`'s ``(rows, inverse)`` per table, and the sorted unique ids the rows are of."""
+    first = tables[0]
+    steps = shared_steps(tables)
+    requests = unique_ids_many(ids, [t.num_rows for t in tables], [t.name for t in tables],
+                               first.worker.rank)
+    uniques = {t.name: unique for t, (unique, _, _) in zip(tables, requests, strict=True)}
+    bad_ids = {t.name: bad for t, (_, _, bad) in zip(tables, requests, strict=True)}
+    to_leader = None
+    if first.local_aggregation:
+        counts = {}
+        for table in tables:
+            counts[table.name] = [0] * first.worker.world_size
+            counts[table.name][table.leader] = uniques[table.name].numel()
+        to_leader = _open(tables, counts, bad_ids)
+        pieces = to_leader.forward_many(uniques)  # at a leader: every local worker's ids
+        merged = {name: torch.unique(piece, return_inverse=True)
+                  for name, piece in pieces.items()}
+        merged_rows, direct, lookups = _pull_direct(tables, [m for m, _ in merged.values()],
+                                                    [None] * len(tables), lookup=True)
+        rows = to_leader.backward_many({name: merged_rows[name].index_select(0, inverse)
+                                        for name, (_, inverse) in merged.items()})
+        for name, (ids_merged, inverse) in merged.items():
+            lookups[name].merged_inverse = inverse
+            lookups[name].merged_count = ids_merged.numel()
+    else:
+        rows, direct, lookups = _pull_direct(tables, list(uniques.values()),
+                                             list(bad_ids.values()), lookup=True)
+    for name, lookup in lookups.items():
+        lookup.ids, lookup.rows = uniques[name], rows[name]
+    for table, (unique, inverse, _) in zip(tables, requests, strict=True):
+        if table.scales_by_freq:
+            lookups[table.name].counts = torch.bincount(inverse.reshape(-1),
+                                                        minlength=unique.numel())
+    if torch.is_grad_enabled():
+        for table in tables:
+            lookups[table.name].rows.requires_grad_(True)
+        steps.current.pulls.append(Pull(lookups, direct, to_leader))
+    return [(rows[t.name], inverse, unique)
+            for t, (unique, inverse, _) in zip(tables, requests, strict=True)]
+
+
+def prefetch(tables: Sequence[ExchangedTable], ids: Sequence[Sequence[Tensor]]) -> None:
+    """Pull, in one exchange, the rows of all lookups a forward is about to make: ``ids[i]``
+    lists the ids of every lookup of ``tables[i]``; each lookup is then served locally."""
+    # int64 whatever the lookups' dtypes (nn.Embedding takes int32 ids too)
+    # (one lookup's ids as they are: the pull only reads them)
+    unions = [(table_ids[0].reshape(-1).long() if len(table_ids) == 1 else
+               torch.cat([i.reshape(-1).long() for i in table_ids])) if table_ids
+              else torch.empty(0, dtype=torch.long) for table_ids in ids]
+    pulled = _timed_pull(tables, unions)
+    prefetched = tables[0].steps.current.prefetched  # (one run's: `_pull` checked)
+    for table, table_ids, (rows, inverse, unique) in zip(tables, ids, pulled, strict=True):
+        pieces = inverse.split_with_sizes([i.numel() for i in table_ids])  # each lookup's, in order
+        prefetched[table.name] = Prefetched(unique, rows, [
+            (i, version_of(i), piece) for i, piece in zip(table_ids, pieces, strict=True)])
+
+
+def _open(tables: Sequence[ExchangedTable], counts: dict[str, list[int]],
+          bad_ids: dict[str, int | None]) -> Hop:
+    first = tables[0]
+    return Hop.open_many(counts, group=first.group, traffic=first.traffic,
+                         num_rows={t.name: t.num_rows for t in tables}, bad_ids=bad_ids,
+                         device=first.device)
+
+
+def _pull_direct(tables: Sequence[ExchangedTable], uniques: Sequence[Tensor],
+                 bad_ids: Sequence[int | None], source: Tensor | None = None,
+                 lookup: bool = False) -> tuple[dict[str, Tensor], Hop, dict[str, Lookup]]:
+    """Rows ``uniques[i]`` of ``tables[i]`` from their owners' shards (or from ``source``, a
+    tensor shaped like the shard, e.g. an optimizer state; one table only). A ``lookup``'s
+    pull (training or evaluation, not an export) sends its ids with the count message
+    (`open_carrying`), and owners of a ``max_norm`` table first renormalise the requested
+    rows in place, as ``F.embedding`` does on one device: the requests of all workers
+    together are the global batch's ids, and renormalising is idempotent, so the result is
+    exact."""
+    world = tables[0].worker.world_size
+    orders: dict[str, Tensor | None] = {}
+    counts: dict[str, list[int]] = {}
+    by_owner: dict[str, Tensor] = {}
+    for table, unique, bad_id in zip(tables, uniques, bad_ids, strict=True):
+        single = table.partitioning.single_owner
+        if single is not None:  # one owner: its count is known here, the ids stay in order
+            orders[table.name] = None
+            counts[table.name] = [unique.numel() if r == single else 0 for r in range(world)]
+            continue
+        # (a bad id is refused on every rank once the count message is read: until then it
+        # only needs an owner)
+        owner = table.partitioning.owner_rank(
+            unique if bad_id is None else unique.clamp(0, max(table.num_rows - 1, 0)))
+        orders[table.name] = torch.argsort(owner, stable=True)
+        by_owner[table.name] = torch.bincount(owner, minlength=world)
+    counts.update(zip(by_owner, read_back(list(by_owner.values())), strict=True))
+    counts = {t.name: counts[t.name] for t in tables}  # the tables' order: the message's
+    sorted_ids = {t.name: _by_owner(u, orders[t.name])
+                  for t, u in zip(tables, uniques, strict=True)}
+    bad = dict(zip(counts, bad_ids, strict=True))
+    if lookup:
+        first = tables[0]
+        hop, recv_ids = open_carrying(
+            sorted_ids, counts, reservations={t.name: t.reservations for t in tables},
+            group=first.group, traffic=first.traffic,
+            num_rows={t.name: t.num_rows for t in tables}, bad_ids=bad)
+    else:
+        hop = _open(tables, counts, bad)
+        recv_ids = hop.forward_many(sorted_ids)
+    served, lookups = {}, {}
+    for table in tables:
+        local = table.shard_rows_of(recv_ids[table.name])
+        if table.shard is not None and table.before_read is not None:
+            table.before_read(local)  # deferred steps first (values and optimizer state)
+        held = source if source is not None else table.shard
+        options = table.batch_dependent
+        if lookup and held is not None and options is not None and options.max_norm is not None:
+            with torch.no_grad():
+                torch.embedding_renorm_(held.detach(), local, options.max_norm,
+                                        options.norm_type)
+        served[table.name] = (held.detach().index_select(0, local) if held is not None
+                              else table.empty_rows(0))
+        senders = sum(1 for count in hop.recv_counts[table.name] if count)
+        lookups[table.name] = Lookup(recv_ids[table.name], table.empty_rows(0),
+                                     orders[table.name], local,
+                                     local_sorted=senders <= 1 and table.one_partition)
+    back = hop.backward_many(served)
+    rows = {}
+    for table, unique in zip(tables, uniques, strict=True):
+        order = orders[table.name]
+        if order is None:  # (arrived in the ids' order)
+            if back[table.name].dtype != table.dtype:
+                raise InternalError(f"'{table.name}': rows of {back[table.name].dtype} pulled "
+                                    f"for a table of {table.dtype}; please report it")
+            rows[table.name] = back[table.name]
+            continue
+        # (back in the ids' order: one index_copy_, not indexing's Python machinery)
+        rows[table.name] = table.empty_rows(unique.numel()).index_copy_(0, order, back[table.name])
+    return rows, hop, lookups
+
+
+def read_rows_direct(table: ExchangedTable, unique: Tensor, source: Tensor | None) -> Tensor:
+    """The current values of ``table``'s rows ``unique`` (sorted, distinct), from its shards
+    or from ``source``, a tensor each server holds shaped like its shard (collective; an
+    export's or a migration's read, not a lookup: nothing is owed)."""
+    return _pull_direct([table], [unique], [None], source)[0][table.name]
+
+
+def _by_owner(values: Tensor, order: Tensor | None) -> Tensor:
+    """``values`` (one per unique id) sorted by owner rank, as a pull's ``order`` says (None:
+    already)."""
+    return values if order is None else values.index_select(0, order)
+
+
+def push_gradients(tables: Sequence[ExchangedTable], verdict: Verdict | None = None,
+                   riders: Sequence[Rider] = ()) -> None:
+    """Send the gradient rows of every pull of this step to their servers (collective, in pull
+    order, one exchange per pull for all its tables, unless `start_push` sent some already);
+    servers sum the rows of all workers and, by default, divide by the worker count.
+    ``tables`` must hold every table of those pulls. The step's ``verdict``
+    (`parallax.engine.tables.verdict`, prepared here) and the other ``riders`` travel in the
+    first message sent here (`parallax.engine.tables.riders`)."""
+    by_name = {table.name: table for table in tables}
+    steps = tables[0].steps if tables else None
+    records = pending_pulls(tables)
+    for table in tables:
+        table.record_usage(records)
+    exchanges = pooled.pending_exchanges(tables)
+    if verdict is not None and tables:
+        _prepare_verdict(verdict, tables, records, exchanges)
+    aboard = [*([verdict] if verdict is not None else []), *riders]
+    pooled.push_pooled(exchanges, aboard)
+    for record in records:
+        rest = [name for name in record.lookups if name not in record.launched]
+        if record.in_flight:
+            if rest:  # the part `EarlyPush` left for here
+                start_push(record, rest, aboard)
+            for finish in record.in_flight:
+                _deliver(record, alight(aboard, finish()), by_name)
+            continue
+        grads = _gradients_to_push(record, list(record.lookups))
+        if record.to_leader is not None:
+            hop, payloads = board(aboard, record.to_leader, grads)
+            pieces = alight(aboard, hop.forward_many(payloads))
+            for name, lookup in record.lookups.items():
+                merged = pieces[name].new_zeros((lookup.merged_count, *pieces[name].shape[1:]))
+                if lookup.merged_inverse is None:
+                    raise InternalError(f"'{name}': a leader's push without its pull's merge")
+                grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
+        hop, payloads = board(aboard, record.direct, {
+            name: _by_owner(grads[name], lookup.order)
+            for name, lookup in record.lookups.items()})
+        _deliver(record, alight(aboard, hop.forward_many(payloads)), by_name)
+    if steps is not None:
+        steps.pushed(records, exchanges)
+    with phases.phase("server aggregation"):
+        for table in tables:
+            table.finish_aggregation()
+
+
+def _prepare_verdict(verdict: Verdict, tables: Sequence[ExchangedTable], records: list[Pull],
+                     exchanges: list[pooled.PooledExchange]) -> None:
+    """This rank's verdict (before the push's first message): the tables a backward reached,
+    the shards holding gradient from before, and a bound on what this rank adds to any
+    aggregated element (each pull's rows are distinct: one row per element and message)."""
+    rows = bound_of([lookup.rows.grad for record in records
+                     for lookup in record.lookups.values() if lookup.rows.grad is not None],
+                    tables[0].device)
+    first = tables[0]
+    verdict.prepare(
+        names=[table.name for table in tables],
+        reached=[table.has_gradient for table in tables],
+        stale=sum(table.holds_gradient_rows for table in tables),
+        # (on the exchange's device: the verdict travels in its messages)
+        bound=rows.to(first.device) + pooled.bound_of_exchanges(exchanges, first.device),
+        limit=min(torch.finfo(table.dtype).max for table in tables) / 2,
+        world=first.worker.world_size)
+
+
+def pending_pulls(tables: Sequence[ExchangedTable]) -> list[Pull]:
+    """This step's pulls not yet pushed that hold rows of ``tables``, in the order
+    `push_gradients` takes them (pull order: the same on every rank)."""
+    if not tables:
+        return []
+    found = []
+    for pull in tables[0].steps.current.pulls:  # (loops: every push asks)
+        for table in tables:
+            if table.name in pull.lookups:
+                found.append(pull)
+                break
+    return found
+
+
+def can_push_early(record: Pull) -> bool:
+    """Whether `start_push` may send ``record``'s gradients: not through a machine's leader
+    (that hop merges rows of several workers before the direct exchange can start)."""
+    return record.to_leader is None
+
+
+def start_push(record: Pull, names: Sequence[str], riders: Sequence[Rider] = ()) -> None:
+    """Issue now, without waiting, the exchange of the gradient rows that ``record`` holds
+    for the tables ``names`` (their backward must be complete); `push_gradients` waits for
+    it and hands the rows to the servers. Every rank must start the same groups of the
+    same pulls in the same order (collective). ``riders``: those still waiting ride along."""
+    if not can_push_early(record):
+        raise InternalError("parallax internal error: an early push through the leader hop")
+    names = list(names)
+    grads = _gradients_to_push(record, names)
+    hop = record.direct if len(names) == len(record.lookups) else record.direct.subset(names)
+    hop, payloads = board(riders, hop, {
+        name: _by_owner(grads[name], record.lookups[name].order) for name in names})
+    record.in_flight.append(hop.start_forward_many(payloads))
+    record.launched.extend(names)
+
+
+def _gradients_to_push(record: Pull, names: Sequence[str]) -> dict[str, Tensor]:
+    """The gradient rows of ``names`` in ``record`` (zeros where backward gave none), with
+    their lookup counts as one more column under ``scale_grad_by_freq``."""
+    grads = {}
+    for name in names:
+        lookup = record.lookups[name]
+        grad = lookup.rows.grad
+        grads[name] = torch.zeros_like(lookup.rows) if grad is None else grad
+        if lookup.counts is not None:  # counts travel as one more column of the rows
+            grads[name] = lookup_options.with_counts(grads[name], lookup.counts)
+    return grads
+
+
+def _deliver(record: Pull, received: dict[str, Tensor],
+             by_name: dict[str, ExchangedTable]) -> None:
+    """At the servers: add the gradient rows received for ``record``'s tables."""
+    for name, values in received.items():
+        table = by_name[name]
+        if table.shard is None:
+            continue
+        lookup = record.lookups[name]
+        if table.scales_by_freq:
+            values, counts = lookup_options.split_counts(values, table.row_shape)
+            table.receive_counts(lookup.recv_local_rows, counts)
+        if table.average:
+            values.div_(table.worker.world_size)
+        table.accumulate(lookup.recv_local_rows, values, sorted_distinct=lookup.local_sorted)
+
