@@ -14,11 +14,13 @@ from torch import Tensor
 from parallax.cluster import WorkerInfo
 from parallax.engine.tables import row_exchange
 from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.step_context import TableSteps
 from parallax.errors import InternalError
 
-STEP_ATTRIBUTES = ("_pending", "prefetched", "pooled_calls", "pooled_ahead", "_lookups")
+STEP_ATTRIBUTES = ("_pending", "prefetched", "pooled_calls", "pooled_ahead", "_lookups",
+                   "_pushed_after_backward")
 
 
 def _tables(group: dist.ProcessGroup, worker: WorkerInfo, steps: TableSteps | None,
@@ -123,3 +125,32 @@ def test_tables_of_two_runs_cannot_share_one_exchange(group, worker) -> None:
     assert tables[0].steps is not tables[1].steps
     with pytest.raises(InternalError, match="different runs"):
         row_exchange.pull(tables, [_ids(0), _ids(1)])
+
+
+@pytest.mark.parametrize("sync", ["allgatherv", "allreduce"])
+def test_a_replicated_tables_lookups_are_owed_in_the_runs_context(group, worker,
+                                                                  sync: str) -> None:
+    """A replica's lookups are owed in the run's context, not on the table; the own loop's
+    sum at a backward's end keeps them owed (a retained graph's next backward adds to them)
+    and the step's push then sends nothing more; the gradient is the single-device one."""
+    steps = TableSteps()
+    param = torch.nn.Parameter(_weight(0))
+    table = ReplicatedTable("r", param, worker=worker, group=group,
+                            traffic=Traffic(worker.rank, worker.machine_of_rank),
+                            sparse_grad=False, average=True, sync=sync, steps=steps)
+    table.zero_grad()
+    assert not any(hasattr(table, name) for name in STEP_ATTRIBUTES)
+    ids, coefficient = _ids(0), torch.randn(3, 2, 2, dtype=torch.float64)
+    rows, inverse = table.lookup(ids)
+    assert [lookup.rows for lookup in steps.owed("r")] == [rows]
+    (rows[inverse] * coefficient).sum().backward(retain_graph=True)
+    table.push_after_backward()
+    assert steps.owed("r") and steps.current.summed_after_backward == {"r"}
+    once = param.grad.clone()
+    (rows[inverse] * coefficient).sum().backward()  # the retained graph, again
+    table.push_after_backward()
+    table.push_gradients()  # the step's push: both backwards' rows went already
+    assert not steps.current.owed and not steps.current.summed_after_backward
+    reference = reference_grad(_weight(0), [(ids, coefficient)])
+    torch.testing.assert_close(once, reference)
+    torch.testing.assert_close(param.grad, 2 * reference)

@@ -442,7 +442,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
             layout.add(ReplicatedTable(
                 name, params[name], worker=worker, group=group, traffic=traffic,
                 sparse_grad=sparse_grad, average=config.average_sparse,
-                batch_dependent=use.batch_dependent))
+                batch_dependent=use.batch_dependent, steps=layout.steps))
             layout.placements[name] = Placement("allgatherv", 0, ())
         else:
             _drop_unread_copy(params[name], name, worker)

@@ -140,5 +140,5 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
     sync = "allgatherv" if table.sparse_grad or worker.world_size == 1 else "allreduce"
     return ReplicatedTable(table.name, param, worker=worker, group=group, traffic=table.traffic,
                            sparse_grad=table.sparse_grad, average=table.average, sync=sync,
-                           batch_dependent=table.batch_dependent)
+                           batch_dependent=table.batch_dependent, steps=table.steps)
 

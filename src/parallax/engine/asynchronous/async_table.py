@@ -21,6 +21,7 @@ from parallax.engine.tables.exchange import unique_ids
 from parallax.engine.tables.riders import Rider
 from parallax.engine.tables.row_exchange import rows_pulled_ahead
 from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.step_context import OwedRows, Prefetched, TableSteps
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import SparseIdError
 
@@ -59,8 +60,9 @@ class AsyncTable:
         self.rows_used: list[int] = []
         self.machine_rows_used: list[int] = []
         self.bag_use = BagUse()
-        self.prefetched: tuple[Tensor, Tensor] | None = None  # (sorted ids, leaf rows)
-        self._pending: list[tuple[Tensor, Tensor]] = []  # this step's (ids, leaf rows)
+        # the run's step (the wrapped table's): this worker's rows read ahead and its lookups
+        # owed live there (`parallax.engine.tables.step_context`)
+        self.steps: TableSteps = inner.steps
 
     def __getattr__(self, name: str) -> Any:
         # the shard, partitioning, full_weight, assign, ...: the wrapped table's
@@ -80,9 +82,10 @@ class AsyncTable:
         """``(rows of the unique ids, inverse)``: from this step's prefetched rows, else
         pulled now."""
         unique, inverse = self._unique(ids)
-        if self.prefetched is not None:
-            held, rows = self.prefetched
-            return rows_pulled_ahead(held, rows, unique, self.name, self.run.rank), inverse
+        held = self.steps.current.prefetched.get(self.name)
+        if held is not None:
+            return rows_pulled_ahead(held.ids, held.rows, unique, self.name,
+                                     self.run.rank), inverse
         return pull_together([self], [unique])[0], inverse
 
     def _unique(self, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,17 +107,17 @@ class AsyncTable:
                    for table, table_ids in zip(tables, ids, strict=True)]
         for table, unique, rows in zip(tables, uniques, pull_together(tables, uniques),
                                        strict=True):
-            table.prefetched = (unique, rows)
+            table.steps.current.prefetched[table.name] = Prefetched(unique, rows)
 
     def forget_prefetched(self) -> None:
         """The forward that read rows ahead has ended: the next one pulls its own."""
-        self.prefetched = None
+        self.steps.forward_done([self.name])
 
     # ---- backward ----------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for _, rows in self._pending:
-            rows.grad = None
-        self.prefetched = None
+        for lookup in self.steps.owed(self.name):
+            lookup.rows.grad = None
+        self.steps.forward_done([self.name])
 
     @staticmethod
     def push_together(tables: Sequence[AsyncTable], verdict: Verdict | None = None,
@@ -130,41 +133,41 @@ class AsyncTable:
     def gradient_rows(self) -> tuple[Tensor, Tensor]:
         """This step's ``(ids, gradient rows)`` (ids may repeat across lookups; zeros where
         a backward gave none), and the step's pulls forgotten."""
-        pending, self._pending = self._pending, []
+        pending = self.steps.take_owed(self.name)
         if not pending:
             return torch.empty(0, dtype=torch.long), torch.empty((0, *self.row_shape),
                                                                  dtype=self.dtype)
-        ids = torch.cat([i for i, _ in pending])
+        ids = torch.cat([lookup.ids for lookup in pending])
         self.rows_used.append(int(torch.unique(ids).numel()))
         grads = torch.cat([rows.grad if rows.grad is not None else torch.zeros_like(rows)
-                           for _, rows in pending])
+                           for _, rows, _ in pending])
         return ids, grads.detach()
 
     def grad_norm_squared(self) -> Tensor:
         """The squared norm of this worker's own gradient rows, the push it is about to
         make (asynchronous servers aggregate nothing: clipping is per push)."""
         squared = torch.zeros((), dtype=torch.float64)
-        for _, rows in self._pending:
+        for _, rows, _ in self.steps.owed(self.name):
             if rows.grad is not None:
                 squared += torch.linalg.vector_norm(rows.grad, dtype=torch.float64) ** 2
         return squared
 
     def scale_grad(self, factor: Tensor) -> None:
         """Multiply this worker's own gradient rows (before the push) by ``factor``."""
-        for _, rows in self._pending:
+        for _, rows, _ in self.steps.owed(self.name):
             if rows.grad is not None:
                 rows.grad.mul_(factor.to(rows.grad.dtype))
 
     def clamp_grad(self, value: float) -> None:
         """Clamp this worker's own gradient rows (before the push) to ``[-value, value]``."""
-        for _, rows in self._pending:
+        for _, rows, _ in self.steps.owed(self.name):
             if rows.grad is not None:
                 rows.grad.clamp_(-value, value)
 
     def own_nonfinite(self) -> bool:
         """Whether this worker's own gradient rows hold a NaN or an infinity."""
         return any(rows.grad is not None and not bool(torch.isfinite(rows.grad).all())
-                   for _, rows in self._pending)
+                   for _, rows, _ in self.steps.owed(self.name))
 
 
 def pull_together(tables: Sequence[AsyncTable], uniques: Sequence[Tensor]) -> list[Tensor]:
@@ -175,6 +178,6 @@ def pull_together(tables: Sequence[AsyncTable], uniques: Sequence[Tensor]) -> li
     if torch.is_grad_enabled():
         for table, unique, leaf in zip(tables, uniques, rows, strict=True):
             leaf.requires_grad_(True)
-            table._pending.append((unique, leaf))
+            table.steps.owe(table.name, OwedRows(unique, leaf))
     return rows
 

@@ -26,6 +26,7 @@ from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.riders import Rider
+from parallax.engine.tables.step_context import OwedRows, TableSteps
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import InternalError
 
@@ -53,11 +54,14 @@ class ReplicatedTable:
     def __init__(self, name: str, param: nn.Parameter, *, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, sparse_grad: bool, average: bool,
                  sync: str = "allgatherv",
-                 batch_dependent: lookup_options.BatchDependent | None = None):
+                 batch_dependent: lookup_options.BatchDependent | None = None,
+                 steps: TableSteps | None = None):
         lookup_options.check_batch_dependent(name, batch_dependent, sparse_grad)
         self.name = name
         self.batch_dependent = batch_dependent
-        self._lookups = 0  # with gradients, this step (scale_grad_by_freq allows one)
+        # the run's step: this table's lookups owed live there
+        # (`parallax.engine.tables.step_context`); a table made alone is its own run
+        self.steps = steps if steps is not None else TableSteps()
         self.sync = sync
         self.rows_used: list[int] = []
         self.machine_rows_used: list[int] = []
@@ -71,7 +75,6 @@ class ReplicatedTable:
         self.traffic = traffic
         self.sparse_grad = sparse_grad
         self.average = average
-        self._pending: list[tuple[Tensor, Tensor, Tensor | None]] = []  # ids, rows, counts
         # the rows any worker's gradient reached since the last zero_grad (`touched_rows`);
         # unknown once the whole gradient was AllReduced
         self._touched: list[Tensor] = []
@@ -82,8 +85,6 @@ class ReplicatedTable:
         # tensor, unchanged, its rows outside `touched_rows` are exactly zero
         self._made: Tensor | None = None
         self._made_version = 0
-        # the own loop summed this step's rows at the end of its backward (`BackwardPush`)
-        self._pushed_after_backward = False
         # Where no program code sees ``.grad`` (`Runner.step`), the cleared gradient is kept,
         # its touched rows zeroed, for the next step's sum: a table of millions of rows is not
         # zero-filled (and freed) every step for the few hundred a batch touches, the work
@@ -104,8 +105,9 @@ class ReplicatedTable:
         options = self.batch_dependent
         scales = lookup_options.scales_by_freq(options)
         if scales and torch.is_grad_enabled():
-            self._lookups += 1
-            lookup_options.check_one_lookup(self.name, self.worker.rank, self._lookups)
+            lookups = self.steps.lookups
+            lookups[self.name] = lookups.get(self.name, 0) + 1
+            lookup_options.check_one_lookup(self.name, self.worker.rank, lookups[self.name])
         # Every rank learns of a bad id on any rank (a count exchange), so none waits alone;
         # with max_norm the ids themselves go to every replica.
         world = self.worker.world_size
@@ -123,7 +125,7 @@ class ReplicatedTable:
             rows.requires_grad_(True)
             counts = (torch.bincount(inverse.reshape(-1), minlength=unique.numel())
                       if scales else None)
-            self._pending.append((unique, rows, counts))
+            self.steps.owe(self.name, OwedRows(unique, rows, counts))
         return rows, inverse
 
     def read_rows(self, ids: Tensor, source: Tensor | None = None) -> Tensor:
@@ -132,9 +134,9 @@ class ReplicatedTable:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradient and the looked-up rows' gradients; lookups not yet pushed stay
         (as `ShardedTable.zero_grad`)."""
-        for _, rows, _ in self._pending:
-            rows.grad = None
-        self._lookups = 0
+        for lookup in self.steps.owed(self.name):
+            lookup.rows.grad = None
+        self.steps.lookups.pop(self.name, None)
         self._keep_spare()
         self.param.grad = None
         self._touched, self._touched_known, self._touched_rows = [], True, None
@@ -200,35 +202,35 @@ class ReplicatedTable:
 
     def pending_rows(self) -> list[Tensor]:
         """The rows of the lookups whose gradients are not pushed yet."""
-        return [rows for _, rows, _ in self._pending]
+        return [lookup.rows for lookup in self.steps.owed(self.name)]
 
     def push_after_backward(self) -> None:
         """The own loop's backward ended (`parallax.engine.tables.backward_push`): push now, so
         that ``.grad`` is the aggregated gradient until the step; the lookups stay pending with
         their gradients cleared (a retained graph's next backward adds to them again)."""
-        lookups = list(self._pending)
-        self._pushed_after_backward = False
+        lookups = list(self.steps.owed(self.name))
+        self.steps.current.summed_after_backward.discard(self.name)
         self.push_gradients()
-        for _, rows, _ in lookups:
-            rows.grad = None
-        self._pending = lookups
-        self._pushed_after_backward = True
+        for lookup in lookups:
+            lookup.rows.grad = None
+            self.steps.owe(self.name, lookup)
+        self.steps.current.summed_after_backward.add(self.name)
 
     def push_gradients(self) -> None:
         """AllGatherv of every lookup's (ids, rows); each replica sums them into its grad."""
-        if self._pushed_after_backward:  # every backward's rows went at its end
-            self._pushed_after_backward = False
-            self._pending.clear()
+        summed = self.name in self.steps.current.summed_after_backward
+        pending = self.steps.take_owed(self.name)
+        if summed:  # every backward's rows went at its end
             return
         world = self.worker.world_size
-        if self._pending and self.measuring:
-            used = torch.unique(torch.cat([unique for unique, _, _ in self._pending]))
+        if pending and self.measuring:
+            used = torch.unique(torch.cat([lookup.ids for lookup in pending]))
             self.rows_used.append(int(used.numel()))
         if self.sync == "allreduce":
-            self._allreduce()
+            self._allreduce(pending)
             return
         ids_parts, row_parts = [], []
-        for unique, rows, counts in self._pending:
+        for unique, rows, counts in pending:
             grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
             if counts is not None:  # counts travel as one more column of the rows
                 grad = lookup_options.with_counts(grad, counts)
@@ -240,7 +242,6 @@ class ReplicatedTable:
                            name=self.name, num_rows=self.num_rows, device=self.param.device)
             ids_parts.append(hop.forward(unique.repeat(world)))
             row_parts.append(hop.forward(grad.repeat(world, *[1] * (grad.dim() - 1))))
-        self._pending.clear()
         if not ids_parts:
             return
         ids, rows = torch.cat(ids_parts), torch.cat(row_parts)
@@ -273,16 +274,15 @@ class ReplicatedTable:
     def _scales_by_freq(self) -> bool:
         return lookup_options.scales_by_freq(self.batch_dependent)
 
-    def _allreduce(self) -> None:
+    def _allreduce(self, pending: list[OwedRows]) -> None:
         self._touched_known = False  # only this worker's rows are known here
         grad = torch.zeros_like(self.param)
         total = torch.zeros(self.num_rows, dtype=self.dtype, device=self.param.device)
-        for unique, rows, counts in self._pending:
+        for unique, rows, counts in pending:
             if rows.grad is not None:
                 grad.index_add_(0, unique, rows.grad)
             if counts is not None:
                 total.index_add_(0, unique, counts.to(self.dtype))
-        self._pending.clear()
         # The counts ride in the same AllReduce, as one more column.
         payload = lookup_options.with_counts(grad, total) if self._scales_by_freq else grad
         all_to_all = reduction.by_all_to_all(payload, self.group)

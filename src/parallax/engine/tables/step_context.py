@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -22,8 +22,8 @@ from torch import Tensor
 from parallax.engine.tables.exchange import Hop
 from parallax.errors import InternalError
 
-__all__ = ["Lookup", "Prefetched", "Pull", "StepContext", "Stepped", "TableSteps", "shared_steps",
-           "version_of"]
+__all__ = ["Lookup", "OwedRows", "Prefetched", "Pull", "StepContext", "Stepped", "TableSteps",
+           "shared_steps", "version_of"]
 
 
 @dataclass
@@ -92,6 +92,16 @@ def _same_memory(known: Tensor, ids: Tensor) -> bool:
         and known.untyped_storage().data_ptr() == ids.untyped_storage().data_ptr())
 
 
+class OwedRows(NamedTuple):
+    """A lookup of a table that exchanges its rows itself (replicated, asynchronous), whose
+    gradient is owed: its unique ids, the leaf rows looked up (their ``.grad`` is what goes)
+    and, under ``scale_grad_by_freq``, how often the batch looked up each id."""
+
+    ids: Tensor
+    rows: Tensor
+    counts: Tensor | None = None
+
+
 def version_of(ids: Tensor) -> int | None:
     """``ids``' version counter (bumped by every in-place write), None for an inference
     tensor (made under ``torch.inference_mode``), which has none: such ids are searched."""
@@ -113,6 +123,11 @@ class StepContext:
         #: per table, the bags pooled ahead of this forward, in call order (until it ends):
         #: (`parallax.engine.tables.pooled.BagCall`, its pooled rows)
         self.pooled_ahead: dict[str, list[tuple[Any, Tensor]]] = {}
+        #: per table that exchanges its rows itself, its lookups owed, in lookup order
+        self.owed: dict[str, list[OwedRows]] = {}
+        #: the replicated tables whose owed rows the own loop summed at each backward's end
+        #: (`parallax.engine.tables.backward_push`): the step's push sends nothing more
+        self.summed_after_backward: set[str] = set()
 
 
 class TableSteps:
@@ -136,7 +151,29 @@ class TableSteps:
         if exchanges:
             step.pooled = ([] if len(exchanges) == len(step.pooled)
                            else _without(step.pooled, exchanges))
-        if not (step.pulls or step.pooled or step.prefetched or step.pooled_ahead):
+        self._end_if_done()
+
+    def owe(self, name: str, lookup: OwedRows) -> None:
+        """Table ``name`` (one that exchanges its rows itself) owes ``lookup``'s gradient."""
+        self.current.owed.setdefault(name, []).append(lookup)
+
+    def owed(self, name: str) -> list[OwedRows]:
+        """Table ``name``'s lookups owed this step, in lookup order (kept owed)."""
+        return self.current.owed.get(name, [])
+
+    def take_owed(self, name: str) -> list[OwedRows]:
+        """Table ``name``'s lookups owed this step, now pushed: owed no more."""
+        step = self.current
+        taken = step.owed.pop(name, [])
+        step.summed_after_backward.discard(name)
+        self._end_if_done()
+        return taken
+
+    def _end_if_done(self) -> None:
+        """Once nothing is owed and no forward reads ahead, the step's context ends."""
+        step = self.current
+        if not (step.pulls or step.pooled or step.prefetched or step.pooled_ahead or step.owed
+                or step.summed_after_backward):
             self.current = StepContext()
 
     def forward_done(self, names: Sequence[str]) -> None:
