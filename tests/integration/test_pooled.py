@@ -416,7 +416,7 @@ def test_the_planner_pools_a_table_whole_only_where_it_fits_one_server(
     elif pooled == "by rows":
         assert lines["history.weight"][6] == "PS: 2 partition(s) on server rank(s) 0"
         assert re.search(rf"{too_large}: by rows saves too", lines["history.weight"][5])
-        assert runner.layout.sparse["history.weight"].held.pools_by_rows
+        assert runner.layout.sparse["history.weight"].held.sharding.by_rows
     else:
         assert lines["history.weight"][6] == "PS: 2 partition(s) on server rank(s) 0"
         assert re.search(rf"{too_large}: its rows stay partitioned", lines["history.weight"][5])

@@ -12,6 +12,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import parallax
 from parallax.engine.optimizers.shard_optimizer import as_optimizer_list
+from parallax.engine.tables.sharding import (
+    POOLED,
+    POOLED_BY_ROWS,
+    ROWS,
+    SHARDINGS,
+    PooledByColumns,
+    Sharding,
+)
 from parallax.model.detect import find_sparse_parameters
 from parallax.planning import link
 from parallax.planning.plan import Plan
@@ -67,6 +75,23 @@ def test_plan_table_and_json_name_every_parameter() -> None:
     assert "hidden.weight" in table and "replicated, AllReduce" in table
     parsed = json.loads(plan.to_json())
     assert {p["name"] for p in parsed["parameters"]} == {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.parametrize("sharding", [ROWS, POOLED, POOLED_BY_ROWS, PooledByColumns(2)],
+                         ids=lambda s: s.name)
+def test_the_plan_records_each_tables_sharding_by_name(sharding: Sharding) -> None:
+    """A table's sharding is one value: the plan records its name (None for a parameter no
+    table holds), and pooling by rows or columns predicts every server pooling."""
+    model = Mixed()
+    sparse = find_sparse_parameters(model)
+    plan = Plan.build(model, sparse, placements={n: ("ps", 2, (0, 2)) for n in sparse},
+                      world_size=4, num_machines=2, shardings=dict.fromkeys(sparse, sharding))
+    parsed = {p["name"]: p for p in json.loads(plan.to_json())["parameters"]}
+    assert {parsed[n]["sharding"] for n in sparse} == {sharding.name}
+    assert parsed["hidden.weight"]["sharding"] is None
+    assert SHARDINGS[sharding.name] is type(sharding)
+    with pytest.raises(parallax.ArgumentError, match="1 or more slices"):
+        PooledByColumns(0)
 
 
 def test_plan_times_are_its_bytes_at_the_link_rate() -> None:

@@ -135,7 +135,10 @@ def test_a_table_pinned_to_pool_trains_as_one_device(single_process, monkeypatch
                                      pooled_tables=(name,), partition_cache=None))
     _train(model, runner)
     _train(reference, None)
-    assert runner.layout.sparse[name].pools
+    assert runner.layout.sparse[name].sharding.pools
+    recorded = {p.name: p.sharding for p in runner.plan.parameters}
+    assert recorded[name] == "pooled" and "(Config.pooled_tables)" in next(
+        p.reason for p in runner.plan.parameters if p.name == name)
     assert ahead == [1] * 4  # pooled before each forward, by the id look-ahead
     state = runner.state_dict()
     for name, value in reference.state_dict().items():

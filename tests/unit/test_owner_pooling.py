@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from parallax.engine.tables import pooled
 from parallax.engine.tables.columns import slices_view
 from parallax.engine.tables.partitioning import RowPartitioning
+from parallax.engine.tables.sharding import POOLED, POOLED_BY_ROWS, PooledByColumns
 from parallax.errors import UnsupportedProgramError
 
 ROWS, DIM = 12, 3
@@ -47,22 +48,22 @@ class _Table:
                  owner: int | None = None, columns: int = 1) -> None:
         self.weight = weight
         self.num_rows = ROWS * columns
-        self.column_slices = columns
+        self.sharding = (PooledByColumns(columns) if columns > 1 else
+                         POOLED_BY_ROWS if by_rows else POOLED)
         self.partitioning = RowPartitioning(self.num_rows, owners, tuple(range(owners)))
-        self.pools_by_rows = by_rows
         self.owner = owner
         self.worker = SimpleNamespace(rank=owner)
 
     def at(self, owner: int) -> _Table:
         return _Table(self.weight, self.partitioning.num_partitions,
-                      by_rows=self.pools_by_rows, owner=owner, columns=self.column_slices)
+                      by_rows=self.sharding.by_rows, owner=owner, columns=self.sharding.slices)
 
     def own_ids(self) -> Tensor:
         assert self.owner is not None
         return self.partitioning.rows_of_server(self.owner)
 
     def server_shard(self) -> nn.Parameter:
-        rows = slices_view(self.weight, self.column_slices)
+        rows = slices_view(self.weight, self.sharding.slices)
         return nn.Parameter(rows[self.own_ids()].clone())
 
 
@@ -127,14 +128,14 @@ def _pool(table: _Table, calls: list[_Call], mode: str, last: bool,
         if out.numel():
             out.backward(g)
     for o, owner in enumerate(owners):
-        width = DIM // table.column_slices
+        width = DIM // table.sharding.slices
         pushed = torch.cat([leaf.grad.view(len(owners), -1, width)[o] if leaf.grad is not None
                             else torch.zeros(owned[owner].bags[w], width, dtype=torch.float64)
                             for w, leaf in enumerate(leaves)])
         rows_grad = owned[owner].backward(pushed) if pushed.numel() else None
         if rows_grad is not None:
             ids = table.at(owner).own_ids()[owned[owner].local_rows]
-            slices_view(grad, table.column_slices).index_add_(0, ids, rows_grad)
+            slices_view(grad, table.sharding.slices).index_add_(0, ids, rows_grad)
     return [out.detach() for out in outs], grad
 
 

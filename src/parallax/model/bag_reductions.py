@@ -142,7 +142,7 @@ def pooled_rows(table: Table, ids: Tensor, summed: Tensor | None = None) -> Tens
     ``summed``: their sums over each bag, pooled ahead of the forward (its id look-ahead),
     which a sum or mean of them then reads instead of pooling them there."""
     # (a table held as column slices: its rows are the slices', the program's K times wider)
-    width = math.prod(table.row_shape) * getattr(table, "column_slices", 1)
+    width = math.prod(table.row_shape) * table.sharding.slices
     rows = torch.zeros((), dtype=table.dtype, device=ids.device).expand(
         *ids.shape, width).as_subclass(PooledRows)
     rows._parallax_table = table

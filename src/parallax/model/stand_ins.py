@@ -243,7 +243,7 @@ class ShardedEmbeddingBag(TableLookup):
                 per_sample_weights: Tensor | None = None) -> Tensor:
         if torch.is_grad_enabled() and self.table.measuring:
             self.table.bag_use.add(ids, offsets, self.include_last_offset, per_sample_weights)
-        if self.table.pools:  # pooled where the table lives (Config.pooled_tables)
+        if self.table.sharding.pools:  # pooled where the table lives (Config.pooled_tables)
             return self.table.pool_bags(ids, offsets, per_sample_weights, mode=self.mode,
                                    padding_idx=self.padding_idx,
                                    include_last_offset=self.include_last_offset)
@@ -296,7 +296,7 @@ def _rows_for_bags(table: Table, ids: Tensor, padding_idx: int | None) -> Tensor
     """The rows of ``ids`` (an ``nn.Embedding`` or a gather), pulled; watched in the warm-up
     for sums and means over bags, and, once the table's owners pool those, a stand-in whose
     sum or mean is theirs (`parallax.model.bag_reductions`)."""
-    if table.pools:
+    if table.sharding.pools:
         if not bag_shaped(ids, padding_idx):
             raise UnsupportedProgramError(
                 f"the bags of '{table.name}' are pooled where the table lives "

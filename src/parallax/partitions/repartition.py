@@ -20,6 +20,7 @@ from parallax.collective import agree
 from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, is_per_row
 from parallax.engine.tables import server_table
 from parallax.engine.tables.server_table import RowPartitioning, ShardedTable
+from parallax.engine.tables.sharding import PooledByColumns
 from parallax.errors import ArgumentError, InternalError
 
 __all__ = ["repartition", "to_column_slices"]
@@ -64,7 +65,7 @@ def to_column_slices(table: ShardedTable, slices: int, shard_optimizer: ShardOpt
 
     def switch() -> None:
         table.num_rows, table.row_shape = table.num_rows * slices, (width // slices,)
-        table.column_slices = slices
+        table.sharding = PooledByColumns(slices)
         table.partitioning = new
     _move(table, shard_optimizer, ids, switch, keep=keep)
 

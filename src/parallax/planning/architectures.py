@@ -35,6 +35,7 @@ from parallax.engine.tables.handles import release
 from parallax.engine.tables.layout import Layout, Placement
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.sharding import POOLED, POOLED_BY_ROWS, ROWS, PooledByColumns
 from parallax.engine.tables.step_context import TableSteps
 from parallax.engine.tables.table import Table
 from parallax.errors import ArgumentError, InternalError, UnsupportedProgramError
@@ -250,7 +251,7 @@ class Hybrid(Architecture):
         exchange with itself (the LM's one-worker step as replicas, `architecture="allreduce"`,
         against the servers, on the CPU and on an H200). A table
         pooled on its owner stays (`Config.pooled_tables` is the user's choice)."""
-        if not table.on_servers or table.pools:
+        if not table.on_servers or table.sharding.pools:
             return False, ""
         if config.alpha_threshold is not None:
             threshold = config.alpha_threshold
@@ -284,7 +285,7 @@ class Hybrid(Architecture):
     def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
                       config: Config, worker: WorkerInfo, owners: int = 1,
                       by_columns: bool = False) -> tuple[float, float] | None:
-        if (config.pooled_tables is not None or config.sync != "sync" or table.pools
+        if (config.pooled_tables is not None or config.sync != "sync" or table.sharding.pools
                 or not table.on_servers or use.kind not in POOLABLE_KINDS
                 or use.batch_dependent is not None or measured.weights_need_grad
                 or measured.rows_read_otherwise
@@ -423,9 +424,9 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                                   sparse_grad=sparse_grad, steps=layout.steps)
             layout.add(table)
             partitioning = table.partitioning
-            layout.placements[name] = Placement("ps", table.column_slices, tuple(
+            layout.placements[name] = Placement("ps", table.sharding.slices, tuple(
                 servers[partitioning.server_of_partition(k)]
-                for k in range(table.column_slices)))
+                for k in range(table.sharding.slices)))
             _hand_over_early(layout, table, params[name], optimizers, worker)
         elif name in owners:
             _drop_unread_copy(params[name], name, worker)
@@ -434,7 +435,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
                 first_server=owners[name], initial_rows=_initial_rows(params[name]),
                 steps=layout.steps)
-            table.pools = True
+            table.sharding = POOLED
             layout.add(table)
             layout.placements[name] = Placement("ps", 1, (servers[owners[name]],))
             _hand_over_early(layout, table, params[name], optimizers, worker)
@@ -452,7 +453,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 local_aggregation=aggregates and name not in by_rows,
                 batch_dependent=use.batch_dependent, initial_rows=_initial_rows(params[name]),
                 steps=layout.steps)
-            table.pools = table.pools_by_rows = name in by_rows
+            table.sharding = POOLED_BY_ROWS if name in by_rows else ROWS
             layout.add(table)
             layout.placements[name] = Placement("ps", num_partitions, servers)
             _hand_over_early(layout, layout.sparse[name], params[name], optimizers, worker)
@@ -485,7 +486,7 @@ def _column_table(name: str, param: nn.Parameter, index: int, *, config: Config,
         group=group, traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
         first_server=index * slices % servers,
         initial_rows=None if recipe is None else slices_of_rows(recipe, slices), steps=steps)
-    table.pools, table.column_slices = True, slices
+    table.sharding = PooledByColumns(slices)
     return table
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from parallax.engine.tables.layout import REPLICATED, Placement
+from parallax.engine.tables.sharding import Sharding
 from parallax.model.detect import SparseUse
 from parallax.partitions.tuner import SearchRecord
 from parallax.planning import cost
@@ -41,6 +42,10 @@ class ParameterPlan:
     sync: str
     reason: str
     sparse: bool = False
+    #: how its rows are held and read: its table's sharding
+    #: (`parallax.engine.tables.sharding`: ``rows``, ``pooled``, ``pooled_by_rows``,
+    #: ``pooled_by_columns``, ``replicated``, ``own``); None: a parameter no table holds
+    sharding: str | None = None
     partitions: int = 0
     server_ranks: tuple[int, ...] = ()
     bytes: int = 0
@@ -100,9 +105,7 @@ class Plan:
               reasons: dict[str, str] | None = None, local_aggregation: bool | None = None,
               searches: tuple[SearchRecord, ...] = (), small_sums: bool = False,
               flat_dense: bool = False,
-              pooled: frozenset[str] = frozenset(),
-              pooled_by_rows: frozenset[str] = frozenset(),
-              pooled_by_columns: frozenset[str] = frozenset(),
+              shardings: dict[str, Sharding] | None = None,
               link: Link | None = None) -> Plan:
         """``placements[name]`` for every parameter held otherwise than replicated and
         AllReduced; ``sparsity`` once measured; ``reasons`` to note a decision taken on it;
@@ -111,15 +114,15 @@ class Plan:
         the run sums small AllReduce payloads by one all_to_all (`cost.Shape.small_sums`);
         ``flat_dense``: its dense gradients go by one ring over every rank
         (`Config.dense_sync` ``"flat"``, `cost.Shape.flat_dense`);
-        ``pooled``: the tables whose bags their owners pool (`Config.pooled_tables`), of which
-        ``pooled_by_rows`` every server holding rows pools its share (`Config.pooled_by_rows`)
-        and of ``pooled_by_columns`` each server of a column slice its slice
-        (`Config.pooled_by_columns`); ``link``: what the predicted times assume."""
+        ``shardings``: each table's sharding (`parallax.engine.tables.sharding`; a parameter
+        without one is replicated, or a dense one pulled whole), recorded by name;
+        ``link``: what the predicted times assume."""
         shape = cost.Shape(num_machines, max(1, world_size // num_machines),
                            small_sums=small_sums, flat_dense=flat_dense)
         dense_payload = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                             if p.requires_grad and n not in sparse)
         sparsity = sparsity or {}
+        shardings = shardings or {}
         entries = []
         for name, param in model.named_parameters():
             if not param.requires_grad:
@@ -130,8 +133,10 @@ class Plan:
                 reason += f"; {reasons[name]}"
             sync, partitions, servers = placements.get(name, REPLICATED)
             measured = sparsity.get(name)
+            sharding = shardings.get(name)
+            pools = sharding is not None and sharding.pools
             if (measured is not None and measured.bags is not None and measured.bag_ids
-                    is not None and name not in pooled and sync == "ps"):
+                    is not None and not pools and sync == "ps"):
                 row_bytes = param.numel() * param.element_size() / max(param.shape[0], 1)
                 pooled_bytes = cost.pooled_bags(measured.bag_ids, measured.bags, row_bytes,
                                                 shape)
@@ -140,16 +145,15 @@ class Plan:
             entries.append(ParameterPlan(
                 name=name, shape=tuple(param.shape),
                 dtype=str(param.dtype).removeprefix("torch."), sync=sync, reason=reason,
-                sparse=use is not None, partitions=partitions, server_ranks=servers,
+                sparse=use is not None,
+                sharding=None if sharding is None else sharding.name,
+                partitions=partitions, server_ranks=servers,
                 bytes=param.numel() * param.element_size(),
                 alpha=measured.alpha if measured else None,
                 alpha_machine=measured.alpha_machine if measured else None,
                 predicted_bytes=_predictions(param, use is not None, measured, sync, shape,
                                              local_aggregation, dense_payload,
-                                             pooled=name in pooled,
-                                             owners=len(servers) if name in pooled_by_rows
-                                             or name in pooled_by_columns else 1,
-                                             by_columns=name in pooled_by_columns)))
+                                             sharding=sharding, servers=len(servers))))
         return cls(tuple(entries), world_size, num_machines, architecture, searches, link)
 
     def table(self) -> str:
@@ -204,10 +208,13 @@ class Plan:
 
 def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None, sync: str,
                  shape: cost.Shape, local_aggregation: bool | None,
-                 dense_payload: float, *, pooled: bool = False,
-                 owners: int = 1, by_columns: bool = False) -> dict[str, float | None]:
+                 dense_payload: float, *, sharding: Sharding | None = None,
+                 servers: int = 1) -> dict[str, float | None]:
     """Each architecture's predicted bytes for ``param`` (`Architecture.predicted_bytes`);
-    ``dense_payload``: the bytes of all dense gradients, summed together."""
+    ``dense_payload``: the bytes of all dense gradients, summed together; ``sharding``: its
+    table's, on ``servers`` servers (pooled by rows or columns: every one of them pools)."""
+    pooled = sharding is not None and sharding.pools
+    spread = sharding is not None and (sharding.by_rows or sharding.slices > 1)
     rows = param.shape[0] if param.dim() else 1
     used = used_machine = None
     if is_sparse and measured is not None:
@@ -221,7 +228,8 @@ def _predictions(param: nn.Parameter, is_sparse: bool, measured: Sparsity | None
                           payload=None if is_sparse else dense_payload,
                           bag_ids=measured.bag_ids if measured else None,
                           bags=measured.bags if measured else None, pooled=pooled,
-                          pooled_owners=owners, pooled_by_columns=by_columns)
+                          pooled_owners=servers if spread else 1,
+                          pooled_by_columns=sharding is not None and sharding.slices > 1)
     return {str(name): architecture.predicted_bytes(sized, shape,
                                                     local_aggregation=local_aggregation)
             for name, architecture in ARCHITECTURES.items()}

@@ -105,7 +105,7 @@ class Forward:
                     layer = self.executed.get_submodule(path)
                     table = table_read_by(layer)
                     held = table.held
-                    if held is not None and held.pools:
+                    if held is not None and held.sharding.pools:
                         if isinstance(layer, ShardedEmbeddingBag) and bag_args is not None:
                             bags.append(pooled.bag_call(
                                 held, ids, *bag_args, mode=layer.mode,

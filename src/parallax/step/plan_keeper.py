@@ -24,6 +24,7 @@ from parallax.engine.optimizers.shard_optimizer import ShardOptimizer, optimizer
 from parallax.engine.tables.columns import column_slices
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.own import OwnTable
+from parallax.engine.tables.sharding import POOLED, POOLED_BY_ROWS
 from parallax.engine.tables.table import Table
 from parallax.errors import PlanComplete
 from parallax.logs import log
@@ -83,18 +84,11 @@ class PlanKeeper:
             dict.fromkeys(sparse_uses, "lazy: touched rows only")
             if config.lazy_sparse_updates else {})
         for name, table in layout.sparse.items():
-            servers = layout.placement(name).servers
-            if table.held is not None and table.held.column_slices > 1:
-                self.decisions[name] = (f"bags pooled by columns: {table.held.column_slices} "
-                                        f"slices, on server ranks {','.join(map(str, servers))}"
-                                        f" (Config.pooled_by_columns)")
-            elif table.held is not None and table.held.pools_by_rows:
-                self.decisions[name] = (f"bags pooled by rows, each server rank of "
-                                        f"{','.join(map(str, servers))} its rows' share "
-                                        f"(Config.pooled_by_rows)")
-            elif table.pools:  # (their own word in the plan: where their bags are pooled)
-                self.decisions[name] = (f"bags pooled on owner rank {servers[0]} "
-                                        f"(Config.pooled_tables)")
+            # (pinned by the program: their own word in the plan, where their bags are pooled)
+            if table.sharding.pools:
+                self.decisions[name] = (
+                    f"{table.sharding.describe(layout.placement(name).servers)} "
+                    f"(Config.{table.sharding.pinned_by})")
         #: the shapes of `Runner.step`'s batch (what a search's cache entry is valid for)
         self.batch_signature: Any = None
         self.tuner: PartitionTuner | None = None
@@ -143,14 +137,8 @@ class PlanKeeper:
                                architecture=self.config.architecture, sparsity=self.sparsity,
                                small_sums=self.worker.device.type == "cpu",
                                flat_dense=self.config.dense_sync == DenseSyncName.FLAT,
-                               pooled=frozenset(n for n, t in self.layout.sparse.items()
-                                                if t.pools),
-                               pooled_by_rows=frozenset(
-                                   n for n, t in self.layout.sparse.items()
-                                   if t.held is not None and t.held.pools_by_rows),
-                               pooled_by_columns=frozenset(
-                                   n for n, t in self.layout.sparse.items()
-                                   if t.held is not None and t.held.column_slices > 1),
+                               shardings={n: t.sharding
+                                          for n, t in self.layout.all_tables().items()},
                                reasons=self.decisions,
                                local_aggregation=self.local_aggregation,
                                searches=tuple(self.searches.values()), link=self.link)
@@ -235,7 +223,7 @@ class PlanKeeper:
         """Start timing the hop where the rule kept it for some server-held table (after
         the partition search, whose samples ran with the hop)."""
         self._hop_tables = [t for t in self.layout.sparse.values()
-                            if t.on_servers and not t.pools and t.local_aggregation]
+                            if t.on_servers and not t.sharding.pools and t.local_aggregation]
         if (self.trial is not None and self.local_aggregation and self._hop_tables
                 and self.plan_only is None):  # (parallax plan shows the bytes rule's choice)
             self.trial.begin()
@@ -266,7 +254,7 @@ class PlanKeeper:
         servers = self.worker.server_ranks
         load = [0] * len(servers)
         for name, table in self.layout.sparse.items():
-            if table.pools and len(self.layout.placement(name).servers) == 1:
+            if table.sharding.pools and len(self.layout.placement(name).servers) == 1:
                 load[servers.index(self.layout.placement(name).servers[0])] += \
                     self.params[name].nbytes
         chosen = {}
@@ -282,7 +270,7 @@ class PlanKeeper:
             return
         room = self._room_on_servers()
         self._place(chosen, room, load, spread=True)
-        if all(self.layout.sparse[name].pools for name in chosen):
+        if all(self.layout.sparse[name].sharding.pools for name in chosen):
             self._place(self._pooled_with_them(chosen), room, load, spread=False)
 
     def _place(self, chosen: dict[str, str], room: dict[int, float], load: list[int], *,
@@ -319,7 +307,7 @@ class PlanKeeper:
                 continue
             owner = owners[name]
             repartition(held, 1, self.shard_optimizer, first_server=owner)
-            held.pools, held.local_aggregation = True, False
+            held.sharding, held.local_aggregation = POOLED, False
             self.layout.placements[name] = self.layout.placement(name)._replace(
                 partitions=1, servers=(servers[owner],))
             self.decisions[name] = f"{why}; owner rank {servers[owner]}"
@@ -345,7 +333,7 @@ class PlanKeeper:
             if all(needed / slices <= room[s] for s in on) else (None, ""))
         if by_columns is not None and (by_rows is None or by_columns < by_rows):
             to_column_slices(held, slices, self.shard_optimizer, first_server=first)
-            held.pools, held.local_aggregation = True, False
+            held.local_aggregation = False
             for s in on:
                 room[s] -= needed / slices
                 load[s] += self.params[name].nbytes // slices
@@ -353,7 +341,7 @@ class PlanKeeper:
                 partitions=slices, servers=tuple(servers[s] for s in on))
             self.decisions[name] = f"{too_large}: {columns_why}"
         elif by_rows is not None:
-            held.pools = held.pools_by_rows = True
+            held.sharding = POOLED_BY_ROWS
             held.local_aggregation = False
             self.decisions[name] = f"{too_large}: {rows_why}"
         else:
@@ -377,7 +365,7 @@ class PlanKeeper:
         pulling rows (`pool_the_rest`); none otherwise."""
         rest: dict[str, tuple[float, float] | None] = {}
         for name, table in self.layout.sparse.items():
-            if name in chosen or table.pools or table.held is None or not table.on_servers:
+            if name in chosen or table.sharding.pools or table.held is None or not table.on_servers:
                 continue
             use = self.sparse_uses.get(name)
             rest[name] = None if use is None else self.architecture.pooling_bytes(
@@ -415,7 +403,7 @@ class PlanKeeper:
             self.layout.sparse, self.sparsity, config=self.config, worker=self.worker)
         self.local_aggregation = keep
         for name, table in self.layout.all_tables().items():
-            if table.on_servers and not table.pools:  # (a pooled table talks to its owner)
+            if table.on_servers and not table.sharding.pools:  # (a pooled table talks to its owner)
                 table.local_aggregation = table.local_aggregation and keep
                 if name in self.sparse_uses and why:
                     self.decisions[name] = why
@@ -439,7 +427,7 @@ class PlanKeeper:
         if self.tuner is None:
             return
         self.tuner.groups_on_servers({name for name, table in self.layout.sparse.items()
-                                      if table.on_servers and not table.pools})
+                                      if table.on_servers and not table.sharding.pools})
         self.tuner.begin(self.batch_signature)
         self.build()
 
@@ -452,7 +440,7 @@ class PlanKeeper:
         wanted = None if names is None else set(names)
         for name, table in self.layout.sparse.items():
             held = table.held
-            if held is None or table.pools or (wanted is not None and name not in wanted):
+            if held is None or table.sharding.pools or (wanted is not None and name not in wanted):
                 continue  # (a pooled table is whole on its owner)
             if held.partitioning.num_partitions == num_partitions:
                 continue

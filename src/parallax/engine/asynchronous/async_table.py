@@ -21,6 +21,7 @@ from parallax.engine.tables.exchange import unique_ids
 from parallax.engine.tables.riders import Rider
 from parallax.engine.tables.row_exchange import rows_pulled_ahead
 from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.sharding import ROWS, Sharding
 from parallax.engine.tables.step_context import OwedRows, Prefetched, TableSteps
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import SparseIdError
@@ -47,7 +48,7 @@ class AsyncTable:
     exchanges = True
     replica = None
     local_aggregation = False
-    pools = False  # (refused under an asynchronous sync: Config.pooled_tables)
+    sharding: Sharding = ROWS  # (pooling is refused under an asynchronous sync)
 
     def __init__(self, inner: ShardedTable, index: int, run: AsyncExchange):
         self.inner = inner

@@ -27,6 +27,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.riders import Rider
+from parallax.engine.tables.sharding import OWN, Sharding
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import InternalError, SparseIdError
 
@@ -39,7 +40,7 @@ class OwnTable:
     on_servers = False
     exchanges = False
     local_aggregation = False
-    pools = False
+    sharding: Sharding = OWN
     pool: PartitionPool = SERIAL
     sync = "allgatherv"  # the plan's word for a replica (one worker: nothing is gathered)
     sparse_grad = False

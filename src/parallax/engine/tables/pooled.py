@@ -72,6 +72,7 @@ from parallax.engine.tables.exchange import (
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.reservations import Reservations, cut_rooms, merge_rest
 from parallax.engine.tables.riders import Rider, alight, board
+from parallax.engine.tables.sharding import Sharding
 from parallax.engine.tables.step_context import TableSteps, shared_steps
 from parallax.errors import (
     ArgumentError,
@@ -109,10 +110,9 @@ class PoolingTable(Protocol):
     group: dist.ProcessGroup
     traffic: Traffic
     partitioning: RowPartitioning
-    #: pooled where its rows live, every server its share (`Config.pooled_by_rows`)
-    pools_by_rows: bool
-    #: held as this many column slices, each on its server (`Config.pooled_by_columns`)
-    column_slices: int
+    #: how it pools (`parallax.engine.tables.sharding`): by its rows, every server its share;
+    #: or as column slices, each on its server; or whole on one owner
+    sharding: Sharding
     average: bool
     has_gradient: bool
     rows_used: list[int]
@@ -180,7 +180,7 @@ def bag_call(table: PoolingTable, ids: Tensor, offsets: Tensor | None,
     ``F.embedding_bag`` itself turns a 2-D batch of fixed-length bags into one (same checks,
     same messages: raised here, on the rank that made the call, before any exchange)."""
     name, rank = table.name, table.worker.rank
-    if table.pools_by_rows and mode == "max":
+    if table.sharding.by_rows and mode == "max":
         raise UnsupportedProgramError(
             f"rank {rank}: parameter '{name}' is pooled by rows (Config.pooled_by_rows), but "
             f"its nn.EmbeddingBag has mode='max': pooling by rows adds every server's share "
@@ -221,7 +221,7 @@ def owners_of(table: PoolingTable) -> list[int]:
     (`Config.pooled_by_rows`: each pools its rows' share of every bag), or the server of each
     column slice (`Config.pooled_by_columns`: each pools its slice of every bag)."""
     partitioning = table.partitioning
-    if not table.pools_by_rows and table.column_slices == 1:
+    if not table.sharding.by_rows and table.sharding.slices == 1:
         return [partitioning.server_ranks[partitioning.server_of_partition(0)]]
     return sorted({partitioning.server_ranks[partitioning.server_of_partition(p)]
                    for p in range(partitioning.num_partitions)})
@@ -239,8 +239,8 @@ def slice_of_owner(table: PoolingTable, rank: int) -> int:
 
 def model_rows(table: PoolingTable) -> int:
     """The rows of the program's table (a table pooled by columns is held as
-    ``rows * column_slices`` rows of its slices)."""
-    return table.num_rows // table.column_slices
+    ``rows * sharding.slices`` rows of its slices)."""
+    return table.num_rows // table.sharding.slices
 
 
 @dataclass
@@ -258,7 +258,7 @@ def _shares(call: BagCall, owners: list[int], refused: bool) -> dict[int, _Share
     torch refuses (``refused``: `_refusal`) sends nothing to several owners: every rank raises
     for it once the headers are in."""
     starts = call.starts
-    if len(owners) == 1 or call.table.column_slices > 1:  # (every slice's owner: every id)
+    if len(owners) == 1 or call.table.sharding.slices > 1:  # (every slice's owner: every id)
         return {owner: _Share(starts, call.ids, call.weights) for owner in owners}
     if refused:
         return {o: _Share(starts[:0], call.ids[:0], None) for o in owners}
@@ -281,7 +281,7 @@ def _added(call: BagCall, shares: Tensor, owners: int) -> Tensor:
     if owners == 1:
         return shares
     table = call.table
-    if table.column_slices > 1:
+    if table.sharding.slices > 1:
         ranks = owners_of(table)
         order = sorted(range(owners), key=lambda i: slice_of_owner(table, ranks[i]))
         slices = shares.view(owners, call.bags, *shares.shape[1:])
@@ -597,7 +597,7 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
     unique, inverse = torch.unique(torch.cat([p[m:] for p, m in zip(pieces, sizes, strict=True)]),
                                    return_inverse=True)
     unique = unique.long()
-    slices = table.column_slices
+    slices = table.sharding.slices
     column = slice_of_owner(table, table.worker.rank) if slices > 1 else 0
     local = table.partitioning.local_row(unique * slices + column)  # (its slice's row)
     if table.before_read is not None:
@@ -622,7 +622,7 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
             weight_parts.append(sent_weights[w] if has_weights[w] else rows.new_ones(n))
     # one share of several is a sum: the worker adds the shares, then divides under mean (a
     # column slice is pooled over the whole bag: the worker's own mode)
-    mode = "sum" if table.pools_by_rows and len(owners_of(table)) > 1 else call.mode
+    mode = "sum" if table.sharding.by_rows and len(owners_of(table)) > 1 else call.mode
     merged = _Merged(inverse, torch.cat(offsets).long(),
                      torch.cat(weight_parts) if weight_parts else None, padding, mode)
     if mode == "max":  # the gradient goes to each bag's largest: torch's backward finds it
@@ -712,7 +712,7 @@ def pending_exchanges(tables: Sequence[PoolingTable]) -> list[PooledExchange]:
         if mine:
             table.has_gradient = table.has_gradient or any(o.grad is not None for _, o in mine)
             if table.measuring:  # (the rows of its slices, for a table held as such)
-                table.rows_used.append(table.column_slices * sum(
+                table.rows_used.append(table.sharding.slices * sum(
                     int(torch.unique(c.ids).numel()) for c, _ in mine))
     return records  # (in call order: the same on all ranks)
 

@@ -26,6 +26,7 @@ from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import Hop, Traffic, unique_ids
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.riders import Rider
+from parallax.engine.tables.sharding import REPLICATED, Sharding
 from parallax.engine.tables.step_context import OwedRows, TableSteps
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import InternalError
@@ -43,7 +44,7 @@ class ReplicatedTable:
     on_servers = False
     exchanges = True
     local_aggregation = False  # replicas exchange directly
-    pools = False  # every worker pools its own bags from its replica
+    sharding: Sharding = REPLICATED  # (every worker pools its own bags from its replica)
     measuring = True  # `Table.measuring`
     pool: PartitionPool = SERIAL  # (no per-partition work)
 

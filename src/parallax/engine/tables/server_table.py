@@ -35,6 +35,7 @@ from parallax.engine.tables.row_exchange import (
     read_rows_direct,
     rows_pulled_ahead,
 )
+from parallax.engine.tables.sharding import ROWS, Sharding
 from parallax.engine.tables.step_context import Pull, TableSteps
 from parallax.engine.tables.verdict import Verdict
 from parallax.errors import ArgumentError, InternalError, SparseIdError
@@ -63,14 +64,11 @@ class ShardedTable:
     on_servers = True
     exchanges = True
     replica = None  # no worker holds the whole parameter
-    #: bags pooled on the owner (`parallax.engine.tables.pooled`): set where the layout is
-    #: built (`Config.pooled_tables`) or by the planner after the warm-up
-    pools = False
-    #: pooled where its rows live, every server its share (`Config.pooled_by_rows`)
-    pools_by_rows = False
-    #: held as this many column slices, slice k as partition k (`Config.pooled_by_columns`:
-    #: the table is then the view of the program's ``R x d`` one as ``R*K x d/K`` rows)
-    column_slices = 1
+    #: how its rows are held and read (`parallax.engine.tables.sharding`): set where the
+    #: layout is built (`Config`) or by the planner after the warm-up. Pooled by columns, the
+    #: table is the view of the program's ``R x d`` one as ``R*K x d/K`` rows, slice k as
+    #: partition k
+    sharding: Sharding = ROWS
     measuring = True  # `Table.measuring`
 
     @property

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.riders import Rider
+from parallax.engine.tables.sharding import Sharding
 from parallax.engine.tables.verdict import Verdict
 
 if TYPE_CHECKING:
@@ -59,9 +60,10 @@ class Table(Protocol):
     local_aggregation: bool
     #: the threads its per-partition work runs on
     pool: PartitionPool
-    #: ``nn.EmbeddingBag`` calls are pooled on the table's owner (`pool_bags`) instead of
-    #: pulling the rows (`lookup`); `parallax.engine.tables.pooled`
-    pools: bool
+    #: how its rows are held and read (`parallax.engine.tables.sharding`): with
+    #: ``sharding.pools``, ``nn.EmbeddingBag`` calls are pooled where the rows live
+    #: (`pool_bags`, `parallax.engine.tables.pooled`) instead of pulling the rows (`lookup`)
+    sharding: Sharding
 
     @property
     def shard(self) -> nn.Parameter | None:
@@ -82,7 +84,8 @@ class Table(Protocol):
 
     def pool_bags(self, ids: Tensor, offsets: Tensor | None, per_sample_weights: Tensor | None, *,
                   mode: str, padding_idx: int | None, include_last_offset: bool) -> Tensor:
-        """``F.embedding_bag`` of this table computed where it lives (kinds with ``pools``)."""
+        """``F.embedding_bag`` of this table computed where it lives (a sharding that
+        pools)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
