@@ -311,7 +311,7 @@ TABLE4 = ("table4/ef026e6-intel-xeon-2c",)
 EMULATED = "emulated link (tc tbf), 2 shared CPU cores"
 P000 = "`000`/`003` (Parallax, EuroSys'19)"
 
-HOST_WORK_RECORD = "host-counts-{workers}w-{door}/1368c4e-amd-epyc-2c"
+HOST_WORK_RECORD = "host-counts-{workers}w-{door}/3547114-amd-epyc-2c"
 DOORS = {"distribute": "the own loop after `distribute`", "runner": "`Runner.step`"}
 #: the host-work claims whose record meets the target
 HOST_MET = frozenset({"host-ops-1w-distribute", "host-ops-1w-runner", "host-calls-1w-distribute",
@@ -323,10 +323,14 @@ HOST_WHY = {
     (1, "calls"): "what remains is the step round's own: the phase clock (about 10 calls a "
                   "phase, 4 to 5 phases a step), the loop checks, the backward hook, the "
                   "finiteness check, the hooks after the step",
-    (2, "ops"): "per-table and per-partition work in the server engine: issue 73's store, "
-                "exchange and step context are what cut it",
-    (2, "calls"): "per-table and per-partition work in the server engine: issue 73's store, "
-                  "exchange and step context are what cut it",
+    (2, "ops"): "per-table and per-peer work in the server engine: the step's context and "
+                "the rows' exchange now stand apart from the tables, but the exchange still "
+                "works table by table and peer by peer (views, splits, headers); issue 73's "
+                "batching across tables is what cuts it",
+    (2, "calls"): "per-table and per-peer work in the server engine (the id message's rooms "
+                  "and headers, the pull and push, the servers' update per table): the "
+                  "step's context and the rows' exchange now stand apart from the tables; "
+                  "issue 73's batching across tables is what cuts it",
 }
 
 
