@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import math
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -56,6 +57,42 @@ class ModelSplitName(StrEnum):
 
     PAIRS = "pairs"
     EVERY_LAYER = "every-layer"
+
+
+class ShardingName(StrEnum):
+    """How a server-held table's rows are held and read (`Config.sharding`; the kinds are
+    `parallax.engine.tables.sharding`)."""
+
+    ROWS = "rows"
+    POOLED = "pooled"
+    POOLED_BY_ROWS = "pooled_by_rows"
+    POOLED_BY_COLUMNS = "pooled_by_columns"
+
+
+#: the key of `Config.sharding` that pins every table the mapping does not name
+EVERY_OTHER_TABLE = "*"
+
+
+class Pins(Mapping[str, ShardingName]):
+    """`Config.sharding` as kept: read-only, and hashable as the rest of a `Config` is."""
+
+    def __init__(self, pins: Mapping[str, str]) -> None:
+        self._pins = {name: ShardingName(kind) for name, kind in pins.items()}
+
+    def __getitem__(self, name: str) -> ShardingName:
+        return self._pins[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pins)
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._pins.items()))
+
+    def __repr__(self) -> str:
+        return repr({name: str(kind) for name, kind in self._pins.items()})
 
 
 class SyncName(StrEnum):
@@ -312,6 +349,16 @@ class Config:
             like the row path (`parallax.engine.tables.columns`). Refused where
             `pooled_tables` would refuse; distinct from `pooled_tables`' and
             `pooled_by_rows`' names.
+        sharding: how server-held tables' rows are held and read, pinned per parameter name:
+            ``{"emb.weight": "pooled_by_rows", "*": "rows"}``. ``"rows"``: rows partitioned
+            over the servers, the rows a step reads pulled to the workers and their
+            gradient rows pushed back (the papers' path; never pooled); ``"pooled"``,
+            ``"pooled_by_rows"``, ``"pooled_by_columns"``: as `pooled_tables`,
+            `pooled_by_rows` and `pooled_by_columns` (the same pins, kept as shorthands: a
+            name in both must agree). The key ``"*"`` pins every table the mapping and the
+            shorthands do not name. A table no pin names is the planner's (the hybrid's
+            choice after the warm-up). The pooled kinds take and refuse what those fields
+            do. The plan records each table's kind (its ``sharding``).
         link_gbit: the inter-machine link's rate in Gbit/s each way (full duplex), for the
             plan's predicted link times (its bytes per machine and step at this rate;
             `parallax.planning.link`). ``None``: measured once after the warm-up by timed
@@ -378,6 +425,7 @@ class Config:
     pooled_tables: tuple[str, ...] | None = None
     pooled_by_rows: tuple[str, ...] = ()
     pooled_by_columns: tuple[str, ...] = ()
+    sharding: Mapping[str, str] | None = None
     link_gbit: float | None = None
     server_threads: int | None = None
     partition_search_steps: int = 8
@@ -433,6 +481,7 @@ class Config:
             _require(is_number(value) and 0 <= value <= 1, "alpha_threshold", value,
                      "None or a number in [0, 1]")
         self._check_pooled_tables()
+        self._check_sharding()
         if self.num_partitions is not None:
             ok = is_int(self.num_partitions) and self.num_partitions >= 1
             _require(ok, "num_partitions", self.num_partitions, "None or an int >= 1")
@@ -480,6 +529,62 @@ class Config:
                  "none of them in pooled_tables or pooled_by_rows")
         self._check_pooling_setup("pooled_by_columns", columns)
         object.__setattr__(self, "pooled_by_columns", tuple(columns))
+
+    def _check_sharding(self) -> None:
+        mapping = self.sharding
+        if mapping is None:
+            return
+        kinds = tuple(map(str, ShardingName))
+        ok = isinstance(mapping, Mapping) and all(
+            isinstance(k, str) and k and isinstance(v, str) and v in kinds
+            for k, v in mapping.items())
+        _require(ok, "sharding", mapping, f"None or a mapping of parameter names (or "
+                 f"{EVERY_OTHER_TABLE!r}: every other table) to one of {kinds}")
+        pinned = Pins(mapping)
+        for name, kind in pinned.items():
+            other = self._shorthand_pin(name)
+            _require(other is None or other[0] == kind, "sharding", mapping,
+                     f"a mapping that agrees with Config.{other[1] if other else ''} "
+                     f"({name!r} is {other[0] if other else ''} there)")
+        self._check_pooling_setup("sharding", {
+            k: v for k, v in pinned.items() if v != ShardingName.ROWS})
+        object.__setattr__(self, "sharding", pinned)
+
+    def _shorthand_pin(self, name: str) -> tuple[ShardingName, str] | None:
+        """The kind the shorthand fields (`pooled_tables`, `pooled_by_rows`,
+        `pooled_by_columns`) pin ``name`` to by naming it, with the field."""
+        if self.pooled_tables is not None and name in self.pooled_tables:
+            return ShardingName.POOLED, "pooled_tables"
+        if name in self.pooled_by_rows:
+            return ShardingName.POOLED_BY_ROWS, "pooled_by_rows"
+        if name in self.pooled_by_columns:
+            return ShardingName.POOLED_BY_COLUMNS, "pooled_by_columns"
+        return None
+
+    def pinned_sharding(self, name: str) -> tuple[ShardingName, str] | None:
+        """The sharding kind the program pins table ``name`` to, with the `Config` field that
+        pins it (for messages); None: the planner's choice. `sharding` naming it first, then
+        the shorthand fields, then `sharding`'s ``"*"``; a `pooled_tables` given (even
+        ``()``) keeps every table it does not name on the row path."""
+        mapping = self.sharding or {}
+        if name in mapping:
+            return ShardingName(mapping[name]), f"sharding[{name!r}]"
+        shorthand = self._shorthand_pin(name)
+        if shorthand is not None:
+            return shorthand
+        if EVERY_OTHER_TABLE in mapping:
+            return ShardingName(mapping[EVERY_OTHER_TABLE]), f"sharding[{EVERY_OTHER_TABLE!r}]"
+        if self.pooled_tables is not None:
+            return ShardingName.ROWS, "pooled_tables"
+        return None
+
+    def named_pins(self) -> dict[str, tuple[ShardingName, str]]:
+        """Every table the program names to pin it (`pinned_sharding` of each), in name
+        order: each must be one of the model's tables."""
+        names = {*(self.sharding or {}), *(self.pooled_tables or ()), *self.pooled_by_rows,
+                 *self.pooled_by_columns} - {EVERY_OTHER_TABLE}
+        return {name: pin for name in sorted(names)
+                if (pin := self.pinned_sharding(name)) is not None}
 
     def _check_pooling_setup(self, field: str, names: Any) -> None:
         """Tables named in ``field`` are pooled by servers, in the synchronous step."""
@@ -657,7 +762,8 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (enums as their strings), for JSON and comparisons across ranks."""
-        return {k: (str(v) if isinstance(v, StrEnum) else v)
+        return {k: (str(v) if isinstance(v, StrEnum) else
+                    {name: str(kind) for name, kind in v.items()} if isinstance(v, Pins) else v)
                 for k, v in dataclasses.asdict(self).items()}
 
 

@@ -529,3 +529,16 @@ def test_once_a_table_pools_the_planner_pools_the_rest_where_no_row_exchange_is_
     else:
         assert lines["user.weight"][6] == "PS: 2 partition(s) on server rank(s) 0"
         assert "pooled with the other" not in lines["user.weight"][5]
+
+
+@pytest.mark.usefixtures("_shutdown")
+@pytest.mark.parametrize("kind, message", [
+    ("rows", r"which is not a sparse parameter: \["),
+    ("pooled", r"which is not a sparse parameter; it takes")])
+def test_a_sharding_that_names_no_table_is_refused(kind: str, message: str) -> None:
+    model = Bags()
+    with pytest.raises(ValueError, match=rf"Config.sharding\['out.weight'\] names "
+                                         rf"'out.weight', {message}"):
+        parallax.get_runner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            lambda o, t: F.cross_entropy(o, t),
+                            config=parallax.Config(sharding={"out.weight": kind}))

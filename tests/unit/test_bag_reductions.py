@@ -117,9 +117,10 @@ class _Gathered(torch.nn.Module):
 @pytest.mark.parametrize("model_class, reduce, name", [
     (_Averaged, "mean", "items.weight"), (_Averaged, "sum", "items.weight"),
     (_Gathered, "mean", "items"), (_Gathered, "sum", "items")])
+@pytest.mark.parametrize("pinned_by", ["pooled_tables", "sharding"])
 def test_a_table_pinned_to_pool_trains_as_one_device(single_process, monkeypatch,
                                                      model_class: type, reduce: str,
-                                                     name: str) -> None:
+                                                     name: str, pinned_by: str) -> None:
     import parallax
     from parallax.engine.tables import pooled
 
@@ -132,12 +133,15 @@ def test_a_table_pinned_to_pool_trains_as_one_device(single_process, monkeypatch
     reference.load_state_dict(model.state_dict())
     runner = parallax.get_runner(model, torch.optim.Adagrad(model.parameters(), lr=0.5),
                                  F.cross_entropy, config=parallax.Config(
-                                     pooled_tables=(name,), partition_cache=None))
+                                     partition_cache=None, **(
+                                         {"pooled_tables": (name,)} if pinned_by ==
+                                         "pooled_tables" else {"sharding": {name: "pooled"}})))
     _train(model, runner)
     _train(reference, None)
     assert runner.layout.sparse[name].sharding.pools
     recorded = {p.name: p.sharding for p in runner.plan.parameters}
-    assert recorded[name] == "pooled" and "(Config.pooled_tables)" in next(
+    field = "pooled_tables" if pinned_by == "pooled_tables" else f"sharding[{name!r}]"
+    assert recorded[name] == "pooled" and f"(Config.{field})" in next(
         p.reason for p in runner.plan.parameters if p.name == name)
     assert ahead == [1] * 4  # pooled before each forward, by the id look-ahead
     state = runner.state_dict()

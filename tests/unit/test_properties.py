@@ -338,6 +338,10 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     "pooled_by_columns": lambda v, arch: isinstance(v, (tuple, list)) and all(
         isinstance(n, str) for n in v) and len(set(v)) == len(v) and (
         not v or arch != "allreduce"),
+    "sharding": lambda v, arch: v is None or isinstance(v, dict) and all(
+        isinstance(k, str) and k and v[k] in ("rows", "pooled", "pooled_by_rows",
+                                              "pooled_by_columns") for k in v) and (
+        arch != "allreduce" or set(v.values()) <= {"rows"}),
     "link_gbit": lambda v, _: v is None or _finite_positive(v),
     "server_threads": lambda v, _: v is None or (_is_int(v) and v >= 1),
     "partition_search_steps": lambda v, _: _is_int(v) and v >= 2,

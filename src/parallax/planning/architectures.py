@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.config import ArchitectureName, Config
+from parallax.config import ArchitectureName, Config, ShardingName
 from parallax.engine.optimizers.shard_optimizer import take_user_state
 from parallax.engine.tables.columns import column_slices, slices_of_rows, slices_view
 from parallax.engine.tables.exchange import Traffic
@@ -285,7 +285,8 @@ class Hybrid(Architecture):
     def pooling_bytes(self, table: Table, use: SparseUse, measured: Sparsity, *,
                       config: Config, worker: WorkerInfo, owners: int = 1,
                       by_columns: bool = False) -> tuple[float, float] | None:
-        if (config.pooled_tables is not None or config.sync != "sync" or table.sharding.pools
+        if (config.pinned_sharding(table.name) is not None or config.sync != "sync"
+                or table.sharding.pools
                 or not table.on_servers or use.kind not in POOLABLE_KINDS
                 or use.batch_dependent is not None or measured.weights_need_grad
                 or measured.rows_read_otherwise
@@ -400,21 +401,20 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
     layout = Layout()
     servers = worker.server_ranks
     num_partitions = config.num_partitions or len(servers)
-    owners = pooled_owners(sparse_uses, params, config, len(servers))
-    by_rows = set(config.pooled_by_rows)
+    pins = _pins(sparse_uses, config)
+    owners = pooled_owners(sparse_uses, params, pins, len(servers))
+    by_rows = {name for name, (kind, _) in pins.items() if kind == ShardingName.POOLED_BY_ROWS}
     for name in sorted(by_rows):
-        use = sparse_uses.get(name)
-        _check_poolable(name, use, sparse_uses, "pooled_by_rows")
-        layer = model.get_submodule(use.module_path) if use and use.module_path else None
+        use = sparse_uses[name]
+        layer = model.get_submodule(use.module_path) if use.module_path else None
         if getattr(layer, "mode", None) == "max":
             raise UnsupportedProgramError(
-                f"Config.pooled_by_rows names {name!r}, whose nn.EmbeddingBag has "
-                f"mode='max': pooling by rows adds every server's share of a bag, which gives "
-                f"a sum or a mean, not a max; name it in Config.pooled_tables (pooled whole "
-                f"on one owner) or leave it to the row path")
-    by_columns = sorted(config.pooled_by_columns)
-    for name in by_columns:
-        _check_poolable(name, sparse_uses.get(name), sparse_uses, "pooled_by_columns")
+                f"Config.{pins[name][1]} names {name!r}, whose nn.EmbeddingBag has "
+                f"mode='max': pooling by rows adds every server's share of a bag, which "
+                f"gives a sum or a mean, not a max; pool it whole on one owner (\"pooled\", "
+                f"Config.pooled_tables) or leave it to the row path")
+    by_columns = sorted(name for name, (kind, _) in pins.items()
+                        if kind == ShardingName.POOLED_BY_COLUMNS)
     for name, use in sorted(sparse_uses.items()):
         sparse_grad = use.sparse_grad or config.lazy_sparse_updates
         if name in by_columns:
@@ -509,16 +509,36 @@ def _hand_over_early(layout: Layout, table: Table, param: nn.Parameter,
         layout.user_state[table.name] = take_user_state(held, param, optimizers)
 
 
-def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parameter],
-                  config: Config, num_servers: int) -> dict[str, int]:
-    """The server (an index into the server ranks) holding each table of
-    `Config.pooled_tables` whole: largest first, onto the server with the fewest pooled bytes
-    so far. Refuses a name that is not an ``nn.EmbeddingBag`` table the owner can pool
+def _pins(sparse_uses: dict[str, SparseUse],
+          config: Config) -> dict[str, tuple[ShardingName, str]]:
+    """Each table the program pins (`Config.pinned_sharding`), with the field that pins it;
+    refuses a name that is no table, and a pooled kind on a table no owner can pool
     exactly."""
-    for name in config.pooled_tables or ():
-        _check_poolable(name, sparse_uses.get(name), sparse_uses, "pooled_tables")
-    return largest_first({name: params[name].nbytes for name in config.pooled_tables or ()},
-                         [0] * num_servers)
+    named = config.named_pins()
+    for name, (kind, field) in named.items():
+        if name not in sparse_uses and kind == ShardingName.ROWS:
+            raise ArgumentError(
+                f"Config.{field} names {name!r}, which is not a sparse parameter: "
+                f"{sorted(sparse_uses)}")
+    pins = {}
+    for name in sorted(sparse_uses):
+        pin = config.pinned_sharding(name)
+        if pin is not None:
+            pins[name] = pin
+    for name, (kind, field) in {**named, **pins}.items():
+        if kind != ShardingName.ROWS:
+            _check_poolable(name, sparse_uses.get(name), sparse_uses, field)
+    return pins
+
+
+def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parameter],
+                  pins: dict[str, tuple[ShardingName, str]],
+                  num_servers: int) -> dict[str, int]:
+    """The server (an index into the server ranks) holding each table pinned ``"pooled"``
+    (`Config.sharding`, `Config.pooled_tables`) whole: largest first, onto the server with
+    the fewest pooled bytes so far."""
+    names = [name for name, (kind, _) in pins.items() if kind == ShardingName.POOLED]
+    return largest_first({name: params[name].nbytes for name in names}, [0] * num_servers)
 
 
 def _check_poolable(name: str, use: SparseUse | None, sparse_uses: dict[str, SparseUse],

@@ -85,10 +85,11 @@ class PlanKeeper:
             if config.lazy_sparse_updates else {})
         for name, table in layout.sparse.items():
             # (pinned by the program: their own word in the plan, where their bags are pooled)
-            if table.sharding.pools:
+            pin = config.pinned_sharding(name)
+            if table.sharding.pools and pin is not None:
                 self.decisions[name] = (
                     f"{table.sharding.describe(layout.placement(name).servers)} "
-                    f"(Config.{table.sharding.pinned_by})")
+                    f"(Config.{pin[1]})")
         #: the shapes of `Runner.step`'s batch (what a search's cache entry is valid for)
         self.batch_signature: Any = None
         self.tuner: PartitionTuner | None = None

@@ -1,6 +1,6 @@
 """Owner-side pooling: an ``nn.EmbeddingBag``'s bags pooled where its table lives.
 
-The row path (`parallax.engine.tables.server_table.pull`) brings every row a bag reads to the
+The row path (`parallax.engine.tables.row_exchange.pull`) brings every row a bag reads to the
 worker and sends every such row's gradient back. A table named in `Config.pooled_tables` is
 held whole by one server (TorchRec's table-wise sharding) and its bags are pooled *there*:
 each worker sends the owner its ids and offsets (and per-sample weights), the owner runs

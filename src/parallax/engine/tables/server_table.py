@@ -1,4 +1,5 @@
-"""Parameters on parameter servers: row partitioning, pull of rows, push of gradient rows.
+"""Parameters on parameter servers: row partitioning, a server's rows and the arithmetic on the
+gradient rows it receives (the pull and push themselves: `parallax.engine.tables.row_exchange`).
 
 One ``ShardedTable`` per server-held parameter. Its rows are split into partitions by
 ``id % P`` (Zipf-hot ids, which are small numbers, spread over all partitions); partition ``p``

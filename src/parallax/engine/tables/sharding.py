@@ -42,8 +42,6 @@ class Sharding:
     by_rows: ClassVar[bool] = False
     #: the column slices the table is held as (1: whole rows)
     slices: ClassVar[int] = 1
-    #: the `Config` field that pins a table to this kind (None: the planner's alone)
-    pinned_by: ClassVar[str | None] = None
 
     def describe(self, servers: tuple[int, ...]) -> str:
         """The plan's words for this choice on server ranks ``servers``."""
@@ -66,7 +64,6 @@ class PooledWhole(Sharding):
 
     name: ClassVar[str] = "pooled"
     pools: ClassVar[bool] = True
-    pinned_by: ClassVar[str | None] = "pooled_tables"
 
     def describe(self, servers: tuple[int, ...]) -> str:
         return f"bags pooled on owner rank {servers[0]}"
@@ -79,7 +76,6 @@ class PooledByRows(Sharding):
     name: ClassVar[str] = "pooled_by_rows"
     pools: ClassVar[bool] = True
     by_rows: ClassVar[bool] = True
-    pinned_by: ClassVar[str | None] = "pooled_by_rows"
 
     def describe(self, servers: tuple[int, ...]) -> str:
         return (f"bags pooled by rows, each server rank of {','.join(map(str, servers))} its "
@@ -93,7 +89,6 @@ class PooledByColumns(Sharding):
 
     name: ClassVar[str] = "pooled_by_columns"
     pools: ClassVar[bool] = True
-    pinned_by: ClassVar[str | None] = "pooled_by_columns"
     slices: int = 2  # type: ignore[misc]  # (a field here: the count is this value's own)
 
     def __post_init__(self) -> None:
