@@ -543,9 +543,9 @@ class Config:
         pinned = Pins(mapping)
         for name, kind in pinned.items():
             other = self._shorthand_pin(name)
-            _require(other is None or other[0] == kind, "sharding", mapping,
-                     f"a mapping that agrees with Config.{other[1] if other else ''} "
-                     f"({name!r} is {other[0] if other else ''} there)")
+            if other is not None:
+                _require(other[0] == kind, "sharding", mapping, f"a mapping that agrees with "
+                         f"Config.{other[1]} ({name!r} is {other[0]} there)")
         self._check_pooling_setup("sharding", {
             k: v for k, v in pinned.items() if v != ShardingName.ROWS})
         object.__setattr__(self, "sharding", pinned)

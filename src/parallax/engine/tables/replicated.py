@@ -106,9 +106,8 @@ class ReplicatedTable:
         options = self.batch_dependent
         scales = lookup_options.scales_by_freq(options)
         if scales and torch.is_grad_enabled():
-            lookups = self.steps.lookups
-            lookups[self.name] = lookups.get(self.name, 0) + 1
-            lookup_options.check_one_lookup(self.name, self.worker.rank, lookups[self.name])
+            lookup_options.check_one_lookup(self.name, self.worker.rank,
+                                            self.steps.count_lookup(self.name))
         # Every rank learns of a bad id on any rank (a count exchange), so none waits alone;
         # with max_norm the ids themselves go to every replica.
         world = self.worker.world_size
@@ -137,7 +136,7 @@ class ReplicatedTable:
         (as `ShardedTable.zero_grad`)."""
         for lookup in self.steps.owed(self.name):
             lookup.rows.grad = None
-        self.steps.lookups.pop(self.name, None)
+        self.steps.forget_lookups(self.name)
         self._keep_spare()
         self.param.grad = None
         self._touched, self._touched_known, self._touched_rows = [], True, None

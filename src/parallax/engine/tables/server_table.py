@@ -252,9 +252,8 @@ class ShardedTable:
         looked-up values; the gradient of ``rows`` is what `push_gradients` sends back. Served
         from the rows `pull` prefetched for this step when there are any."""
         if self.scales_by_freq and torch.is_grad_enabled():
-            lookups = self.steps.lookups
-            lookups[self.name] = lookups.get(self.name, 0) + 1
-            lookup_options.check_one_lookup(self.name, self.worker.rank, lookups[self.name])
+            lookup_options.check_one_lookup(self.name, self.worker.rank,
+                                            self.steps.count_lookup(self.name))
         prefetched = self.steps.current.prefetched
         if self.name not in prefetched:
             return pull([self], [ids])[0]
@@ -319,8 +318,9 @@ class ShardedTable:
             del step.prefetched[name]
         self._received.clear()
         self._received_counts.clear()
-        if name in self.steps.lookups:
-            del self.steps.lookups[name]
+        lookups = self.steps.lookups
+        if name in lookups:  # (`TableSteps.forget_lookups`, inline: every step, every table)
+            del lookups[name]
         if self.shard is not None and self.sparse_grad:
             for part in self.parts:
                 part.grad = None

@@ -153,6 +153,16 @@ class TableSteps:
                            else _without(step.pooled, exchanges))
         self._end_if_done()
 
+    def count_lookup(self, name: str) -> int:
+        """One more lookup with gradients of table ``name``: how many since its zero_grad."""
+        self.lookups[name] = count = self.lookups.get(name, 0) + 1
+        return count
+
+    def forget_lookups(self, name: str) -> None:
+        """Table ``name``'s gradient was cleared: its lookups count from none again."""
+        if name in self.lookups:  # (no call beyond this one: every step clears every table)
+            del self.lookups[name]
+
     def owe(self, name: str, lookup: OwedRows) -> None:
         """Table ``name`` (one that exchanges its rows itself) owes ``lookup``'s gradient."""
         self.current.owed.setdefault(name, []).append(lookup)
