@@ -197,7 +197,7 @@ def test_two_lookups_a_step_update_the_union_of_their_rows(single_process, monke
     stepped: list[int] = []  # the rows each row update stepped
     real = replica_rows.update_rows
     monkeypatch.setattr(replica_rows, "update_rows", lambda *args: (
-        stepped.append(args[-1].numel()), real(*args))[1])
+        stepped.extend(step.rows.numel() for step in args[-1]), real(*args))[1])
     model, optimizer = parallax.distribute(
         model, torch.optim.Adagrad(model.parameters(), lr=0.1),
         config=parallax.Config(architecture="allreduce", partition_cache=None))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
-from parallax.engine.optimizers import deferred_sgd
+from parallax.engine.optimizers import deferred_sgd, shard_optimizer
 from parallax.engine.optimizers.shard_optimizer import (
     ShardOptimizer,
     as_optimizer_list,
@@ -29,7 +29,9 @@ from parallax.engine.optimizers.shard_optimizer import (
     zero_gradient_is_identity,
 )
 from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.row_exchange import pull
 from parallax.engine.tables.server_table import ShardedTable
+from parallax.engine.tables.step_context import TableSteps
 from parallax.errors import OptimizerError
 
 Factory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -131,10 +133,10 @@ def test_only_touched_rows_are_updated_where_a_zero_gradient_changes_nothing(
     assert zero_gradient_is_identity(user, user.param_groups[1]) is touched_only
     table = _table(group, worker, weight, partitions=3, sparse_grad=False)
     servers = ShardOptimizer([user], {id(weight): table})
-    seen: list[bool] = []
+    calls: list[list[bool]] = []  # per server step() called: each part's gradient hidden
     for server_opt, _, _ in servers._slots:
         def recording(step=server_opt.step, opt=server_opt):
-            seen.extend(p.grad is None for g in opt.param_groups for p in g["params"])
+            calls.append([p.grad is None for g in opt.param_groups for p in g["params"]])
             return step()
         server_opt.step = recording
     for ids, coefficient in _batches(3):
@@ -152,9 +154,66 @@ def test_only_touched_rows_are_updated_where_a_zero_gradient_changes_nothing(
                     assert torch.equal(value[untouched[rows]], state_before[key][
                         untouched[rows]]), key
         assert all(part.grad is not None for part in table.parts)  # dense gradients back
-    # (a partition whose every row was touched keeps its dense gradient: nothing to skip)
-    assert seen and any(seen) is touched_only
+    # (a partition whose every row was touched keeps its dense gradient: nothing to skip);
+    # a server step() with every part hidden would step nothing: it is not called
+    hidden_or_skipped = (3 * len(servers._slots) - len(calls)
+                         + sum(any(parts) for parts in calls))
+    assert (hidden_or_skipped > 0) is touched_only
+    assert not any(all(parts) for parts in calls)
     assert torch.equal(table.full_weight(), weight.detach())
+
+
+@pytest.mark.parametrize("make", [
+    lambda groups: torch.optim.SGD(groups, lr=0.1),
+    lambda groups: torch.optim.Adagrad(groups, lr=0.1, lr_decay=0.01),
+    lambda groups: torch.optim.Adagrad(groups, lr=0.1, foreach=True),
+])
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_a_param_groups_tables_take_one_row_update_per_partition_slot(
+        group, worker, monkeypatch, make: Factory, partitions: int) -> None:
+    """Three tables, two in one param group and one in another: each step updates the
+    touched rows of a param group's tables in one functional call per partition slot (one
+    call per group with one partition), with no server ``step()`` left to run, and every
+    table ends as the user's optimizer steps it on one device, to the bit."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [nn.Parameter(torch.randn(10, 3, dtype=torch.float64, generator=generator))
+               for _ in range(3)]
+    user = make([{"params": weights[:2]}, {"params": weights[2:], "lr": 0.05}])
+    steps = TableSteps()  # (one run's tables: one exchange)
+    tables = [ShardedTable(f"t{i}", w, num_partitions=partitions, worker=worker, group=group,
+                           traffic=Traffic(0, (0,)), sparse_grad=False, average=True,
+                           steps=steps)
+              for i, w in enumerate(weights)]
+    servers = ShardOptimizer([user], {id(w): t for w, t in zip(weights, tables, strict=True)})
+    calls: list[list[str]] = []
+    real = shard_optimizer.update_rows
+    names = {id(part): table.name for table in tables for part in table.parts}
+    monkeypatch.setattr(shard_optimizer, "update_rows", lambda cls, hyper, steps: (
+        calls.append(sorted(names[id(step.param)] for step in steps)),
+        real(cls, hyper, steps))[1])
+    stepped: list[int] = []
+    for server_opt, _, _ in servers._slots:
+        def recording(step=server_opt.step):
+            stepped.append(1)
+            return step()
+        server_opt.step = recording
+    for step, (ids, coefficient) in enumerate(_batches(3)):
+        calls.clear()
+        for table in tables:
+            table.zero_grad()
+        looked_up = pull(tables, [(ids + 3 * k) % 10 for k in range(3)])
+        sum(((rows[inverse] * coefficient).sum() for rows, inverse in looked_up)).backward()
+        ShardedTable.push_together(tables)
+        servers.step()
+        user.zero_grad()
+        sum((F.embedding((ids + 3 * k) % 10, w) * coefficient).sum()
+            for k, w in enumerate(weights)).backward()
+        user.step()
+        if partitions == 1:  # (with 3 a partition may have every row touched: kept dense)
+            assert sorted(calls) == [["t0", "t1"], ["t2"]], step
+    assert bool(stepped) is (partitions > 1)  # one partition: every part stepped at its rows
+    for table, weight in zip(tables, weights, strict=True):
+        assert torch.equal(table.full_weight(), weight.detach())
 
 
 def test_adagrad_initial_accumulator_value_reaches_the_servers(group, worker) -> None:

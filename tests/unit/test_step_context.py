@@ -154,3 +154,16 @@ def test_a_replicated_tables_lookups_are_owed_in_the_runs_context(group, worker,
     reference = reference_grad(_weight(0), [(ids, coefficient)])
     torch.testing.assert_close(once, reference)
     torch.testing.assert_close(param.grad, 2 * reference)
+
+
+def test_a_push_of_tables_of_different_runs_is_refused(group, worker) -> None:
+    """Tables whose pulls live in different runs' step contexts cannot be pushed together:
+    the push would miss the other run's rows; it is refused as our bug, not left silent."""
+    tables = [ShardedTable(f"t{i}", torch.zeros(4, 2, dtype=torch.float64), num_partitions=1,
+                           worker=worker, group=group, traffic=Traffic(0, (0,)),
+                           sparse_grad=False, average=True) for i in range(2)]
+    for table in tables:
+        rows, inverse = table.lookup(torch.tensor([1, 2]))
+        rows[inverse].sum().backward()
+    with pytest.raises(InternalError, match="different runs"):
+        ShardedTable.push_together(tables)

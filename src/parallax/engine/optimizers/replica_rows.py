@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallax.engine.optimizers.row_update import has_row_update, update_rows
+from parallax.engine.optimizers.row_update import RowStep, has_row_update, update_rows
 from parallax.engine.optimizers.shard_optimizer import optimizer_class, zero_gradient_is_identity
 from parallax.engine.tables.replicated import ReplicatedTable
 
@@ -41,8 +41,12 @@ class touched_rows_only:  # noqa: N801 (used as a context manager, as contextlib
 
     def __enter__(self) -> None:
         try:
+            batched: dict[int, tuple[type[torch.optim.Optimizer], dict[str, Any],
+                                     list[RowStep]]] = {}
             for table in self.tables:
-                self._step_touched_rows(table)
+                self._take_touched_rows(table, batched)
+            for cls, group, steps in batched.values():  # a param group's tables at once
+                update_rows(cls, group, steps)
         except BaseException:
             self._put_back()
             raise
@@ -50,7 +54,11 @@ class touched_rows_only:  # noqa: N801 (used as a context manager, as contextlib
     def __exit__(self, *exc_info: object) -> None:
         self._put_back()
 
-    def _step_touched_rows(self, table: ReplicatedTable) -> None:
+    def _take_touched_rows(self, table: ReplicatedTable,
+                           batched: dict[int, tuple[type[torch.optim.Optimizer],
+                                                    dict[str, Any], list[RowStep]]]) -> None:
+        """Add ``table``'s touched rows to its param group's update in ``batched`` and hide
+        its gradient, where it is eligible."""
         param, grad, rows = table.param, table.param.grad, table.touched_rows()
         if grad is None or grad.is_sparse or rows is None or rows.numel() == table.num_rows:
             return
@@ -60,7 +68,9 @@ class touched_rows_only:  # noqa: N801 (used as a context manager, as contextlib
         cls = optimizer_class(owner[0])
         if not has_row_update(cls, param):
             return
-        update_rows(cls, owner[1], owner[0].state[param], param, grad, rows)
+        if id(owner[1]) not in batched:
+            batched[id(owner[1])] = (cls, owner[1], [])
+        batched[id(owner[1])][2].append(RowStep(param, grad, rows, owner[0].state[param]))
         param.grad = None
         self.swapped.append((param, grad))
 

@@ -13,16 +13,29 @@ before it scales) and written back: about 35 operators.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim.adagrad import adagrad
+from torch.optim.sgd import sgd
 
-from parallax.engine.optimizers.deferred_sgd import sgd_rows
 from parallax.errors import InternalError
 
-__all__ = ["has_row_update", "update_rows"]
+__all__ = ["RowStep", "has_row_update", "update_rows"]
+
+
+@dataclass(frozen=True)
+class RowStep:
+    """One parameter's part of a row update: its ``rows`` (unique row numbers) to step from
+    those rows of its dense ``grad``, and the optimizer's ``state`` of ``param``."""
+
+    param: Tensor
+    grad: Tensor
+    rows: Tensor
+    state: dict[str, Any]
 
 
 def has_row_update(optimizer_class: type[torch.optim.Optimizer], param: Tensor) -> bool:
@@ -33,29 +46,44 @@ def has_row_update(optimizer_class: type[torch.optim.Optimizer], param: Tensor) 
 
 
 def update_rows(optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any],
-                state: dict[str, Any], param: Tensor, grad: Tensor, rows: Tensor) -> None:
-    """One step of ``optimizer_class`` with ``group``'s hyper-parameters on ``rows`` (unique
-    row numbers) of ``param``, from those rows of the dense ``grad``, in place; ``state`` is
-    the optimizer's state of ``param`` (Adagrad's ``sum`` rows and ``step`` advance as torch's
-    step advances them). Only for `has_row_update` classes with a zero gradient an identity."""
+                steps: Sequence[RowStep]) -> None:
+    """One step of ``optimizer_class`` with ``group``'s hyper-parameters on the rows of every
+    parameter of ``steps``, in place, in one call of the optimizer's functional form over
+    them all (as torch's ``step()`` steps a param group's parameters together: on a GPU its
+    foreach kernels serve every table at once); Adagrad's ``sum`` rows and ``step`` advance
+    as torch's step advances them. Only for `has_row_update` classes with a zero gradient
+    an identity."""
     with torch.no_grad():
         if optimizer_class is torch.optim.SGD:
-            sgd_rows(param, grad, None, rows, group)
+            _sgd_rows(group, steps)
         elif optimizer_class is torch.optim.Adagrad:
-            _adagrad_rows(group, state, param, grad, rows)
+            _adagrad_rows(group, steps)
         else:
             raise InternalError(f"parallax internal error: no row update for "
                                 f"{optimizer_class.__name__}; please report it")
 
 
-def _adagrad_rows(group: dict[str, Any], state: dict[str, Any], param: Tensor, grad: Tensor,
-                  rows: Tensor) -> None:
-    values, sums = param.index_select(0, rows), state["sum"].index_select(0, rows)
-    adagrad([values], [grad.index_select(0, rows)], [sums], [state["step"]],
+def _sgd_rows(group: dict[str, Any], steps: Sequence[RowStep]) -> None:
+    """Plain SGD (no momentum, no weight decay: the rows' update is the whole one)."""
+    values = [step.param.index_select(0, step.rows) for step in steps]
+    sgd(values, [step.grad.index_select(0, step.rows) for step in steps], [None] * len(steps),
+        weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+        dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"],
+        foreach=group.get("foreach"))
+    for step, stepped in zip(steps, values, strict=True):
+        step.param.index_copy_(0, step.rows, stepped)
+
+
+def _adagrad_rows(group: dict[str, Any], steps: Sequence[RowStep]) -> None:
+    values = [step.param.index_select(0, step.rows) for step in steps]
+    sums = [step.state["sum"].index_select(0, step.rows) for step in steps]
+    adagrad(values, [step.grad.index_select(0, step.rows) for step in steps], sums,
+            [step.state["step"] for step in steps],
             lr=group["lr"], weight_decay=group["weight_decay"], lr_decay=group["lr_decay"],
             eps=group["eps"], maximize=group["maximize"],
             # the program's own form (None: torch's default for the rows' device, which is
             # the program's parameter's device)
             foreach=group.get("foreach"))
-    param.index_copy_(0, rows, values)
-    state["sum"].index_copy_(0, rows, sums)
+    for step, stepped, summed in zip(steps, values, sums, strict=True):
+        step.param.index_copy_(0, step.rows, stepped)
+        step.state["sum"].index_copy_(0, step.rows, summed)

@@ -23,7 +23,7 @@ from parallax.cluster import WorkerInfo
 from parallax.collective import agree
 from parallax.engine.optimizers import deferred_sgd
 from parallax.engine.optimizers.deferred_sgd import DeferredRows, sgd_rows, zero_gradient_map
-from parallax.engine.optimizers.row_update import has_row_update, update_rows
+from parallax.engine.optimizers.row_update import RowStep, has_row_update, update_rows
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.errors import (
     ArgumentTypeError,
@@ -244,7 +244,12 @@ class ShardOptimizer:
         row_steps = self._touched_rows_only(wanted, dense_grads)
         deferred_steps = self._deferred_steps(wanted, dense_grads)
         try:
-            steps: list[Callable[[], object]] = [server_opt.step for server_opt, _, _ in slots]
+            # (a server optimizer of torch's own whose every part had its gradient taken
+            # would step nothing: its step() is skipped, as torch skips a .grad of None)
+            steps: list[Callable[[], object]] = [
+                server_opt.step for server_opt, user_opt, _ in slots
+                if optimizer_class(user_opt) not in PER_SHARD_OPTIMIZERS
+                or _any_gradient(server_opt)]
             self.pool.run([*steps, *row_steps, *deferred_steps])
         finally:
             for part, grad in dense_grads:
@@ -322,21 +327,27 @@ class ShardOptimizer:
                            held: list[tuple[nn.Parameter, Tensor | None]],
                            ) -> list[Callable[[], None]]:
         """The updates of each eligible partition's touched rows alone (`update_rows`), one
-        task per partition; their dense gradients are taken from the servers' optimizers
-        (which skip them) into ``held``, to put back after the step."""
-        tasks: list[Callable[[], None]] = []
+        task per param group and partition slot (every table of the group at once, as torch
+        steps a group); their dense gradients are taken from the servers' optimizers (which
+        skip them) into ``held``, to put back after the step."""
+        batched: dict[tuple[int, int], tuple[type[torch.optim.Optimizer], dict[str, Any],
+                                             list[RowStep]]] = {}
         for table, group in self._eligible(wanted, zero_gradient_is_identity):
             cls = optimizer_class(self._owners[table.name][0])
-            for part, rows in zip(table.parts, table.touched_rows_by_part(), strict=True):
+            for slot, (part, rows) in enumerate(zip(table.parts, table.touched_rows_by_part(),
+                                                    strict=True)):
                 grad = part.grad
                 if (grad is None or grad.is_sparse or rows.numel() == part.shape[0]
                         or not has_row_update(cls, part)):
                     continue
-                tasks.append(functools.partial(update_rows, cls, _hyper_parameters(group),
-                                               self._state_of(part), part, grad, rows))
+                key = (id(group), slot)
+                if key not in batched:
+                    batched[key] = (cls, _hyper_parameters(group), [])
+                batched[key][2].append(RowStep(part, grad, rows, self._state_of(part)))
                 held.append((part, grad))
                 part.grad = None
-        return tasks
+        return [functools.partial(update_rows, cls, hyper, steps)
+                for cls, hyper, steps in batched.values()]
 
     def _state_of(self, part: nn.Parameter) -> dict[str, Any]:
         for server_opt, _, _ in self._slots:
@@ -485,6 +496,15 @@ def take_user_state(table: ServerTable, param: nn.Parameter,
         else:
             state[key] = kind.clone() if isinstance(kind, Tensor) else kind
     return state
+
+
+def _any_gradient(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter of ``optimizer`` has a gradient (loops: every step asks)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                return True
+    return False
 
 
 def is_per_row(value: object, rows: Tensor | None) -> bool:

@@ -319,8 +319,12 @@ def pending_pulls(tables: Sequence[ExchangedTable]) -> list[Pull]:
     `push_gradients` takes them (pull order: the same on every rank)."""
     if not tables:
         return []
-    found = []
-    for pull in tables[0].steps.current.pulls:  # (loops: every push asks)
+    found, steps = [], tables[0].steps
+    for table in tables:  # (`shared_steps`, inline: every push asks)
+        if table.steps is not steps:
+            raise InternalError("parallax internal error: tables of one push belong to "
+                                "different runs' steps; please report it")
+    for pull in steps.current.pulls:  # (loops: every push asks)
         for table in tables:
             if table.name in pull.lookups:
                 found.append(pull)
