@@ -1,7 +1,7 @@
 """Pooling on the owners (`parallax.engine.tables.pooled`), sender and owner sides in one
-process: each worker's call split into its owners' shares (`_shares`), every worker's share
+process: each worker's call split into its owners' shares (`Pooling.shares`), every worker's share
 pooled by each owner in one ``embedding_bag`` (`_pool_at_owner`), the shares added at the
-worker (`_added`) and the rows' gradient written out (`_Merged.rows_gradient`). Each
+worker (`Pooling.added`) and the rows' gradient written out (`_Merged.rows_gradient`). Each
 worker's pooled rows must be what its own call gives on the whole table, and the rows'
 gradient the sum of the workers' own backwards, whatever the calls' shapes: a last offset
 short of the ids' end (torch's CPU kernel ends the last bag at the ids' end; the owner
@@ -97,7 +97,7 @@ def _pool(table: _Table, calls: list[_Call], mode: str, last: bool,
     owners = pooled.owners_of(table)  # type: ignore[arg-type]
     bag_calls = [pooled.BagCall(table, c.ids, c.offsets, c.weights, mode, padding,  # type: ignore[arg-type]
                                 last) for c in calls]
-    shares = [pooled._shares(call, owners, pooled._refusal(call) is not None)
+    shares = [table.sharding.shares(call, owners, pooled._refusal(call) is not None)
               for call in bag_calls]
     owned = {}
     for owner in owners:
@@ -120,7 +120,7 @@ def _pool(table: _Table, calls: list[_Call], mode: str, last: bool,
             parts.append(owned[owner].pooled[start:start + owned[owner].bags[w]].detach())
         leaf = torch.cat(parts).requires_grad_(True)
         leaves.append(leaf)
-        outs.append(pooled._added(call, leaf, len(owners)))
+        outs.append(table.sharding.added(call, leaf, owners))
     grad = torch.zeros(ROWS, DIM, dtype=torch.float64)
     generator = torch.Generator().manual_seed(3)
     grads = [torch.randn(out.shape, generator=generator, dtype=torch.float64) for out in outs]

@@ -13,8 +13,10 @@ over big tables (a user's history); one-id bags gain nothing.
 
 A table named in `Config.pooled_by_rows` (TorchRec's row-wise sharding) keeps its rows
 partitioned over the servers: each worker sends every server the ids of its rows with each
-bag's start among them (`_shares`), each server pools its share of every bag as a sum, and the
-worker adds the shares in rank order, dividing by the bag's size under ``mean`` (`_added`);
+bag's start among them (`Pooling.shares` of its sharding,
+`parallax.engine.tables.sharding`), each server pools its share of every bag as a sum, and the
+worker adds the shares in rank order, dividing by the bag's size under ``mean``
+(`Pooling.added`);
 the shares' gradients go back to each server. One table's pooling is spread over the servers,
 for one pooled vector per server and bag; the result differs from one device only in the order
 of a bag's sums. ``max`` is refused (a share's sum is no max).
@@ -24,11 +26,12 @@ column slices, slice k on its own server: the engine sees the ``R x d`` table as
 ``R*K x d/K`` table that views the same memory (row ``r*K + k`` of it is slice k of row r), in
 K partitions by ``id % K`` (partition k is slice k), so the servers, their optimizer (any that
 updates element by element), the gradients and the checkpoints need nothing new. Every owner
-gets every id of every bag (`_shares`) and pools its slice over the bag's whole id list with
-the worker's own mode (``max`` and per-sample weights too); the worker puts the K slices side
-by side (`_added`). Each slice is pooled as one device pools those columns: exact. One big
-table's pooling, memory and update are spread over K servers for the price of sending the ids
-K times (the pooled rows move d numbers a bag, as with one owner).
+gets every id of every bag and pools its slice over the bag's whole id list with the worker's
+own mode (``max`` and per-sample weights too); the worker puts the K slices side by side. Each
+slice is pooled as one device pools those columns: exact. One big table's pooling, memory and
+update are spread over K servers for the price of sending the ids K times (the pooled rows
+move d numbers a bag, as with one owner). How each kind splits and joins a call is its
+sharding's (`parallax.engine.tables.sharding.Pooling`); this module is the exchange.
 
 Exact: the owner computes what the layer computes on one device, every worker's bags of a
 call in one ``embedding_bag`` (each bag with its worker's ids, offsets, ``mode``,
@@ -61,6 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallax.cluster import WorkerInfo
+from parallax.engine.tables.bags import BagShare, bag_of_ids, bag_sizes
 from parallax.engine.tables.exchange import (
     Hop,
     Traffic,
@@ -180,12 +184,7 @@ def bag_call(table: PoolingTable, ids: Tensor, offsets: Tensor | None,
     ``F.embedding_bag`` itself turns a 2-D batch of fixed-length bags into one (same checks,
     same messages: raised here, on the rank that made the call, before any exchange)."""
     name, rank = table.name, table.worker.rank
-    if table.sharding.by_rows and mode == "max":
-        raise UnsupportedProgramError(
-            f"rank {rank}: parameter '{name}' is pooled by rows (Config.pooled_by_rows), but "
-            f"its nn.EmbeddingBag has mode='max': pooling by rows adds every server's share "
-            f"of a bag, which gives a sum or a mean, not a max; name it in "
-            f"Config.pooled_tables (pooled whole on one owner) or leave it to the row path")
+    table.sharding.check_mode(name, rank, mode)
     if ids.dtype not in (torch.int64, torch.int32):
         raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an integer "
                                 f"tensor, got {ids.dtype}")
@@ -216,95 +215,16 @@ def bag_call(table: PoolingTable, ids: Tensor, offsets: Tensor | None,
 
 
 def owners_of(table: PoolingTable) -> list[int]:
-    """The ranks that pool a table's bags, in rank order: the one server holding it whole
-    (`Config.pooled_tables`), every server holding some of its rows
-    (`Config.pooled_by_rows`: each pools its rows' share of every bag), or the server of each
-    column slice (`Config.pooled_by_columns`: each pools its slice of every bag)."""
-    partitioning = table.partitioning
-    if not table.sharding.by_rows and table.sharding.slices == 1:
-        return [partitioning.server_ranks[partitioning.server_of_partition(0)]]
-    return sorted({partitioning.server_ranks[partitioning.server_of_partition(p)]
-                   for p in range(partitioning.num_partitions)})
-
-
-def slice_of_owner(table: PoolingTable, rank: int) -> int:
-    """The column slice ``rank`` holds of a table pooled by columns (its one partition)."""
-    partitioning = table.partitioning
-    for k in range(partitioning.num_partitions):
-        if partitioning.server_ranks[partitioning.server_of_partition(k)] == rank:
-            return k
-    raise InternalError(f"parallax internal error: rank {rank} holds no column slice of "
-                        f"'{table.name}'; please report it")
+    """The ranks that pool a table's bags, in rank order (its sharding's `owners`: the one
+    server holding it whole, every server holding some of its rows, or each column slice's
+    server)."""
+    return table.sharding.owners(table.partitioning)
 
 
 def model_rows(table: PoolingTable) -> int:
     """The rows of the program's table (a table pooled by columns is held as
     ``rows * sharding.slices`` rows of its slices)."""
     return table.num_rows // table.sharding.slices
-
-
-@dataclass
-class _Share:
-    """What one owner pools of a call: its ids in bag order, where each of the call's bags
-    starts among them, and their weights."""
-
-    starts: Tensor
-    ids: Tensor
-    weights: Tensor | None
-
-
-def _shares(call: BagCall, owners: list[int], refused: bool) -> dict[int, _Share]:
-    """Each owner's share of ``call`` (its offsets as bag starts: `BagCall.starts`). A call
-    torch refuses (``refused``: `_refusal`) sends nothing to several owners: every rank raises
-    for it once the headers are in."""
-    starts = call.starts
-    if len(owners) == 1 or call.table.sharding.slices > 1:  # (every slice's owner: every id)
-        return {owner: _Share(starts, call.ids, call.weights) for owner in owners}
-    if refused:
-        return {o: _Share(starts[:0], call.ids[:0], None) for o in owners}
-    bag = _bag_of_ids(starts, call.ids.numel())
-    owner = call.table.partitioning.owner_rank(call.ids)
-    shares = {}
-    for rank in owners:
-        mine = owner == rank
-        counts = torch.bincount(bag[mine], minlength=starts.numel())
-        shares[rank] = _Share(counts.cumsum(0) - counts, call.ids[mine],
-                              None if call.weights is None else call.weights[mine])
-    return shares
-
-
-def _added(call: BagCall, shares: Tensor, owners: int) -> Tensor:
-    """The call's pooled rows from its ``owners``' shares (``[owner, bag, ...]`` flattened,
-    in rank order): their sum, divided by each bag's count of ids other than the padding
-    under ``mean`` (an empty bag stays zero, as torch pools it); or, pooled by columns, the
-    column slices side by side in slice order."""
-    if owners == 1:
-        return shares
-    table = call.table
-    if table.sharding.slices > 1:
-        ranks = owners_of(table)
-        order = sorted(range(owners), key=lambda i: slice_of_owner(table, ranks[i]))
-        slices = shares.view(owners, call.bags, *shares.shape[1:])
-        return torch.cat([slices[i] for i in order], dim=1)
-    total = shares.view(owners, call.bags, *shares.shape[1:]).sum(0)
-    if call.mode != "mean":
-        return total
-    kept = (None if call.padding_idx is None
-            else call.ids != call.padding_idx % call.table.num_rows)
-    sizes = _bag_sizes(_bag_of_ids(call.starts, call.ids.numel()), kept, call.bags)
-    return total / sizes.unsqueeze(1).to(total.dtype)
-
-
-def _bag_of_ids(starts: Tensor, ids: int) -> Tensor:
-    """Each of ``ids`` ids' bag, for bags starting at ``starts`` (the last runs to the end)."""
-    lengths = torch.diff(starts, append=starts.new_tensor([ids]))
-    return torch.repeat_interleave(torch.arange(starts.numel(), device=starts.device), lengths)
-
-
-def _bag_sizes(bag: Tensor, kept: Tensor | None, bags: int) -> Tensor:
-    """Each bag's count of ids other than the padding (``kept``: None, all), at least 1: what
-    ``mean`` divides by (an empty bag pools to zero)."""
-    return torch.bincount(bag if kept is None else bag[kept], minlength=bags).clamp(min=1)
 
 
 @dataclass
@@ -377,8 +297,8 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     rank, world = first.worker.rank, first.worker.world_size
     owners = [owners_of(call.table) for call in calls]
     refused = [_refusal(call) is not None for call in calls]
-    shares = [_shares(call, mine, no) for call, mine, no in zip(calls, owners, refused,
-                                                                   strict=True)]
+    shares = [call.table.sharding.shares(call, mine, no)
+              for call, mine, no in zip(calls, owners, refused, strict=True)]
     keys = [f"{call.table.name}#{i}" for i, call in enumerate(calls)]
     accounts = {key: call.table.name for key, call in zip(keys, calls, strict=True)}
     header, received = _open(calls, shares, refused, keys)
@@ -399,7 +319,7 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     if grad:
         for leaf in leaves:
             leaf.requires_grad_(True)
-    result = [_added(call, leaf, len(mine))
+    result = [call.table.sharding.added(call, leaf, mine)
               for call, leaf, mine in zip(calls, leaves, owners, strict=True)]
     if grad:
         shared_steps([call.table for call in calls]).current.pooled.append(
@@ -407,7 +327,7 @@ def pool_many(calls: Sequence[BagCall]) -> list[Tensor]:
     return result
 
 
-def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: list[bool],
+def _open(calls: Sequence[BagCall], shares: list[dict[int, BagShare]], refused: list[bool],
           keys: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
     """The header (every sender's counts to each of a call's owners and flags to every rank,
     as ``[sender, call, field]``) and, at the owners, every sender's share of each call
@@ -466,7 +386,7 @@ def _open(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: li
     return received, {k: torch.cat(pieces[k]) for k in keys}  # (as sent: int32 where it fits)
 
 
-def _header(calls: Sequence[BagCall], shares: list[dict[int, _Share]], refused: list[bool],
+def _header(calls: Sequence[BagCall], shares: list[dict[int, BagShare]], refused: list[bool],
             overflowed: bool) -> Tensor:
     """This rank's header to every peer, ``[peer, call, field]``: counts to each of a call's
     owners, flags and bad ids to every rank."""
@@ -553,7 +473,7 @@ def _refusal(call: BagCall) -> str | None:
     return None
 
 
-def _send_weights(calls: Sequence[BagCall], shares: list[dict[int, _Share]], header: Tensor,
+def _send_weights(calls: Sequence[BagCall], shares: list[dict[int, BagShare]], header: Tensor,
                   keys: list[str], accounts: dict[str, str]) -> dict[str, Tensor]:
     """The per-sample weights of the calls for which any rank has some, at their owners (each
     owner the weights of its share of the ids)."""
@@ -574,7 +494,7 @@ def _send_weights(calls: Sequence[BagCall], shares: list[dict[int, _Share]], hea
     return Hop(send, receive, first.group, first.traffic, accounts).forward_many(mine)
 
 
-def _weights_of(call: BagCall, share: _Share) -> Tensor:
+def _weights_of(call: BagCall, share: BagShare) -> Tensor:
     """A share's weights as sent (an empty tensor of the table's dtype for none)."""
     if share.weights is None:
         return call.table.empty_rows(0).new_empty(0)
@@ -597,9 +517,9 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
     unique, inverse = torch.unique(torch.cat([p[m:] for p, m in zip(pieces, sizes, strict=True)]),
                                    return_inverse=True)
     unique = unique.long()
-    slices = table.sharding.slices
-    column = slice_of_owner(table, table.worker.rank) if slices > 1 else 0
-    local = table.partitioning.local_row(unique * slices + column)  # (its slice's row)
+    sharding = table.sharding
+    column = sharding.column(table.partitioning, table.worker.rank)
+    local = table.partitioning.local_row(unique * sharding.slices + column)  # (its slice's row)
     if table.before_read is not None:
         table.before_read(local)  # deferred steps first (values and optimizer state)
     rows = table.server_shard().detach().index_select(0, local)
@@ -620,9 +540,7 @@ def _pool_at_owner(call: BagCall, header: Tensor, received: Tensor, weights: Ten
         start += n
         if sent_weights is not None:  # a worker without weights weighs each id 1, exactly
             weight_parts.append(sent_weights[w] if has_weights[w] else rows.new_ones(n))
-    # one share of several is a sum: the worker adds the shares, then divides under mean (a
-    # column slice is pooled over the whole bag: the worker's own mode)
-    mode = "sum" if table.sharding.by_rows and len(owners_of(table)) > 1 else call.mode
+    mode = sharding.owner_mode(call.mode, len(owners_of(table)))
     merged = _Merged(inverse, torch.cat(offsets).long(),
                      torch.cat(weight_parts) if weight_parts else None, padding, mode)
     if mode == "max":  # the gradient goes to each bag's largest: torch's backward finds it
@@ -668,18 +586,18 @@ class _Merged:
         gradient (the padding's left out); None without ids."""
         if not self.ids.numel():
             return None
-        bag = _bag_of_ids(self.offsets, self.ids.numel())
+        bag = bag_of_ids(self.offsets, self.ids.numel())
         kept = None if self.padding is None else self.ids != self.padding
         if self.mode == "mean" and self.weights is None:  # (torch allows weights with sum only)
             # each bag's gradient divided once, not once per id: the same quotients
-            sizes = _bag_sizes(bag, kept, self.offsets.numel())
+            sizes = bag_sizes(bag, kept, self.offsets.numel())
             grads = grads / sizes.unsqueeze(1).to(grads.dtype)
         # (index_select: a gather of rows; ``grads[bag]`` is several times slower on the CPU)
         ids, per_id = self.ids, grads.index_select(0, bag)
         if self.weights is not None:
             per_id = per_id * self.weights.unsqueeze(1)
             if self.mode == "mean":
-                sizes = _bag_sizes(bag, kept, self.offsets.numel())
+                sizes = bag_sizes(bag, kept, self.offsets.numel())
                 per_id = per_id / sizes[bag].unsqueeze(1).to(per_id.dtype)
         if kept is not None:
             ids, per_id = ids[kept], per_id[kept]
