@@ -18,8 +18,8 @@ from parallax.errors import InternalError
 def flat_allreduce(state: DenseSyncState, bucket: GradBucket,
                    ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: asynchronous AllReduce of the bucket; bytes counted per parameter."""
-    for name, piece in state.pieces(bucket):
-        state.traffic.record_ring_allreduce(name, piece.numel() * piece.element_size())
+    for name, payload in state.payloads(bucket):
+        state.traffic.record_ring_allreduce(name, payload)
     work = dist.all_reduce(bucket.buffer(), async_op=True)
     if work is None:  # (async_op=True always gives a Work)
         raise InternalError("all_reduce(async_op=True) returned no work")

@@ -31,9 +31,8 @@ def hierarchical_allreduce(state: DenseSyncState, bucket: GradBucket,
     with phases.phase("dense sync"):
         began = time.perf_counter()
         buffer = bucket.buffer()
-        for name, piece in state.pieces(bucket):
-            reduction.account(piece, traffic=state.traffic, name=name,
-                              all_to_all=state.small_sums)
+        reduction.account_payloads(state.payloads(bucket), traffic=state.traffic,
+                                   all_to_all=state.small_sums)
         reduction.all_reduce(buffer, all_to_all=state.small_sums)
         done.set_result(state.finish(buffer))
         state.seconds += time.perf_counter() - began

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch._C._distributed_c10d import GradBucket
@@ -37,15 +37,22 @@ class DenseSyncState:
     deferring: bool = False
     deferred: bool = False
 
-    def pieces(self, bucket: GradBucket) -> list[tuple[str, torch.Tensor]]:
-        """Each parameter's slice of the bucket's flat buffer, with its name."""
-        buffer = bucket.buffer()
-        out, offset = [], 0
-        for param in bucket.parameters():
-            out.append((self.names.get(id(param), "dense"), buffer.narrow(0, offset,
-                                                                          param.numel())))
-            offset += param.numel()
-        return out
+    #: per bucket (its index and parameters): each parameter's name and bytes (`payloads`)
+    _payloads: dict[tuple[int, ...], list[tuple[str, int]]] = field(
+        default_factory=dict, init=False, repr=False)
+
+    def payloads(self, bucket: GradBucket) -> list[tuple[str, int]]:
+        """Each parameter's name and bytes in the bucket's flat buffer: the same every step
+        for the same bucket, so worked out once per bucket (every backward asks, and a slice
+        of the buffer per parameter costs operators as well as calls)."""
+        params = bucket.parameters()
+        key = (bucket.index(), *map(id, params))
+        known = self._payloads.get(key)
+        if known is None:
+            size = bucket.buffer().element_size()
+            known = self._payloads[key] = [(self.names.get(id(param), "dense"),
+                                            param.numel() * size) for param in params]
+        return known
 
     def finish(self, buffer: torch.Tensor) -> torch.Tensor:
         """The summed buffer, averaged when asked."""

@@ -178,6 +178,17 @@ class Traffic:
             counts[sent_key] += payload
             counts[received_key] += payload
 
+    def record_to_every_peer_many(self, payloads: Sequence[tuple[str, int]]) -> None:
+        """`record_to_every_peer` of each ``(name, bytes)`` (the pieces of one payload)."""
+        peers = self._keys if self._keys is not None else self._peer_keys()
+        if not peers:
+            return
+        for name, payload in payloads:
+            counts = self.bytes[name]
+            for _, sent_key, received_key in peers:
+                counts[sent_key] += payload
+                counts[received_key] += payload
+
     def _peer_keys(self) -> list[tuple[int, str, str]]:
         """``(peer, sent key, received key)`` of every other rank, worked out once."""
         mine = self.machine_of_rank[self.rank]

@@ -24,7 +24,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.tables.exchange import Traffic
 from parallax.errors import InternalError
 
-__all__ = ["account", "all_reduce", "join", "leave"]
+__all__ = ["account", "account_bytes", "all_reduce", "join", "leave"]
 
 
 @dataclass
@@ -71,7 +71,11 @@ def leave() -> None:
 def account(tensor: torch.Tensor, *, traffic: Traffic, name: str) -> None:
     """Record, under ``name``, the bytes an `all_reduce` of ``tensor`` moves (derived from the
     schedule: c10d reports none)."""
-    payload = tensor.numel() * tensor.element_size()
+    account_bytes(tensor.numel() * tensor.element_size(), traffic=traffic, name=name)
+
+
+def account_bytes(payload: int, *, traffic: Traffic, name: str) -> None:
+    """`account` of a tensor of ``payload`` bytes."""
     if _groups is None:
         traffic.record_ring_allreduce(name, payload)
     else:

@@ -19,6 +19,8 @@ must stay equal).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -26,7 +28,8 @@ from parallax.engine.tables import hierarchy
 from parallax.engine.tables.exchange import Traffic, all_to_all
 from parallax.engine.tables.riders import rank_order_sum
 
-__all__ = ["ALL_TO_ALL_MAX_SENT_BYTES", "account", "all_reduce", "by_all_to_all", "small"]
+__all__ = ["ALL_TO_ALL_MAX_SENT_BYTES", "account", "account_payloads", "all_reduce",
+           "by_all_to_all", "small"]
 
 #: the most bytes one rank sends in an all_to_all sum, ``(W-1)`` copies of its payload: a
 #: 64 KiB payload at 4 ranks, about half the measured crossover at 1 Gbit/s (see the module)
@@ -76,7 +79,15 @@ def account(tensor: torch.Tensor, *, traffic: Traffic, name: str, all_to_all: bo
     """Record, under ``name``, the bytes `all_reduce` moves for ``tensor`` (a whole payload
     or a parameter's piece of it) under the scheme ``all_to_all`` says (derived from the
     scheme: c10d reports none)."""
+    account_payloads([(name, tensor.numel() * tensor.element_size())], traffic=traffic,
+                     all_to_all=all_to_all)
+
+
+def account_payloads(payloads: Sequence[tuple[str, int]], *, traffic: Traffic,
+                     all_to_all: bool) -> None:
+    """`account` of the pieces of one payload summed together, as ``(name, bytes)`` each."""
     if all_to_all:  # (itself not counted)
-        traffic.record_to_every_peer(name, tensor.numel() * tensor.element_size())
+        traffic.record_to_every_peer_many(payloads)
     else:
-        hierarchy.account(tensor, traffic=traffic, name=name)
+        for name, payload in payloads:
+            hierarchy.account_bytes(payload, traffic=traffic, name=name)
