@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import parallax
 from parallax.cluster import WorkerInfo, current_worker
+from parallax.engine import process_group
 from parallax.engine.tables import reduction, server_table
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.server_table import ShardedTable
@@ -70,7 +71,7 @@ def pulls(worker: WorkerInfo, group: dist.ProcessGroup) -> dict:
                          traffic=Traffic(worker.rank, worker.machine_of_rank),
                          sparse_grad=False, average=True)
     calls = 0
-    original = dist.all_to_all_single
+    original = process_group.all_to_all_single  # (the engine's way to the group)
 
     def counted(*args, **kwargs):
         nonlocal calls
@@ -79,7 +80,7 @@ def pulls(worker: WorkerInfo, group: dist.ProcessGroup) -> dict:
 
     exact, collectives = [], []
     generator = torch.Generator().manual_seed(100 + worker.rank)
-    dist.all_to_all_single = counted
+    process_group.all_to_all_single = counted
     try:
         for step, (kind, count) in enumerate(COUNTS):
             # the ranks' counts differ: rank r looks up count * (r + 1) // 2 ids
@@ -99,7 +100,7 @@ def pulls(worker: WorkerInfo, group: dist.ProcessGroup) -> dict:
         except SparseIdError as raised:
             error = str(raised)
     finally:
-        dist.all_to_all_single = original
+        process_group.all_to_all_single = original
     return {"exact": exact, "collectives": collectives, "error": error}
 
 

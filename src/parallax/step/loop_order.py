@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallax.cluster import WorkerInfo
+from parallax.engine import process_group
 from parallax.engine.diagnostics.progress import Explainer
 from parallax.errors import UnevenInputsError, UnsupportedProgramError
 
@@ -85,7 +86,7 @@ class LoopOrder:
             mine[2:2 + values.numel()] = values.reshape(-1)
         everyone = mine.new_empty(width * self.worker.world_size)
         with self.explained:
-            dist.all_gather_into_tensor(everyone, mine, group=self.group)
+            process_group.all_gather_single(everyone, mine, group=self.group)
         rows = everyone.view(self.worker.world_size, width)
         if self.enabled and self.applies:
             self._same_place([(Call(int(c)), int(s)) for c, s, *_ in rows.tolist()])

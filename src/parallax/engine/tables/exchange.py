@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallax.engine import process_group
 from parallax.errors import ArgumentTypeError, InternalError, SparseIdError
 
 COUNT_MESSAGE_BYTES = 3 * 8  # count, error flag, bad id: int64 each
@@ -48,10 +49,8 @@ def all_to_all(out: Tensor, message: Tensor, recv_splits: Sequence[int] | None =
     if (group.size() if group is not None else dist.get_world_size()) == 1:
         out.copy_(message)
         return None
-    work: dist.Work | None = dist.all_to_all_single(
-        out, message, list(recv_splits) if recv_splits else None,
-        list(send_splits) if send_splits else None, group=group, async_op=async_op)
-    return work
+    return process_group.all_to_all_single(out, message, recv_splits, send_splits,
+                                           group=group, async_op=async_op)
 
 
 def peer_splits(names: Sequence[str], counts: dict[str, list[int]],
