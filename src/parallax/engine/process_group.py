@@ -21,7 +21,7 @@ from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from parallax.errors import InternalError
 
-__all__ = ["all_gather_single", "all_to_all_single"]
+__all__ = ["all_gather_single", "all_to_all_single", "size"]
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -32,6 +32,12 @@ def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         raise InternalError("parallax internal error: a collective without a process group "
                             "(torch.distributed is not initialised); please report it")
     return world
+
+
+def size(group: dist.ProcessGroup | None) -> int:
+    """``dist.get_world_size(group)``: the group's own count (one call, where c10d's layers
+    take several, and the exchange asks at every message)."""
+    return int(_group(group).size())
 
 
 def _real(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,7 +51,9 @@ def all_to_all_single(out: torch.Tensor, message: torch.Tensor,
     async_op=async_op)``; None when it has waited."""
     opts = AllToAllOptions()
     opts.asyncOp = async_op
-    work = _group(group).all_to_all_single(_real(out), _real(message),
+    if out.is_complex() or message.is_complex():
+        out, message = _real(out), _real(message)
+    work = _group(group).all_to_all_single(out, message,
                                            list(recv_splits) if recv_splits else [],
                                            list(send_splits) if send_splits else [], opts)
     if async_op:
@@ -60,4 +68,6 @@ def all_gather_single(out: torch.Tensor, tensor: torch.Tensor, *,
     order, in ``out``."""
     opts = AllgatherOptions()
     opts.asyncOp = False
-    _group(group).all_gather_single(_real(out), _real(tensor), opts).wait()
+    if out.is_complex() or tensor.is_complex():
+        out, tensor = _real(out), _real(tensor)
+    _group(group).all_gather_single(out, tensor, opts).wait()

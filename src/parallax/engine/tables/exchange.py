@@ -45,8 +45,7 @@ def all_to_all(out: Tensor, message: Tensor, recv_splits: Sequence[int] | None =
     """``dist.all_to_all_single``, except in a group of one rank, whose message is what it
     receives: copied here, without the collective (on a GPU an all_to_all of one rank still
     launches NCCL's kernels; on a CPU it still goes through gloo). None: nothing to wait for."""
-    # (the group's own size: a call, where dist.get_world_size is several, each exchange)
-    if (group.size() if group is not None else dist.get_world_size()) == 1:
+    if process_group.size(group) == 1:
         out.copy_(message)
         return None
     return process_group.all_to_all_single(out, message, recv_splits, send_splits,
@@ -71,7 +70,7 @@ def exchange_counts(message: Tensor, *, group: dist.ProcessGroup | None,
     """A host ``message`` of counts sent through ``device`` (NCCL moves device tensors only)
     and received back on the host. In a group of one rank it is its own answer and stays on
     the host: on a GPU the trip would cost two copies and a synchronisation for nothing."""
-    if dist.get_world_size(group) == 1:
+    if process_group.size(group) == 1:
         return message
     sent = message.to(device, non_blocking=True)  # (a blocking copy would wait on a GPU)
     received = torch.empty_like(sent)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from parallax.engine import process_group
 from parallax.engine.tables import hierarchy
 from parallax.engine.tables.exchange import Traffic, all_to_all
 from parallax.engine.tables.riders import rank_order_sum
@@ -46,7 +47,8 @@ def by_all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) 
     """Whether `all_reduce` sums ``tensor`` over ``group`` by one all_to_all: it is `small`
     and on CPU over gloo."""
     gloo = tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
-    return gloo and small(tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+    return gloo and small(tensor.numel() * tensor.element_size(),
+                          process_group.size(group))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
@@ -56,18 +58,19 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
     payload passes its choice), else machine by machine (`hierarchy.all_reduce`, over the
     whole world) or one flat AllReduce. Over one rank the tensor is its own sum, left as it
     is (a collective of one would still go through c10d, and on a GPU launch kernels)."""
-    if dist.get_world_size(group) == 1:
+    world = process_group.size(group)
+    if world == 1:
         return
     if by_all_to_all(tensor, group) if all_to_all is None else all_to_all:
         _sum_by_all_to_all(tensor, group)
-    elif dist.get_world_size(group) == dist.get_world_size():  # the machines' groups apply
+    elif world == dist.get_world_size():  # the machines' groups apply
         hierarchy.all_reduce(tensor, group)
     else:
         dist.all_reduce(tensor, group=group)
 
 
 def _sum_by_all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    world = dist.get_world_size(group)
+    world = process_group.size(group)
     flat = tensor.detach().reshape(1, -1)
     copies = flat.expand(world, -1).contiguous()
     received = torch.empty_like(copies)
