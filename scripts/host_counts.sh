@@ -11,7 +11,7 @@ mkdir -p "$out"
 for workers in 1 2; do
   for door in distribute runner; do
     "$py" benchmarks/host_work.py --workers "$workers" --door "$door" --partitions 1 \
-      --local-aggregation off --no-overlap-push --rounds 3 \
+      --local-aggregation off --no-overlap-push --rounds 7 \
       --out "$out/host-counts-${workers}w-${door}.json"
   done
 done
