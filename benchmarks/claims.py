@@ -311,7 +311,7 @@ TABLE4 = ("table4/ef026e6-intel-xeon-2c",)
 EMULATED = "emulated link (tc tbf), 2 shared CPU cores"
 P000 = "`000`/`003` (Parallax, EuroSys'19)"
 
-HOST_WORK_RECORD = "host-counts-{workers}w-{door}/3547114-amd-epyc-2c"
+HOST_WORK_RECORD = "host-counts-{workers}w-{door}/005fd93-amd-epyc-2c"
 DOORS = {"distribute": "the own loop after `distribute`", "runner": "`Runner.step`"}
 #: the host-work claims whose record meets the target
 HOST_MET = frozenset({"host-ops-1w-distribute", "host-ops-1w-runner", "host-calls-1w-distribute",
@@ -323,14 +323,14 @@ HOST_WHY = {
     (1, "calls"): "what remains is the step round's own: the phase clock (about 10 calls a "
                   "phase, 4 to 5 phases a step), the loop checks, the backward hook, the "
                   "finiteness check, the hooks after the step",
-    (2, "ops"): "per-table and per-peer work in the server engine: the step's context and "
-                "the rows' exchange now stand apart from the tables, but the exchange still "
-                "works table by table and peer by peer (views, splits, headers); issue 73's "
-                "batching across tables is what cuts it",
+    (2, "ops"): "per-table and per-peer work in the server engine: the exchange's unique, "
+                "owner, split and gather table by table; issue 73's table group (one store "
+                "and one exchange entry for the tables of one dtype, row shape and "
+                "partitioning) is what cuts it",
     (2, "calls"): "per-table and per-peer work in the server engine (the id message's rooms "
-                  "and headers, the pull and push, the servers' update per table): the "
-                  "step's context and the rows' exchange now stand apart from the tables; "
-                  "issue 73's batching across tables is what cuts it",
+                  "and headers, the pull, the push, the servers' update), and the step's "
+                  "own whatever the tables (the phase clock, the loop order's checks, the "
+                  "verdict, the step round); issue 73's table group is what cuts the first",
 }
 
 
@@ -367,9 +367,9 @@ def _host_claims() -> tuple[Claim, ...]:
                 f"host-step-{key}", "targets", f"{shape}, {program}: step time over {peer}'s",
                 f"target ≤ {limits[2]} (issue 73)", regime, "missed",
                 "what remains is the step round's Python calls and the fused finiteness "
-                "check's operators (rounds on a shared 2-core host vary by several percent: "
-                "an earlier record's point estimate fell under the target, its interval "
-                "past it)" if workers == 1 else "the host work above, on a host-bound step",
+                "check's operators (7 interleaved rounds; earlier 3-round records' point "
+                "estimates under the target were the host's noise)"
+                if workers == 1 else "the host work above, on a host-bound step",
                 "host-counts", source, host_step))
     return tuple(made)
 
