@@ -90,6 +90,8 @@ class ShardedTable:
         # serving them; scale_grad_by_freq: workers push their id counts with the gradient
         # rows, owners divide each aggregated row by its count over the global batch.
         self.batch_dependent = batch_dependent
+        # (an attribute, not a property: the pull, the lookup and the push ask each step)
+        self.scales_by_freq = lookup_options.scales_by_freq(batch_dependent)
         # the run's step (what its pulls owe: `parallax.engine.tables.step_context`), shared
         # by the run's tables; a table made alone is its own run
         self.steps = steps if steps is not None else TableSteps()
@@ -292,10 +294,6 @@ class ShardedTable:
         if unique.numel() == ids.numel() and torch.equal(unique, ids.reshape(-1)):
             return rows.view(*ids.shape, *self.row_shape)  # ids in order (a move's): no copy
         return rows[inverse].view(*ids.shape, *self.row_shape)
-
-    @property
-    def scales_by_freq(self) -> bool:
-        return lookup_options.scales_by_freq(self.batch_dependent)
 
     # ---- backward: push ------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
