@@ -311,7 +311,7 @@ TABLE4 = ("table4/ef026e6-intel-xeon-2c",)
 EMULATED = "emulated link (tc tbf), 2 shared CPU cores"
 P000 = "`000`/`003` (Parallax, EuroSys'19)"
 
-HOST_WORK_RECORD = "host-counts-{workers}w-{door}/005fd93-amd-epyc-2c"
+HOST_WORK_RECORD = "host-counts-{workers}w-{door}/f57a6a5-amd-epyc-2c"
 DOORS = {"distribute": "the own loop after `distribute`", "runner": "`Runner.step`"}
 #: the host-work claims whose record meets the target
 HOST_MET = frozenset({"host-ops-1w-distribute", "host-ops-1w-runner", "host-calls-1w-distribute",
