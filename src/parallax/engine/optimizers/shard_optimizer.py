@@ -186,7 +186,9 @@ class ShardOptimizer:
                        for part, part_state in _part_states(self._tables[name], state,
                                                             owned=True).items()})
         for name, table in self._tables.items():
-            table.before_read = lambda rows, table=table: self.catch_up(table, rows)
+            # (``before_read`` is set at the table's first deferred step: until then no row
+            # owes one, and a read asks nothing)
+            table.before_read = None
             # torch's own optimizers read gradients and never write them
             owner = optimizer_class(self._owners[name][0])
             table.grad_zero_elsewhere = owner in PER_SHARD_OPTIMIZERS
@@ -282,6 +284,8 @@ class ShardOptimizer:
                     continue
                 deferred = self._deferred.setdefault(
                     part, DeferredRows(part.shape[0], part.device))
+                if table.before_read is None:  # its rows now owe steps before a read
+                    table.before_read = functools.partial(self.catch_up, table)
                 tasks.append(self._deferred_step(part, part.grad, rows, hyper, deferred))
                 held.append((part, part.grad))
                 part.grad = None

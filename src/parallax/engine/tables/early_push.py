@@ -98,14 +98,24 @@ class EarlyPush:
 
     def _plan(self, records: list[Pull]) -> list[tuple[Pull, list[str]]]:
         """The items in launch order: the last pulls first (the backward meets them first),
-        each pull's tables in the schedule's groups."""
+        each pull's units (tables, table groups) in the schedule's groups of tables (a table
+        group goes with the first schedule group that holds one of its members)."""
         items: list[tuple[Pull, list[str]]] = []
         for record in reversed(records):
             if not can_push_early(record):
                 continue  # through the leader hop: pushed whole at sync_gradients
-            groups = [[n for n in group if n in record.lookups] for group in self.schedule or []]
-            scheduled = {n for group in groups for n in group}
-            groups.append([n for n in record.lookups if n not in scheduled])
+            unit_of = {name: unit for unit in record.exchanged()
+                       for name in record.members_of(unit)}
+            placed: set[str] = set()
+            groups = []
+            for group in [*(self.schedule or []), list(record.lookups)]:
+                units = []
+                for name in group:
+                    unit = unit_of.get(name)
+                    if unit is not None and unit not in placed:
+                        placed.add(unit)
+                        units.append(unit)
+                groups.append(units)
             items.extend((record, group) for group in groups if group)
         self.items_total += len(items)
         return items
@@ -118,11 +128,12 @@ class EarlyPush:
     def _launch(self, *, only_ready: bool) -> None:
         # the final item waits for `push_gradients`: its message carries the step's verdict
         while self._next < len(self._items) - 1:
-            record, names = self._items[self._next]
-            if only_ready and not all((id(record), n) in self._ready for n in names):
+            record, units = self._items[self._next]
+            if only_ready and not all((id(record), name) in self._ready for unit in units
+                                      for name in record.members_of(unit)):
                 return
             with phases.phase("push"):
-                start_push(record, names)
+                start_push(record, units)
             if only_ready:
                 self.launched_early += 1
             self._next += 1

@@ -294,6 +294,9 @@ class Hop:
     accounts: dict[str, str] | None = None
     #: payloads that are not a parameter's traffic (a rider such as the step's verdict)
     unaccounted: frozenset[str] = frozenset()
+    #: a table group's payload (`parallax.engine.tables.table_group`): each member's name and
+    #: its counts to and from each peer in the forward direction, its bytes counted as its own
+    shares: dict[str, list[tuple[str, list[int], list[int]]]] | None = None
 
     @classmethod
     def open(cls, send_counts: list[int], *, group: dist.ProcessGroup, traffic: Traffic,
@@ -353,7 +356,7 @@ class Hop:
         their own: every rank must take the same subsets in the same order)."""
         return Hop({n: self.send_counts[n] for n in names},
                    {n: self.recv_counts[n] for n in names}, self.group, self.traffic,
-                   self.accounts, self.unaccounted)
+                   self.accounts, self.unaccounted, self.shares)
 
     def carrying(self, key: str) -> Hop:
         """This hop with one more payload, ``key``: one row to and from every peer, in the
@@ -363,10 +366,24 @@ class Hop:
         world = len(counts) if counts is not None else dist.get_world_size(self.group)
         return Hop({**self.send_counts, key: [1] * world},
                    {**self.recv_counts, key: [1] * world}, self.group, self.traffic,
-                   self.accounts, self.unaccounted | {key})
+                   self.accounts, self.unaccounted | {key}, self.shares)
 
     def _account(self, name: str) -> str:
         return name if self.accounts is None else self.accounts.get(name, name)
+
+    def _record(self, name: str, send: list[int], receive: list[int], item: int) -> None:
+        """Count payload ``name``'s bytes (``item`` each), as its parameter's or, for a table
+        group, as each member's (``send``: the counts it sends, forward or backward)."""
+        if name in self.unaccounted:
+            return
+        shares = None if self.shares is None else self.shares.get(name)
+        if shares is None:
+            self.traffic.record(self._account(name), send, receive, item)
+            return
+        forward = send is self.send_counts[name]
+        for member, to_peers, from_peers in shares:
+            self.traffic.record(member, to_peers if forward else from_peers,
+                                from_peers if forward else to_peers, item)
 
     def _start(self, payloads: dict[str, Tensor], send: dict[str, list[int]],
                receive: dict[str, list[int]], *, async_op: bool,
@@ -398,8 +415,7 @@ class Hop:
         work = all_to_all(out, message, recv_splits, send_splits, group=self.group,
                           async_op=async_op)
         for name in names:
-            if name not in self.unaccounted:
-                self.traffic.record(self._account(name), send[name], receive[name], item[name])
+            self._record(name, send[name], receive[name], item[name])
 
         def finish() -> dict[str, Tensor]:
             if work is not None:
@@ -431,8 +447,7 @@ class Hop:
                           async_op=async_op)
         row_bytes = message.element_size() * math.prod(message.shape[1:])
         for name in names:
-            if name not in self.unaccounted:
-                self.traffic.record(self._account(name), send[name], receive[name], row_bytes)
+            self._record(name, send[name], receive[name], row_bytes)
 
         def finish() -> dict[str, Tensor]:
             if work is not None:
@@ -450,8 +465,7 @@ class Hop:
         payload = payload.contiguous()
         work = all_to_all(out, payload, receive, send, group=self.group, async_op=async_op)
         item_bytes = payload.element_size() * math.prod(payload.shape[1:])
-        if name not in self.unaccounted:
-            self.traffic.record(self._account(name), send, receive, item_bytes)
+        self._record(name, send, receive, item_bytes)
 
         def finish() -> dict[str, Tensor]:
             if work is not None:

@@ -89,20 +89,28 @@ def _room(counts: deque[int]) -> int:
 def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]], *,
                   reservations: dict[str, Reservations], group: dist.ProcessGroup,
                   traffic: Traffic, num_rows: dict[str, int],
-                  bad_ids: dict[str, int | None]) -> tuple[Hop, dict[str, Tensor]]:
+                  bad_ids: dict[str, int | None],
+                  members: dict[str, list[tuple[str, list[int]]]] | None = None,
+                  ) -> tuple[Hop, dict[str, Tensor]]:
     """`Hop.open_many` and `Hop.forward_many` of the id ``payloads`` (1-D int64, sorted by
     peer, ``send_counts`` per peer), in one all_to_all where the reservations hold them,
     as int32 where the tables fit (`wire_id_dtype`). Returns the hop (exact counts, for the
-    rows back and the gradients) and the ids each table received (int64), in peer order."""
+    rows back and the gradients) and the ids each table received (int64), in peer order.
+
+    ``members``: per payload of a table group (`parallax.engine.tables.table_group`), each
+    member's name and counts per peer: the count message has an entry per member (its bad
+    id named as its own; ``bad_ids`` and ``num_rows`` then name members too), and its bytes
+    are counted as the member's."""
     names = list(payloads)
     world = len(send_counts[names[0]])
+    entries = _entries(names, send_counts, members)
     wire = wire_id_dtype([num_rows[n] for n in names])
-    header_width = len(names) * _HEADER * 8 // wire.itemsize
+    header_width = len(entries) * _HEADER * 8 // wire.itemsize
     room_to = {n: reservations[n].rooms_to() for n in names}
     room_from = {n: reservations[n].rooms_from() for n in names}
     pieces = {n: payloads[n].to(wire).split_with_sizes(send_counts[n]) for n in names}
     overflowed = any(send_counts[n][p] > room_to[n][p] for n in names for p in range(world))
-    sent_fields, headers_out = _headers(names, send_counts, bad_ids, overflowed, world,
+    sent_fields, headers_out = _headers(entries, bad_ids, overflowed, world,
                                         like=pieces[names[0]][0])
     message = torch.cat([part for peer in range(world) for part in _to_peer(
         peer, names, pieces, room_to, headers_out[peer])])
@@ -112,23 +120,20 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
     out = message.new_empty(sum(recv_splits))
     all_to_all(out, message, recv_splits, send_splits, group=group)
     chunks = out.split_with_sizes(recv_splits)
-    for name in names:
-        traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
-        traffic.record(name, room_to[name], room_from[name], wire.itemsize)
-    # [peer][table][count, flags, bad id]: a group of one received what it sent (on a GPU a
+    # [peer][entry][count, flags, bad id]: a group of one received what it sent (on a GPU a
     # read-back of it would be a wait for nothing)
-    fields = ([sent_fields] if world == 1 else header_of(chunks, len(names) * _HEADER).view(
-        world, len(names), _HEADER).tolist())
-    raise_bad_ids(fields, names, traffic=traffic, num_rows=num_rows)
-    recv_counts = {name: [fields[peer][t][0] for peer in range(world)]
-                   for t, name in enumerate(names)}
+    fields = ([sent_fields] if world == 1 else header_of(chunks, len(entries) * _HEADER).view(
+        world, len(entries), _HEADER).tolist())
+    raise_bad_ids(fields, [name for _, name, _ in entries], traffic=traffic, num_rows=num_rows)
+    recv_counts, shares = _received_counts(entries, fields, world)
+    _count_traffic(traffic, names, shares, room_to, room_from, wire.itemsize, world)
     received = cut_rooms(chunks, names, room_from, recv_counts, header=header_width)
     # every rank sees every sender's flag
     if any(table[1] & OVERFLOWED for peer in fields for table in peer):
         rest = Hop({n: [max(0, c - r) for c, r in zip(send_counts[n], room_to[n], strict=True)]
                     for n in names},
                    {n: [max(0, c - r) for c, r in zip(recv_counts[n], room_from[n], strict=True)]
-                    for n in names}, group, traffic)
+                    for n in names}, group, traffic, unaccounted=frozenset(shares))
         more = rest.forward_many({n: torch.cat([piece[room_to[n][p]:]
                                                 for p, piece in enumerate(pieces[n])])
                                   for n in names})
@@ -137,21 +142,80 @@ def open_carrying(payloads: dict[str, Tensor], send_counts: dict[str, list[int]]
     for name in names:
         reservations[name].note(send_counts[name], recv_counts[name])
     ids = {n: torch.cat(received[n]).long() for n in names}
-    return Hop(dict(send_counts), recv_counts, group, traffic), ids
+    return Hop(dict(send_counts), recv_counts, group, traffic, shares=shares or None), ids
 
 
-def _headers(names: list[str], send_counts: dict[str, list[int]],
-             bad_ids: dict[str, int | None], overflowed: bool, world: int, *,
-             like: Tensor) -> tuple[list[list[int]], Tensor]:
-    """Every peer's count message, one row per peer: per table its count, flags and bad id
+def _entries(names: list[str], send_counts: dict[str, list[int]],
+             members: dict[str, list[tuple[str, list[int]]]] | None,
+             ) -> list[tuple[str, str, list[int]]]:
+    """The count message's entries, in order: ``(payload, entry name, its counts)``, one per
+    table (per member of a group)."""
+    entries = []
+    for name in names:
+        grouped = None if members is None else members.get(name)
+        if grouped is None:
+            entries.append((name, name, send_counts[name]))
+        else:
+            entries.extend((name, member, counts) for member, counts in grouped)
+    return entries
+
+
+def _received_counts(entries: list[tuple[str, str, list[int]]], fields: list[list[list[int]]],
+                     world: int) -> tuple[dict[str, list[int]],
+                                          dict[str, list[tuple[str, list[int], list[int]]]]]:
+    """Per payload the counts received from each peer (a group's: its members' summed), and
+    per group payload each member's ``(name, sent, received)`` counts."""
+    recv_counts: dict[str, list[int]] = {}
+    shares: dict[str, list[tuple[str, list[int], list[int]]]] = {}
+    for e, (payload, name, sent) in enumerate(entries):
+        received = [fields[peer][e][0] for peer in range(world)]
+        if payload == name:
+            recv_counts[payload] = received
+            continue
+        shares.setdefault(payload, []).append((name, sent, received))
+        total = recv_counts.setdefault(payload, [0] * world)
+        for peer in range(world):
+            total[peer] += received[peer]
+    return recv_counts, shares
+
+
+def _count_traffic(traffic: Traffic, names: list[str],
+                   shares: dict[str, list[tuple[str, list[int], list[int]]]],
+                   room_to: dict[str, list[int]], room_from: dict[str, list[int]],
+                   item: int, world: int) -> None:
+    """The count messages' and the ids' bytes, per table: a table's reserved rooms (what
+    overflows them is counted by its second all_to_all), a group's members' ids as they are
+    (all of them, in the rooms or beyond) and its padding as its first member's."""
+    for name in names:
+        grouped = shares.get(name)
+        if grouped is None:
+            traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
+            traffic.record(name, room_to[name], room_from[name], item)
+            continue
+        sent, got = [0] * world, [0] * world
+        for member, to_peers, from_peers in grouped:
+            traffic.record(member, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
+            traffic.record(member, to_peers, from_peers, item)
+            for peer in range(world):
+                sent[peer] += to_peers[peer]
+                got[peer] += from_peers[peer]
+        traffic.record(grouped[0][0],
+                       [max(0, r - c) for r, c in zip(room_to[name], sent, strict=True)],
+                       [max(0, r - c) for r, c in zip(room_from[name], got, strict=True)], item)
+
+
+def _headers(entries: list[tuple[str, str, list[int]]], bad_ids: dict[str, int | None],
+             overflowed: bool, world: int, *, like: Tensor,
+             ) -> tuple[list[list[int]], Tensor]:
+    """Every peer's count message, one row per peer: per entry its count, flags and bad id
     (int64, viewed in ``like``'s dtype: `with_header`), made on the host at once and moved
     to ``like``'s device in one copy that does not wait for the device; with the fields as
-    the host made them (``[peer * table][field]``)."""
+    the host made them (``[peer * entry][field]``)."""
     fields = []
     for peer in range(world):
-        for name in names:
+        for _, name, counts in entries:
             bad = bad_ids.get(name)
-            fields.append([send_counts[name][peer],
+            fields.append([counts[peer],
                            (BAD_ID if bad is not None else 0) | (OVERFLOWED if overflowed else 0),
                            0 if bad is None else bad])
     header = torch.tensor(fields, dtype=torch.long)  # one tensor, not one write per field

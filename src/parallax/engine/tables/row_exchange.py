@@ -28,6 +28,7 @@ from parallax.engine.tables.step_context import (
     shared_steps,
     version_of,
 )
+from parallax.engine.tables.table_group import TableGroup, groups_of
 from parallax.engine.tables.verdict import Verdict, bound_of
 from parallax.errors import InternalError
 
@@ -60,6 +61,9 @@ class ExchangedTable(pooled.PoolingTable, Protocol):
     def holds_gradient_rows(self) -> bool: ...
 
     def shard_rows_of(self, ids: Tensor) -> Tensor: ...
+
+    def serve(self, ids: Tensor, *, lookup: bool, source: Tensor | None,
+              ) -> tuple[Tensor, Tensor]: ...
 
     def record_usage(self, pulls: Sequence[Pull]) -> None: ...
 
@@ -107,6 +111,8 @@ def _pull(tables: Sequence[ExchangedTable], ids: Sequence[Tensor],
     uniques = {t.name: unique for t, (unique, _, _) in zip(tables, requests, strict=True)}
     bad_ids = {t.name: bad for t, (_, _, bad) in zip(tables, requests, strict=True)}
     to_leader = None
+    units: dict[str, Lookup] = {}
+    groups: dict[str, TableGroup] = {}
     if first.local_aggregation:
         counts = {}
         for table in tables:
@@ -116,16 +122,18 @@ def _pull(tables: Sequence[ExchangedTable], ids: Sequence[Tensor],
         pieces = to_leader.forward_many(uniques)  # at a leader: every local worker's ids
         merged = {name: torch.unique(piece, return_inverse=True)
                   for name, piece in pieces.items()}
-        merged_rows, direct, lookups = _pull_direct(tables, [m for m, _ in merged.values()],
-                                                    [None] * len(tables), lookup=True)
+        merged_rows, direct, lookups, _, _ = _pull_direct(
+            tables, {name: m for name, (m, _) in merged.items()}, dict.fromkeys(merged),
+            lookup=True)
         rows = to_leader.backward_many({name: merged_rows[name].index_select(0, inverse)
                                         for name, (_, inverse) in merged.items()})
         for name, (ids_merged, inverse) in merged.items():
             lookups[name].merged_inverse = inverse
             lookups[name].merged_count = ids_merged.numel()
     else:
-        rows, direct, lookups = _pull_direct(tables, list(uniques.values()),
-                                             list(bad_ids.values()), lookup=True)
+        exchanged = tables if len(tables) == 1 else groups_of(tables, steps.groups)
+        rows, direct, lookups, units, groups = _pull_direct(exchanged, uniques, bad_ids,
+                                                            lookup=True)
     for name, lookup in lookups.items():
         lookup.ids, lookup.rows = uniques[name], rows[name]
     for table, (unique, inverse, _) in zip(tables, requests, strict=True):
@@ -135,7 +143,8 @@ def _pull(tables: Sequence[ExchangedTable], ids: Sequence[Tensor],
     if torch.is_grad_enabled():
         for table in tables:
             lookups[table.name].rows.requires_grad_(True)
-        steps.current.pulls.append(Pull(lookups, direct, to_leader))
+        steps.current.pulls.append(Pull(lookups, direct, to_leader, units=units,
+                                        groups=groups))
     return [(rows[t.name], inverse, unique)
             for t, (unique, inverse, _) in zip(tables, requests, strict=True)]
 
@@ -164,83 +173,113 @@ def _open(tables: Sequence[ExchangedTable], counts: dict[str, list[int]],
                          device=first.device)
 
 
-def _pull_direct(tables: Sequence[ExchangedTable], uniques: Sequence[Tensor],
-                 bad_ids: Sequence[int | None], source: Tensor | None = None,
-                 lookup: bool = False) -> tuple[dict[str, Tensor], Hop, dict[str, Lookup]]:
-    """Rows ``uniques[i]`` of ``tables[i]`` from their owners' shards (or from ``source``, a
-    tensor shaped like the shard, e.g. an optimizer state; one table only). A ``lookup``'s
-    pull (training or evaluation, not an export) sends its ids with the count message
-    (`open_carrying`), and owners of a ``max_norm`` table first renormalise the requested
-    rows in place, as ``F.embedding`` does on one device: the requests of all workers
-    together are the global batch's ids, and renormalising is idempotent, so the result is
-    exact."""
-    world = tables[0].worker.world_size
+def _pull_direct(units: Sequence[ExchangedTable | TableGroup], uniques: dict[str, Tensor],
+                 bad_ids: dict[str, int | None], source: Tensor | None = None,
+                 lookup: bool = False,
+                 ) -> tuple[dict[str, Tensor], Hop, dict[str, Lookup], dict[str, Lookup],
+                            dict[str, TableGroup]]:
+    """Rows ``uniques[name]`` (sorted, distinct) of each table from their owners' shards (or
+    from ``source``, a tensor shaped like the shard, e.g. an optimizer state; one table
+    only), the ``units`` of the exchange being tables and table groups
+    (`parallax.engine.tables.table_group`). A ``lookup``'s pull (training or evaluation, not
+    an export) sends its ids with the count message (`open_carrying`), and owners of a
+    ``max_norm`` table first renormalise the requested rows in place, as ``F.embedding``
+    does on one device: the requests of all workers together are the global batch's ids,
+    and renormalising is idempotent, so the result is exact.
+
+    Returns the rows and the lookup per table, the hop, and where groups travelled, the
+    lookup per unit and the groups."""
+    world = units[0].worker.world_size
+    groups = {unit.name: unit for unit in units if isinstance(unit, TableGroup)}
+    ids = {unit.name: (uniques[unit.name] if unit.name not in groups else
+                       groups[unit.name].group_ids([uniques[n] for n in
+                                                    groups[unit.name].member_names]))
+           for unit in units}
     orders: dict[str, Tensor | None] = {}
     counts: dict[str, list[int]] = {}
+    members: dict[str, list[tuple[str, list[int]]]] = {}
     by_owner: dict[str, Tensor] = {}
-    for table, unique, bad_id in zip(tables, uniques, bad_ids, strict=True):
-        single = table.partitioning.single_owner
+    for unit in units:
+        names = [unit.name] if unit.name not in groups else groups[unit.name].member_names
+        single = unit.partitioning.single_owner
         if single is not None:  # one owner: its count is known here, the ids stay in order
-            orders[table.name] = None
-            counts[table.name] = [unique.numel() if r == single else 0 for r in range(world)]
+            orders[unit.name] = None
+            counts[unit.name] = [ids[unit.name].numel() if r == single else 0
+                                 for r in range(world)]
+            if unit.name in groups:
+                members[unit.name] = [(n, [uniques[n].numel() if r == single else 0
+                                           for r in range(world)]) for n in names]
             continue
         # (a bad id is refused on every rank once the count message is read: until then it
         # only needs an owner)
-        owner = table.partitioning.owner_rank(
-            unique if bad_id is None else unique.clamp(0, max(table.num_rows - 1, 0)))
-        orders[table.name] = torch.argsort(owner, stable=True)
-        by_owner[table.name] = torch.bincount(owner, minlength=world)
-    counts.update(zip(by_owner, read_back(list(by_owner.values())), strict=True))
-    counts = {t.name: counts[t.name] for t in tables}  # the tables' order: the message's
-    sorted_ids = {t.name: _by_owner(u, orders[t.name])
-                  for t, u in zip(tables, uniques, strict=True)}
-    bad = dict(zip(counts, bad_ids, strict=True))
-    if lookup:
-        first = tables[0]
-        hop, recv_ids = open_carrying(
-            sorted_ids, counts, reservations={t.name: t.reservations for t in tables},
-            group=first.group, traffic=first.traffic,
-            num_rows={t.name: t.num_rows for t in tables}, bad_ids=bad)
-    else:
-        hop = _open(tables, counts, bad)
-        recv_ids = hop.forward_many(sorted_ids)
-    served, lookups = {}, {}
-    for table in tables:
-        local = table.shard_rows_of(recv_ids[table.name])
-        if table.shard is not None and table.before_read is not None:
-            table.before_read(local)  # deferred steps first (values and optimizer state)
-        held = source if source is not None else table.shard
-        options = table.batch_dependent
-        if lookup and held is not None and options is not None and options.max_norm is not None:
-            with torch.no_grad():
-                torch.embedding_renorm_(held.detach(), local, options.max_norm,
-                                        options.norm_type)
-        served[table.name] = (held.detach().index_select(0, local) if held is not None
-                              else table.empty_rows(0))
-        senders = sum(1 for count in hop.recv_counts[table.name] if count)
-        lookups[table.name] = Lookup(recv_ids[table.name], table.empty_rows(0),
-                                     orders[table.name], local,
-                                     local_sorted=senders <= 1 and table.one_partition)
-    back = hop.backward_many(served)
-    rows = {}
-    for table, unique in zip(tables, uniques, strict=True):
-        order = orders[table.name]
-        if order is None:  # (arrived in the ids' order)
-            if back[table.name].dtype != table.dtype:
-                raise InternalError(f"'{table.name}': rows of {back[table.name].dtype} pulled "
-                                    f"for a table of {table.dtype}; please report it")
-            rows[table.name] = back[table.name]
+        bad = any(bad_ids.get(n) is not None for n in names)
+        owner = unit.partitioning.owner_rank(
+            ids[unit.name].clamp(0, max(unit.num_rows - 1, 0)) if bad else ids[unit.name])
+        orders[unit.name] = torch.argsort(owner, stable=True)
+        by_owner[unit.name] = (torch.bincount(owner, minlength=world) if unit.name not in groups
+                               else groups[unit.name].counts_by_member(ids[unit.name], owner))
+    read = dict(zip(by_owner, read_back(list(by_owner.values())), strict=True))
+    for name, values in read.items():
+        if name not in groups:
+            counts[name] = values
             continue
-        # (back in the ids' order: one index_copy_, not indexing's Python machinery)
-        rows[table.name] = table.empty_rows(unique.numel()).index_copy_(0, order, back[table.name])
-    return rows, hop, lookups
+        members[name] = [(n, values[m * world:(m + 1) * world])
+                         for m, n in enumerate(groups[name].member_names)]
+        counts[name] = [sum(c[peer] for _, c in members[name]) for peer in range(world)]
+    counts = {u.name: counts[u.name] for u in units}  # the units' order: the message's
+    sorted_ids = {u.name: _by_owner(ids[u.name], orders[u.name]) for u in units}
+    num_rows = {u.name: u.num_rows for u in units}
+    for group in groups.values():
+        num_rows.update((m.name, m.num_rows) for m in group.members)
+    first = units[0]
+    if lookup:
+        hop, recv_ids = open_carrying(
+            sorted_ids, counts, reservations={u.name: u.reservations for u in units},
+            group=first.group, traffic=first.traffic, num_rows=num_rows, bad_ids=bad_ids,
+            members=members or None)
+    else:
+        if groups:
+            raise InternalError("parallax internal error: a table group read outside a "
+                                "lookup; please report it")
+        hop = _open(units, counts, bad_ids)  # type: ignore[arg-type]
+        recv_ids = hop.forward_many(sorted_ids)
+    served, exchanged = {}, {}
+    for unit in units:
+        local, served[unit.name] = unit.serve(recv_ids[unit.name], lookup=lookup,
+                                              source=source)
+        senders = sum(1 for count in hop.recv_counts[unit.name] if count)
+        exchanged[unit.name] = Lookup(recv_ids[unit.name], unit.empty_rows(0),
+                                      orders[unit.name], local,
+                                      local_sorted=senders <= 1 and unit.one_partition)
+    back = hop.backward_many(served)
+    rows: dict[str, Tensor] = {}
+    lookups: dict[str, Lookup] = {}
+    for unit in units:
+        order, arrived = orders[unit.name], back[unit.name]
+        if order is None:  # (arrived in the ids' order)
+            if arrived.dtype != unit.dtype:
+                raise InternalError(f"'{unit.name}': rows of {arrived.dtype} pulled "
+                                    f"for a table of {unit.dtype}; please report it")
+            pulled = arrived
+        else:  # (back in the ids' order: one index_copy_, not indexing's Python machinery)
+            pulled = unit.empty_rows(ids[unit.name].numel()).index_copy_(0, order, arrived)
+        grouped = groups.get(unit.name)
+        if grouped is None:
+            rows[unit.name], lookups[unit.name] = pulled, exchanged[unit.name]
+            continue
+        # each member's rows: its part of the group's, in its ids' order
+        empty = exchanged[unit.name].recv_local_rows[:0]
+        for name, piece in zip(grouped.member_names, pulled.split_with_sizes(
+                [uniques[n].numel() for n in grouped.member_names]), strict=True):
+            rows[name], lookups[name] = piece, Lookup(uniques[name], piece, None, empty)
+    return rows, hop, lookups, (exchanged if groups else {}), groups
 
 
 def read_rows_direct(table: ExchangedTable, unique: Tensor, source: Tensor | None) -> Tensor:
     """The current values of ``table``'s rows ``unique`` (sorted, distinct), from its shards
     or from ``source``, a tensor each server holds shaped like its shard (collective; an
     export's or a migration's read, not a lookup: nothing is owed)."""
-    return _pull_direct([table], [unique], [None], source)[0][table.name]
+    return _pull_direct([table], {table.name: unique}, {table.name: None}, source)[0][table.name]
 
 
 def _by_owner(values: Tensor, order: Tensor | None) -> Tensor:
@@ -267,15 +306,18 @@ def push_gradients(tables: Sequence[ExchangedTable], verdict: Verdict | None = N
         _prepare_verdict(verdict, tables, records, exchanges)
     aboard = [*([verdict] if verdict is not None else []), *riders]
     pooled.push_pooled(exchanges, aboard)
+    groups: dict[str, TableGroup] = {}
     for record in records:
-        rest = [name for name in record.lookups if name not in record.launched]
+        groups.update(record.groups)
+        units = record.exchanged()
+        rest = [key for key in units if key not in record.launched]
         if record.in_flight:
             if rest:  # the part `EarlyPush` left for here
                 start_push(record, rest, aboard)
             for finish in record.in_flight:
                 _deliver(record, alight(aboard, finish()), by_name)
             continue
-        grads = _gradients_to_push(record, list(record.lookups))
+        grads = _gradients_to_push(record, list(units))
         if record.to_leader is not None:
             hop, payloads = board(aboard, record.to_leader, grads)
             pieces = alight(aboard, hop.forward_many(payloads))
@@ -285,12 +327,13 @@ def push_gradients(tables: Sequence[ExchangedTable], verdict: Verdict | None = N
                     raise InternalError(f"'{name}': a leader's push without its pull's merge")
                 grads[name] = merged.index_add_(0, lookup.merged_inverse, pieces[name])
         hop, payloads = board(aboard, record.direct, {
-            name: _by_owner(grads[name], lookup.order)
-            for name, lookup in record.lookups.items()})
+            key: _by_owner(grads[key], lookup.order) for key, lookup in units.items()})
         _deliver(record, alight(aboard, hop.forward_many(payloads)), by_name)
     if steps is not None:
         steps.pushed(records, exchanges)
     with phases.phase("server aggregation"):
+        for group in groups.values():
+            group.finish_aggregation()
         for table in tables:
             table.finish_aggregation()
 
@@ -338,47 +381,66 @@ def can_push_early(record: Pull) -> bool:
     return record.to_leader is None
 
 
-def start_push(record: Pull, names: Sequence[str], riders: Sequence[Rider] = ()) -> None:
+def start_push(record: Pull, units: Sequence[str], riders: Sequence[Rider] = ()) -> None:
     """Issue now, without waiting, the exchange of the gradient rows that ``record`` holds
-    for the tables ``names`` (their backward must be complete); `push_gradients` waits for
-    it and hands the rows to the servers. Every rank must start the same groups of the
-    same pulls in the same order (collective). ``riders``: those still waiting ride along."""
+    for its ``units`` (tables, or table groups: `Pull.exchanged`; their backward must be
+    complete); `push_gradients` waits for it and hands the rows to the servers. Every rank
+    must start the same units of the same pulls in the same order (collective).
+    ``riders``: those still waiting ride along."""
     if not can_push_early(record):
         raise InternalError("parallax internal error: an early push through the leader hop")
-    names = list(names)
-    grads = _gradients_to_push(record, names)
-    hop = record.direct if len(names) == len(record.lookups) else record.direct.subset(names)
+    units = list(units)
+    exchanged = record.exchanged()
+    grads = _gradients_to_push(record, units)
+    hop = record.direct if len(units) == len(exchanged) else record.direct.subset(units)
     hop, payloads = board(riders, hop, {
-        name: _by_owner(grads[name], record.lookups[name].order) for name in names})
+        key: _by_owner(grads[key], exchanged[key].order) for key in units})
     record.in_flight.append(hop.start_forward_many(payloads))
-    record.launched.extend(names)
+    record.launched.extend(units)
 
 
-def _gradients_to_push(record: Pull, names: Sequence[str]) -> dict[str, Tensor]:
-    """The gradient rows of ``names`` in ``record`` (zeros where backward gave none), with
-    their lookup counts as one more column under ``scale_grad_by_freq``."""
+def _gradients_to_push(record: Pull, units: Sequence[str]) -> dict[str, Tensor]:
+    """The gradient rows of ``units`` in ``record`` (zeros where backward gave none), with
+    their lookup counts as one more column under ``scale_grad_by_freq``; a table group's
+    are its members' end to end."""
     grads = {}
-    for name in names:
-        lookup = record.lookups[name]
-        grad = lookup.rows.grad
-        grads[name] = torch.zeros_like(lookup.rows) if grad is None else grad
-        if lookup.counts is not None:  # counts travel as one more column of the rows
-            grads[name] = lookup_options.with_counts(grads[name], lookup.counts)
+    for key in units:
+        group = record.groups.get(key)
+        if group is None:
+            grads[key] = _gradient_of(record.lookups[key])
+        else:
+            grads[key] = torch.cat([_gradient_of(record.lookups[name])
+                                    for name in group.member_names])
     return grads
+
+
+def _gradient_of(lookup: Lookup) -> Tensor:
+    grad = lookup.rows.grad
+    rows = torch.zeros_like(lookup.rows) if grad is None else grad
+    if lookup.counts is not None:  # counts travel as one more column of the rows
+        return lookup_options.with_counts(rows, lookup.counts)
+    return rows
 
 
 def _deliver(record: Pull, received: dict[str, Tensor],
              by_name: dict[str, ExchangedTable]) -> None:
-    """At the servers: add the gradient rows received for ``record``'s tables."""
-    for name, values in received.items():
-        table = by_name[name]
+    """At the servers: add the gradient rows received for ``record``'s units."""
+    exchanged = record.exchanged()
+    for key, values in received.items():
+        lookup = exchanged[key]
+        group = record.groups.get(key)
+        if group is not None:
+            if group.shard is not None:
+                if group.average:
+                    values.div_(group.worker.world_size)
+                group.accumulate(lookup.recv_local_rows, values, lookup.local_sorted)
+            continue
+        table = by_name[key]
         if table.shard is None:
             continue
-        lookup = record.lookups[name]
         if table.scales_by_freq:
             values, counts = lookup_options.split_counts(values, table.row_shape)
             table.receive_counts(lookup.recv_local_rows, counts)
         if table.average:
             values.div_(table.worker.world_size)
         table.accumulate(lookup.recv_local_rows, values, sorted_distinct=lookup.local_sorted)
-

@@ -71,6 +71,9 @@ class ShardedTable:
     #: partition k
     sharding: Sharding = ROWS
     measuring = True  # `Table.measuring`
+    #: pulled and pushed by rows in the step's exchange: it may travel in a table group
+    #: (`parallax.engine.tables.table_group.group_key` says whether it does)
+    exchanged_as_rows = True
 
     @property
     def held(self) -> ShardedTable:
@@ -398,6 +401,31 @@ class ShardedTable:
             if shard.grad is None:  # no zero_grad before the first backward
                 self._zero_dense_grad()
             _grad_of(shard).index_add_(0, local_rows, grad_rows)
+
+    def note_touched(self, rows: Tensor) -> None:
+        """At a server: shard rows ``rows`` (sorted, distinct) received gradient that was
+        summed elsewhere (into this shard's gradient, by its table group)."""
+        self._touched_sorted = not self._touched
+        self._touched.append(rows)
+        self._touched_unique = None
+
+    def serve(self, ids: Tensor, *, lookup: bool, source: Tensor | None,
+              ) -> tuple[Tensor, Tensor]:
+        """At a server: the shard rows of the ``ids`` it received, and their values (from
+        ``source``, a tensor shaped like the shard, where given). A ``lookup``'s rows of a
+        ``max_norm`` table are first renormalised in place, as ``F.embedding`` does."""
+        local = self.shard_rows_of(ids)
+        if self.shard is not None and self.before_read is not None:
+            self.before_read(local)  # deferred steps first (values and optimizer state)
+        held = source if source is not None else self.shard
+        if held is None:
+            return local, self.empty_rows(0)
+        options = self.batch_dependent
+        if lookup and options is not None and options.max_norm is not None:
+            with torch.no_grad():
+                torch.embedding_renorm_(held.detach(), local, options.max_norm,
+                                        options.norm_type)
+        return local, held.detach().index_select(0, local)
 
     def receive_counts(self, local_rows: Tensor, counts: Tensor) -> None:
         """At a server: one sender's lookup counts of shard rows ``local_rows``

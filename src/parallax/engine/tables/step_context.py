@@ -54,7 +54,21 @@ class Pull:
     # pushed early: the exchanges issued (each returns what its owners received) and their
     # tables; the push waits for them
     in_flight: list[Callable[[], dict[str, Tensor]]] = field(default_factory=list)
-    launched: list[str] = field(default_factory=list)
+    launched: list[str] = field(default_factory=list)  # the units pushed early
+    #: where tables travelled as a table group (`parallax.engine.tables.table_group`): per
+    #: unit of the exchange (a group, or a table alone) the lookup of what it exchanged;
+    #: empty when every table travelled alone (its unit's lookup is then its own)
+    units: dict[str, Lookup] = field(default_factory=dict)
+    groups: dict[str, Any] = field(default_factory=dict)  # per group's unit, the group
+
+    def exchanged(self) -> dict[str, Lookup]:
+        """Per unit of the exchange, in message order, the lookup of what it exchanged."""
+        return self.units or self.lookups
+
+    def members_of(self, unit: str) -> list[str]:
+        """The tables of ``unit`` (itself, unless it is a group)."""
+        group = self.groups.get(unit)
+        return [unit] if group is None else group.member_names
 
 
 @dataclass
@@ -139,6 +153,9 @@ class TableSteps:
     def __init__(self) -> None:
         self.current = StepContext()
         self.lookups: dict[str, int] = {}
+        #: the units of the last pull's set of tables: the table groups that live as long
+        #: as their members stay alike (`parallax.engine.tables.table_group.groups_of`)
+        self.groups: dict[tuple[object, ...], list[Any]] = {}
 
     def pushed(self, pulls: Sequence[Pull], exchanges: Sequence[Any]) -> None:
         """``pulls`` and ``exchanges`` have sent their gradient rows: they are owed no more;

@@ -1,0 +1,285 @@
+"""Server-held tables that travel as one in a step's exchange: a *table group*.
+
+Tables of one pull that are alike in every way the exchange and the servers' arithmetic see
+(one dtype, row shape and device; rows partitioned alike, each server holding at most one
+partition of each; dense gradients; no option that depends on the batch; no leader hop) are
+exchanged as one table of their rows end to end: member ``m``'s id ``i`` is the group's id
+``offsets[m] + i``. The group's ids are deduplicated, sorted by owner and sent once, its rows
+served by one gather and its gradient rows summed by one ``index_add_``, whatever the number
+of members; each member keeps its own count message entry (its bad ids are named as its own,
+its bytes counted as its own), its own leaf rows (its ``.grad`` is None when no backward
+reached it, as on one device) and its touched rows.
+
+Offsets are multiples of the partition count, so a group id has the partition (and the owner)
+of the member's id. On a server the members' shards are views of one *store* (their rows end
+to end, ``store``), and their dense gradients views of its gradient: the member's
+``nn.Parameter`` stays the one the servers' optimizer holds, only its storage moves. The store
+is made at the first pull that finds the members' shards elsewhere (a repartition, a checkpoint
+that swapped a shard) and the group dissolves whenever a member stops being alike (the cache
+key of `groups_of` then differs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from parallax.cluster import WorkerInfo
+from parallax.engine.tables.exchange import Traffic
+from parallax.engine.tables.partitioning import RowPartitioning
+from parallax.engine.tables.reservations import Reservations
+from parallax.engine.tables.sharding import ROWS, Sharding
+from parallax.errors import InternalError
+
+__all__ = ["GroupedTable", "TableGroup", "group_key", "groups_of"]
+
+#: a group's name begins so: it is an exchange's key, never a parameter's name
+GROUP_PREFIX = "table group "
+
+
+class GroupedTable(Protocol):
+    """What a group needs of a member (`parallax.engine.tables.server_table.ShardedTable`)."""
+
+    name: str
+    num_rows: int
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    worker: WorkerInfo
+    group: Any
+    traffic: Traffic
+    partitioning: RowPartitioning
+    sharding: Sharding
+    sparse_grad: bool
+    average: bool
+    local_aggregation: bool
+    batch_dependent: Any
+    shard: nn.Parameter | None
+    before_read: Callable[[Tensor | None], None] | None
+    steps: Any
+
+    def note_touched(self, rows: Tensor) -> None: ...
+
+
+def group_key(table: Any) -> tuple[object, ...] | None:
+    """What ``table`` must share with the other members of its group, or None where it
+    travels alone. Every rank answers alike (nothing here is a server's own)."""
+    if getattr(table, "exchanged_as_rows", False) is not True:
+        return None
+    partitioning = table.partitioning
+    if (table.sharding is not ROWS or table.sparse_grad or table.batch_dependent is not None
+            or table.local_aggregation
+            or partitioning.num_partitions > len(partitioning.server_ranks)):
+        return None
+    return (table.dtype, table.row_shape, table.device, partitioning.num_partitions,
+            partitioning.first_server, partitioning.server_ranks, table.average,
+            id(table.group), id(table.traffic), id(table.steps))
+
+
+def groups_of(tables: Sequence[Any], cache: dict[tuple[object, ...], list[Any]],
+              ) -> list[Any]:
+    """The units of one pull of ``tables``: a `TableGroup` for each set of two or more alike
+    tables (`group_key`), in place of its first member, and every other table itself.
+    ``cache`` (the run's) keeps the units per set of tables and partitionings, so a group
+    lives as long as its members stay alike."""
+    key = tuple((id(t), id(t.partitioning), id(t.sharding), t.local_aggregation)
+                for t in tables)
+    units = cache.get(key)
+    if units is None:
+        by_key: dict[tuple[object, ...], list[Any]] = {}
+        for table in tables:
+            alike = group_key(table)
+            if alike is not None:
+                by_key.setdefault(alike, []).append(table)
+        grouped = {id(t): members for members in by_key.values() if len(members) > 1
+                   for t in members}
+        units, seen = [], set()
+        for table in tables:
+            members = grouped.get(id(table))
+            if members is None:
+                units.append(table)
+            elif id(members[0]) not in seen:
+                seen.add(id(members[0]))
+                units.append(TableGroup(members))
+        cache.clear()  # (one pull's shape at a time: a dissolved group's store goes)
+        cache[key] = units
+    return units
+
+
+class TableGroup:
+    """Alike server-held tables exchanged as one (see the module): the exchange's view of
+    them as one table, and on a server the store of their rows."""
+
+    sharding = ROWS
+    scales_by_freq = False
+    batch_dependent = None
+    local_aggregation = False
+    one_partition = True  # (a server holds at most one partition of each member)
+    holds_gradient_rows = False  # (the members' own say: the verdict asks them)
+
+    def __init__(self, members: Sequence[GroupedTable]) -> None:
+        first = members[0]
+        self.members = list(members)
+        self.member_names = [m.name for m in members]
+        self.name = GROUP_PREFIX + "+".join(self.member_names)
+        partitions = first.partitioning.num_partitions
+        # each member's first group id: a multiple of the partition count
+        self.offsets, at = [], 0
+        for member in members:
+            self.offsets.append(at)
+            at += -(-member.num_rows // partitions) * partitions
+        self.num_rows = at
+        self.row_shape, self.dtype, self.device = first.row_shape, first.dtype, first.device
+        self.worker, self.group, self.traffic = first.worker, first.group, first.traffic
+        self.steps, self.average = first.steps, first.average
+        self.partitioning = RowPartitioning(self.num_rows, partitions,
+                                            first.partitioning.server_ranks,
+                                            first.partitioning.first_server)
+        self.reservations = Reservations(first.worker.world_size)
+        self.shard: Tensor | None = None  # the store, on a server
+        self._shards: list[nn.Parameter | None] = []
+        self._pointers: list[int] = []
+        self._grad: Tensor | None = None
+        self._grads: list[Tensor | None] = []
+        self._bounds: Tensor | None = None  # the members' first store rows (but the first)
+        self._delta: Tensor | None = None   # store row - group id // P, per member
+        self._starts: list[int] = []
+        self._received: list[tuple[Tensor, bool]] = []
+        self._member_bounds: Tensor | None = None  # the members' first group ids (a worker's)
+        self._store_bounds: Tensor | None = None   # the members' first store rows (a server's)
+
+    @property
+    def leader(self) -> int:
+        return self.worker.server_ranks[self.worker.machine]
+
+    def empty_rows(self, count: int) -> Tensor:
+        return torch.empty((count, *self.row_shape), dtype=self.dtype, device=self.device)
+
+    def group_ids(self, uniques: Sequence[Tensor]) -> Tensor:
+        """The group's sorted unique ids of the members' sorted unique ``uniques``."""
+        return torch.cat([u if offset == 0 else u + offset
+                          for u, offset in zip(uniques, self.offsets, strict=True)])
+
+    def counts_by_member(self, ids: Tensor, owner: Tensor) -> Tensor:
+        """How many of the group ``ids`` (sorted) each member sends each rank (``owner``: each
+        id's), as one vector ``[member * world + rank]``."""
+        if self._member_bounds is None:  # (made once: on a GPU each copy is a wait)
+            self._member_bounds = torch.tensor(self.offsets[1:], dtype=torch.long,
+                                               device=ids.device)
+        world = self.worker.world_size
+        member = torch.bucketize(ids, self._member_bounds, right=True)
+        return torch.bincount(member * world + owner, minlength=len(self.members) * world)
+
+    # ---- at a server ------------------------------------------------------------------
+    def _store(self) -> Tensor | None:
+        """The store (None off the servers), made again where a member's shard moved."""
+        shards = [m.shard for m in self.members]
+        if shards[0] is None:
+            return None
+        if self.shard is not None and all(
+                s is k and s is not None and s.data_ptr() == p
+                for s, k, p in zip(shards, self._shards, self._pointers, strict=True)):
+            return self.shard
+        return self._make_store(shards)
+
+    def _make_store(self, shards: list[nn.Parameter | None]) -> Tensor:
+        sizes = [0 if s is None else s.shape[0] for s in shards]
+        store = self.empty_rows(sum(sizes))
+        starts, at = [], 0
+        for shard, size in zip(shards, sizes, strict=True):
+            starts.append(at)
+            if shard is not None and size:
+                store[at:at + size].copy_(shard.data)
+            at += size
+        for shard, start, size in zip(shards, starts, sizes, strict=True):
+            if shard is not None:
+                shard.data = store[start:start + size]  # (its old storage goes)
+        self.shard, self._shards, self._starts = store, list(shards), starts
+        self._pointers = [0 if s is None else s.data_ptr() for s in shards]
+        partitions = self.partitioning.num_partitions
+        self._bounds = torch.tensor(self.offsets[1:], dtype=torch.long, device=self.device)
+        self._delta = torch.tensor([start - offset // partitions for start, offset
+                                    in zip(starts, self.offsets, strict=True)],
+                                   dtype=torch.long, device=self.device)
+        self._store_bounds = torch.tensor(starts[1:], dtype=torch.long, device=self.device)
+        self._grad, self._grads = None, []
+        return store
+
+    def serve(self, ids: Tensor, *, lookup: bool, source: Tensor | None,
+              ) -> tuple[Tensor, Tensor]:
+        """At a server: the store rows of the group ``ids`` it received, and their values
+        (every member's deferred steps applied to its rows first). Lookups only: a read of
+        a member's rows (an export, a move) asks the member."""
+        if source is not None or not lookup:
+            raise InternalError(f"'{self.name}': a group serves lookups only; please report it")
+        store = self._store()
+        if store is None:
+            return ids, self.empty_rows(0)
+        local = self.shard_rows_of(ids)
+        for member, start, stop in self._member_slices():
+            if member.before_read is not None:
+                mine = (local >= start) & (local < stop)
+                member.before_read(local[mine] - start)
+        return local, store.index_select(0, local)
+
+    def _member_slices(self) -> list[tuple[GroupedTable, int, int]]:
+        ends = [*self._starts[1:], 0 if self.shard is None else self.shard.shape[0]]
+        return list(zip(self.members, self._starts, ends, strict=True))
+
+    def shard_rows_of(self, ids: Tensor) -> Tensor:
+        """The store rows of group ``ids`` this server owns."""
+        if self._bounds is None or self._delta is None:
+            raise InternalError(f"'{self.name}': rows asked before the store; please report it")
+        member = torch.bucketize(ids, self._bounds, right=True)
+        partitions = self.partitioning.num_partitions
+        quotient = ids if partitions == 1 else ids // partitions
+        return quotient + self._delta.index_select(0, member)
+
+    def accumulate(self, local_rows: Tensor, grad_rows: Tensor, sorted_distinct: bool) -> None:
+        """At a server: add one sender's gradient rows at store rows ``local_rows``."""
+        grad = self._gradient()
+        grad.index_add_(0, local_rows, grad_rows)
+        self._received.append((local_rows, sorted_distinct))
+
+    def _gradient(self) -> Tensor:
+        """The store's dense gradient, the members' gradients viewing it (made again where a
+        member's gradient is another tensor: its values are kept)."""
+        store = self._store()
+        if store is None:
+            raise InternalError(f"'{self.name}': a gradient asked off the servers; please "
+                                f"report it")
+        shards = self._shards
+        if self._grad is not None and all(
+                s is None or s.grad is g for s, g in zip(shards, self._grads, strict=True)):
+            return self._grad
+        grad = torch.zeros_like(store)
+        for shard, (_, start, stop) in zip(shards, self._member_slices(), strict=True):
+            if shard is None:
+                continue
+            if shard.grad is not None:
+                grad[start:stop].copy_(shard.grad)
+            shard.grad = grad[start:stop]
+        self._grad, self._grads = grad, [None if s is None else s.grad for s in shards]
+        return grad
+
+    def finish_aggregation(self) -> None:
+        """The end of a push at a server: each member told which of its rows received
+        gradient."""
+        received, self._received = self._received, []
+        if not received:
+            return
+        if len(received) == 1 and received[0][1]:
+            rows = received[0][0]
+        else:
+            rows = torch.unique(torch.cat([rows for rows, _ in received]))
+        if self._store_bounds is None:
+            raise InternalError(f"'{self.name}': gradient rows before the store; please "
+                                f"report it")
+        cuts = [0, *torch.searchsorted(rows, self._store_bounds).tolist(), rows.numel()]
+        for k, (member, start, _) in enumerate(self._member_slices()):
+            mine = rows[cuts[k]:cuts[k + 1]]
+            if mine.numel():
+                member.note_touched(mine if start == 0 else mine - start)
