@@ -219,7 +219,9 @@ class Synchronous(SyncMode):
     def after_warmup(self, group: dist.ProcessGroup) -> None:
         """The early push learns the tables' backward order."""
         if self.early is not None:
-            self.early.learn(group)
+            schedule = self.early.learn(group)
+            # (the next pulls group tables within the schedule's items only)
+            self.layout.steps.schedule_pushes(schedule)
 
 
 class Asynchronous(SyncMode):

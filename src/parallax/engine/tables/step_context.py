@@ -156,6 +156,17 @@ class TableSteps:
         #: the units of the last pull's set of tables: the table groups that live as long
         #: as their members stay alike (`parallax.engine.tables.table_group.groups_of`)
         self.groups: dict[tuple[object, ...], list[Any]] = {}
+        #: per table, its item in the early push's schedule (`parallax.engine.tables.
+        #: early_push`): tables of different items are never grouped, so that the first can
+        #: leave while the backward computes the next
+        self.push_items: dict[str, int] = {}
+
+    def schedule_pushes(self, schedule: Sequence[Sequence[str]]) -> None:
+        """The early push's ``schedule`` (the same on every rank) holds from the next pull."""
+        items = {name: k for k, item in enumerate(schedule) for name in item}
+        if items != self.push_items:
+            self.push_items = items
+            self.groups.clear()
 
     def pushed(self, pulls: Sequence[Pull], exchanges: Sequence[Any]) -> None:
         """``pulls`` and ``exchanges`` have sent their gradient rows: they are owed no more;

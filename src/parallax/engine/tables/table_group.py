@@ -2,7 +2,8 @@
 
 Tables of one pull that are alike in every way the exchange and the servers' arithmetic see
 (one dtype, row shape and device; rows partitioned alike, each server holding at most one
-partition of each; dense gradients; no option that depends on the batch; no leader hop) are
+partition of each; dense gradients; no option that depends on the batch; no leader hop; one
+item of the early push's schedule, which sends apart tables whose gradients arrive apart) are
 exchanged as one table of their rows end to end: member ``m``'s id ``i`` is the group's id
 ``offsets[m] + i``. The group's ids are deduplicated, sorted by owner and sent once, its rows
 served by one gather and its gradient rows summed by one ``index_add_``, whatever the number
@@ -35,6 +36,10 @@ from parallax.engine.tables.sharding import ROWS, Sharding
 from parallax.errors import InternalError
 
 __all__ = ["GroupedTable", "TableGroup", "group_key", "groups_of"]
+
+#: sets of tables whose units a run keeps (the forward's prefetch, a pull of dense tables
+#: pulled whole, ...): more are made again when next pulled
+CACHED_PULLS = 4
 
 #: a group's name begins so: it is an exchange's key, never a parameter's name
 GROUP_PREFIX = "table group "
@@ -76,7 +81,8 @@ def group_key(table: Any) -> tuple[object, ...] | None:
         return None
     return (table.dtype, table.row_shape, table.device, partitioning.num_partitions,
             partitioning.first_server, partitioning.server_ranks, table.average,
-            id(table.group), id(table.traffic), id(table.steps))
+            id(table.group), id(table.traffic), id(table.steps),
+            table.steps.push_items.get(table.name))
 
 
 def groups_of(tables: Sequence[Any], cache: dict[tuple[object, ...], list[Any]],
@@ -84,7 +90,9 @@ def groups_of(tables: Sequence[Any], cache: dict[tuple[object, ...], list[Any]],
     """The units of one pull of ``tables``: a `TableGroup` for each set of two or more alike
     tables (`group_key`), in place of its first member, and every other table itself.
     ``cache`` (the run's) keeps the units per set of tables and partitionings, so a group
-    lives as long as its members stay alike."""
+    lives as long as its members stay alike (a member taken into another set's group has its
+    shard moved to that group's store, and back at the next pull of this set: exact, at the
+    cost of a copy)."""
     key = tuple((id(t), id(t.partitioning), id(t.sharding), t.local_aggregation)
                 for t in tables)
     units = cache.get(key)
@@ -104,7 +112,8 @@ def groups_of(tables: Sequence[Any], cache: dict[tuple[object, ...], list[Any]],
             elif id(members[0]) not in seen:
                 seen.add(id(members[0]))
                 units.append(TableGroup(members))
-        cache.clear()  # (one pull's shape at a time: a dissolved group's store goes)
+        if len(cache) >= CACHED_PULLS:  # (a dissolved group's store goes with it)
+            del cache[next(iter(cache))]
         cache[key] = units
     return units
 
