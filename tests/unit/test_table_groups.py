@@ -25,9 +25,10 @@ from parallax.errors import SparseIdError
 
 
 def _tables(group: dist.ProcessGroup, worker: WorkerInfo, rows: list[int], *,
-            width: int = 3, partitions: int = 1, **options: object) -> list[ShardedTable]:
+            width: int = 3, partitions: int = 1, prefix: str = "t",
+            **options: object) -> list[ShardedTable]:
     steps, traffic = TableSteps(), Traffic(worker.rank, worker.machine_of_rank)
-    return [ShardedTable(f"t{k}", _weight(n, k, width), num_partitions=partitions,
+    return [ShardedTable(f"{prefix}{k}", _weight(n, k, width), num_partitions=partitions,
                          worker=worker, group=group, traffic=traffic, sparse_grad=False,
                          average=True, steps=steps, **options)  # type: ignore[arg-type]
             for k, n in enumerate(rows)]
@@ -49,10 +50,11 @@ def test_alike_tables_form_one_group_and_the_others_travel_alone(group, worker) 
     """Same dtype, row shape, partitioning, dense gradients and no batch-dependent option:
     one group (cached while they stay alike); anything else travels alone."""
     tables = _tables(group, worker, [10, 7, 12])
-    wide = _tables(group, worker, [5], width=4)[0]
-    pooled = _tables(group, worker, [6])[0]
+    wide = _tables(group, worker, [5], width=4, prefix="wide")[0]
+    pooled = _tables(group, worker, [6], prefix="pooled")[0]
     pooled.sharding = POOLED
-    renormed = _tables(group, worker, [6], batch_dependent=BatchDependent(max_norm=1.0))[0]
+    renormed = _tables(group, worker, [6], prefix="renormed",
+                       batch_dependent=BatchDependent(max_norm=1.0))[0]
     for other in (wide, pooled, renormed):
         other.steps = tables[0].steps
     cache: dict = {}
