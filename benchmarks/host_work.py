@@ -25,7 +25,9 @@ and batches live on the GPU, each timed round ends with ``torch.cuda.synchronize
 counts add the kernel launches and the host's waits on the device (stream and device
 synchronisations) per step, from the profiler's CUDA runtime events. ``--trace FILE`` writes
 the parallax system's counted steps as a Chrome trace with Python frames, for
-``benchmarks/profile_callers.py`` (which lines make the host wait). """
+``benchmarks/profile_callers.py`` (which lines make the host wait). ``--extra-tables K`` adds
+K input tables alike to the embedding (`WideInputLM`): the step's cost per table, and whether
+its collectives grow with the tables (`scripts/host_tables.sh`). """
 
 from __future__ import annotations
 
@@ -119,11 +121,30 @@ def counts(model, optimizer, batches, trace: Path | None = None) -> dict[str, fl
             "device_waits_per_step": waits / len(batches)}
 
 
+class WideInputLM(SampledSoftmaxLM):
+    """The benchmark LM with ``extra`` more input tables (``--extra-tables``), each of the
+    embedding's shape and read with the same tokens, their rows added to the embedding's: the
+    same program with more tables alike, to count what each table costs."""
+
+    def __init__(self, cfg: LMConfig, extra: int):
+        super().__init__(cfg)
+        self.extra = torch.nn.ModuleList(torch.nn.Embedding(cfg.vocab, cfg.emb)
+                                         for _ in range(extra))
+
+    def forward(self, tokens, candidates):
+        embedded = self.embedding(tokens)
+        for table in self.extra:
+            embedded = embedded + table(tokens)
+        hidden = self.lstm(embedded)[0].reshape(-1, self.hidden_size)
+        return hidden @ self.softmax(candidates).t()
+
+
 def build(name: str, args: argparse.Namespace, cfg: LMConfig, device: torch.device,
           world: int):
     """One system: ``plain`` (DDP over the model at several workers) or ``parallax``."""
     torch.manual_seed(0)
-    model = SampledSoftmaxLM(cfg).to(device)
+    extra = getattr(args, "extra_tables", 0)
+    model = (WideInputLM(cfg, extra) if extra else SampledSoftmaxLM(cfg)).to(device)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
     config = parallax.Config(partition_cache=None, num_partitions=args.partitions,
                              overlap_push=not args.no_overlap_push,
@@ -204,6 +225,9 @@ def main() -> None:
     parser.add_argument("--no-overlap-push", action="store_true",
                         help="Config(overlap_push=False): Runner.step pushes after the "
                              "backward (its early push groups tables by measured arrival)")
+    parser.add_argument("--extra-tables", type=int, default=0,
+                        help="input tables beside the LM's two, alike (what each table "
+                             "costs: scripts/host_tables.sh)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write parallax's counted steps as a Chrome trace here")
     parser.add_argument("--out", type=Path, default=records.scratch() / "host_work.json")
