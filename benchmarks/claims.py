@@ -276,6 +276,28 @@ def host_extra_collectives(payloads: Sequence[Any]) -> Figure:
     return Figure(extra, unit="", digits=0, n=1, counted="count (deterministic)")
 
 
+def _by_extra_tables(payloads: Sequence[Any]) -> list[Any]:
+    """host_tables.sh's records, fewest tables first."""
+    return sorted(payloads, key=lambda data: data["settings"]["extra_tables"])
+
+
+def host_per_table(key: str) -> Compute:
+    """What each table adds to parallax's per-step count over what it adds to DDP's, from the
+    fewest to the most tables of host_tables.sh (deterministic counts: the slope of each)."""
+    def compute(payloads: Sequence[Any]) -> Figure:
+        fewest, most = _by_extra_tables(payloads)[0], _by_extra_tables(payloads)[-1]
+        added = {name: most["systems"][name][key] - fewest["systems"][name][key]
+                 for name in ("parallax", "plain")}
+        return Figure(added["parallax"] / added["plain"], n=1, counted="count (deterministic)")
+    return compute
+
+
+def host_collectives_any_tables(payloads: Sequence[Any]) -> Figure:
+    """The most collectives per step beyond DDP's over host_tables.sh's numbers of tables."""
+    return Figure(max(host_extra_collectives([data]).value for data in payloads), unit="",
+                  digits=0, n=1, counted="count (deterministic)")
+
+
 def host_step(payloads: Sequence[Any]) -> Figure:
     """parallax's step over plain PyTorch's (DDP's), paired round by round (host_work.py
     alternates the two systems each round)."""
@@ -335,6 +357,45 @@ HOST_WHY = {
 }
 
 
+HOST_TABLES_RECORD = "host-tables-2w-{door}-{extra}extra/{commit}-amd-epyc-2c"
+HOST_TABLES_COMMIT = "cc48aa5"
+EXTRA_TABLES = (0, 2, 6)
+
+
+def _host_table_claims() -> list[Claim]:
+    """Issue 73's targets read per table: the LM with 2, 4 and 8 alike tables."""
+    made = []
+    regime = ("1 machine x 2 workers (gloo), benchmark LM (vocabulary 2,000, width 16) with 0, "
+              "2 and 6 more input tables alike, CPU")
+    for door, program in DOORS.items():
+        source = tuple(HOST_TABLES_RECORD.format(door=door, extra=extra,
+                                                 commit=HOST_TABLES_COMMIT)
+                       for extra in EXTRA_TABLES)
+        made.append(Claim(
+            f"host-collectives-tables-2w-{door}", "targets", f"1 machine x 2 workers, "
+            f"{program}: collectives per step beyond DDP's with 2 to 8 tables",
+            "target ≤ 3 whatever the number of tables (issue 73)", regime,
+            "met" if door == "runner" else "missed",
+            "the same count at every number of tables (the exchange's messages carry every "
+            "table); the own loop's two order checks are the ones beyond 3"
+            if door == "distribute" else
+            "the same count at every number of tables: the exchange's messages carry every "
+            "table", "host-tables", source, host_collectives_any_tables))
+        for short, what, limit, key in (
+                ("ops", "aten operators", "1.5x", "aten_ops_per_step"),
+                ("calls", "Python calls", "2x", "python_calls_per_step")):
+            made.append(Claim(
+                f"host-{short}-per-table-2w-{door}", "targets", f"1 machine x 2 workers, "
+                f"{program}: {what} each added table costs, over what it costs DDP",
+                f"target ≤ {limit} (issue 73's ratio, read per table)", regime, "missed",
+                "table groups send a step's alike tables as one (one owner sort, one payload "
+                "each way, one gather and one sum on the servers), but each table still has "
+                "its own unique, leaf rows, zero_grad, verdict bound and row update on the "
+                "servers, and the forward's lookup of it", "host-tables", source,
+                host_per_table(key)))
+    return made
+
+
 def _host_claims() -> tuple[Claim, ...]:
     """Issue 73's host-work targets: counts exact (host_work.py, the plan's timed choices
     pinned as the suite's guard pins them), times by rounds."""
@@ -372,7 +433,7 @@ def _host_claims() -> tuple[Claim, ...]:
                 "estimates under the target were the host's noise)"
                 if workers == 1 else "the host work above, on a host-bound step",
                 "host-counts", source, host_step))
-    return tuple(made)
+    return (*made, *_host_table_claims())
 
 
 HOST_WORK = _host_claims()
