@@ -445,3 +445,17 @@ def files_write_with(path, raise_it, needed):
     import parallax.checkpoint.files as files
 
     return files._write_atomic_with(path, lambda out: raise_it(out), needed=needed)
+
+
+def test_a_view_of_a_larger_storage_is_written_as_its_own_elements(tmp_path) -> None:
+    """A table group's member shard views the group's store: its file holds its rows only
+    (``torch.save`` of the view itself would write the whole store), and loads as them."""
+    store = torch.arange(100_000, dtype=torch.float64).reshape(-1, 10)
+    member = store[9_000:9_010]
+    record = save_object(tmp_path / "view.pt", {"values": member, "rows": [store[:2]],
+                                                "pair": (store[5:6], 1)})
+    whole = save_object(tmp_path / "whole.pt", {"values": store})
+    assert record.size < whole.size / 100
+    loaded = load_object(tmp_path / "view.pt", record)
+    assert torch.equal(loaded["values"], member) and torch.equal(loaded["rows"][0], store[:2])
+    assert torch.equal(loaded["pair"][0], store[5:6]) and loaded["pair"][1] == 1

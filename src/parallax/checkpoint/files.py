@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import shutil
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -196,8 +197,29 @@ def _record_of(path: Path) -> FileRecord:
 
 def save_object(path: Path, obj: object) -> FileRecord:
     """``torch.save`` ``obj`` to ``path`` atomically, streamed to the file (no in-memory
-    copy of the serialised bytes)."""
-    return _write_atomic_with(path, lambda out: torch.save(obj, out), needed=_nbytes(obj))
+    copy of the serialised bytes). A tensor viewing part of a larger storage (a table
+    group's member: `parallax.engine.tables.table_group`) is written as a copy of its own
+    elements: ``torch.save`` writes a view's whole storage."""
+    compact = _compact(obj)
+    return _write_atomic_with(path, lambda out: torch.save(compact, out),
+                              needed=_nbytes(compact))
+
+
+def _compact(obj: object) -> object:
+    """``obj`` (dicts, lists and tuples searched) with each tensor that views a larger
+    storage replaced by a copy of its elements."""
+    if isinstance(obj, torch.Tensor):
+        if (obj.layout == torch.strided and obj.device.type != "meta"
+                and obj.untyped_storage().nbytes() > obj.numel() * obj.element_size()):
+            return obj.clone()
+        return obj
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((key, _compact(value)) for key, value in obj.items())  # type: ignore[call-arg, attr-defined]
+    if type(obj) is list:
+        return [_compact(value) for value in obj]
+    if type(obj) is tuple:
+        return tuple(_compact(value) for value in obj)
+    return obj
 
 
 def load_object(path: Path, record: FileRecord, *, weights_only: bool = True) -> object:
