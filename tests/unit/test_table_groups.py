@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from table_steps import reference_grad
 from torch import Tensor
 
@@ -171,3 +172,54 @@ def test_a_member_whose_shard_moved_is_taken_into_a_new_store(group, worker) -> 
     assert torch.equal(pulled[inverse], torch.full((2, 3), 2.0, dtype=torch.float64))
     first, inverse = tables[0].lookup(ids)
     assert torch.equal(first[inverse], _weight(10, 0)[ids])
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.Adagrad(params, lr=0.1, lr_decay=0.01, eps=1e-6),
+    lambda params: torch.optim.SGD(params, lr=0.1)], ids=["adagrad", "sgd"])
+def test_the_servers_update_a_group_as_one_step_exactly(group, worker, monkeypatch, make,
+                                                        ) -> None:
+    """Members of one param group take one row update over the group's store (Adagrad's
+    ``sum`` a store too, its step count advanced once and copied), equal to the bit to the
+    user's optimizer on one device; a step one member skips (no .grad on one device) and,
+    under Adagrad, the steps after it, whose counts then differ, take each member's own
+    update, as exactly."""
+    from parallax.engine.optimizers import shard_optimizer
+    from parallax.engine.optimizers.shard_optimizer import ShardOptimizer
+    rows = [10, 7, 12]
+    weights = [torch.nn.Parameter(_weight(n, k)) for k, n in enumerate(rows)]
+    user = make(weights)
+    tables = _tables(group, worker, rows)
+    servers = ShardOptimizer([user], {id(w): t for w, t in zip(weights, tables, strict=True)})
+    sizes: list[list[int]] = []
+    real = shard_optimizer.update_rows
+    monkeypatch.setattr(shard_optimizer, "update_rows", lambda cls, hyper, steps: (
+        sizes.append([step.param.shape[0] for step in steps]), real(cls, hyper, steps))[1])
+    generator = torch.Generator().manual_seed(5)
+    for step in range(5):
+        skipped = 1 if step == 2 else None
+        looked = [torch.randint(n, (3, 2), generator=generator) for n in rows]
+        coefficients = [torch.randn(3, 2, 3, dtype=torch.float64, generator=generator)
+                        for _ in rows]
+        for table in tables:
+            table.zero_grad()
+            table.gradient_anywhere = table is not tables[skipped or 0] or skipped is None
+        row_exchange.prefetch(tables, [[ids] for ids in looked])
+        loss = sum((table.lookup(ids)[0][table.lookup(ids)[1]] * c).sum()
+                   for table, ids, c in zip(tables, looked, coefficients, strict=True))
+        loss.backward()  # type: ignore[union-attr]
+        row_exchange.push_gradients(tables)
+        sizes.clear()
+        servers.step()
+        user.zero_grad()
+        sum((F.embedding(ids, w) * c).sum()
+            for w, ids, c in zip(weights, looked, coefficients, strict=True)).backward()
+        if skipped is not None:
+            weights[skipped].grad = None
+        user.step()
+        # (plain SGD keeps no count: its members fuse again after the skip)
+        fused = step < 2 or step > 2 and isinstance(user, torch.optim.SGD)
+        assert sizes == ([[sum(rows)]] if fused else [[10, 12]] if step == 2
+                         else [[10, 7, 12]]), step
+        for table, weight in zip(tables, weights, strict=True):
+            assert torch.equal(table.full_weight(), weight.detach()), (step, table.name)

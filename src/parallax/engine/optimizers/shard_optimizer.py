@@ -23,6 +23,7 @@ from parallax.cluster import WorkerInfo
 from parallax.collective import agree
 from parallax.engine.optimizers import deferred_sgd
 from parallax.engine.optimizers.deferred_sgd import DeferredRows, sgd_rows, zero_gradient_map
+from parallax.engine.optimizers.group_update import fuse_group_steps
 from parallax.engine.optimizers.row_update import RowStep, has_row_update, update_rows
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.errors import (
@@ -335,7 +336,7 @@ class ShardOptimizer:
         steps a group); their dense gradients are taken from the servers' optimizers (which
         skip them) into ``held``, to put back after the step."""
         batched: dict[tuple[int, int], tuple[type[torch.optim.Optimizer], dict[str, Any],
-                                             list[RowStep]]] = {}
+                                             list[tuple[ServerTable, RowStep]]]] = {}
         for table, group in self._eligible(wanted, zero_gradient_is_identity):
             cls = optimizer_class(self._owners[table.name][0])
             for slot, (part, rows) in enumerate(zip(table.parts, table.touched_rows_by_part(),
@@ -347,11 +348,11 @@ class ShardOptimizer:
                 key = (id(group), slot)
                 if key not in batched:
                     batched[key] = (cls, _hyper_parameters(group), [])
-                batched[key][2].append(RowStep(part, grad, rows, self._state_of(part)))
+                batched[key][2].append((table, RowStep(part, grad, rows, self._state_of(part))))
                 held.append((part, grad))
                 part.grad = None
-        return [functools.partial(update_rows, cls, hyper, steps)
-                for cls, hyper, steps in batched.values()]
+        return [functools.partial(_update, cls, hyper, entries)
+                for cls, hyper, entries in batched.values()]
 
     def _state_of(self, part: nn.Parameter) -> dict[str, Any]:
         for server_opt, _, _ in self._slots:
@@ -422,6 +423,16 @@ class ShardOptimizer:
         per-row tensors are this call's to keep (read for it, referenced nowhere else), so a
         shard of one partition holds them as they are rather than a copy beside them."""
         self._rebuild(_part_states(table, state, owned=owned))
+
+
+def _update(optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any],
+            entries: Sequence[tuple[ServerTable, RowStep]]) -> None:
+    """`update_rows` of one param group's row steps, a table group's members as one
+    (`parallax.engine.optimizers.group_update`)."""
+    steps, after = fuse_group_steps(optimizer_class, entries)
+    update_rows(optimizer_class, group, steps)
+    for finish in after:
+        finish()
 
 
 def _part_states(table: ServerTable, state: dict[str, Any], *,

@@ -119,6 +119,9 @@ class ShardedTable:
         # room for this table's ids in a pull's one message (reset when the rows move)
         self.reservations = Reservations(worker.world_size)
         self.shard: nn.Parameter | None = None
+        # the table group whose store holds the shard's rows (set by the group:
+        # `parallax.engine.tables.table_group`), for the servers' update of them together
+        self.store_group: object | None = None
         # The shard's partitions as parameters viewing its storage: the unit of the servers'
         # parallel aggregation and update (the shard itself when it holds one partition).
         self.parts: list[nn.Parameter] = []
@@ -233,6 +236,7 @@ class ShardedTable:
     def set_shard(self, shard: nn.Parameter) -> None:
         """Hold ``shard`` (this server's rows under the current partitioning)."""
         self.shard = shard
+        self.store_group = None  # (its rows are its own again)
         self._touched, self._touched_unique = [], None
         self.blocks = self.partitioning.shard_blocks(
             self.worker.server_ranks.index(self.worker.rank)) or [(0, 0)]

@@ -22,6 +22,7 @@ key of `groups_of` then differs).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -65,6 +66,7 @@ class GroupedTable(Protocol):
     shard: nn.Parameter | None
     before_read: Callable[[Tensor | None], None] | None
     steps: Any
+    store_group: object | None
 
     def note_touched(self, rows: Tensor) -> None: ...
 
@@ -133,6 +135,7 @@ class TableGroup:
         first = members[0]
         self.members = list(members)
         self.member_names = [m.name for m in members]
+        self.member_index = {name: k for k, name in enumerate(self.member_names)}
         self.name = GROUP_PREFIX + "+".join(self.member_names)
         partitions = first.partitioning.num_partitions
         # each member's first group id: a multiple of the partition count
@@ -159,6 +162,8 @@ class TableGroup:
         self._received: list[tuple[Tensor, bool]] = []
         self._member_bounds: Tensor | None = None  # the members' first group ids (a worker's)
         self._store_bounds: Tensor | None = None   # the members' first store rows (a server's)
+        # per-row optimizer state as stores (`state_store`): the store, the members' views
+        self._states: dict[str, tuple[Tensor, list[Tensor]]] = {}
 
     @property
     def leader(self) -> int:
@@ -206,6 +211,8 @@ class TableGroup:
         for shard, start, size in zip(shards, starts, sizes, strict=True):
             if shard is not None:
                 shard.data = store[start:start + size]  # (its old storage goes)
+        for member in self.members:  # (where the servers' update finds the store)
+            member.store_group = self
         self.shard, self._shards, self._starts = store, list(shards), starts
         self._pointers = [0 if s is None else s.data_ptr() for s in shards]
         partitions = self.partitioning.num_partitions
@@ -215,7 +222,47 @@ class TableGroup:
                                    dtype=torch.long, device=self.device)
         self._store_bounds = torch.tensor(starts[1:], dtype=torch.long, device=self.device)
         self._grad, self._grads = None, []
+        self._states = {}
         return store
+
+    def store_starts(self) -> list[int]:
+        """Each member's first row in the store (a server's)."""
+        return self._starts
+
+    def store_and_gradient(self, shards: Sequence[Tensor], grads: Sequence[Tensor],
+                           ) -> tuple[Tensor | None, Tensor | None]:
+        """The store and its gradient, where the members' ``shards`` and dense ``grads``
+        (in member order) are still views of them; else ``(None, None)``. (Builtins over the
+        members, not generators: the servers ask every step.)"""
+        if (self.shard is None or self._grad is None
+                or not all(map(operator.is_, shards, self._shards))
+                or list(map(Tensor.data_ptr, shards)) != self._pointers
+                or not all(map(operator.is_, grads, self._grads))):
+            return None, None
+        return self.shard, self._grad
+
+    def state_store(self, key: str, tensors: Sequence[Tensor | None]) -> Tensor | None:
+        """The members' per-row optimizer state ``key`` as one tensor of the store's rows
+        (made, and the members' ``tensors`` copied in, where they are not its views yet;
+        `state_views` are what the members' state must hold then). None where a tensor is
+        not one member's rows."""
+        held = self._states.get(key)
+        if held is not None and all(map(operator.is_, tensors, held[1])):
+            return held[0]
+        store = self.shard
+        if store is None or not all([
+                t is not None and t.shape[0] == stop - start and t.shape[1:] == store.shape[1:]
+                and t.dtype == store.dtype and t.device == store.device
+                for t, (_, start, stop) in zip(tensors, self._member_slices(), strict=True)]):
+            return None
+        joined = torch.cat(list(tensors))  # type: ignore[arg-type]
+        views = [joined[start:stop] for _, start, stop in self._member_slices()]
+        self._states[key] = (joined, views)
+        return joined
+
+    def state_views(self, key: str) -> list[Tensor]:
+        """Each member's view of the state store ``key`` (`state_store`)."""
+        return self._states[key][1]
 
     def serve(self, ids: Tensor, *, lookup: bool, source: Tensor | None,
               ) -> tuple[Tensor, Tensor]:
