@@ -165,6 +165,23 @@ class Traffic:
             counts[sent_key] += send_counts[peer] * bytes_per_item
             counts[received_key] += recv_counts[peer] * bytes_per_item
 
+    def record_many(self, entries: Sequence[tuple[str, list[int], list[int]]],
+                    bytes_per_item: int) -> None:
+        """`record` of each ``(name, send counts, receive counts)`` (a table group's members
+        in one message), in one call."""
+        world = len(self.machine_of_rank)
+        if any([len(send) != world or len(receive) != world for _, send, receive in entries]):
+            raise InternalError(f"{[name for name, _, _ in entries]}: send or receive counts "
+                                f"not of {world} ranks; please report it")
+        peers = self._keys if self._keys is not None else self._peer_keys()
+        if not peers:
+            return
+        for name, send, receive in entries:
+            counts = self.bytes[name]
+            for peer, sent_key, received_key in peers:
+                counts[sent_key] += send[peer] * bytes_per_item
+                counts[received_key] += receive[peer] * bytes_per_item
+
     def record_to_every_peer(self, name: str, payload: int) -> None:
         """``payload`` bytes sent to every other rank and as many received from each (an
         all_to_all of one whole payload per peer; `record` without its count lists)."""
@@ -380,10 +397,11 @@ class Hop:
         if shares is None:
             self.traffic.record(self._account(name), send, receive, item)
             return
-        forward = send is self.send_counts[name]
-        for member, to_peers, from_peers in shares:
-            self.traffic.record(member, to_peers if forward else from_peers,
-                                from_peers if forward else to_peers, item)
+        if send is self.send_counts[name]:  # (forward: the members' counts as they are)
+            self.traffic.record_many(shares, item)
+        else:
+            self.traffic.record_many([(member, from_peers, to_peers)
+                                      for member, to_peers, from_peers in shares], item)
 
     def _start(self, payloads: dict[str, Tensor], send: dict[str, list[int]],
                receive: dict[str, list[int]], *, async_op: bool,

@@ -192,10 +192,11 @@ def _count_traffic(traffic: Traffic, names: list[str],
             traffic.record(name, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
             traffic.record(name, room_to[name], room_from[name], item)
             continue
+        traffic.record_to_every_peer_many([(member, COUNT_MESSAGE_BYTES)
+                                           for member, _, _ in grouped])
+        traffic.record_many(grouped, item)
         sent, got = [0] * world, [0] * world
-        for member, to_peers, from_peers in grouped:
-            traffic.record(member, [1] * world, [1] * world, COUNT_MESSAGE_BYTES)
-            traffic.record(member, to_peers, from_peers, item)
+        for _, to_peers, from_peers in grouped:
             for peer in range(world):
                 sent[peer] += to_peers[peer]
                 got[peer] += from_peers[peer]
