@@ -73,6 +73,19 @@ def test_alike_tables_form_one_group_and_the_others_travel_alone(group, worker) 
     assert groups_of(tables, cache)[0] is not grouped
 
 
+def test_a_table_is_in_one_cached_group_at_a_time(group, worker) -> None:
+    """A set of tables sharing a table with a cached one drops it (a table's rows are in one
+    store at a time); disjoint sets stay; the cache holds the objects, not their ids."""
+    tables = _tables(group, worker, [10, 7, 12, 5])
+    cache: dict = {}
+    first = groups_of(tables[:2], cache)
+    other = groups_of(tables[2:], cache)
+    assert len(cache) == 2 and groups_of(tables[:2], cache)[0] is first[0]
+    groups_of([tables[1], tables[2]], cache)  # shares a table with both
+    assert len(cache) == 1 and groups_of(tables[2:], cache)[0] is not other[0]
+    assert all(isinstance(entry[0], ShardedTable) for key in cache for entry in key)
+
+
 def test_more_partitions_than_servers_travel_alone(group, worker) -> None:
     """A server holding two partitions of a table would need each partition's rows apart."""
     assert group_key(_tables(group, worker, [10], partitions=2)[0]) is None

@@ -74,6 +74,7 @@ class Layout:
         """``table`` holds its sparse parameter (as the architecture builds the layout)."""
         self.sparse[table.name] = table
         self._replicas = None
+        self.steps.groups.clear()  # (no table group may hold a table that left)
 
     def replace(self, new: Table) -> None:
         """``new`` holds its sparse parameter from now on (moved off the servers)."""

@@ -155,7 +155,7 @@ class TableSteps:
         self.lookups: dict[str, int] = {}
         #: the units of the last pull's set of tables: the table groups that live as long
         #: as their members stay alike (`parallax.engine.tables.table_group.groups_of`)
-        self.groups: dict[tuple[object, ...], list[Any]] = {}
+        self.groups: dict[Any, list[Any]] = {}
         #: per table, its item in the early push's schedule (`parallax.engine.tables.
         #: early_push`): tables of different items are never grouped, so that the first can
         #: leave while the backward computes the next

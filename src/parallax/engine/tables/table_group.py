@@ -87,36 +87,47 @@ def group_key(table: Any) -> tuple[object, ...] | None:
             table.steps.push_items.get(table.name))
 
 
-def groups_of(tables: Sequence[Any], cache: dict[tuple[object, ...], list[Any]],
-              ) -> list[Any]:
+def groups_of(tables: Sequence[Any], cache: dict[Any, list[Any]]) -> list[Any]:
     """The units of one pull of ``tables``: a `TableGroup` for each set of two or more alike
     tables (`group_key`), in place of its first member, and every other table itself.
     ``cache`` (the run's) keeps the units per set of tables and partitionings, so a group
-    lives as long as its members stay alike (a member taken into another set's group has its
-    shard moved to that group's store, and back at the next pull of this set: exact, at the
-    cost of a copy)."""
-    key = tuple((id(t), id(t.partitioning), id(t.sharding), t.local_aggregation)
-                for t in tables)
+    lives as long as its members stay alike; a table is in one group's store at a time, so a
+    new set of tables drops the sets it shares a table with (their groups' stores go with
+    them), and the layout drops them all when its tables change."""
+    # (the objects themselves, not their ids: the key keeps them alive, so no new table or
+    # partitioning can take an old one's id and its group)
+    key = tuple([(t, t.partitioning, t.sharding, t.local_aggregation) for t in tables])
     units = cache.get(key)
     if units is None:
-        by_key: dict[tuple[object, ...], list[Any]] = {}
-        for table in tables:
-            alike = group_key(table)
-            if alike is not None:
-                by_key.setdefault(alike, []).append(table)
-        grouped = {id(t): members for members in by_key.values() if len(members) > 1
-                   for t in members}
-        units, seen = [], set()
-        for table in tables:
-            members = grouped.get(id(table))
-            if members is None:
-                units.append(table)
-            elif id(members[0]) not in seen:
-                seen.add(id(members[0]))
-                units.append(TableGroup(members))
-        if len(cache) >= CACHED_PULLS:  # (a dissolved group's store goes with it)
+        units = _units(tables)
+        # a table is in one store at a time: sets sharing a table with this one go (and with
+        # them a dissolved group's store); so do the oldest beyond `CACHED_PULLS`
+        mine = {id(t) for t in tables}
+        for stale in [k for k in cache if any([id(entry[0]) in mine for entry in k])]:
+            del cache[stale]
+        if len(cache) >= CACHED_PULLS:
             del cache[next(iter(cache))]
         cache[key] = units
+    return units
+
+
+def _units(tables: Sequence[Any]) -> list[Any]:
+    """`groups_of`'s units, made anew."""
+    by_key: dict[tuple[object, ...], list[Any]] = {}
+    for table in tables:
+        alike = group_key(table)
+        if alike is not None:
+            by_key.setdefault(alike, []).append(table)
+    grouped = {id(t): members for members in by_key.values() if len(members) > 1
+               for t in members}
+    units, seen = [], set()
+    for table in tables:
+        members = grouped.get(id(table))
+        if members is None:
+            units.append(table)
+        elif id(members[0]) not in seen:
+            seen.add(id(members[0]))
+            units.append(TableGroup(members))
     return units
 
 
