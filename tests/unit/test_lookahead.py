@@ -143,3 +143,14 @@ def test_look_ahead_trains_like_the_single_device_program(monkeypatch) -> None:
     parallax.shutdown()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(trained[name], value, msg=name)
+
+
+def test_the_look_ahead_finds_a_layer_as_get_submodule_does() -> None:
+    """Its registry walk (`forward._submodule`) gives ``get_submodule``'s module for every
+    path, the root for the empty one, and ``get_submodule``'s error for a bad one."""
+    from parallax.step.forward import _submodule
+    model = nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Sequential(nn.Embedding(3, 2))]))
+    for path, _ in model.named_modules():
+        assert _submodule(model, path) is model.get_submodule(path), path
+    with pytest.raises(AttributeError, match="has no attribute `nope`"):
+        _submodule(model, "0.nope")

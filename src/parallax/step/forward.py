@@ -102,7 +102,7 @@ class Forward:
         if program is not None:
             with self.phases.phase("id look-ahead"):
                 for path, ids, bag_args in program(*args, **kwargs):
-                    layer = self.executed.get_submodule(path)
+                    layer = _submodule(self.executed, path)
                     table = table_read_by(layer)
                     held = table.held
                     if held is not None and held.sharding.pools:
@@ -128,6 +128,19 @@ class Forward:
                 pooled.pool_ahead(bags)
             stack.callback(_forget_pooled_ahead, bags)
         return stack
+
+
+def _submodule(root: nn.Module, path: str) -> nn.Module:
+    """``root.get_submodule(path)`` by the modules' own registries (a lookup per level, not
+    ``get_submodule``'s attribute machinery: the look-ahead asks for every lookup of every
+    step); ``get_submodule`` itself, for its error, where a level is not a registered module."""
+    module = root
+    for name in path.split(".") if path else ():
+        found = module._modules.get(name)
+        if found is None:
+            return root.get_submodule(path)
+        module = found
+    return module
 
 
 class ProgramForward:

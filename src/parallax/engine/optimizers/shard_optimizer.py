@@ -264,11 +264,16 @@ class ShardOptimizer:
         """The dense-gradient tables of the wanted optimizers whose param group satisfies
         ``rule``, with the group."""
         eligible = []
+        ruled: dict[tuple[int, int], bool] = {}  # (the rule once per param group, not table)
         for name, table in self._tables.items():
             user_opt, index = self._owners[name]
+            if table.sparse_grad or (wanted is not None and id(user_opt) not in wanted):
+                continue
             group = user_opt.param_groups[index]
-            if ((wanted is None or id(user_opt) in wanted) and not table.sparse_grad
-                    and hasattr(table, "touched_rows_by_part") and rule(user_opt, group)):
+            key = (id(user_opt), index)
+            if key not in ruled:
+                ruled[key] = rule(user_opt, group)
+            if ruled[key] and hasattr(table, "touched_rows_by_part"):
                 eligible.append((table, group))
         return eligible
 
@@ -338,7 +343,7 @@ class ShardOptimizer:
         batched: dict[tuple[int, int], tuple[type[torch.optim.Optimizer], dict[str, Any],
                                              list[tuple[ServerTable, RowStep]]]] = {}
         for table, group in self._eligible(wanted, zero_gradient_is_identity):
-            cls = optimizer_class(self._owners[table.name][0])
+            cls = optimizer_class(self._owners[table.name][0])  # (a group's rule holds: cheap)
             for slot, (part, rows) in enumerate(zip(table.parts, table.touched_rows_by_part(),
                                                     strict=True)):
                 grad = part.grad
