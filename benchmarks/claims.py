@@ -333,7 +333,7 @@ TABLE4 = ("table4/ef026e6-intel-xeon-2c",)
 EMULATED = "emulated link (tc tbf), 2 shared CPU cores"
 P000 = "`000`/`003` (Parallax, EuroSys'19)"
 
-HOST_WORK_RECORD = "host-counts-{workers}w-{door}/34a1557-amd-epyc-2c"
+HOST_WORK_RECORD = "host-counts-{workers}w-{door}/632f968-amd-epyc-2c"
 DOORS = {"distribute": "the own loop after `distribute`", "runner": "`Runner.step`"}
 #: the host-work claims whose record meets the target
 HOST_MET = frozenset({"host-ops-1w-distribute", "host-ops-1w-runner", "host-calls-1w-distribute",
@@ -354,13 +354,13 @@ HOST_WHY = {
     (2, "calls"): "the step's own whatever the tables (about 880 calls: the exchange's count "
                   "message and rooms, the phase clock, the loop order's checks, the verdict, "
                   "the step round) and what each table still does alone (its unique, leaf "
-                  "rows, zero_grad, verdict bound and the forward's lookup: about 180 calls a "
+                  "rows, zero_grad, verdict bound and the forward's lookup: about 160 calls a "
                   "table, from about 270 before the table groups)",
 }
 
 
 HOST_TABLES_RECORD = "host-tables-2w-{door}-{extra}extra/{commit}-amd-epyc-2c"
-HOST_TABLES_COMMIT = "34a1557"
+HOST_TABLES_COMMIT = "632f968"
 EXTRA_TABLES = (0, 2, 6)
 
 
@@ -397,7 +397,7 @@ def _host_table_claims() -> list[Claim]:
                 "its leaf rows' gradient, its zero_grad)" if short == "ops" else
                 "table groups send and update a step's alike tables as one, but each table "
                 "still has its own unique, leaf rows, zero_grad and verdict bound in Python, "
-                "and the forward's lookup of it (about 180 calls a table against DDP's 30)",
+                "and the forward's lookup of it (about 160 calls a table against DDP's 30)",
                 "host-tables", source, host_per_table(key)))
     return made
 

@@ -27,9 +27,9 @@ CEILINGS = {
                         "collectives_per_step": 0},
     (1, "runner"): {"aten_ops_per_step": 276, "python_calls_per_step": 498,
                     "collectives_per_step": 0},
-    (2, "distribute"): {"aten_ops_per_step": 698, "python_calls_per_step": 1675,
+    (2, "distribute"): {"aten_ops_per_step": 698, "python_calls_per_step": 1657,
                         "collectives_per_step": 6},
-    (2, "runner"): {"aten_ops_per_step": 726, "python_calls_per_step": 1697,
+    (2, "runner"): {"aten_ops_per_step": 726, "python_calls_per_step": 1679,
                     "collectives_per_step": 3},
 }
 PLAIN = {1: {"aten_ops_per_step": 248, "collectives_per_step": 0},
