@@ -135,12 +135,7 @@ class TableGroup:
     """Alike server-held tables exchanged as one (see the module): the exchange's view of
     them as one table, and on a server the store of their rows."""
 
-    sharding = ROWS
-    scales_by_freq = False
-    batch_dependent = None
-    local_aggregation = False
     one_partition = True  # (a server holds at most one partition of each member)
-    holds_gradient_rows = False  # (the members' own say: the verdict asks them)
 
     def __init__(self, members: Sequence[GroupedTable]) -> None:
         first = members[0]
@@ -167,18 +162,16 @@ class TableGroup:
         self._pointers: list[int] = []
         self._grad: Tensor | None = None
         self._grads: list[Tensor | None] = []
-        self._bounds: Tensor | None = None  # the members' first store rows (but the first)
+        # the members' first group ids but the first's (made once: on a GPU each copy from
+        # the host is a wait)
+        self._member_bounds = torch.tensor(self.offsets[1:], dtype=torch.long,
+                                           device=self.device)
         self._delta: Tensor | None = None   # store row - group id // P, per member
         self._starts: list[int] = []
         self._received: list[tuple[Tensor, bool]] = []
-        self._member_bounds: Tensor | None = None  # the members' first group ids (a worker's)
         self._store_bounds: Tensor | None = None   # the members' first store rows (a server's)
         # per-row optimizer state as stores (`state_store`): the store, the members' views
         self._states: dict[str, tuple[Tensor, list[Tensor]]] = {}
-
-    @property
-    def leader(self) -> int:
-        return self.worker.server_ranks[self.worker.machine]
 
     def empty_rows(self, count: int) -> Tensor:
         return torch.empty((count, *self.row_shape), dtype=self.dtype, device=self.device)
@@ -191,9 +184,6 @@ class TableGroup:
     def counts_by_member(self, ids: Tensor, owner: Tensor) -> Tensor:
         """How many of the group ``ids`` (sorted) each member sends each rank (``owner``: each
         id's), as one vector ``[member * world + rank]``."""
-        if self._member_bounds is None:  # (made once: on a GPU each copy is a wait)
-            self._member_bounds = torch.tensor(self.offsets[1:], dtype=torch.long,
-                                               device=ids.device)
         world = self.worker.world_size
         member = torch.bucketize(ids, self._member_bounds, right=True)
         return torch.bincount(member * world + owner, minlength=len(self.members) * world)
@@ -204,11 +194,20 @@ class TableGroup:
         shards = [m.shard for m in self.members]
         if shards[0] is None:
             return None
-        if self.shard is not None and all(
-                s is k and s is not None and s.data_ptr() == p
-                for s, k, p in zip(shards, self._shards, self._pointers, strict=True)):
+        if self._holds(shards):
             return self.shard
         return self._make_store(shards)
+
+    def _holds(self, shards: Sequence[Tensor | None]) -> bool:
+        """Whether the members' ``shards`` (in member order) are the store's views still.
+        (Builtins over the members, not generators: asked at every pull and update.)"""
+        return (self.shard is not None and all(map(operator.is_, shards, self._shards))
+                and [0 if s is None else s.data_ptr() for s in shards] == self._pointers)
+
+    def _grads_held(self, grads: Sequence[Tensor | None]) -> bool:
+        """Whether the members' dense ``grads`` (in member order) are the store gradient's
+        views still."""
+        return self._grad is not None and all(map(operator.is_, grads, self._grads))
 
     def _make_store(self, shards: list[nn.Parameter | None]) -> Tensor:
         sizes = [0 if s is None else s.shape[0] for s in shards]
@@ -227,7 +226,6 @@ class TableGroup:
         self.shard, self._shards, self._starts = store, list(shards), starts
         self._pointers = [0 if s is None else s.data_ptr() for s in shards]
         partitions = self.partitioning.num_partitions
-        self._bounds = torch.tensor(self.offsets[1:], dtype=torch.long, device=self.device)
         self._delta = torch.tensor([start - offset // partitions for start, offset
                                     in zip(starts, self.offsets, strict=True)],
                                    dtype=torch.long, device=self.device)
@@ -245,10 +243,7 @@ class TableGroup:
         """The store and its gradient, where the members' ``shards`` and dense ``grads``
         (in member order) are still views of them; else ``(None, None)``. (Builtins over the
         members, not generators: the servers ask every step.)"""
-        if (self.shard is None or self._grad is None
-                or not all(map(operator.is_, shards, self._shards))
-                or list(map(Tensor.data_ptr, shards)) != self._pointers
-                or not all(map(operator.is_, grads, self._grads))):
+        if not (self._holds(shards) and self._grads_held(grads)):
             return None, None
         return self.shard, self._grad
 
@@ -298,9 +293,9 @@ class TableGroup:
 
     def shard_rows_of(self, ids: Tensor) -> Tensor:
         """The store rows of group ``ids`` this server owns."""
-        if self._bounds is None or self._delta is None:
+        if self._delta is None:
             raise InternalError(f"'{self.name}': rows asked before the store; please report it")
-        member = torch.bucketize(ids, self._bounds, right=True)
+        member = torch.bucketize(ids, self._member_bounds, right=True)
         partitions = self.partitioning.num_partitions
         quotient = ids if partitions == 1 else ids // partitions
         return quotient + self._delta.index_select(0, member)
@@ -319,8 +314,8 @@ class TableGroup:
             raise InternalError(f"'{self.name}': a gradient asked off the servers; please "
                                 f"report it")
         shards = self._shards
-        if self._grad is not None and all(
-                s is None or s.grad is g for s, g in zip(shards, self._grads, strict=True)):
+        if self._grad is not None and self._grads_held(
+                [None if s is None else s.grad for s in shards]):
             return self._grad
         grad = torch.zeros_like(store)
         for shard, (_, start, stop) in zip(shards, self._member_slices(), strict=True):
