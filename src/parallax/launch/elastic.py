@@ -12,11 +12,14 @@ one-line-per-rank failure report.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
 import tempfile
+import time
+import traceback
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -595,7 +598,18 @@ class WholeFileErrorHandler(ErrorHandler):
     (its peer had failed first, as under ``sync="async"``) left an empty file, and the
     launcher died of the agent's JSONDecodeError instead of naming the failed rank. Written to
     a temporary file beside it and renamed (`parallax.atomic.replace_text`), the file is either
-    absent or complete."""
+    absent or complete. torch's ``record_exception`` opens the file itself (it does not go
+    through ``_write_error_file``), so the record is made here, in torch's format."""
+
+    def record_exception(self, e: BaseException) -> None:
+        file = self._get_error_file_path()
+        if not file:
+            super().record_exception(e)  # torch's: nowhere to write, so it is logged
+            return
+        data = {"message": {"message": f"{type(e).__name__}: {e}",
+                            "extraInfo": {"py_callstack": traceback.format_exc(),
+                                          "timestamp": str(int(time.time()))}}}
+        self._write_error_file(file, json.dumps(data))
 
     def _write_error_file(self, file_path: str, error_msg: str) -> None:
         try:
