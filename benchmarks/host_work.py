@@ -148,7 +148,8 @@ def build(name: str, args: argparse.Namespace, cfg: LMConfig, device: torch.devi
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
     config = parallax.Config(partition_cache=None, num_partitions=args.partitions,
                              overlap_push=not args.no_overlap_push,
-                             local_aggregation=AGGREGATION[args.local_aggregation])
+                             local_aggregation=AGGREGATION[args.local_aggregation],
+                             alpha_threshold=0.0 if getattr(args, "replicate", False) else None)
     door = args.door
     if name == "parallax" and door == "runner":
         return parallax.get_runner(model, optimizer, sampled_softmax_loss, config=config), None
@@ -228,6 +229,10 @@ def main() -> None:
     parser.add_argument("--extra-tables", type=int, default=0,
                         help="input tables beside the LM's two, alike (what each table "
                              "costs: scripts/host_tables.sh)")
+    parser.add_argument("--replicate", action="store_true",
+                        help="Config(alpha_threshold=0): the hybrid moves every table to "
+                             "AllReduce after the warm-up (what a table the plan replicates "
+                             "costs: scripts/host_replicated.sh)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write parallax's counted steps as a Chrome trace here")
     parser.add_argument("--out", type=Path, default=records.scratch() / "host_work.json")

@@ -153,6 +153,7 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
   [host-work]="$py benchmarks/host_work.py --rounds 4"
   [host-counts]="bash scripts/host_counts.sh @OUT@"
   [host-tables]="bash scripts/host_tables.sh @OUT@"
+  [host-replicated]="bash scripts/host_replicated.sh @OUT@"
   [threads-recsys]="$py benchmarks/compare.py --workload recsys --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --hash-multiplier 1000 --systems hybrid torchrec-tw --steps 50 --isolate \
 --cpu-profile @OUT@/cpu-profile-recsys-2x2 --out @OUT@/threads-recsys-2x2-1gbit.json"
@@ -213,7 +214,7 @@ ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-hi
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-4x1-paper table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
-       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work host-counts host-tables threads-recsys threads-lm launch launch-emulated chaos chaos-link
+       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work host-counts host-tables host-replicated threads-recsys threads-lm launch launch-emulated chaos chaos-link
        targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1 ratios-recsys ratios-lm-2x2
        ratios-lm-4x1 ratios-bound ratios-table4-lm)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)

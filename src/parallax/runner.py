@@ -159,7 +159,7 @@ class Runner:
             config, self.worker, self.phases, self.nonfinite, self.layout,
             sparse_uses=self.sparse_uses, traffic=self.traffic)
         self.tables = self.layout.sparse
-        self.backward_push = BackwardPush(self.layout.replicas)
+        self.backward_push = BackwardPush(self.layout.replicas, self.layout.summed_own)
         check_per_shard(self.optimizers, server_held)
         if config.lazy_sparse_updates:
             check_lazy(self.optimizers, {n: self._params[n] for n in self.sparse_uses})

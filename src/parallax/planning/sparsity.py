@@ -28,6 +28,7 @@ from parallax.engine.optimizers.shard_optimizer import (
 from parallax.engine.tables import lookup_options
 from parallax.engine.tables.handles import restore
 from parallax.engine.tables.own import OwnTable
+from parallax.engine.tables.own_summed import SummedOwnTable
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table
@@ -134,6 +135,10 @@ def move_to_allreduce(table: ShardedTable, param: nn.Parameter,
     if own_table_chosen(param, optimizers, device=worker.device, world_size=worker.world_size,
                         sparse_grad=table.sparse_grad, batch_dependent=table.batch_dependent):
         return OwnTable(table.name, param, worker=worker)
+    if worker.world_size > 1 and not table.sparse_grad and table.batch_dependent is None:
+        # the layer's own read, its dense gradient summed as DDP sums a dense one
+        return SummedOwnTable(table.name, param, worker=worker, group=group,
+                              traffic=table.traffic, average=table.average)
     # SparseAdam needs sparse gradients; one worker gathers nothing either way, and the rows
     # a step touched are all it updates (an AllReduced table's update reads every row, many
     # times the step of the rows alone)

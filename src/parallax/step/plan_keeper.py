@@ -211,7 +211,7 @@ class PlanKeeper:
                                       self.shard_optimizer, worker=self.worker, group=self.group)
             self._replace_table(table, moved)
             self.replicated.append(self.params[name])
-            self.decisions[name] = OWN if isinstance(moved, OwnTable) else why
+            self.decisions[name] = OWN if type(moved) is OwnTable else why
         self._start_search()
         if self.tuner is None or not self.tuner.active:  # else once the search is done
             self._begin_trial()

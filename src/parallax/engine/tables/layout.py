@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from parallax.engine.tables.own_summed import SummedOwnTable
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.step_context import TableSteps
 from parallax.engine.tables.table import Table
@@ -49,6 +50,7 @@ class Layout:
     # the replicated tables, in name order, found once (`replicas`; `add` and `replace`,
     # through which tables come and go, forget them)
     _replicas: list[ReplicatedTable] | None = field(default=None, init=False, repr=False)
+    _summed_own: list[SummedOwnTable] | None = field(default=None, init=False, repr=False)
 
     @property
     def uses_ddp(self) -> bool:
@@ -70,10 +72,18 @@ class Layout:
                               if isinstance(table := self.sparse[name], ReplicatedTable)]
         return self._replicas
 
+    def summed_own(self) -> list[SummedOwnTable]:
+        """The tables replicated as the program's own parameters, their gradients summed
+        over the workers (`parallax.engine.tables.own_summed`), in name order."""
+        if self._summed_own is None:
+            self._summed_own = [table for name in sorted(self.sparse)
+                                if isinstance(table := self.sparse[name], SummedOwnTable)]
+        return self._summed_own
+
     def add(self, table: Table) -> None:
         """``table`` holds its sparse parameter (as the architecture builds the layout)."""
         self.sparse[table.name] = table
-        self._replicas = None
+        self._replicas = self._summed_own = None
         self.steps.groups.clear()  # (no table group may hold a table that left)
 
     def replace(self, new: Table) -> None:
