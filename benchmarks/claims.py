@@ -402,6 +402,46 @@ def _host_table_claims() -> list[Claim]:
     return made
 
 
+HOST_REPLICATED_RECORD = "host-replicated-2w-{door}/{commit}-amd-epyc-2c"
+HOST_REPLICATED_COMMIT = "5ef2f5e"
+
+
+def _host_replicated_claims() -> list[Claim]:
+    """Issue 73's item 4 at several workers: the LM with both tables moved to AllReduce
+    (``alpha_threshold=0``), each the program's own parameter, its gradient summed."""
+    made = []
+    regime = ("1 machine x 2 workers (gloo), benchmark LM (vocabulary 2,000, width 16), both "
+              "tables replicated after the warm-up (Config(alpha_threshold=0)), CPU")
+    why = ("each table is the program's own parameter (its layer reads the whole weight, "
+           "one AllReduce sums every such table's gradient), but each lookup still gathers "
+           "every rank's bad-id flag (a collective a lookup), and the step round's own work "
+           "remains (the phase clock, the loop checks, the finiteness check and its "
+           "collective, the step hooks)")
+    for door, program in DOORS.items():
+        source = (HOST_REPLICATED_RECORD.format(door=door, commit=HOST_REPLICATED_COMMIT),)
+        for short, what, key in (("ops", "aten operators", "aten_ops_per_step"),
+                                 ("calls", "Python calls", "python_calls_per_step")):
+            made.append(Claim(
+                f"host-{short}-replicated-2w-{door}", "targets", f"1 machine x 2 workers, "
+                f"{program}, tables the plan replicated: {what} per step over DDP's",
+                "target: nothing beyond DDP's (issue 73, item 4)", regime, "missed", why,
+                "host-replicated", source, host_counts(key)))
+        made.append(Claim(
+            f"host-collectives-replicated-2w-{door}", "targets", f"1 machine x 2 workers, "
+            f"{program}, tables the plan replicated: collectives per step beyond DDP's",
+            "target: none beyond DDP's (issue 73, item 4)", regime, "missed", why,
+            "host-replicated", source, host_extra_collectives))
+        made.append(Claim(
+            f"host-step-replicated-2w-{door}", "targets", f"1 machine x 2 workers, "
+            f"{program}, tables the plan replicated: step time over DDP's",
+            "target: DDP's (issue 73, item 4)", regime, "missed",
+            "the host work above and its collectives, on a host-bound step (DDP's own step "
+            "updates the same whole tables); slower than the same program with its tables on "
+            "the servers (host-step-2w-*), which is why the plan keeps them there at this α",
+            "host-replicated", source, host_step))
+    return made
+
+
 def _host_claims() -> tuple[Claim, ...]:
     """Issue 73's host-work targets: counts exact (host_work.py, the plan's timed choices
     pinned as the suite's guard pins them), times by rounds."""
@@ -439,7 +479,7 @@ def _host_claims() -> tuple[Claim, ...]:
                 "estimates under the target were the host's noise)"
                 if workers == 1 else "the host work above, on a host-bound step",
                 "host-counts", source, host_step))
-    return (*made, *_host_table_claims())
+    return (*made, *_host_table_claims(), *_host_replicated_claims())
 
 
 HOST_WORK = _host_claims()
