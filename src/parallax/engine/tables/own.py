@@ -51,6 +51,11 @@ class OwnTable:
         if worker.world_size != 1:
             raise InternalError(f"'{name}': the program's own table needs a world of one "
                                 f"(got {worker.world_size} workers); please report it")
+        self._hold(name, param, worker)
+
+    def _hold(self, name: str, param: nn.Parameter, worker: WorkerInfo) -> None:
+        """What a table that is the program's own parameter knows of it (also
+        `parallax.engine.tables.own_summed.SummedOwnTable`'s, on several workers)."""
         self.name = name
         self.param = param
         self.worker = worker

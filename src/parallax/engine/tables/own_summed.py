@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.engine import process_group
 from parallax.engine.tables import reduction
-from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import BAD_ID, Traffic, raise_bad_ids
 from parallax.engine.tables.own import OwnTable
 from parallax.engine.tables.riders import Rider
@@ -63,19 +62,10 @@ class SummedOwnTable(OwnTable):
 
     def __init__(self, name: str, param: nn.Parameter, *, worker: WorkerInfo,
                  group: dist.ProcessGroup, traffic: Traffic, average: bool) -> None:
-        self.name = name
-        self.param = param
-        self.worker = worker
+        self._hold(name, param, worker)
         self.group = group
         self.traffic = traffic
         self.average = average
-        self.num_rows = param.shape[0]
-        self.row_shape = tuple(param.shape[1:])
-        self.dtype = param.dtype
-        self.measuring = False
-        self.rows_used: list[int] = []
-        self.machine_rows_used: list[int] = []
-        self.bag_use = BagUse()
         self._caught: Tensor | None = None  # this table's gradient not yet pushed
         self._summed_after_backward = False  # pushed at a backward's end since the step
         #: called at the first gradient a backward catches (`BackwardPush`: the own loop)
