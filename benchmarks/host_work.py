@@ -14,26 +14,32 @@ emulated link) and counts every rank; the record gives each rank's counts and, p
 the largest over ranks (``systems``), with the collectives per step (``c10d::`` operators
 the profiler records: all_gather, all_to_all, all_reduce, ...).
 
-Counted (deterministic, what the engine asks of the host each step): the ``aten::`` operators
-and the collectives torch.profiler records and the Python function calls ``cProfile`` records,
-each per step over 50 steps. Timed: the mean step of ``--steps`` steps, plain and parallax
-alternately for ``--rounds`` rounds (medians and ranges; one process on a shared host, so read
-the ratio, and only beside the counts). Small sizes by default: the engine's own work, not the
-model's arithmetic, is what is measured, as on a GPU where the model's kernels are fast and the
-host issues them (issue 41: the one-worker step's host work). With ``--device cuda`` the model
-and batches live on the GPU, each timed round ends with ``torch.cuda.synchronize()``, and the
-counts add the kernel launches and the host's waits on the device (stream and device
-synchronisations) per step, from the profiler's CUDA runtime events. ``--trace FILE`` writes
-the parallax system's counted steps as a Chrome trace with Python frames, for
-``benchmarks/profile_callers.py`` (which lines make the host wait). ``--extra-tables K`` adds
-K input tables alike to the embedding (`WideInputLM`): the step's cost per table, and whether
-its collectives grow with the tables (`scripts/host_tables.sh`). """
+``--torchrec`` (several workers) adds TorchRec on the same program and batches: the LM's
+two tables in one ``EmbeddingCollection`` sharded row-wise, its fused Adagrad, DDP over the
+LSTM (`TorchRecStep`).
+
+Counted (deterministic, what the engine asks of the host each step): the ``aten::`` operators,
+the collectives and the bytes handed to them (each one's sent input, whole:
+`sent_by_collectives`) that torch.profiler records, and the Python function calls
+``cProfile`` records, each per step over 50 steps. Timed: the mean step of ``--steps`` steps,
+the systems in turn (the order reversed every other round) for ``--rounds`` rounds (medians
+and ranges; one process on a shared host, so read the ratio, and only beside the counts).
+Small sizes by default: the engine's own work, not the model's arithmetic, is what is measured, as
+on a GPU where the model's kernels are fast and the host issues them (issue 41: the one-worker
+step's host work). With ``--device cuda`` the model and batches live on the GPU, each timed round
+ends with ``torch.cuda.synchronize()``, and the counts add the kernel launches and the host's waits
+on the device (stream and device synchronisations) per step, from the profiler's CUDA runtime
+events. ``--trace FILE`` writes the parallax system's counted steps as a Chrome trace with Python
+frames, for ``benchmarks/profile_callers.py`` (which lines make the host wait). ``--extra-tables
+K`` adds K input tables alike to the embedding (`WideInputLM`): the step's cost per table, and
+whether its collectives grow with the tables (`scripts/host_tables.sh`). """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -63,9 +69,22 @@ WARMUP_STEPS = 30
 AGGREGATION = {"trial": None, "on": True, "off": False}
 
 
+class TorchRecStep:
+    """TorchRec's row-wise LM (`torchrec_lm.make_torchrec_lm_step`: its tables in one
+    ``EmbeddingCollection`` sharded row-wise, fused Adagrad in the backward, DDP over the LSTM)
+    as a system here: ``step(batch)`` trains one batch."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        from torchrec_lm import make_torchrec_lm_step
+
+        self.step = make_torchrec_lm_step("torchrec-rw", cfg, optimizer="adagrad", lr=0.1)
+        self.model = self.step.model
+
+
 def train(model, optimizer, batches) -> None:
     """The plain loop, or the own loop after ``distribute``; ``optimizer`` None: ``model``
-    is a `parallax.Runner` (the ``--door runner`` program), stepped by ``Runner.step``."""
+    is a `parallax.Runner` (the ``--door runner`` program), stepped by ``Runner.step``, or
+    a `TorchRecStep`."""
     if optimizer is None:
         for batch in batches:
             model.step(batch)
@@ -77,7 +96,7 @@ def train(model, optimizer, batches) -> None:
 
 
 def device_of(model) -> torch.device:
-    module = model.model if isinstance(model, parallax.Runner) else model
+    module = model.model if isinstance(model, (parallax.Runner, TorchRecStep)) else model
     return next(module.parameters()).device
 
 
@@ -100,9 +119,50 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
+#: per collective the profiler records, the input it sends (the others: its output, options)
+SENT_INPUT = {"c10d::allreduce_": 0, "c10d::alltoall_base_": 1, "c10d::alltoall_": 1,
+              "c10d::_allgather_base_": 1, "c10d::allgather_": 1, "c10d::broadcast_": 0,
+              "c10d::_reduce_scatter_base_": 1, "c10d::reduce_scatter_": 1,
+              "c10d::reduce_": 0, "c10d::gather_": 1, "c10d::scatter_": 1, "c10d::send": 0,
+              "c10d::barrier": None, "c10d::monitored_barrier_": None}
+#: bytes per element of the dtypes the profiler names (C++ type names)
+ITEM_BYTES = {"float": 4, "double": 8, "int": 4, "long int": 8, "c10::Half": 2,
+              "c10::BFloat16": 2, "bool": 1, "unsigned char": 1, "signed char": 1,
+              "short int": 2}
+
+
+def sent_by_collectives(events) -> tuple[int, int]:
+    """``(bytes, elements of tensor lists)`` the profiled collectives were handed to send:
+    each one's sent input whole (an all_to_all's whole send buffer, its own share
+    included). A tensor list's dtype is not in the profiler's record: its elements are
+    returned apart (the caller knows what they are)."""
+    sent = listed = 0
+    for event in events:
+        if not event.name.startswith("c10d::"):
+            continue
+        if event.name not in SENT_INPUT:
+            raise SystemExit(f"host_work: collective {event.name} has no entry in SENT_INPUT "
+                             f"(which of its inputs is sent): add it")
+        index = SENT_INPUT[event.name]
+        if index is None:
+            continue
+        shape, dtype = event.structured_input_shapes[index], event.input_dtypes[index]
+        if dtype == "TensorList":
+            listed += sum(math.prod(dims) for dims in shape)
+        elif dtype in ITEM_BYTES:
+            sent += math.prod(shape) * ITEM_BYTES[dtype]
+        else:
+            raise SystemExit(f"host_work: {event.name} sends a {dtype!r} tensor, whose size "
+                             f"ITEM_BYTES does not know: add it")
+    return sent, listed
+
+
 def counts(model, optimizer, batches, trace: Path | None = None) -> dict[str, float]:
-    """``aten::`` operators and Python function calls per step (and the trace, if asked)."""
-    with profile(with_stack=trace is not None) as prof:
+    """``aten::`` operators, collectives and the bytes handed to them, and Python function
+    calls, per step (and the trace, if asked). Tensor-list collectives (DDP's gradient
+    buckets) are counted at 4 bytes an element: every such list of these programs' steps is
+    float32 gradients (``list_elements_per_step`` says how many elements that was)."""
+    with profile(with_stack=trace is not None, record_shapes=True) as prof:
         train(model, optimizer, batches)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
@@ -111,12 +171,15 @@ def counts(model, optimizer, batches, trace: Path | None = None) -> dict[str, fl
     collectives = sum(e.count for e in events if e.key.startswith("c10d::"))
     waits = sum(e.count for e in events if e.key in WAITS)
     launches = sum(e.count for e in events if e.key in LAUNCHES)
+    sent, listed = sent_by_collectives(prof.events())
     calls = cProfile.Profile()
     calls.runcall(train, model, optimizer, batches)
     python = sum(entry.callcount for entry in calls.getstats())
     return {"aten_ops_per_step": aten / len(batches),
             "python_calls_per_step": python / len(batches),
             "collectives_per_step": collectives / len(batches),
+            "collective_bytes_per_step": (sent + 4 * listed) / len(batches),
+            "list_elements_per_step": listed / len(batches),
             "kernel_launches_per_step": launches / len(batches),
             "device_waits_per_step": waits / len(batches)}
 
@@ -141,8 +204,11 @@ class WideInputLM(SampledSoftmaxLM):
 
 def build(name: str, args: argparse.Namespace, cfg: LMConfig, device: torch.device,
           world: int):
-    """One system: ``plain`` (DDP over the model at several workers) or ``parallax``."""
+    """One system: ``plain`` (DDP over the model at several workers), ``parallax`` or
+    ``torchrec`` (`TorchRecStep`)."""
     torch.manual_seed(0)
+    if name == "torchrec":
+        return TorchRecStep(cfg), None
     extra = getattr(args, "extra_tables", 0)
     model = (WideInputLM(cfg, extra) if extra else SampledSoftmaxLM(cfg)).to(device)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
@@ -168,7 +234,7 @@ def measure(args: argparse.Namespace, device: torch.device, world: int) -> dict:
     generator = torch.Generator().manual_seed(1 + rank)
     batches = [to_device(zipf_lm_batch(cfg, generator), device) for _ in range(args.steps)]
     systems = {}
-    for name in ("plain", "parallax"):
+    for name in ("plain", "parallax", *(("torchrec",) if args.torchrec else ())):
         model, optimizer = build(name, args, cfg, device, world)
         train(model, optimizer, batches[:WARMUP_STEPS])  # the plan settles in parallax's
         systems[name] = (model, optimizer)
@@ -233,6 +299,9 @@ def main() -> None:
                         help="Config(alpha_threshold=0): the hybrid moves every table to "
                              "AllReduce after the warm-up (what a table the plan replicates "
                              "costs: scripts/host_replicated.sh)")
+    parser.add_argument("--torchrec", action="store_true",
+                        help="also TorchRec's row-wise LM on the same batches (several "
+                             "workers, the benchmark LM only): its counts beside DDP's")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write parallax's counted steps as a Chrome trace here")
     parser.add_argument("--out", type=Path, default=records.scratch() / "host_work.json")
@@ -241,6 +310,9 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         launch(args)
         return
+    if args.torchrec and (args.workers < 2 or args.extra_tables or args.device != "cpu"):
+        parser.error("--torchrec: several --workers, the benchmark LM (no --extra-tables), "
+                     "on CPU (TorchRecStep shards over gloo)")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to this process")
@@ -262,19 +334,23 @@ def main() -> None:
             return
     settings = vars(args) | {"out": str(args.out), "trace": str(args.trace)}
     record: dict = {"settings": settings, "systems": largest(per_rank), "ranks": per_rank}
-    plain, ours = record["systems"]["plain"], record["systems"]["parallax"]
-    record["parallax_over_plain"] = {key: ours[key] / plain[key] for key in (
-        "aten_ops_per_step", "python_calls_per_step", "step_ms_median")}
+    ours = record["systems"]["parallax"]
+    for peer in ("plain", "torchrec"):
+        if peer in record["systems"]:
+            theirs = record["systems"][peer]
+            record[f"parallax_over_{peer}"] = {key: ours[key] / theirs[key] for key in (
+                "aten_ops_per_step", "python_calls_per_step", "step_ms_median")}
     record["provenance"] = compare.provenance()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"device: {device}, {world} worker(s), door {args.door} (largest over ranks)")
-    print("| system | aten ops/step | Python calls/step | collectives/step | kernel launches/step "
-          "| device waits/step | step (ms, median of rounds) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| system | aten ops/step | Python calls/step | collectives/step | bytes to "
+          "collectives/step | kernel launches/step | device waits/step | step (ms, median of "
+          "rounds) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, row in record["systems"].items():
         print(f"| {name} | {row['aten_ops_per_step']:.0f} | {row['python_calls_per_step']:.0f} "
-              f"| {row['collectives_per_step']:.0f} "
+              f"| {row['collectives_per_step']:.0f} | {row['collective_bytes_per_step']:.0f} "
               f"| {row['kernel_launches_per_step']:.0f} | {row['device_waits_per_step']:.1f} "
               f"| {row['step_ms_median']:.2f} ({min(row['step_ms_rounds']):.2f}–"
               f"{max(row['step_ms_rounds']):.2f}) |")

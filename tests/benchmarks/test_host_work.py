@@ -15,10 +15,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # (workers, door) -> parallax's counts per step today, the largest over ranks (records
 # host_work*/ at the commit that set them); plain PyTorch's and DDP's beside them.
@@ -28,12 +30,14 @@ CEILINGS = {
     (1, "runner"): {"aten_ops_per_step": 276, "python_calls_per_step": 498,
                     "collectives_per_step": 0},
     (2, "distribute"): {"aten_ops_per_step": 698, "python_calls_per_step": 1657,
-                        "collectives_per_step": 6},
+                        "collectives_per_step": 6, "collective_bytes_per_step": 27033},
     (2, "runner"): {"aten_ops_per_step": 726, "python_calls_per_step": 1679,
-                    "collectives_per_step": 3},
+                    "collectives_per_step": 3, "collective_bytes_per_step": 26985},
 }
+# 2: DDP over the model, its one AllReduce of every parameter's float32 gradient
 PLAIN = {1: {"aten_ops_per_step": 248, "collectives_per_step": 0},
-         2: {"aten_ops_per_step": 290, "collectives_per_step": 1}}  # 2: DDP over the model
+         2: {"aten_ops_per_step": 290, "collectives_per_step": 1,
+             "collective_bytes_per_step": 4 * (2 * 2000 * 16 + 4 * 16 * 32 + 2 * 4 * 16)}}
 PYTHON_DRIFT = 1.01  # cProfile counts a few calls more in some runs (collection, lazy paths)
 
 
@@ -60,3 +64,22 @@ def test_host_work_counts_stay_under_their_ceilings(tmp_path: Path, workers: int
              if ours[key] > limit * (PYTHON_DRIFT if key.startswith("python") else 1)}
     assert not grown, f"host work per step grew past its ceiling (now, ceiling): {grown}"
     assert "| parallax |" in proc.stdout
+
+
+def test_the_bytes_handed_to_collectives_are_each_ones_sent_input() -> None:
+    host_work = pytest.importorskip("host_work")
+
+    def event(name: str, shapes: list, dtypes: list[str]) -> SimpleNamespace:
+        return SimpleNamespace(name=name, structured_input_shapes=shapes, input_dtypes=dtypes)
+
+    events = [event("aten::add", [[3]], ["float"]),
+              event("c10d::alltoall_base_", [[6], [10], [], []], ["int", "long int", "", ""]),
+              event("c10d::_allgather_base_", [[20], [10]], ["double", "double"]),
+              event("c10d::allreduce_", [[[10], [2, 3]], []], ["TensorList", ""]),
+              event("c10d::barrier", [[]], [""])]
+    # the a2a's send buffer (10 int64), the gather's input (10 float64); the list apart
+    assert host_work.sent_by_collectives(events) == (10 * 8 + 10 * 8, 16)
+    with pytest.raises(SystemExit, match="c10d::recv_anysource_"):
+        host_work.sent_by_collectives([event("c10d::recv_anysource_", [[4]], ["float"])])
+    with pytest.raises(SystemExit, match="c10::Float8"):
+        host_work.sent_by_collectives([event("c10d::allreduce_", [[4]], ["c10::Float8"])])
