@@ -8,6 +8,7 @@ workers whose steps are not aligned (asynchronous training).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ SOME_RANKS_EVALUATE = (
 
 
 VALUES = 2  # numbers a rank's loop-order message carries besides its call and step
+WIDTH = 2 + VALUES  # the message: call, step, values
 
 
 class LoopOrder:
@@ -65,37 +67,56 @@ class LoopOrder:
         self.group = group
         self.applies = applies and worker.world_size > 1
         self.enabled = False
+        self.device = worker.device  # (once: the property asks CUDA each time)
 
     def check(self, call: Call, step: int) -> None:
         """Every rank is about to make ``call`` in step ``step``, or all raise naming who is
         elsewhere (collective when enabled)."""
         if self.enabled and self.applies:
-            self.gather(call, step, torch.zeros(0, dtype=torch.float64,
-                                                device=self.worker.device))
+            self.gather_numbers(call, step, ())
 
     def gather(self, call: Call, step: int, values: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``values`` (up to `VALUES` float64 numbers), a row per rank, by one
-        collective that is also `check`'s of ``call`` in ``step`` where the check is enabled.
-        Collective on every rank whatever ``enabled`` says (the caller's steps are aligned).
-        Every call sends the same message (zeros past ``values``), so ranks at different calls
-        meet in the same all_gather and are named rather than failing in gloo."""
-        width = 2 + VALUES
-        mine = torch.tensor([float(call), float(step)] + [0.0] * VALUES, dtype=torch.float64)
-        mine = mine.to(values.device, non_blocking=True)
+        """`gather_numbers` of ``values`` (up to `VALUES` float64 numbers, on the worker's
+        device, read by the collective and not before), a row per rank."""
+        mine = torch.zeros(WIDTH, dtype=torch.float64, device=values.device)
+        mine[0], mine[1] = float(call), float(step)
         if values.numel():
             mine[2:2 + values.numel()] = values.reshape(-1)
-        everyone = mine.new_empty(width * self.worker.world_size)
-        with self.explained:
-            process_group.all_gather_single(everyone, mine, group=self.group)
-        rows = everyone.view(self.worker.world_size, width)
+        rows = self._everyone(mine)
         if self.enabled and self.applies:
-            self._same_place([(Call(int(c)), int(s)) for c, s, *_ in rows.tolist()])
+            self._same_place(rows[:, :2].tolist())
         return rows[:, 2:2 + values.numel()]
 
-    def _same_place(self, where: list[tuple[Call, int]]) -> None:
-        """Raise naming the ranks whose (call, step) differs from rank 0's."""
-        if len(set(where)) == 1:
+    def gather_numbers(self, call: Call, step: int, numbers: Sequence[float],
+                       ) -> list[list[float]]:
+        """Every rank's ``numbers`` (up to `VALUES`), a list per rank, by one collective that
+        is also `check`'s of ``call`` in ``step`` where the check is enabled. Collective on
+        every rank whatever ``enabled`` says (the caller's steps are aligned). Every call
+        sends the same message (zeros past ``numbers``), so ranks at different calls meet in
+        the same all_gather and are named rather than failing in gloo."""
+        padding = (0.0,) * (VALUES - len(numbers))
+        mine = torch.tensor((float(call), float(step), *numbers, *padding), dtype=torch.float64)
+        if self.device.type != "cpu":  # (a copy that does not wait for the device's queue)
+            mine = mine.to(self.device, non_blocking=True)
+        rows = self._everyone(mine).tolist()
+        if self.enabled and self.applies:
+            self._same_place(rows)
+        return [row[2:2 + len(numbers)] for row in rows]
+
+    def _everyone(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's message ``mine`` (`WIDTH` float64), a row per rank."""
+        everyone = mine.new_empty(WIDTH * self.worker.world_size)
+        with self.explained:
+            process_group.all_gather_single(everyone, mine, group=self.group)
+        return everyone.view(self.worker.world_size, WIDTH)
+
+    def _same_place(self, rows: list[list[float]]) -> None:
+        """Raise naming the ranks whose (call, step), the first two numbers of their
+        ``rows``, differ from rank 0's."""
+        first = rows[0][:2]
+        if all([row[:2] == first for row in rows]):  # (a list: every step asks)
             return
+        where = [(Call(int(row[0])), int(row[1])) for row in rows]
         odd = [r for r, w in enumerate(where) if w != where[0]]
         raise UnsupportedProgramError(
             f"rank {self.worker.rank}: the ranks' training loops diverged: rank 0 called "

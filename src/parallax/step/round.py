@@ -140,10 +140,9 @@ class StepRound:
         step, order = self.global_step + 1, self.order
         if not (order.enabled and order.applies):
             return
-        mine = torch.tensor([hyperparameters.fingerprint(self.optimizers)], dtype=torch.float64,
-                            device=order.worker.device)
-        everyone = order.gather(Call.UPDATE, step, mine)
-        if bool((everyone != everyone[0]).any()):
+        everyone = order.gather_numbers(Call.UPDATE, step,
+                                        [hyperparameters.fingerprint(self.optimizers)])
+        if any([row != everyone[0] for row in everyone]):
             self._name_different_settings()
 
     def clip(self, max_norm: float, parameters: Iterable[nn.Parameter] | None = None, *,
