@@ -49,4 +49,4 @@ def test_a_users_profiler_trace_shows_parallaxs_phases(single_process, tmp_path:
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "parallax: forward" for e in events)
     runner.step(batch())  # after the profiler: still steps, every phase closed
-    assert runner.phases._stack == [] and runner.phases.steps == 3
+    assert runner.phases.running() == [] and runner.phases.steps == 3

@@ -60,9 +60,11 @@ class PhaseClock:
         self.seconds: dict[str, float] = defaultdict(float)  # self time since reset
         self.steps = 0
         self.events: list[tuple[str, int, int, int]] = []  # (phase, start ns, ns, step)
-        # [name, start ns, children's ns, the profiler's range or None]
-        self._stack: list[list[Any]] = []
+        self._top: Timed | None = None  # the innermost running phase (each names its parent)
         self._step = 0
+        # whether a profiler runs (then each phase is also its range), read at the step's
+        # start: a phase opens several times a step
+        self.profiled = False
         self._began: int | None = None  # the running step's start
         self.thread = threading.get_ident()  # phases of other threads are not the step's
         # wall-clock time of a monotonic reading: events go out on the wall clock
@@ -82,36 +84,30 @@ class PhaseClock:
         """Start ``name`` where its end is elsewhere (a backward hook, and the callback at the
         backward's end); `close` ends it. False (nothing started) outside a step or while
         ``name`` is already running."""
-        if self._began is None:
-            return False
-        for frame in self._stack:  # (a loop, not any(): this runs several times a step)
-            if frame[0] == name:
-                return False
-        ranged = (torch.ops.profiler._record_function_enter_new(PROFILER_PREFIX + name)
-                  if torch._C._autograd._profiler_enabled() else None)
-        self._stack.append([name, time.perf_counter_ns(), 0, ranged])
-        return True
+        return self.phase(name).start()
 
     def close(self, name: str) -> None:
         """End ``name``, the innermost running phase (nothing if it is not)."""
-        if not self._stack or self._stack[-1][0] != name:
-            return
-        _, start, children, ranged = self._stack.pop()
-        elapsed = time.perf_counter_ns() - start
-        if ranged is not None:
-            torch.ops.profiler._record_function_exit._RecordFunction(ranged)
-        self.seconds[name] += (elapsed - children) / 1e9
-        if self._stack:
-            self._stack[-1][2] += elapsed
-        if self.timeline is not None:
-            self.events.append((name, start, elapsed, self._step))
+        top = self._top
+        if top is not None and top.name == name:
+            top.stop()
+
+    def running(self) -> list[str]:
+        """The phases running now, outermost first."""
+        names, frame = [], self._top
+        while frame is not None:
+            names.append(frame.name)
+            frame = frame.parent
+        return names[::-1]
 
     def begin(self, number: int) -> None:
         """Step ``number`` starts: its time is the sum of its phases plus what no phase
         covers, until `end`."""
         global _active
         self._step = number
-        self._stack.clear()  # a phase a failed step left open is no phase of this one
+        while self._top is not None:  # a phase a failed step left open is no phase of this one
+            self._top.abandon()
+        self.profiled = torch._C._autograd._profiler_enabled()
         self._began = time.perf_counter_ns()
         self.thread = threading.get_ident()
         _active = self
@@ -239,33 +235,81 @@ def phase(name: str) -> Timed:
 class Timed:
     """``with`` blocks timed as the phase ``name`` of ``clock`` (None: not timed); one per
     clock and name, made once and reused, nested in itself as well (its outermost block is
-    the phase). A class, not a generator context manager: phases open several times a step,
-    and each generator context costs about twice the Python calls."""
+    the phase). While it runs it is a frame of the clock's stack of running phases (its
+    ``parent`` the one it runs in). A class, not a generator context manager: phases open
+    several times a step, and each generator context costs about twice the Python calls."""
 
-    __slots__ = ("clock", "depth", "name", "opened")
+    __slots__ = ("children", "clock", "depth", "name", "opened", "parent", "ranged", "running",
+                 "began")
 
     def __init__(self, clock: PhaseClock | None, name: str) -> None:
         self.clock = clock
         self.name = name
         self.depth = 0  # blocks of this context running
         self.opened = False  # its outermost block started the phase
+        self.running = False  # the phase runs (opened by a block or by `PhaseClock.open`)
+        self.parent: Timed | None = None
+        self.began = 0  # its start, ns
+        self.children = 0  # ns its nested phases took
+        self.ranged: Any = None  # its profiler range, while a profiler runs
 
     def __enter__(self) -> None:
-        clock = self.clock
-        if clock is None:
+        if self.clock is None:
             return
         self.depth += 1
         if self.depth == 1:
-            self.opened = clock.open(self.name)
+            self.opened = self.start()
 
     def __exit__(self, *exc_info: object) -> None:
-        clock = self.clock
-        if clock is None:
+        if self.clock is None:
             return
         self.depth -= 1
         if self.depth == 0 and self.opened:
             self.opened = False
-            clock.close(self.name)
+            if self.clock._top is self:  # (else an inner phase left open: `close` skips it)
+                self.stop()
+
+    def start(self) -> bool:
+        """Start the phase; False (nothing started) outside a step or while it runs."""
+        clock = self.clock
+        if clock is None or clock._began is None or self.running:
+            return False
+        self.running = True
+        self.ranged = (torch.ops.profiler._record_function_enter_new(PROFILER_PREFIX + self.name)
+                       if clock.profiled else None)
+        self.parent, clock._top = clock._top, self
+        self.children = 0
+        self.began = time.perf_counter_ns()
+        return True
+
+    def stop(self) -> None:
+        """End the phase, the innermost running one: its self time, its parent's children's."""
+        elapsed = time.perf_counter_ns() - self.began
+        clock = self.clock
+        if clock is None:  # (only a started phase stops)
+            return
+        clock._top, self.parent = self.parent, None
+        self.running = False
+        if self.ranged is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(self.ranged)
+            self.ranged = None
+        clock.seconds[self.name] += (elapsed - self.children) / 1e9
+        if clock._top is not None:
+            clock._top.children += elapsed
+        if clock.timeline is not None:
+            clock.events.append((self.name, self.began, elapsed, clock._step))
+
+    def abandon(self) -> None:
+        """Leave the clock's stack untimed (a step that failed left it running; a block of
+        it still open ends without timing it)."""
+        clock = self.clock
+        if clock is None:
+            return
+        clock._top, self.parent = self.parent, None
+        self.running = False
+        if self.ranged is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(self.ranged)
+            self.ranged = None
 
 
 _NOT_TIMED = Timed(None, "")  # a phase outside a step, or on another thread
