@@ -198,3 +198,19 @@ def test_a_verdict_given_the_loss_checks_it_only_when_prepared(value: float) -> 
     assert verdict.waiting is not None
     verdict.receive(verdict.waiting)
     assert verdict.finite() == math.isfinite(value)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_ranks_rows_are_added_in_rank_order_bit_for_bit(world: int) -> None:
+    from parallax.engine.tables.riders import rank_order_sum
+
+    generator = torch.Generator().manual_seed(world)
+    # magnitudes far apart: another order of the additions rounds differently
+    received = torch.randn(world, 64, generator=generator, dtype=torch.float32) * torch.tensor(
+        [10.0 ** (3 * (r % 3)) for r in range(world)]).unsqueeze(1)
+    expected = received[0].clone()
+    for rank in range(1, world):
+        expected = expected + received[rank]
+    total = rank_order_sum(received)
+    assert torch.equal(total, expected)
+    assert total.data_ptr() != received.data_ptr()  # a sum of its own, not a view of a row

@@ -122,7 +122,7 @@ def unique_ids_many(ids: Sequence[Tensor], num_rows: Sequence[int], names: Seque
         if table_ids.dtype not in (torch.int64, torch.int32):
             raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an "
                                     f"integer tensor, got {table_ids.dtype}")
-        found.append(torch.unique(table_ids.reshape(-1).long(), return_inverse=True))
+        found.append(torch.unique(flat_long(table_ids), return_inverse=True))
     # sorted: each one's ends (a strided view, not an indexing op)
     ends = read_back([unique[::unique.numel() - 1] if unique.numel() > 1 else unique
                       for unique, _ in found])
@@ -133,8 +133,15 @@ def unique_ids_many(ids: Sequence[Tensor], num_rows: Sequence[int], names: Seque
         if low_high:
             low, high = low_high[0], low_high[-1]
             bad_id = low if low < 0 else high if high >= rows else None
-        result.append((unique, inverse.view(table_ids.shape), bad_id))
+        result.append((unique, inverse if table_ids.dim() == 1 else inverse.view(table_ids.shape),
+                       bad_id))
     return result
+
+
+def flat_long(ids: Tensor) -> Tensor:
+    """``ids`` as one int64 vector (itself where it is one: no view or conversion op)."""
+    flat = ids if ids.dim() == 1 else ids.reshape(-1)
+    return flat if flat.dtype == torch.int64 else flat.long()
 
 
 @dataclass

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options, pooled
-from parallax.engine.tables.exchange import Hop, read_back, unique_ids_many
+from parallax.engine.tables.exchange import Hop, flat_long, read_back, unique_ids_many
 from parallax.engine.tables.lookup_options import BatchDependent
 from parallax.engine.tables.reservations import Reservations, open_carrying
 from parallax.engine.tables.riders import Rider, alight, board
@@ -154,13 +154,15 @@ def prefetch(tables: Sequence[ExchangedTable], ids: Sequence[Sequence[Tensor]]) 
     lists the ids of every lookup of ``tables[i]``; each lookup is then served locally."""
     # int64 whatever the lookups' dtypes (nn.Embedding takes int32 ids too)
     # (one lookup's ids as they are: the pull only reads them)
-    unions = [(table_ids[0].reshape(-1).long() if len(table_ids) == 1 else
-               torch.cat([i.reshape(-1).long() for i in table_ids])) if table_ids
+    unions = [(flat_long(table_ids[0]) if len(table_ids) == 1 else
+               torch.cat([flat_long(i) for i in table_ids])) if table_ids
               else torch.empty(0, dtype=torch.long) for table_ids in ids]
     pulled = _timed_pull(tables, unions)
     prefetched = tables[0].steps.current.prefetched  # (one run's: `_pull` checked)
     for table, table_ids, (rows, inverse, unique) in zip(tables, ids, pulled, strict=True):
-        pieces = inverse.split_with_sizes([i.numel() for i in table_ids])  # each lookup's, in order
+        # each lookup's, in order
+        pieces = ((inverse,) if len(table_ids) == 1
+                  else inverse.split_with_sizes([i.numel() for i in table_ids]))
         prefetched[table.name] = Prefetched(unique, rows, [
             (i, version_of(i), piece) for i, piece in zip(table_ids, pieces, strict=True)])
 
