@@ -23,15 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # (workers, door) -> parallax's counts per step today, the largest over ranks (records
-# host_work*/ at the commit that set them); plain PyTorch's and DDP's beside them.
+# host-counts-*/c2623e7 set them); plain PyTorch's and DDP's beside them.
 CEILINGS = {
-    (1, "distribute"): {"aten_ops_per_step": 261, "python_calls_per_step": 487,
+    (1, "distribute"): {"aten_ops_per_step": 261, "python_calls_per_step": 480,
                         "collectives_per_step": 0},
-    (1, "runner"): {"aten_ops_per_step": 276, "python_calls_per_step": 498,
+    (1, "runner"): {"aten_ops_per_step": 276, "python_calls_per_step": 484,
                     "collectives_per_step": 0},
-    (2, "distribute"): {"aten_ops_per_step": 698, "python_calls_per_step": 1657,
+    (2, "distribute"): {"aten_ops_per_step": 644, "python_calls_per_step": 1602,
                         "collectives_per_step": 6, "collective_bytes_per_step": 27033},
-    (2, "runner"): {"aten_ops_per_step": 726, "python_calls_per_step": 1679,
+    (2, "runner"): {"aten_ops_per_step": 700, "python_calls_per_step": 1632,
                     "collectives_per_step": 3, "collective_bytes_per_step": 26985},
 }
 # 2: DDP over the model, its one AllReduce of every parameter's float32 gradient
