@@ -52,9 +52,10 @@ from parallax.model.meta_init import place_on_device
 from parallax.model.stand_ins import executed_copy, mirror
 from parallax.parallelism import Parallelism, build_parallelism
 from parallax.partitions.tuner import SearchRecord
-from parallax.planning.architectures import architecture_of, build_layout
+from parallax.planning.architectures import architecture_of
 from parallax.planning.memory import MemoryEstimate, predict_memory
 from parallax.planning.plan import Plan
+from parallax.planning.table_kinds import build_layout
 from parallax.session import check_same_everywhere, on_shutdown, track
 from parallax.step.checkpoints import Checkpoints
 from parallax.step.forward import (

@@ -103,7 +103,7 @@ def test_a_table_built_as_usual_goes_before_its_optimizer_state_is_scattered(mon
 def test_off_rank_0_the_programs_copy_goes_before_the_shard_is_made():
     from parallax.cluster import WorkerInfo
     from parallax.engine.tables.handles import is_released
-    from parallax.planning.architectures import _drop_unread_copy
+    from parallax.planning.table_kinds import _drop_unread_copy
 
     for rank, dropped in ((0, False), (1, True), (3, True)):
         param = nn.Parameter(torch.zeros(5, 2))

@@ -124,3 +124,26 @@ def test_every_pooling_kind_of_the_registry_answers_the_contract() -> None:
     pooling = {name for name, kind in SHARDINGS.items() if kind.pools}
     assert pooling == {"pooled", "pooled_by_rows", "pooled_by_columns"}
     assert all(issubclass(SHARDINGS[name], Pooling) for name in pooling)
+
+
+def test_every_kind_a_program_can_pin_or_an_architecture_default_to_is_built_by_one_class() -> None:
+    from parallax.config import ShardingName
+    from parallax.planning.architectures import ARCHITECTURES
+    from parallax.planning.table_kinds import REPLICATED_KIND, TABLE_KINDS, _kind_name
+
+    # every name Config.sharding takes, and the replica, has its builder under its word
+    assert set(TABLE_KINDS) == {*map(str, ShardingName), REPLICATED_KIND}
+    assert set(TABLE_KINDS) <= set(SHARDINGS)
+    assert len({type(kind) for kind in TABLE_KINDS.values()}) == len(TABLE_KINDS)
+    for name, architecture in ARCHITECTURES.items():
+        default = ShardingName.ROWS if architecture.sparse_on_servers else REPLICATED_KIND
+        assert _kind_name("t", {}, architecture) == default, name
+        assert _kind_name("t", {"t": (ShardingName.ROWS, "sharding")}, architecture) == default
+        # the owners hold a pooled table's bags whatever the architecture; pooling by rows
+        # needs the rows on the servers
+        for pooled in (ShardingName.POOLED, ShardingName.POOLED_BY_COLUMNS):
+            assert _kind_name("t", {"t": (pooled, "sharding")}, architecture) == pooled, name
+        assert _kind_name("t", {"t": (ShardingName.POOLED_BY_ROWS, "sharding")},
+                          architecture) == (ShardingName.POOLED_BY_ROWS
+                                            if architecture.sparse_on_servers
+                                            else REPLICATED_KIND), name

@@ -12,41 +12,30 @@ Each is one `Architecture` subclass, registered under its `ArchitectureName` in
 looked up. A subclass says where parameters live (``sparse_on_servers``, ``dense_on_servers``),
 whether it aggregates locally by default, its Table-3 bytes per parameter (``predicted_bytes``)
 and whether a measured sparse table moves to AllReduce (``moves_to_allreduce``, the hybrid's
-rule). `build_layout` creates the tables from those answers.
+rule). `parallax.planning.table_kinds.build_layout` creates the tables from those answers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from parallax.cluster import WorkerInfo
-from parallax.config import ArchitectureName, Config, ShardingName
-from parallax.engine.optimizers.shard_optimizer import take_user_state
-from parallax.engine.tables.columns import column_slices, slices_of_rows, slices_view
-from parallax.engine.tables.exchange import Traffic
-from parallax.engine.tables.handles import release
-from parallax.engine.tables.layout import Layout, Placement
-from parallax.engine.tables.replicated import ReplicatedTable
-from parallax.engine.tables.server_table import ShardedTable
-from parallax.engine.tables.sharding import POOLED, POOLED_BY_ROWS, ROWS, PooledByColumns
-from parallax.engine.tables.step_context import TableSteps
+from parallax.config import ArchitectureName, Config
+from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.table import Table
-from parallax.errors import ArgumentError, InternalError, UnsupportedProgramError
+from parallax.errors import InternalError
 from parallax.model.detect import SparseUse
-from parallax.model.meta_init import recipe_of
 from parallax.planning import cost
 from parallax.planning.sparsity import Sparsity
 
 __all__ = ["ARCHITECTURES", "MAX_POOLED_REST_EXTRA_BYTES", "MIN_AGGREGATION_SAVING", "Architecture",
-           "Layout", "ParameterCost", "architecture_of", "build_layout", "largest_first",
-           "pool_the_rest", "server_held"]
+           "Layout", "ParameterCost", "architecture_of", "largest_first", "pool_the_rest",
+           "server_held"]
 
 
 @dataclass(frozen=True)
@@ -386,197 +375,6 @@ def server_held(model: nn.Module, sparse_uses: dict[str, SparseUse],
                 config: Config) -> dict[str, nn.Parameter]:
     """The parameters whose updates the servers apply (with the user's optimizer, per shard)."""
     return architecture_of(config).server_held(model, sparse_uses)
-
-
-def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config: Config,
-                 worker: WorkerInfo, group: dist.ProcessGroup, traffic: Traffic,
-                 optimizers: Sequence[torch.optim.Optimizer] = ()) -> Layout:
-    """Create the tables (collective: initial values come from rank 0). Each server-held
-    table's storage in the program's model, and the state ``optimizers`` hold for it, go as
-    soon as the table is scattered (`Layout.user_state` keeps this server's rows of that
-    state for the servers' optimizer): a lower peak for a model built as usual."""
-    architecture = architecture_of(config)
-    aggregates = architecture.aggregates_locally(config)
-    params = dict(model.named_parameters())
-    layout = Layout()
-    servers = worker.server_ranks
-    num_partitions = config.num_partitions or len(servers)
-    pins = _pins(sparse_uses, config)
-    owners = pooled_owners(sparse_uses, params, pins, len(servers))
-    by_rows = {name for name, (kind, _) in pins.items() if kind == ShardingName.POOLED_BY_ROWS}
-    for name in sorted(by_rows):
-        use = sparse_uses[name]
-        layer = model.get_submodule(use.module_path) if use.module_path else None
-        if getattr(layer, "mode", None) == "max":
-            raise UnsupportedProgramError(
-                f"Config.{pins[name][1]} names {name!r}, whose nn.EmbeddingBag has "
-                f"mode='max': pooling by rows adds every server's share of a bag, which "
-                f"gives a sum or a mean, not a max; pool it whole on one owner (\"pooled\", "
-                f"Config.pooled_tables) or leave it to the row path")
-    by_columns = sorted(name for name, (kind, _) in pins.items()
-                        if kind == ShardingName.POOLED_BY_COLUMNS)
-    for name, use in sorted(sparse_uses.items()):
-        sparse_grad = use.sparse_grad or config.lazy_sparse_updates
-        if name in by_columns:
-            _drop_unread_copy(params[name], name, worker)
-            table = _column_table(name, params[name], by_columns.index(name), config=config,
-                                  worker=worker, group=group, traffic=traffic,
-                                  sparse_grad=sparse_grad, steps=layout.steps)
-            layout.add(table)
-            partitioning = table.partitioning
-            layout.placements[name] = Placement("ps", table.sharding.slices, tuple(
-                servers[partitioning.server_of_partition(k)]
-                for k in range(table.sharding.slices)))
-            _hand_over_early(layout, table, params[name], optimizers, worker)
-        elif name in owners:
-            _drop_unread_copy(params[name], name, worker)
-            table = ShardedTable(
-                name, params[name], num_partitions=1, worker=worker, group=group,
-                traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
-                first_server=owners[name], initial_rows=_initial_rows(params[name]),
-                steps=layout.steps)
-            table.sharding = POOLED
-            layout.add(table)
-            layout.placements[name] = Placement("ps", 1, (servers[owners[name]],))
-            _hand_over_early(layout, table, params[name], optimizers, worker)
-        elif not architecture.sparse_on_servers:
-            layout.add(ReplicatedTable(
-                name, params[name], worker=worker, group=group, traffic=traffic,
-                sparse_grad=sparse_grad, average=config.average_sparse,
-                batch_dependent=use.batch_dependent, steps=layout.steps))
-            layout.placements[name] = Placement("allgatherv", 0, ())
-        else:
-            _drop_unread_copy(params[name], name, worker)
-            table = ShardedTable(
-                name, params[name], num_partitions=num_partitions, worker=worker, group=group,
-                traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
-                local_aggregation=aggregates and name not in by_rows,
-                batch_dependent=use.batch_dependent, initial_rows=_initial_rows(params[name]),
-                steps=layout.steps)
-            table.sharding = POOLED_BY_ROWS if name in by_rows else ROWS
-            layout.add(table)
-            layout.placements[name] = Placement("ps", num_partitions, servers)
-            _hand_over_early(layout, layout.sparse[name], params[name], optimizers, worker)
-    if architecture.dense_on_servers:
-        dense = {n: p for n, p in params.items() if p.requires_grad and n not in sparse_uses}
-        for name, server in greedy_placement(dense, layout.sparse, len(servers)).items():
-            weight = params[name].detach()
-            layout.pulled_whole[name] = ShardedTable(
-                name, weight.reshape(1) if weight.dim() == 0 else weight, num_partitions=1,
-                worker=worker, group=group, traffic=traffic, sparse_grad=False,
-                average=config.average_dense, local_aggregation=aggregates,
-                first_server=server, initial_rows=_initial_rows(params[name]),
-                steps=layout.steps)
-            layout.placements[name] = Placement("ps", 1, (servers[server],))
-    return layout
-
-
-def _column_table(name: str, param: nn.Parameter, index: int, *, config: Config,
-                  worker: WorkerInfo, group: dist.ProcessGroup, traffic: Traffic,
-                  sparse_grad: bool, steps: TableSteps) -> ShardedTable:
-    """A table of `Config.pooled_by_columns` (the ``index``-th): its rows cut into the most
-    column slices that divide them, at most one per server, slice k on its own server (each
-    table's first slice one server further on, so the slices of several spread out); the
-    table's rows are the slices' (`parallax.engine.tables.columns`)."""
-    servers = len(worker.server_ranks)
-    slices = column_slices(math.prod(param.shape[1:]), servers)
-    recipe = _initial_rows(param)
-    table = ShardedTable(
-        name, slices_view(param.detach(), slices), num_partitions=slices, worker=worker,
-        group=group, traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
-        first_server=index * slices % servers,
-        initial_rows=None if recipe is None else slices_of_rows(recipe, slices), steps=steps)
-    table.sharding = PooledByColumns(slices)
-    return table
-
-
-def _drop_unread_copy(param: nn.Parameter, name: str, worker: WorkerInfo) -> None:
-    """Off rank 0 the program's copy of a table about to be scattered is never read (the
-    servers' rows are rank 0's values): it goes before this rank's shard is made, so that a
-    server's peak is not the program's build plus its shards."""
-    if worker.rank != 0:  # (a parallax.meta_init parameter has no copy: release skips it)
-        release(param, name=name, device=worker.device, rank=worker.rank)
-
-
-def _hand_over_early(layout: Layout, table: Table, param: nn.Parameter,
-                     optimizers: Sequence[torch.optim.Optimizer], worker: WorkerInfo) -> None:
-    """The program's copy of a just-scattered table, and its optimizer state, are not needed
-    any more: the copy goes now, before the state's rows are made (`take_user_state` drops
-    the state entry by entry as each is scattered), and both before the next table's shard."""
-    release(param, name=table.name, device=worker.device, rank=worker.rank)
-    held = table.held
-    if held is not None:
-        layout.user_state[table.name] = take_user_state(held, param, optimizers)
-
-
-def _pins(sparse_uses: dict[str, SparseUse],
-          config: Config) -> dict[str, tuple[ShardingName, str]]:
-    """Each table the program pins (`Config.pinned_sharding`), with the field that pins it;
-    refuses a name that is no table, and a pooled kind on a table no owner can pool
-    exactly."""
-    named = config.named_pins()
-    for name, (kind, field) in named.items():
-        if name not in sparse_uses and kind == ShardingName.ROWS:
-            raise ArgumentError(
-                f"Config.{field} names {name!r}, which is not a sparse parameter: "
-                f"{sorted(sparse_uses)}")
-    pins = {}
-    for name in sorted(sparse_uses):
-        pin = config.pinned_sharding(name)
-        if pin is not None:
-            pins[name] = pin
-    for name, (kind, field) in {**named, **pins}.items():
-        if kind != ShardingName.ROWS:
-            _check_poolable(name, sparse_uses.get(name), sparse_uses, field)
-    return pins
-
-
-def pooled_owners(sparse_uses: dict[str, SparseUse], params: dict[str, nn.Parameter],
-                  pins: dict[str, tuple[ShardingName, str]],
-                  num_servers: int) -> dict[str, int]:
-    """The server (an index into the server ranks) holding each table pinned ``"pooled"``
-    (`Config.sharding`, `Config.pooled_tables`) whole: largest first, onto the server with
-    the fewest pooled bytes so far."""
-    names = [name for name, (kind, _) in pins.items() if kind == ShardingName.POOLED]
-    return largest_first({name: params[name].nbytes for name in names}, [0] * num_servers)
-
-
-def _check_poolable(name: str, use: SparseUse | None, sparse_uses: dict[str, SparseUse],
-                    field: str) -> None:
-    """Refuse a name of ``Config.<field>`` that is not an ``nn.EmbeddingBag`` table whose bags
-    an owner can pool exactly."""
-    if use is None or use.kind not in POOLABLE_KINDS:
-        what = "not a sparse parameter" if use is None else f"read by {use.kind!r}"
-        raise ArgumentError(
-            f"Config.{field} names {name!r}, which is {what}; it takes the parameter names "
-            f"of nn.EmbeddingBag tables, or of tables looked up by nn.Embedding or a gather "
-            f"whose rows the program only sums or averages over each row of ids: "
-            f"{sorted(n for n, u in sparse_uses.items() if u.kind in POOLABLE_KINDS)}")
-    if use.batch_dependent is not None:
-        raise UnsupportedProgramError(
-            f"Config.{field} names {name!r}, whose layer has "
-            f"{use.batch_dependent.describe()}: that depends on every row the global batch "
-            f"reads, which only the row path applies exactly; leave it out of {field}")
-
-
-def _initial_rows(param: nn.Parameter) -> Callable[[Tensor], Tensor] | None:
-    """For a parameter built in `parallax.meta_init`: its rows' initial values by global id."""
-    recipe = recipe_of(param)
-    return None if recipe is None else recipe.rows
-
-
-def greedy_placement(dense: dict[str, nn.Parameter], sparse: dict[str, Table],
-                     num_servers: int) -> dict[str, int]:
-    """Each dense parameter whole on one server: largest first, onto the server holding the
-    fewest bytes so far (sparse shards included)."""
-    load = [0] * num_servers
-    for table in sparse.values():
-        held = table.held
-        if held is not None:
-            row_bytes = table.dtype.itemsize * math.prod(table.row_shape)
-            for server, rows in enumerate(held.partitioning.shard_rows):
-                load[server] += rows * row_bytes
-    return largest_first({name: param.nbytes for name, param in dense.items()}, load)
 
 
 def largest_first(sizes: dict[str, int], load: list[int], *,

@@ -1,5 +1,5 @@
 """`Layout`: the tables of one run and where each parameter lives. The architecture builds it
-(`parallax.planning.architectures.build_layout`); the plan's keeper changes it through its
+(`parallax.planning.table_kinds.build_layout`); the plan's keeper changes it through its
 methods when the warm-up moves a table to AllReduce or the partition search re-partitions one;
 checkpoints and the plan read it.
 """
