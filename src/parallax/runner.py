@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -276,12 +277,12 @@ class Runner:
         if training:
             self._requires_grad.check(round_.global_step + 1)
             round_.begin()  # (which may end the step before: the step is read after it)
-        with self._explained:
-            # an evaluation forward apart: one rank evaluating alone is named, not hung
-            self.order.check(Call.FORWARD if training else Call.EVALUATE,
-                             round_.global_step + 1)
-            with self._torch_errors:
-                output = self.forward_pass(args, kwargs)
+        # the forward's loop-order check, made by the forward before its first collective
+        # (an evaluation forward apart: one rank evaluating alone is named, not hung)
+        meet = partial(self.order.meet, Call.FORWARD if training else Call.EVALUATE,
+                       round_.global_step + 1)
+        with self._explained, self._torch_errors:
+            output = self.forward_pass(args, kwargs, meet)
         if self.order.enabled and training:
             # the own loop's loss.backward(): timed, and only one
             watch_backwards(output, self.worker.rank, self.phases)

@@ -51,9 +51,10 @@ def _single_device() -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
             grads.append(model.embedding.weight.grad.detach().clone())
         optimizer.step()
     x, y = batches[STEPS]
-    optimizer.zero_grad()
-    loss_fn(model(x), y).backward()
-    optimizer.step()
+    for _ in range(2):  # the worker's profiled step, and its step after the bad ids
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
     return grads, model.state_dict()
 
 
@@ -73,7 +74,20 @@ def test_accumulated_backward_passes_train_as_on_one_device(ranks) -> None:
 
 
 def test_a_bad_id_on_one_rank_fails_every_rank_alike(ranks) -> None:
-    errors = {record["error"] for record in ranks}
-    assert len(errors) == 1
-    (error,) = errors
-    assert error is not None and "'embedding.weight' got id 1000000 on rank 1" in error
+    # in a forward (its look-ahead's agreement) and in the program's own call of the layer
+    # (the lookup's own)
+    for call in range(2):
+        errors = {record["errors"][call] for record in ranks}
+        assert len(errors) == 1
+        (error,) = errors
+        assert error is not None and "'embedding.weight' got id 1000000 on rank 1" in error
+
+
+def test_a_step_of_the_moved_tables_meets_three_times_beyond_the_dense_sync(ranks) -> None:
+    """The forward's one collective is its loop-order check, carrying both tables' bad-id
+    flags; then the dense AllReduce, the moved tables' one AllReduce and the update's order
+    check: nothing per table, no finiteness check (every gradient is whole everywhere)."""
+    for record in ranks:
+        counted = record["collectives"]
+        assert counted["forward"] == ["c10d::_allgather_base_"], counted
+        assert len(counted["backward and step"]) == 3, counted

@@ -3,8 +3,9 @@ two warm-up steps (``alpha_threshold=0``), where each becomes the program's own 
 with its gradient summed over the workers (`parallax.engine.tables.own_summed`). The own
 loop accumulates two half-batches per step (``zero_grad(set_to_none=False)`` every other
 step) and saves the embedding's ``.grad`` as the program reads it after the backward
-passes, once moved; then rank 1 looks up an id outside the table, every rank records the error it
-caught, and one more step trains.
+passes, once moved; then rank 1 looks up an id outside the table, every rank records the error
+it caught (in a forward, and in the program's own call of the layer), and one more step
+trains. One step before is profiled: its collectives.
 
 Usage: parallax run ... summed_own_worker.py OUT_DIR"""
 
@@ -46,21 +47,41 @@ def main() -> None:
         optimizer.step()
         kinds |= {type(t).__name__ for t in model.runner.tables.values()}
     x, y = worker_slice(batches[STEPS], worker.rank, worker.world_size)
+    collectives = counted_step(model, optimizer, x, y)
     bad = x.clone()
     if worker.rank == 1:
         bad[0, 0] = 10**6
-    try:
-        model(bad)
-        error = None
-    except parallax.SparseIdError as caught:
-        error = str(caught)
+    errors = []
+    # the forward's look-ahead agrees its ids; the program's own call of the layer, which
+    # no look-ahead sees, its own
+    for call in (lambda: model(bad), lambda: model.embedding(bad)):
+        try:
+            call()
+            errors.append(None)
+        except parallax.SparseIdError as caught:
+            errors.append(str(caught))
     optimizer.zero_grad()
     loss_fn(model(x), y).backward()  # the run goes on, every rank in step
     optimizer.step()
     state = model.state_dict()
-    torch.save({"grads": grads, "kinds": sorted(kinds), "error": error, "state": state},
-               out / f"rank{worker.rank}.pt")
+    torch.save({"grads": grads, "kinds": sorted(kinds), "errors": errors, "state": state,
+                "collectives": collectives}, out / f"rank{worker.rank}.pt")
     parallax.shutdown()
+
+
+def counted_step(model, optimizer, x, y) -> dict[str, list[str]]:
+    """One more step of the moved tables, its collectives by phase (the profiler's names)."""
+    counted = {}
+    for phase, run in (("forward", lambda: model(x)), ("backward and step", None)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            if run is not None:
+                output = run()
+            else:
+                optimizer.zero_grad()
+                loss_fn(output, y).backward()
+                optimizer.step()
+        counted[phase] = [e.name for e in prof.events() if e.name.startswith("c10d::")]
+    return counted
 
 
 if __name__ == "__main__":

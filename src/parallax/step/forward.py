@@ -26,6 +26,7 @@ from parallax.engine.diagnostics.phases import PhaseClock
 from parallax.engine.tables import pooled
 from parallax.engine.tables.layout import Layout
 from parallax.engine.tables.own import OwnTable
+from parallax.engine.tables.own_summed import SummedOwnTable
 from parallax.engine.tables.table import Table
 from parallax.errors import ArgumentError, ArgumentTypeError
 from parallax.model.lookahead import IdProgram, traced_id_program
@@ -41,8 +42,13 @@ from parallax.model.stand_ins import (
 from parallax.model.trace_reads import TraceCache
 from parallax.step.sync_modes import SyncMode
 
-__all__ = ["Forward", "ProgramForward", "call_to_device", "checked_loss", "evaluating",
+__all__ = ["Forward", "Meet", "ProgramForward", "call_to_device", "checked_loss", "evaluating",
            "mean_loss", "numel", "shapes", "to_device"]
+
+#: the loop order's check of a forward (`parallax.step.loop_order.LoopOrder.meet`, its call
+#: and step given): with numbers, every rank's (collective on every rank); with None, the
+#: check alone
+Meet = Callable[[Sequence[float] | None], list[list[float]]]
 
 
 class Forward:
@@ -74,9 +80,9 @@ class Forward:
         """The id program for the modules' state now (None: lookups pull one by one)."""
         return self._id_programs.get() if self._id_programs is not None else None
 
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], meet: Meet) -> Any:
         self.mirror()
-        with self._pulled_ahead(args, kwargs), self.phases.phase("forward"):
+        with self._pulled_ahead(args, kwargs, meet), self.phases.phase("forward"):
             output = self._run(args, kwargs)
         self.mirror.back()  # what the forward set on the copies it ran: the program's
         return output
@@ -91,14 +97,18 @@ class Forward:
             module = module.select()
         return torch.func.functional_call(module, pulled, args, kwargs)
 
-    def _pulled_ahead(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def _pulled_ahead(self, args: tuple[Any, ...], kwargs: dict[str, Any], meet: Meet,
                       ) -> contextlib.ExitStack:
-        """Pull the rows this forward will read; inside, lookups read them."""
+        """Meet the other ranks (``meet``: the loop order's check of this forward, which
+        carries the summed tables' bad ids where the look-ahead found their lookups), then
+        pull the rows this forward will read; inside, lookups read them."""
         wanted: dict[str, tuple[Table, list[Tensor]]] = {}
         bags: list[pooled.BagCall] = []
-        # (no table on the servers, e.g. a world of one's own tables: nothing to look ahead for)
-        program = (self.id_program if any(t.on_servers for t in self.layout.sparse.values())
-                   else None)
+        summed: dict[SummedOwnTable, list[Tensor]] = {}
+        # (no table on the servers or summed, e.g. a world of one's own tables: nothing to
+        # look ahead for)
+        program = (self.id_program if any([t.on_servers or type(t) is SummedOwnTable
+                                            for t in self.layout.sparse.values()]) else None)
         if program is not None:
             with self.phases.phase("id look-ahead"):
                 for path, ids, bag_args in program(*args, **kwargs):
@@ -117,9 +127,15 @@ class Forward:
                             bags.append(pooled.rows_ahead_call(held, ids))
                     elif table.on_servers:  # replicated tables look up locally
                         wanted.setdefault(table.name, (table, []))[1].append(ids)
+                    elif type(table) is SummedOwnTable:  # (its ids agreed below)
+                        summed.setdefault(table, []).append(ids)
         for name, (table, rows, _) in self.whole_pulls.items():
             wanted[name] = (table, [rows])
         stack = contextlib.ExitStack()
+        if summed:
+            stack.enter_context(SummedOwnTable.agree_ahead(summed, meet))
+        else:
+            meet(None)
         if wanted:
             stack.enter_context(self.sync_mode.prefetch(
                 [table for table, _ in wanted.values()], [ids for _, ids in wanted.values()]))
@@ -156,7 +172,8 @@ class ProgramForward:
         self.phases = phases
         self._tables = {id(table.param): table for table in tables}
 
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], meet: Meet) -> Any:
+        meet(None)  # (a world of one: nothing to meet)
         with self.phases.phase("forward"):
             try:
                 return self.model(*args, **kwargs)

@@ -216,8 +216,11 @@ class StepGradients:
         # (a replica's gradient is checked with the dense ones: its norm part is zero)
         held = {name: table for name, table in self.tables().items() if table.on_servers}
         parts = self.parallelism.norm_parts()
-        if self.worker.world_size == 1 and not held and not parts:  # nothing elsewhere
-            self.tables_squared = None
+        if (self.worker.world_size == 1 or loss is None) and not held and not parts:
+            # nothing elsewhere: every gradient is whole and the same on every rank, and no
+            # rank's loss is asked for (the own loop's optimizer.step), so each rank's answer
+            # is every rank's, with no collective (no table has a norm part: zero)
+            self.tables_squared = torch.zeros((), dtype=torch.float64, device=self.device)
             return find_nonfinite_here(loss, self._replicated_grads_to_check())
         found = find_nonfinite(loss, {**held, **parts},
                                self._replicated_grads_to_check(),

@@ -75,6 +75,15 @@ class LoopOrder:
         if self.enabled and self.applies:
             self.gather_numbers(call, step, ())
 
+    def meet(self, call: Call, step: int, numbers: Sequence[float] | None = None,
+             ) -> list[list[float]]:
+        """`check` of ``call`` in ``step`` where ``numbers`` is None (no rank's numbers:
+        empty), else `gather_numbers` of them (collective on every rank)."""
+        if numbers is None:
+            self.check(call, step)
+            return []
+        return self.gather_numbers(call, step, numbers)
+
     def gather(self, call: Call, step: int, values: torch.Tensor) -> torch.Tensor:
         """`gather_numbers` of ``values`` (up to `VALUES` float64 numbers, on the worker's
         device, read by the collective and not before), a row per rank."""

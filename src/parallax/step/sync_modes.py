@@ -163,7 +163,13 @@ class Synchronous(SyncMode):
                 if self.early is not None:
                     self.early.flush()  # what Runner.step's backward did not push yet
                 push_all(exchanged, verdict, riders)
-                settle(riders, None)  # those no message took (no server-held table was used)
+                if (not verdict.carried and any([r.waiting is not None for r in riders])
+                        and not any([t.on_servers for t in exchanged])):
+                    # (no server-held table: the verdict is the losses', riding with them)
+                    verdict.prepare_alone(world=self.worker.world_size,
+                                          device=self.worker.device)
+                # those no message took (no server-held table was used), in one message
+                settle([*riders, verdict], None)
         if gradients.parallelism.reduces_gradients:
             with self.phases.phase("dense sync"):
                 gradients.reduce_split_layers()

@@ -13,15 +13,19 @@ before the step) or at the step (`Runner.step`). A caught gradient is summed, ne
 accumulated ``.grad``, so several backward passes before a step add up as on one device in a
 sum as in a mean.
 
-An id outside the table fails every rank alike: each lookup gathers every rank's flag (and
-bad id) before any rank reads, and every rank raises the servers' `SparseIdError` for the
-first (`parallax.engine.tables.exchange.raise_bad_ids`).
+An id outside the table fails every rank alike: every rank's flag (and bad id) is gathered
+before any rank reads, and every rank raises the servers' `SparseIdError` for the first
+(`parallax.engine.tables.exchange.raise_bad_ids`). Where the forward's id look-ahead
+(`parallax.model.lookahead`) foresaw the lookups, the flags of all such tables ride in the
+forward's loop-order message (`agree_ahead`: one collective a forward, whatever the number of
+tables and lookups); a lookup no look-ahead foresaw gathers its own.
 Implements `parallax.engine.tables.table.Table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -35,6 +39,7 @@ from parallax.engine.tables.exchange import BAD_ID, Traffic, raise_bad_ids
 from parallax.engine.tables.own import OwnTable
 from parallax.engine.tables.riders import Rider
 from parallax.engine.tables.verdict import Verdict
+from parallax.errors import InternalError
 
 __all__ = ["SummedOwnTable"]
 
@@ -68,21 +73,66 @@ class SummedOwnTable(OwnTable):
         self.average = average
         self._caught: Tensor | None = None  # this table's gradient not yet pushed
         self._summed_after_backward = False  # pushed at a backward's end since the step
+        #: inside a forward whose look-ahead agreed its ids (`agree_ahead`): those ids
+        self.agreed_ahead: list[Tensor] | None = None
         #: called at the first gradient a backward catches (`BackwardPush`: the own loop)
         self.on_catch: Callable[[], None] | None = None
 
     def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """The whole weight (through `_Caught` where a gradient is made) and the ids, once
         every rank knows its ids are inside the table."""
-        flat = ids.detach().reshape(-1)
-        bad_id = None
-        if flat.numel():
-            low, high = torch.stack(torch.aminmax(flat)).tolist()
-            bad_id = low if low < 0 else high if high >= self.num_rows else None
-        self._agree_ids(bad_id)
+        agreed = self.agreed_ahead
+        if agreed is None:
+            self._agree_ids(self.bad_id_in(ids))
+        elif not any([ids is known for known in agreed]) and self.bad_id_in(ids) is not None:
+            # (ids computed in the forward beside the look-ahead's: the same values)
+            raise InternalError(
+                f"parallax internal error: rank {self.worker.rank} looked up ids of "
+                f"'{self.name}' outside its rows that the look-ahead did not see; please "
+                f"report it")
         weight = (_Caught.apply(self.param, self)  # type: ignore[no-untyped-call]
                   if torch.is_grad_enabled() and self.param.requires_grad else self.param)
         return weight, ids
+
+    def bad_id_in(self, ids: Tensor) -> int | None:
+        """The first id of ``ids`` outside the table's rows (the lowest if negative, else
+        the highest), or None (no collective)."""
+        flat = ids.detach().reshape(-1)
+        if not flat.numel():
+            return None
+        low, high = torch.stack(torch.aminmax(flat)).tolist()
+        return low if low < 0 else high if high >= self.num_rows else None
+
+    @staticmethod
+    @contextmanager
+    def agree_ahead(looked: dict[SummedOwnTable, list[Tensor]],
+                    gather: Callable[[Sequence[float]], list[list[float]]]) -> Iterator[None]:
+        """Before a forward whose look-ahead computed the ids of these tables' lookups
+        (``looked``, in the same order on every rank): every rank's first bad id among them
+        through ``gather`` (every rank's numbers, one collective: the forward's loop-order
+        message), `SparseIdError` on every rank alike for the first; inside, their lookups
+        gather nothing."""
+        tables = list(looked)
+        mine: tuple[float, float] = (0.0, 0.0)
+        for index, (table, ids) in enumerate(looked.items()):
+            bad = next((b for b in map(table.bad_id_in, ids) if b is not None), None)
+            if bad is not None:
+                mine = (float(index + 1), float(bad))
+                break
+        everyone = gather(mine)
+        if any([row[0] for row in everyone]):
+            first = tables[0]
+            raise_bad_ids([[[0, BAD_ID if row[0] == t + 1 else 0, int(row[1])]
+                            for t in range(len(tables))] for row in everyone],
+                          [t.name for t in tables], traffic=first.traffic,
+                          num_rows={t.name: t.num_rows for t in tables})
+        for table, ids in looked.items():
+            table.agreed_ahead = ids
+        try:
+            yield
+        finally:
+            for table in tables:
+                table.agreed_ahead = None
 
     def _agree_ids(self, bad_id: int | None) -> None:
         """Raise `SparseIdError` on every rank alike when any rank's ids leave the table

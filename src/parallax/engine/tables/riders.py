@@ -10,16 +10,17 @@ sum, bit for bit, everywhere). Three ride today: the step's verdict
 (`parallax.step.hyperparameters.SettingsRider`). A collective costs a few milliseconds of waiting on
 this CPU cluster whatever its size (record small_sums-2x2-1gbit); a rider costs its bytes.
 
-The first message the push sends takes every rider waiting; a rider no message took (a step
-without a push message: no server-held table was used) is sent by `settle`, its own
-collective, so the result never depends on whether it rode.
+The first message the push sends takes every rider waiting; the riders no message took (a
+step without a push message: no server-held table was used) are sent by `settle`, together
+in one collective, so the result never depends on whether they rode.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -62,15 +63,29 @@ def alight(riders: Sequence[Rider], received: dict[str, Tensor]) -> dict[str, Te
 
 
 def settle(riders: Sequence[Rider], group: dist.ProcessGroup | None) -> None:
-    """Send, in one all_to_all each, the riders no message took (collective: every rank's
-    riders wait alike, since the push's messages are the same on every rank)."""
-    for rider in riders:
-        if rider.waiting is None:
-            continue
-        copies, rider.waiting = rider.waiting, None
-        received = copies.new_empty(copies.shape)
-        all_to_all(received, copies, group=group)
-        rider.receive(received)
+    """Send, in one all_to_all, the riders no message took (collective: every rank's riders
+    wait alike, since the push's messages are the same on every rank): each rider's rows
+    side by side, viewed as bytes where their dtypes differ."""
+    waiting = [rider for rider in riders if rider.waiting is not None]
+    if not waiting:
+        return
+    rows = [cast(Tensor, rider.waiting).contiguous() for rider in waiting]
+    for rider in waiting:
+        rider.waiting = None
+    if len(rows) == 1 or all([row.dtype == rows[0].dtype for row in rows]):
+        sent, widths = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0], None
+    else:
+        as_bytes = [row.view(torch.uint8) for row in rows]
+        sent, widths = torch.cat(as_bytes, dim=1), [row.shape[1] for row in as_bytes]
+    received = sent.new_empty(sent.shape)
+    all_to_all(received, sent, group=group)
+    if widths is None:
+        pieces = received.split_with_sizes([row.shape[1] for row in rows], dim=1)
+    else:  # (each piece copied whole, so that its bytes start where its dtype's would)
+        pieces = tuple(piece.contiguous().view(row.dtype) for piece, row in zip(
+            received.split_with_sizes(widths, dim=1), rows, strict=True))
+    for rider, piece in zip(waiting, pieces, strict=True):
+        rider.receive(piece)
 
 
 def rank_order_sum(received: Tensor) -> Tensor:

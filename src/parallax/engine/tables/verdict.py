@@ -76,6 +76,14 @@ class Verdict:
         row[_BOUND] = bound
         self.waiting = row.expand(world, row.numel()).contiguous()
 
+    def prepare_alone(self, *, world: int, device: torch.device) -> None:
+        """`prepare` for a push of no server-held table (nothing aggregated on a server to
+        bound, no such table to reach): this rank's loss alone, riding with the step's other
+        riders (`parallax.engine.tables.riders.settle`)."""
+        self.prepare(names=[], reached=[], stale=0,
+                     bound=torch.zeros((), dtype=torch.float64, device=device),
+                     limit=math.inf, world=world)
+
     def receive(self, received: Tensor) -> None:
         """Every rank's verdict (``[world, fields]``), added in rank order."""
         self.summed = rank_order_sum(received).cpu()
