@@ -409,7 +409,7 @@ def _host_table_claims() -> list[Claim]:
 
 
 HOST_REPLICATED_RECORD = "host-replicated-2w-{door}/{commit}-amd-epyc-2c"
-HOST_REPLICATED_COMMIT = "5ef2f5e"
+HOST_REPLICATED_COMMIT = "eb0480a"
 
 
 def _host_replicated_claims() -> list[Claim]:
@@ -419,10 +419,11 @@ def _host_replicated_claims() -> list[Claim]:
     regime = ("1 machine x 2 workers (gloo), benchmark LM (vocabulary 2,000, width 16), both "
               "tables replicated after the warm-up (Config(alpha_threshold=0)), CPU")
     why = ("each table is the program's own parameter (its layer reads the whole weight, "
-           "one AllReduce sums every such table's gradient), but each lookup still gathers "
-           "every rank's bad-id flag (a collective a lookup), and the step round's own work "
-           "remains (the phase clock, the loop checks, the finiteness check and its "
-           "collective, the step hooks)")
+           "one AllReduce sums every such table's gradient, the bad-id flags of all of them "
+           "ride in the forward's one collective); beyond DDP's remain the forward's "
+           "collective, that AllReduce and, in the own loop, the update's order check, and "
+           "the step round's own work (the phase clock, the look-ahead, the loop checks, "
+           "the verdict, the step hooks)")
     for door, program in DOORS.items():
         source = (HOST_REPLICATED_RECORD.format(door=door, commit=HOST_REPLICATED_COMMIT),)
         for short, what, key in (("ops", "aten operators", "aten_ops_per_step"),
