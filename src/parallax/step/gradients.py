@@ -220,7 +220,8 @@ class StepGradients:
             # nothing elsewhere: every gradient is whole and the same on every rank, and no
             # rank's loss is asked for (the own loop's optimizer.step), so each rank's answer
             # is every rank's, with no collective (no table has a norm part: zero)
-            self.tables_squared = torch.zeros((), dtype=torch.float64, device=self.device)
+            self.tables_squared = (None if self.worker.world_size == 1 else  # (no operator)
+                                   torch.zeros((), dtype=torch.float64, device=self.device))
             return find_nonfinite_here(loss, self._replicated_grads_to_check())
         found = find_nonfinite(loss, {**held, **parts},
                                self._replicated_grads_to_check(),
