@@ -43,6 +43,10 @@ PHASES = ("id look-ahead", "pull", "pool", "forward", "backward", "dense sync", 
           "checkpoint", "progress record")
 STATS_KEY = "step phases"  # where `Runner.stats` holds `PhaseClock.per_step`
 PROFILER_PREFIX = "parallax: "  # a phase's range in a running torch.profiler's trace
+# The profiler's range as one C++ object (inductor's own ranges use it): ``record_function``
+# dispatches two operators through Python, about ten calls a range, on every phase of a
+# profiled step.
+_ProfilerRange = torch._C._profiler._RecordFunctionFast
 _STEP = "step"
 _GATHER_S = 30.0  # rank 0 waits this long for the other ranks' events at shutdown
 log = logging.getLogger("parallax")
@@ -275,8 +279,9 @@ class Timed:
         if clock is None or clock._began is None or self.running:
             return False
         self.running = True
-        self.ranged = (torch.ops.profiler._record_function_enter_new(PROFILER_PREFIX + self.name)
-                       if clock.profiled else None)
+        if clock.profiled:
+            self.ranged = _ProfilerRange(PROFILER_PREFIX + self.name)
+            self.ranged.__enter__()
         self.parent, clock._top = clock._top, self
         self.children = 0
         self.began = time.perf_counter_ns()
@@ -291,7 +296,7 @@ class Timed:
         clock._top, self.parent = self.parent, None
         self.running = False
         if self.ranged is not None:
-            torch.ops.profiler._record_function_exit._RecordFunction(self.ranged)
+            self.ranged.__exit__(None, None, None)
             self.ranged = None
         clock.seconds[self.name] += (elapsed - self.children) / 1e9
         if clock._top is not None:
@@ -308,7 +313,7 @@ class Timed:
         clock._top, self.parent = self.parent, None
         self.running = False
         if self.ranged is not None:
-            torch.ops.profiler._record_function_exit._RecordFunction(self.ranged)
+            self.ranged.__exit__(None, None, None)
             self.ranged = None
 
 
