@@ -21,7 +21,7 @@ the number of servers, double while faster, then halve), each sample ``--search-
 steps with the first half dropped (the papers': 100 and 50), then chooses from Eq. 1 fitted
 to its samples.
 
-Writes ``<scratch>/partition-surface/partition-surface-<name>.json`` (every round of every
+Writes ``<scratch>/partition-surface-<name>.json`` (every round of every
 count, the fitted θ and the search's samples); ``scripts/bench.sh partition-surface`` files
 it as a record.
 """
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
-    out = args.out or records.scratch() / "partition-surface"
+    out = args.out or records.scratch()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"partition-surface-{args.name}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
