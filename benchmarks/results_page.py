@@ -77,19 +77,27 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def table(section: str) -> list[str]:
-    lines = ["| claim | paper / target | ours | regime | host | verdict | why | command | "
-             "records |", "|---|---|---|---|---|---|---|---|---|"]
+def table(section: str, fidelity: str | None = None) -> list[str]:
+    """The rows of ``section``; with ``fidelity`` ("faithful" or "analog": `claims.FIDELITY`)
+    only the paper rows of that kind, with a column saying why."""
+    why = [] if fidelity is None else ["against the paper's regime"]
+    lines = ["| " + " | ".join(["claim", "paper / target", "ours", "regime", *why, "host",
+                                 "verdict", "why", "command", "records"]) + " |",
+             "|" + "---|" * (9 + len(why))]
     for claim in claims.CLAIMS:
         if claim.section != section:
             continue
+        kind, _, because = claims.FIDELITY.get(claim.id, "").partition(": ")
+        if fidelity is not None and kind != fidelity:
+            continue
+        regime = _cell(claim.regime) + ("" if fidelity is None else f" | {_cell(because)}")
         figure = claim.figure()
         sources = "<br>".join(f"`{s}`{tree(s)}" for s in claim.sources)
         command = f"`bash scripts/bench.sh {claim.bench}`" if claim.bench != "gpu_check.sh" \
             else "`bash scripts/gpu_check.sh`"
         lines.append(
             f"| <a id=\"{claim.id}\"></a>**{claim.id}**: {_cell(claim.claim)} | "
-            f"{_cell(claim.reference)} | {figure.detail} | {_cell(claim.regime)} | "
+            f"{_cell(claim.reference)} | {figure.detail} | {regime} | "
             f"{', '.join(hosts(claim))} | **{claim.verdict}** | {_cell(claim.reason)} | "
             f"{command} | {sources} |")
     return lines
@@ -145,7 +153,17 @@ def page(figures: str) -> str:
         "",
     ]
     for section, title in SECTIONS:
-        lines += [f"## {title}", "", *table(section), ""]
+        if section != "papers":
+            lines += [f"## {title}", "", *table(section), ""]
+            continue
+        faithful = sum(claims.FIDELITY.get(c.id, "").startswith("faithful: ")
+                       for c in claims.CLAIMS if c.section == section)
+        lines += [f"## {title}", "",
+                  f"{faithful} of the paper rows ran as the paper ran them (what they measure "
+                  "does not depend on what this host lacks); the others are analogs, their "
+                  "regime against the paper's said in the row.", "",
+                  "### Faithful", "", *table(section, "faithful"), "",
+                  "### Analogs", "", *table(section, "analog"), ""]
     lines += ["## Figures", "",
               "Copies in `benchmarks/figures/`, drawn by the experiment named (a re-run draws "
               "them again into its scratch directory).", ""]

@@ -157,3 +157,17 @@ def test_no_committed_record_was_ever_rewritten() -> None:
                          timeout=60)
     assert log.returncode == 0, log.stderr
     assert not log.stdout.strip(), "records rewritten by these commits:\n" + log.stdout
+
+
+def test_every_paper_row_says_whether_it_ran_as_the_paper_ran_it() -> None:
+    """Issue 74's split: each row of the papers' section is faithful or an analog, with why;
+    no other row claims either."""
+    papers = {claim.id for claim in claims.CLAIMS if claim.section == "papers"}
+    assert set(claims.FIDELITY) == papers
+    for name, text in claims.FIDELITY.items():
+        kind, _, because = text.partition(": ")
+        assert kind in {"faithful", "analog"} and because, name
+    page = (ROOT / "BENCHMARKS.md").read_text()
+    faithful = page.split("### Faithful", 1)[1].split("### Analogs", 1)[0]
+    for name, text in claims.FIDELITY.items():
+        assert (f'id="{name}"' in faithful) == text.startswith("faithful: "), name
