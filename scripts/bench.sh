@@ -120,6 +120,8 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
 --rate 1gbit"
   [partitions-4x1]="$py benchmarks/partitions.py --machines 4 --nproc-per-machine 1 \
 --rate 1gbit"
+  [partitions-2x2-paper]="$py benchmarks/partitions.py --machines 2 --nproc-per-machine 2 \
+--rate 1gbit --search-steps 100 --rounds 5"
   [partitions-4x1-paper]="$py benchmarks/partitions.py --machines 4 --nproc-per-machine 1 \
 --rate 1gbit --search-steps 100"
   [partition-surface]="$py benchmarks/partition_surface.py --name lm"
@@ -217,7 +219,7 @@ benchmarks/records/table4-lm-ps-hybrid-5rounds/b0528f6-intel-xeon-2c.json benchm
 ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
-       partitions-2x2 partitions-4x1 partitions-4x1-paper partition-surface partition-surface-dense partition-surface-large table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
+       partitions-2x2 partitions-4x1 partitions-2x2-paper partitions-4x1-paper partition-surface partition-surface-dense partition-surface-large table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work host-counts host-tables host-replicated threads-recsys threads-lm launch launch-emulated chaos chaos-link
        targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1 ratios-recsys ratios-lm-2x2
        ratios-lm-4x1 ratios-bound ratios-table4-lm)
