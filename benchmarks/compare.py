@@ -154,6 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="one launch per system (per-system memory, no interference)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds of every system, interleaved (median and min-max shown)")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each worker to one of this host's cores (rank modulo the "
+                        "cores): no process migrates between them mid-step")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="after the timed steps, 5 steps per system under torch.profiler: "
                         "DIR/<system>-rank<r>.txt (operators by self CPU time) and rank 0's "
@@ -217,7 +220,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                for i in range(len(args.systems))]
     source = provenance()
     for result in results:  # what ran, so each record stands on its own in an experiment
-        result.update(workload=args.workload, rate=args.rate,
+        result.update(workload=args.workload, rate=args.rate, pinned=getattr(args, "pin", False),
                       nproc_per_machine=args.nproc_per_machine,
                       workload_options=workload_options(args), provenance=source)
     out.write_text(json.dumps(results, indent=1))
@@ -279,6 +282,7 @@ def launch(args: argparse.Namespace, systems: list[str], out: Path,
     worker_args = {"systems": systems, "steps": args.steps, "warmup": args.warmup,
                    "out": str(out.resolve()), "workload_name": args.workload,
                    "workload": workload_options(args), "isolated": args.isolate,
+                   "pin": getattr(args, "pin", False),
                    "profile_dir": str(args.profile.resolve()) if args.profile else None,
                    "cpu_profile_dir": (str(args.cpu_profile.resolve()) if args.cpu_profile
                                        else None),

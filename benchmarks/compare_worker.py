@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import re
 import resource
 import statistics
@@ -402,9 +403,20 @@ def run_system(system: str, workload: Workload, args: dict) -> dict[str, Any]:
     return result
 
 
+def pin_to_core(rank: int) -> int:
+    """Pin this process (and the threads it starts) to one of the cores it may run on, by
+    rank: the processes of a link-bound run then never migrate mid-step. Returns the core."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     worker = current_worker()
+    if args.get("pin"):
+        pin_to_core(worker.rank)
     # gloo for the harness's own CPU reductions; NCCL for the CUDA tensors of DDP's buckets
     backend = "cpu:gloo,cuda:nccl" if worker.device.type == "cuda" else "gloo"
     if worker.device.type == "cuda":

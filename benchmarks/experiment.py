@@ -57,6 +57,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, shape: bool = True,
                         help="one launch per system (per-system peak memory, no interference)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="interleaved rounds of every system (compare.py --repeats)")
+    parser.add_argument("--pin", action="store_true",
+                        help="each worker pinned to one core (compare.py --pin)")
     parser.add_argument("--out-dir", type=Path, default=records.scratch())
 
 
@@ -65,7 +67,7 @@ def compare_args(args: argparse.Namespace, **overrides: Any) -> argparse.Namespa
     ``overrides`` (names as compare's attributes: machines, systems, workload, ...)."""
     result = compare.parse_args([])
     for name in ("rate", "steps", "warmup", "machines", "nproc_per_machine", "batch", "vocab",
-                 "emb", "hidden", "seq_len", "isolate", "repeats"):
+                 "emb", "hidden", "seq_len", "isolate", "repeats", "pin"):
         if hasattr(args, name):
             setattr(result, name, getattr(args, name))
     for name, value in overrides.items():
@@ -148,6 +150,31 @@ def alpha_model(results: Iterable[dict]) -> float | None:
     one's value), None when no parallax system ran."""
     return next((r["alpha_model"] for r in results
                  if r.get("alpha_model") is not None), None)
+
+
+#: tc's rate units, bits per second
+RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def rate_bits(rate: str) -> float | None:
+    """A tc rate (``100mbit``, ``1gbit``) in bits per second each way; None for ``none`` (no
+    emulated link)."""
+    if rate == "none":
+        return None
+    for unit in sorted(RATE_UNITS, key=len, reverse=True):
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * RATE_UNITS[unit]
+    raise ValueError(f"not a tc rate: {rate!r} (e.g. 100mbit, 1gbit)")
+
+
+def link_share(result: dict, rate: str) -> float | None:
+    """The share of a system's step its link needs at the nominal rate: half the machine's
+    wire bytes a step (what it sends and receives, the link carrying each way at ``rate``)
+    over the step. Near 1: the link bounds the step; near 0: the host does."""
+    bits = rate_bits(rate)
+    if bits is None or not result.get("median_step_s"):
+        return None
+    return result["wire_bytes_per_machine_step"] / 2 * 8 / bits / result["median_step_s"]
 
 
 def cell(value: float | None, spec: str = ",.0f") -> str:

@@ -16,12 +16,13 @@ table4.py is this script with other defaults.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import compare
 import experiment
-from experiment import alpha_model, by_system, cell, with_ratio
+from experiment import alpha_model, by_system, cell, link_share, with_ratio
 
 TITLE = "Table 1 analog: PS vs AllReduce"
 
@@ -36,6 +37,9 @@ def parse_args(argv: list[str] | None = None, *, description: str = __doc__,
                         default=list(systems), help="the first is the ratios' base")
     parser.add_argument("--hash-multiplier", type=int, default=1000,
                         help="recsys: table rows = ids x this (as in BENCHMARKS.md)")
+    parser.add_argument("--nmt-options", type=json.loads, default={},
+                        help="the NMT's workload options as JSON (e.g. its vocabularies and "
+                        "widths, to bring its α and dense share to the paper's)")
     parser.add_argument("--name", default=name, help="output file stem")
     experiment.add_common_arguments(parser)
     return parser.parse_args(argv)
@@ -46,10 +50,13 @@ def summary(exp: experiment.Experiment, systems: list[str], title: str) -> str:
     system's) and wire bytes per machine and step."""
     base = systems[0]
     head = ["workload", "unit", "α_model", *(f"{s} /s (vs {base})" for s in systems),
-            *(f"{s} wire B/machine/step" for s in systems)]
+            *(f"{s} wire B/machine/step" for s in systems),
+            *(f"{s} link share" for s in systems)]
     lines = [f"{title}: {exp.args.machines} machines x {exp.args.nproc_per_machine} workers, "
-             f"{exp.args.rate} (emulated), {exp.args.warmup} warm-up + {exp.args.steps} timed "
-             "steps", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+             f"{exp.args.rate} (emulated){', processes pinned' if exp.args.pin else ''}, "
+             f"{exp.args.warmup} warm-up + {exp.args.steps} timed steps; link share: half the "
+             "machine's wire bytes at the nominal rate over the step", "",
+             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for run in exp.runs:
         if "error" in run:
             lines.append(f"| {run['label']} | failed |" + " |" * (len(head) - 2))
@@ -61,6 +68,8 @@ def summary(exp: experiment.Experiment, systems: list[str], title: str) -> str:
             run["label"], unit, cell(alpha_model(run["results"]), ".3f"),
             *(with_ratio(rate[s], rate[base]) for s in systems),
             *(cell(got[s]["wire_bytes_per_machine_step"] if s in got else None)
+              for s in systems),
+            *(cell(link_share(got[s], exp.args.rate) if s in got else None, ".2f")
               for s in systems)]) + " |")
     return "\n".join(lines)
 
@@ -93,7 +102,8 @@ def run(args: argparse.Namespace, title: str) -> int:
     exp = experiment.Experiment(args.name, args)
     for workload in args.workloads:
         exp.run(workload, len(args.workloads), workload=workload, systems=args.systems,
-                hash_multiplier=args.hash_multiplier)
+                hash_multiplier=args.hash_multiplier,
+                workload_options=args.nmt_options if workload == "nmt" else {})
     exp.write(summary(exp, args.systems, title),
               lambda path: plot(exp, args.systems, title, path))
     return exp.exit_status()

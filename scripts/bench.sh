@@ -77,6 +77,12 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
 --rate 1gbit --systems ddp-dense hybrid allreduce ps --steps 30 --isolate"
   [table1]="$py benchmarks/table1.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
   [table4]="$py benchmarks/table4.py --machines 2 --nproc-per-machine 2 --rate 1gbit --isolate"
+  [table4-4x1-100mbit]="$py benchmarks/table4.py --machines 4 --nproc-per-machine 1 \
+--rate 100mbit --systems allreduce ps hybrid --steps 30 --warmup 3 --repeats 5 --isolate --pin \
+--nmt-options {\"src_vocab\":1000,\"tgt_vocab\":1000} --name table4-4x1-100mbit"
+  [table4-2x2-100mbit]="$py benchmarks/table4.py --machines 2 --nproc-per-machine 2 \
+--rate 100mbit --systems allreduce ps optps hybrid --steps 30 --warmup 3 --repeats 5 --isolate \
+--pin --nmt-options {\"src_vocab\":1000,\"tgt_vocab\":1000} --name table4-2x2-100mbit"
   [scaling]="$py benchmarks/scaling.py --machines 1 2 4 8 --nproc-per-machine 1 --rate 1gbit \
 --systems hybrid ps allreduce ddp-dense ddp-sparse torchrec-rw \
 --isolate"
@@ -218,7 +224,7 @@ benchmarks/records/table4-lm-ps-hybrid-5rounds/b0528f6-intel-xeon-2c.json benchm
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
-       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
+       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 table4-4x1-100mbit table4-2x2-100mbit scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-2x2-paper partitions-4x1-paper partition-surface partition-surface-dense partition-surface-large table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work host-counts host-tables host-replicated threads-recsys threads-lm launch launch-emulated chaos chaos-link
        targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1 ratios-recsys ratios-lm-2x2
