@@ -52,6 +52,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, shape: bool = True,
         parser.add_argument("--vocab", type=int, default=100_000, help="lm vocabulary")
         parser.add_argument("--seq-len", type=int, default=20, help="lm words per sequence")
     parser.add_argument("--emb", type=int, default=128, help="lm embedding width")
+    parser.add_argument("--sampled", type=int, default=512,
+                        help="lm sampled softmax classes a step")
     parser.add_argument("--hidden", type=int, default=128, help="lm LSTM width")
     parser.add_argument("--isolate", action="store_true",
                         help="one launch per system (per-system peak memory, no interference)")
@@ -67,7 +69,7 @@ def compare_args(args: argparse.Namespace, **overrides: Any) -> argparse.Namespa
     ``overrides`` (names as compare's attributes: machines, systems, workload, ...)."""
     result = compare.parse_args([])
     for name in ("rate", "steps", "warmup", "machines", "nproc_per_machine", "batch", "vocab",
-                 "emb", "hidden", "seq_len", "isolate", "repeats", "pin"):
+                 "emb", "hidden", "seq_len", "isolate", "repeats", "pin", "sampled"):
         if hasattr(args, name):
             setattr(result, name, getattr(args, name))
     for name, value in overrides.items():

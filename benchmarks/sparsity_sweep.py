@@ -26,6 +26,10 @@ import experiment
 from experiment import alpha_model, by_system, cell, with_ratio
 
 DEFAULT_POINTS = ["30000:60", "10000:40", "10000:160", "3000:160", "1000:320", "300:320"]
+#: the paper's Table 6 (`000`/`003`, Parallax EuroSys'19), by sequence length: its α_model and
+#: Parallax's speed-up over TF-PS, shown beside the point of the same length
+PAPER_TABLE6 = {120: (1.0, 2.04), 60: (0.52, 2.33), 30: (0.28, 2.43), 15: (0.16, 2.89),
+                8: (0.1, 3.02), 4: (0.07, 3.03), 1: (0.04, 3.42)}
 
 
 def point(text: str) -> tuple[int, int, int | None]:
@@ -60,6 +64,8 @@ def rows(exp: experiment.Experiment) -> list[dict]:
         result.append({"label": run["label"], "vocab": settings["vocab"],
                        "seq_len": settings["seq_len"], "batch": settings["batch"],
                        "alpha_model": alpha_model(run.get("results", [])),
+                       "alphas": next((r.get("alphas") for r in run.get("results", [])
+                                       if r.get("alphas")), None),
                        "items_per_s": {s: r["items_per_s"] for s, r in got.items()},
                        "failed": "error" in run})
     return result
@@ -68,8 +74,9 @@ def rows(exp: experiment.Experiment) -> list[dict]:
 def summary(exp: experiment.Experiment) -> str:
     args = exp.args
     base = args.systems[0]
-    head = ["vocab", "seq_len", "batch", "α_model (measured)",
-            *(f"{s} words/s (vs {base})" for s in args.systems), "hybrid moved to AllReduce"]
+    head = ["vocab", "seq_len", "batch", "α_model (measured)", "tables' α",
+            *(f"{s} words/s (vs {base})" for s in args.systems), "hybrid moved to AllReduce",
+            "the paper at this length: α_model, Parallax over TF-PS"]
     reached = [r["alpha_model"] for r in rows(exp) if r["alpha_model"] is not None]
     span = f"{min(reached):.3f}–{max(reached):.3f}" if reached else "not measured"
     lines = [f"Sparsity sweep (LM): {args.machines} machines x {args.nproc_per_machine} "
@@ -85,11 +92,13 @@ def summary(exp: experiment.Experiment) -> str:
         moved = by_system(run["results"]).get("hybrid", {}).get("synced_by")
         moved_text = ("–" if moved is None else
                       ", ".join(n for n, sync in moved.items() if sync != "ps") or "none")
+        paper = PAPER_TABLE6.get(row["seq_len"])
+        tables = ", ".join(f"{name} {alpha:.3f}" for name, alpha in (row["alphas"] or {}).items())
         lines.append("| " + " | ".join([
             str(row["vocab"]), str(row["seq_len"]), str(row["batch"]),
-            cell(row["alpha_model"], ".3f"),
+            cell(row["alpha_model"], ".3f"), tables or "–",
             *(with_ratio(rate.get(s), rate.get(base)) for s in args.systems),
-            moved_text]) + " |")
+            moved_text, f"{paper[0]:g}, {paper[1]:.2f}x" if paper else "–"]) + " |")
     return "\n".join(lines)
 
 

@@ -98,6 +98,10 @@ torchrec-tw torchrec-plan --steps 100 --isolate \
   [sparsity-seq]="$py benchmarks/sparsity_sweep.py --machines 2 --nproc-per-machine 2 \
 --rate 1gbit --isolate --name sparsity-seq --points 100000:1 100000:5 100000:15 100000:30 \
 100000:60 100000:120"
+  [table6-4x1-100mbit]="$py benchmarks/sparsity_sweep.py --machines 4 --nproc-per-machine 1 \
+--rate 100mbit --systems hybrid ps --hidden 320 --sampled 32 --steps 20 --warmup 3 --repeats 3 \
+--isolate --pin --points 3000:1:32 3000:4:32 3000:15:32 3000:60:32 3000:120:32 \
+--name table6-4x1-100mbit"
   [ablation-recsys]="$py benchmarks/compare.py --workload recsys --machines 2 \
 --nproc-per-machine 2 --rate 1gbit --hash-multiplier 1000 --workload-options {\"history\":32} \
 --systems ps-direct+rows hybrid-direct+rows hybrid-aggregated+rows hybrid-aggregated+pooled \
@@ -224,7 +228,7 @@ benchmarks/records/table4-lm-ps-hybrid-5rounds/b0528f6-intel-xeon-2c.json benchm
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
-       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 table4-4x1-100mbit table4-2x2-100mbit scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
+       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 table4-4x1-100mbit table4-2x2-100mbit scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq table6-4x1-100mbit local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-2x2-paper partitions-4x1-paper partition-surface partition-surface-dense partition-surface-large table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work host-counts host-tables host-replicated threads-recsys threads-lm launch launch-emulated chaos chaos-link
        targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1 ratios-recsys ratios-lm-2x2
