@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replay", type=int, default=10, help="timed collective replays")
     parser.add_argument("--out-dir", type=Path, default=records.scratch())
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--name", default=None,
+                        help="the output's stem (default model_parallel-DATA-RATE)")
     return parser.parse_args(argv)
 
 
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"P={p} done", flush=True)
     rows = summarise(runs)
     auto = auto_table(rows)
-    stem = f"model_parallel-{args.data}-{args.rate}" + (
+    stem = args.name or f"model_parallel-{args.data}-{args.rate}" + (
         "" if args.model_split == "pairs" else f"-{args.model_split}")
     report = {"provenance": provenance(), "options": {k: str(v) if isinstance(v, Path) else v
                                                       for k, v in vars(args).items()},

@@ -160,6 +160,12 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
 --out @OUT@/compare-lm-kjv-4x1-100mbit-dense-sync.json"
   [mp-airfoil]="$py benchmarks/model_parallel.py --data airfoil --widths 32 64 128 512 1024 \
 --processes 1 2 4 8 --rate 1gbit --steps 150"
+  [mp-report-loopback]="$py benchmarks/model_parallel.py --data airfoil \
+--widths 32 64 128 512 1024 --processes 1 2 4 --rate none --batch 100 --steps 150 \
+--name model_parallel-airfoil-batch100-loopback"
+  [mp-report-1gbit]="$py benchmarks/model_parallel.py --data airfoil \
+--widths 32 64 128 512 1024 --processes 1 2 4 --rate 1gbit --batch 100 --steps 150 \
+--name model_parallel-airfoil-batch100-1gbit"
   [mp-synthetic]="$py benchmarks/model_parallel.py --data synthetic --rows 700000 \
 --widths 128 512 1024 --processes 1 2 4 8 --rate 1gbit --steps 60"
   [mp-airfoil-100mbit]="$py benchmarks/model_parallel.py --data airfoil --widths 128 512 1024 \
@@ -230,7 +236,7 @@ ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-hi
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 table4-4x1-100mbit table4-2x2-100mbit scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq table6-4x1-100mbit local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-2x2-paper partitions-4x1-paper partition-surface partition-surface-dense partition-surface-large table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
-       lm-dense-sync-100mbit mp-airfoil mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work host-counts host-tables host-replicated threads-recsys threads-lm launch launch-emulated chaos chaos-link
+       lm-dense-sync-100mbit mp-airfoil mp-report-loopback mp-report-1gbit mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work host-counts host-tables host-replicated threads-recsys threads-lm launch launch-emulated chaos chaos-link
        targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1 ratios-recsys ratios-lm-2x2
        ratios-lm-4x1 ratios-bound ratios-table4-lm)
 # the scripts that interleave systems over repeats (compare.py and the experiments on it)
