@@ -292,6 +292,18 @@ def launch_ratio(slow: str, fast: str, part: str = "total") -> Compute:
     return compute
 
 
+def best_speedup_at(mode: str, processes: int) -> Compute:
+    """The largest wall-clock speed-up over one process (same width) of the rows run as
+    ``mode`` on ``processes`` processes (model_parallel; wall time only)."""
+    def compute(payloads: Sequence[Any]) -> Figure:
+        (data,) = payloads
+        serial = {r["width"]: r["wall_ms"] for r in data["rows"] if r["P"] == 1}
+        rows = [r for r in data["rows"] if r["mode"] == mode and r["P"] == processes]
+        return Figure(max(serial[r["width"]] / r["wall_ms"] for r in rows), n=len(rows),
+                      counted="widths")
+    return compute
+
+
 def integrated_over_batch(payloads: Sequence[Any]) -> Figure:
     """The integrated grid's wall-clock speed over batch parallelism's at the same width and
     process count, at its best (model_parallel)."""
@@ -394,6 +406,10 @@ LINK_REGIME_2X2 = ("2 machines x 2 workers, 100 Mbit/s, processes pinned, 5 roun
 LINK_4X1 = ("table4-4x1-100mbit/9b76461-amd-epyc-2c",)
 LINK_REGIME_4X1 = ("4 machines x 1 worker, 100 Mbit/s, processes pinned, 5 rounds x 30 steps, "
                    f"{EMULATED}")
+SEED004_L = "model_parallel-airfoil-batch100-loopback/f3ac030-amd-epyc-2c"
+SEED004_G = "model_parallel-airfoil-batch100-1gbit/f3ac030-amd-epyc-2c"
+SEED004_LOOPBACK = ("airfoil, global batch 100 (the report's), widths 32–1,024, P = 1 and 2, "
+                    "loopback, 150 steps, wall time, 2 CPU cores")
 SURFACE_LARGE = "partition-surface-lm-large/3433cce-amd-epyc-2c"
 SURFACE_DENSE = "partition-surface-lm-dense/1aa1577-amd-epyc-2c"
 SURFACE_REGIME = ("one server, no network: 4 senders x 2,560 Zipf ids a step into a "
@@ -911,6 +927,40 @@ CLAIMS: tuple[Claim, ...] = (
           "AllReduce of every weight each step on 2 cores), so the grid beats it",
           "mp-airfoil", ("model_parallel-airfoil-1gbit/0915f69-amd-epyc-2c",),
           integrated_over_batch),
+    Claim("seed004-batch-p2", "papers",
+          "seed 004 at the report's batch: batch parallelism's best wall speed-up at P = 2 over "
+          "one process, loopback", "`004` §9.0.1: the speed-up grows with P, 5.8x at 32 "
+          "processes (width 512); its P = 2 point is in its Figure 5 only", SEED004_LOOPBACK,
+          "not reproduced", "two processes on two cores spend more on the AllReduce of every "
+          "weight than they save: at the report's widths the compute a step is too small",
+          "mp-report-loopback", (SEED004_L,), best_speedup_at("batch", 2)),
+    Claim("seed004-model-p2", "papers",
+          "seed 004 at the report's batch: model parallelism's best wall speed-up at P = 2 over "
+          "one process, loopback", "`004` §9.0.2: 1.2x at width 1,024, the gain growing with "
+          "the width (its P in Figure 6 only)", SEED004_LOOPBACK, "not reproduced",
+          "the gain grows with the width as in the report, but stays under one process's "
+          "speed at every width: a layer's gathers cost more than half its compute saves",
+          "mp-report-loopback", (SEED004_L,), best_speedup_at("model", 2)),
+    Claim("seed004-batch-p2-1gbit", "papers",
+          "seed 004 at the report's batch: batch parallelism's best wall speed-up at P = 2, "
+          "1 Gbit/s", "`004` §9.0.1: 5.8x at 32 processes (width 512)",
+          SEED004_LOOPBACK.replace("loopback", "1 Gbit/s emulated"), "not reproduced",
+          "as over loopback, with the link's time added", "mp-report-1gbit", (SEED004_G,),
+          best_speedup_at("batch", 2)),
+    Claim("seed004-model-p2-1gbit", "papers",
+          "seed 004 at the report's batch: model parallelism's best wall speed-up at P = 2, "
+          "1 Gbit/s", "`004` §9.0.2: 1.2x at width 1,024",
+          SEED004_LOOPBACK.replace("loopback", "1 Gbit/s emulated"), "not reproduced",
+          "as over loopback, with the link's time added", "mp-report-1gbit", (SEED004_G,),
+          best_speedup_at("model", 2)),
+    Claim("seed004-integrated-p4", "papers",
+          "seed 004 at the report's batch: the integrated 2 x 2 grid's wall speed over batch "
+          "parallelism's at P = 4, loopback (contended: 4 processes on 2 cores)",
+          "`004` §9.0.3: 0.99x of pure batch parallelism (P = 4 to 32, width 512)",
+          SEED004_LOOPBACK.replace("P = 1 and 2", "P = 4, contended"), "partly",
+          "at the widest layers the grid comes close to batch parallelism, as in the report, "
+          "on processes that share cores", "mp-report-loopback", (SEED004_L,),
+          integrated_over_batch),
     # peers
     *HOST_PEERS,
     Claim("lm-4x1-ddp-sparse", "peers", "LM 4 x 1: the hybrid against DDP with sparse embeddings",
@@ -1061,6 +1111,15 @@ FIDELITY: dict[str, str] = {
     "slim-accuracy": "analog: 600 steps of a small VGG, not trained to convergence; full "
                      "synchronisation every 20 rounds (the paper: every 20k–50k mini-batches)",
     "slim-speed": "analog: 8 workers on 2 cores, 100 Mbit/s emulated, q = 20",
+    "seed004-batch-p2": "faithful: the report's data, widths and batch, a core for each of "
+                        "the two processes, wall time only",
+    "seed004-model-p2": "faithful: the report's data, widths and batch, a core for each of "
+                        "the two processes, wall time only",
+    "seed004-batch-p2-1gbit": "analog: an emulated 1 Gbit/s link, slower than the report's "
+                              "Cori network",
+    "seed004-model-p2-1gbit": "analog: an emulated 1 Gbit/s link, slower than the report's "
+                              "Cori network",
+    "seed004-integrated-p4": "analog: 4 processes on 2 cores (the report: P = 4 to 32 on Cori)",
     "seed004-batch": "analog: P = 2–8 on 2 cores (the report: 32 processes on Cori)",
     "seed004-model": "analog: P = 2–8 on 2 cores, wall time",
     "seed004-integrated": "analog: P = 4–8 on 2 cores",
