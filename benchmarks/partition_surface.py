@@ -183,13 +183,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for count in counts:  # every table's first steps (state made, caches warm), untimed
             surface.sample(count, 4)
         seconds = brute_force(surface, counts, args.steps, args.rounds)
-        measured: dict[int, float] = {}
-
-        def measure(count: int) -> float:
-            measured[count] = surface.sample(count, args.search_steps)
-            return measured[count]
         began = time.perf_counter()
-        search = search_partitions(measure, 1, max_partitions=max(counts),
+        search = search_partitions(lambda count: surface.sample(count, args.search_steps), 1,
+                                   max_partitions=max(counts),
                                    min_partitions=min(counts))
         search_s = time.perf_counter() - began
         surface.pool.close()
