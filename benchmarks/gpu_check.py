@@ -25,6 +25,8 @@ output, and the next check runs; ``--deadline-s`` caps them all, for a lease of 
   (``out/profile/hybrid-rank0.txt``);
 * ``partitions-cpu-4x1``: the partition-count search against brute force on 4 emulated
   machines (``benchmarks/partitions.py``, CPU workers: ``CUDA_VISIBLE_DEVICES=``), and
+  ``partition-surface-cpu``: one server's partition surface with a thread per core
+  (``benchmarks/partition_surface.py``: whether partitions pay where cores are many), and
   ``local-aggregation-cpu-2x4``: 4 workers per machine, hybrid/optps/ps
   (``benchmarks/compare.py``) — on an emulated 1 Gbit/s link where network namespaces can be
   made (root, iproute2), else with none (``--rate none``: CPU-bound figures).
@@ -138,6 +140,13 @@ def checks(out: Path, gpus: int) -> list[Check]:
                # beyond 8 the samples only grow slower (16 cores, 2026-11-26): a check that
                # fits the 10 minutes
                "--partitions", "1", "2", "3", "4", "6", "8", "--no-plot"], 300, env=cpu_only),
+        # Table 2's parallel share on a server with many cores (the 2-core host shows none:
+        # partition-surface-lm): one server's push and update against P, its threads the cores
+        Check("partition-surface-cpu",
+              [py, str(ROOT / "benchmarks" / "partition_surface.py"), "--threads",
+               str(os.cpu_count() or 1), "--counts", "1", "2", "4", "8", "16", "32",
+               "--rounds", "3", "--steps", "20", "--name", "lm-many-cores",
+               "--out", str(out)], 240, env=cpu_only),
     ]
 
 

@@ -55,7 +55,8 @@ def test_without_cuda_it_says_so_and_exits_2(tmp_path: Path) -> None:
     assert [c["name"] for c in record["plan"]] == [
         "pytest-gpu", "equivalence-cuda-1x1", "equivalence-cuda-1xN", "pooled-cuda-2x2",
         "lm-cuda-1x1",
-        "profile-lm-cuda-1x1", "local-aggregation-cpu-2x4", "partitions-cpu-4x1"]
+        "profile-lm-cuda-1x1", "local-aggregation-cpu-2x4", "partitions-cpu-4x1",
+        "partition-surface-cpu"]
 
 
 def test_the_plan_runs_scripts_that_exist(tmp_path: Path) -> None:
