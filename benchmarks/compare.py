@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                for i in range(len(args.systems))]
     source = provenance()
     for result in results:  # what ran, so each record stands on its own in an experiment
-        result.update(workload=args.workload, rate=args.rate, pinned=getattr(args, "pin", False),
+        result.update(workload=args.workload, rate=args.rate, pinned=args.pin,
                       nproc_per_machine=args.nproc_per_machine,
                       workload_options=workload_options(args), provenance=source)
     out.write_text(json.dumps(results, indent=1))
@@ -282,7 +282,7 @@ def launch(args: argparse.Namespace, systems: list[str], out: Path,
     worker_args = {"systems": systems, "steps": args.steps, "warmup": args.warmup,
                    "out": str(out.resolve()), "workload_name": args.workload,
                    "workload": workload_options(args), "isolated": args.isolate,
-                   "pin": getattr(args, "pin", False),
+                   "pin": args.pin,
                    "profile_dir": str(args.profile.resolve()) if args.profile else None,
                    "cpu_profile_dir": (str(args.cpu_profile.resolve()) if args.cpu_profile
                                        else None),
