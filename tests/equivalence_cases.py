@@ -264,6 +264,9 @@ class Case:
     # The partition count is then searched in process during training (2 steps per sample).
     search: str | None = None
     meta: bool = False  # built in parallax.meta_init (every tensor deferred): servers replay
+    # seed 001's operation placements moved back (Config.after_aggregation / id_dedup)
+    after_aggregation: str = "servers"
+    id_dedup: str = "workers"
     steps: int = STEPS
     seed: int = field(default=0)
 
@@ -296,6 +299,10 @@ class Case:
             parts.append(f"loop{self.loop}")
         if self.meta:
             parts.append("meta")
+        if self.after_aggregation != "servers":
+            parts.append(f"after{self.after_aggregation}")
+        if self.id_dedup != "workers":
+            parts.append(f"dedup{self.id_dedup}")
         return "-".join(parts)
 
     @property
@@ -447,6 +454,27 @@ def all_cases() -> list[Case]:
     cases.append(Case("lstm", "adam", clip=0.05, dtype="float64", loop="bptt", meta=True,
                       seed=len(cases)))
     cases.append(Case("sparse", "adagrad", migrate_after=2, meta=True, seed=len(cases)))
+    # Seed 001's operation placements moved back, for its ablation (the aggregates' element-
+    # wise operations on the workers, the ids' dedup on the servers): they move work, not
+    # what it computes. Each architecture with servers, local aggregation on and off,
+    # clipping, sparse gradients, lookup options and summed rows among them.
+    placements = (("workers", "workers"), ("servers", "servers"), ("workers", "servers"))
+    for i, ((architecture, aggregation), (after, dedup)) in enumerate(itertools.product(
+            (("hybrid", None), ("ps", False), ("optps", True)), placements)):
+        model, opt = (("mixed", "adagrad"), ("sparse", "adam"), ("gather", "momentum"))[i % 3]
+        cases.append(Case(model, opt, clip=0.05 if i % 2 else None, dtype="float64",
+                          num_partitions=(None, 3)[i % 2], architecture=architecture,
+                          local_aggregation=aggregation, after_aggregation=after,
+                          id_dedup=dedup, seed=len(cases)))
+    for model, opt, sparse_grad, clip in (("sparse", "sparseadam", True, 0.05),
+                                          ("freq", "adagrad", False, None),
+                                          ("maxnorm", "sgd", False, 0.05),
+                                          ("bags", "adam", False, 0.05)):
+        cases.append(Case(model, opt, sparse_grad, clip, "float64", after_aggregation="workers",
+                          id_dedup="servers", seed=len(cases)))
+    cases.append(Case("mixed", "sgd", clip=0.05, dtype="float64", average_sparse=False,
+                      architecture="ps", after_aggregation="workers", id_dedup="servers",
+                      seed=len(cases)))
     # Summed gradients under every architecture.
     for architecture in ("allreduce", "ps", "optps"):
         cases.append(Case("mixed", "momentum", clip=0.05, average_sparse=False,
@@ -489,7 +517,7 @@ def sampled_cases(every: int = 3, offset: int = 0) -> list[Case]:
 COVERED_FIELDS = ("architecture", "model", "optimizer", "sparse_grad", "clip", "dtype",
                   "average_sparse", "average_dense", "num_partitions", "scheduler",
                   "dense_sync", "loop", "local_aggregation", "migrate_after", "lazy",
-                  "repartition", "search", "meta")
+                  "repartition", "search", "meta", "after_aggregation", "id_dedup")
 
 
 def coverage_keys(case: Case) -> set[tuple]:

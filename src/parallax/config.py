@@ -104,6 +104,16 @@ class SyncName(StrEnum):
     ASYNC_SPARSE = "async-sparse"
 
 
+class PlacementName(StrEnum):
+    """The side that runs an operation seed 001's operation placement moves
+    (`Config.after_aggregation`, `Config.id_dedup`)."""
+
+    SERVERS = "servers"
+    WORKERS = "workers"
+
+
+PLACEMENTS = tuple(str(p) for p in PlacementName)
+
 #: dense syncs that move the workers' updates through servers instead of AllReducing gradients
 SERVER_SYNCS = (DenseSyncName.PLUMP, DenseSyncName.SLIM)
 
@@ -299,6 +309,19 @@ class Config:
         clip_grad_norm: if set, clip by the global L2 norm of the *aggregated* dense and sparse
             gradients (as ``torch.nn.utils.clip_grad_norm_`` would on one device), before any
             update.
+        after_aggregation: where the element-wise operations on a server-held table's
+            aggregated gradient run (the average over the workers and a clip's scale):
+            ``"servers"`` (default: beside the aggregate, seed 001's +OPAU) or ``"workers"``
+            (the placement without it, for that ablation: each server sends its aggregated
+            rows to every worker, which applies them, and takes the result back from the
+            next rank; the same results, more traffic). Synchronous training only.
+        id_dedup: which side deduplicates a step's ids of a server-held table and sums the
+            gradient rows of its repeated ids: ``"workers"`` (default: the side whose data is
+            smaller, seed 001's +OPSW) or ``"servers"`` (the placement without it, for that
+            ablation: every looked-up id travels, a row per lookup comes back and a gradient
+            row per lookup goes out; the same results, more traffic; a machine's leader
+            under local aggregation still merges its workers' ids). Synchronous training
+            only.
         seed: seed of the data sharding order and of ``torch.manual_seed`` in every worker
             under `get_runner` (`distribute` leaves the program's generator as it was).
         num_partitions: row partitions per sparse parameter; partition ``p`` holds the rows with
@@ -420,6 +443,8 @@ class Config:
     average_dense: bool = True
     average_sparse: bool = True
     clip_grad_norm: float | None = None
+    after_aggregation: str = PlacementName.SERVERS
+    id_dedup: str = PlacementName.WORKERS
     seed: int = 0
     num_partitions: int | None = None
     pooled_tables: tuple[str, ...] | None = None
@@ -465,12 +490,25 @@ class Config:
             value = self.clip_grad_norm
             ok = is_number(value) and math.isfinite(value) and value > 0
             _require(ok, "clip_grad_norm", value, "None or a finite number > 0")
+        self._check_placements()
         _require(is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed", self.seed,
                  "an int in [-2**63, 2**64) (what torch.manual_seed takes)")
         self._check_planning()
         self._check_checkpoints()
         self._check_reporting()
         self._check_failures()
+
+    def _check_placements(self) -> None:
+        """Seed 001's operation placements (`after_aggregation`, `id_dedup`)."""
+        for name, default in (("after_aggregation", PlacementName.SERVERS),
+                              ("id_dedup", PlacementName.WORKERS)):
+            value = getattr(self, name)
+            _require(isinstance(value, str) and value in PLACEMENTS, name, value,
+                     f"one of {PLACEMENTS}")
+            object.__setattr__(self, name, PlacementName(value))
+            _require(value == default or self.sync == SyncName.SYNC, name, value,
+                     f"{str(default)!r} with sync={str(self.sync)!r} (the placement without "
+                     f"it is a baseline of synchronous training's aggregation)")
 
     def _check_planning(self) -> None:
         """The warm-up, α threshold, partition and server-thread options."""

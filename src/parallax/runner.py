@@ -34,6 +34,7 @@ from parallax.engine.optimizers.shard_optimizer import (
     check_lazy,
     check_per_shard,
 )
+from parallax.engine.tables.after_aggregation import AFTER_AGGREGATION
 from parallax.engine.tables.backward_push import BackwardPush
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.handles import ServerGradient
@@ -216,7 +217,8 @@ class Runner:
         self.gradients = StepGradients(
             self.model, self._params, self.layout.all_tables, self.layout.replicas,
             self.replicated_parameters, self._split_parameters, self.parallelism,
-            worker=worker, group=group, device=self.device)
+            worker=worker, group=group, device=self.device,
+            after_aggregation=AFTER_AGGREGATION[self.config.after_aggregation]())
         self.order = LoopOrder(worker, group, self._explained, applies=self.sync_mode.aligned)
         self.view = SingleDeviceView(
             self.model, self._params, self.layout.all_tables, self.parallelism,

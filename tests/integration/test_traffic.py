@@ -76,6 +76,26 @@ def test_local_aggregation_cuts_inter_machine_bytes(traffic) -> None:
         "dense.weight"]
 
 
+def test_operations_placed_back_on_workers_cost_the_bytes_they_move(traffic) -> None:
+    """Seed 001's ablation baselines: the same training, more traffic, as each says."""
+    ps = traffic["ps"]["measured"]["embedding.weight"]
+    # every id is looked up BATCH = 4 times a step: with the dedup on the servers its id, its
+    # row and its gradient row travel 4 times (the count messages once)
+    repeated = traffic["ps-dedupservers"]["measured"]["embedding.weight"]
+    assert 3.8 * ps <= repeated <= 4.0 * ps, (repeated, ps)
+    # the aggregated rows to every worker: each server holds 60 of the step's 120 rows (2
+    # machines x 60) and sends them to the other machine's two workers, and receives as many
+    # (the next rank, which sends the result back, is on the server's own machine); the
+    # round trip's count message (24 B) goes to and comes from 2 workers there each way
+    after = traffic["ps-afterworkers"]["measured"]["embedding.weight"]
+    assert after - ps == pytest.approx(2 * 2 * 60 * 16 * 4 + 8 * 24, rel=0.02), (after, ps)
+    # ... and so do the servers' dense parameters (ps): their whole aggregates
+    assert (traffic["ps-afterworkers"]["measured"]["dense.weight"]
+            > traffic["ps"]["measured"]["dense.weight"])
+    assert traffic["placement_difference"]["ps-afterworkers"] < 1e-6
+    assert traffic["placement_difference"]["ps-dedupservers"] < 1e-6
+
+
 def test_hybrid_keeps_local_aggregation_only_where_merging_saves_bytes(traffic) -> None:
     # 40 + 40 rows merged into 60: the predicted saving is above the threshold, kept
     assert traffic["hybrid"]["local_aggregation"] is True

@@ -72,6 +72,8 @@ def main() -> None:
                                  server_threads=2,
                                  alpha_threshold=0.0 if case.migrate_after else None,
                                  lazy_sparse_updates=case.lazy,
+                                 after_aggregation=case.after_aggregation,
+                                 id_dedup=case.id_dedup,
                                  collective_timeout_s=60)
         if case.loop:
             runner = _train_own_loop(case, model, optimizers, config, resources)

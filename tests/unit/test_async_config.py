@@ -40,6 +40,11 @@ def _train(runner: parallax.Runner, steps: int = 4) -> dict[str, torch.Tensor]:
     (dict(sync="async-sparse", parallelism="model"), "parallelism"),
     (dict(sync="async-sparse", dense_sync="plump"), "dense_sync"),
     (dict(sync="async-sparse", clip_grad_norm=1.0), "clip_grad_norm"),
+    # seed 001's placements moved back are baselines of synchronous aggregation
+    (dict(sync="async", architecture="ps", after_aggregation="workers"), "after_aggregation"),
+    (dict(sync="async-sparse", id_dedup="servers"), "id_dedup"),
+    (dict(after_aggregation="worker"), "after_aggregation"),
+    (dict(id_dedup=1), "id_dedup"),
     (dict(sync="async", architecture="ps", checkpoint_dir="ckpt", checkpoint_every_secs=60),
      "checkpoint_every_secs"),
 ])

@@ -15,6 +15,7 @@ from parallax.engine.tables.exchange import (
     Traffic,
     exchange_counts,
     read_back,
+    sorted_ids_many,
     unique_ids,
     unique_ids_many,
     wire_id_dtype,
@@ -53,6 +54,17 @@ def test_unique_ids_accept_int32_and_return_int64() -> None:
 def test_unique_ids_report_an_id_outside_the_rows(ids: list[int], bad: int) -> None:
     """unique_ids: an id < 0 or >= num_rows is reported (negative first) for Hop.open."""
     assert unique_ids(torch.tensor(ids), 5, "emb", 0)[2] == bad
+
+
+def test_sorted_ids_keep_every_repeat_and_inverse_places_each_id_once() -> None:
+    """sorted_ids_many (Config.id_dedup="servers"): every id in sorted order, the inverse a
+    permutation (each looked-up id its own slot), bad ids found as unique_ids finds them."""
+    ids = torch.tensor([[3, 1, 3], [0, 1, 7]], dtype=torch.int32)
+    [(ordered, inverse, bad)] = sorted_ids_many([ids], [8], ["emb"], 0)
+    assert ordered.dtype == torch.int64 and ordered.tolist() == [0, 1, 1, 3, 3, 7]
+    assert inverse.shape == ids.shape and sorted(inverse.reshape(-1).tolist()) == list(range(6))
+    assert torch.equal(ordered[inverse], ids.long()) and bad is None
+    assert sorted_ids_many([torch.tensor([4, 9, 4])], [5], ["emb"], 0)[0][2] == 9
 
 
 def test_unique_ids_of_no_ids() -> None:

@@ -326,6 +326,9 @@ RULES: dict[str, Callable[[Any, str], bool]] = {
     "average_dense": lambda v, _: isinstance(v, bool),
     "average_sparse": lambda v, _: isinstance(v, bool),
     "clip_grad_norm": lambda v, _: v is None or _finite_positive(v),
+    # seed 001's placements (sync="sync" here, the default)
+    "after_aggregation": lambda v, _: isinstance(v, str) and v in ("servers", "workers"),
+    "id_dedup": lambda v, _: isinstance(v, str) and v in ("servers", "workers"),
     "seed": lambda v, _: _is_int(v) and -(2**63) <= v < 2**64,
     "num_partitions": lambda v, _: v is None or (_is_int(v) and v >= 1),
     # names are checked against the model when the tables are built
@@ -412,6 +415,8 @@ def valid_configs(draw: st.DrawFn) -> Config:
         "average_dense": st.booleans(),
         "average_sparse": st.booleans(),
         "clip_grad_norm": st.none() | positive,
+        "after_aggregation": st.sampled_from(["servers", "workers"]),
+        "id_dedup": st.sampled_from(["workers", "servers"]),
         "seed": st.integers(0, 2**32 - 1),
         "num_partitions": st.none() | st.integers(1, 1024),
         "link_gbit": st.none() | positive,
@@ -444,6 +449,7 @@ def valid_configs(draw: st.DrawFn) -> Config:
     if can_async and architecture in ("ps", "hybrid") and draw(st.booleans()):
         values["sync"] = "async" if architecture == "ps" else "async-sparse"
         values["max_staleness"] = draw(st.none() | st.integers(0, 100))
+        values["after_aggregation"], values["id_dedup"] = "servers", "workers"
         if values["sync"] == "async-sparse":  # no norm every worker agrees on
             values["clip_grad_norm"] = None
     beta = draw(st.just(0.0) | st.floats(1e-3, 1))

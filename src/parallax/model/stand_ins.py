@@ -185,17 +185,26 @@ def mirror(model: nn.Module, executed: nn.Module, *, shared_modules: bool = True
 
 
 def _padding_row(table: Table, ids: Tensor, inverse: Tensor,
-                 padding_idx: int | None) -> int | None:
-    """The original ``padding_idx`` as an index into the pulled unique rows (None if absent),
-    so the padding row keeps a zero gradient exactly as in the original layer."""
+                 padding_idx: int | None) -> tuple[Tensor, int | None]:
+    """``inverse`` and the original ``padding_idx`` as an index into the pulled rows (None if
+    absent), so the padding row keeps a zero gradient exactly as in the original layer. Where
+    the pulled rows repeat ids (`Config.id_dedup` ``"servers"``), every padding id of the
+    lookup is pointed at its first one's row, which the layer's ``padding_idx`` then covers."""
     if padding_idx is None:
-        return None
+        return inverse, None
     if padding_idx < 0:
         padding_idx += table.num_rows
     if inverse is ids:  # the table's rows are the whole weight (`OwnTable`)
-        return padding_idx
-    hits = (ids.reshape(-1) == padding_idx).nonzero()
-    return int(inverse.reshape(-1)[hits[0, 0]]) if hits.numel() else None
+        return inverse, padding_idx
+    padded = ids == padding_idx
+    hits = padded.reshape(-1).nonzero()
+    if not hits.numel():
+        return inverse, None
+    row = int(inverse.reshape(-1)[hits[0, 0]])
+    held = table.held
+    if held is not None and not held.id_requests.distinct:
+        inverse = inverse.masked_fill(padded, row)
+    return inverse, row
 
 
 class TableLookup(nn.Module):
@@ -248,7 +257,7 @@ class ShardedEmbeddingBag(TableLookup):
                                    padding_idx=self.padding_idx,
                                    include_last_offset=self.include_last_offset)
         rows, inverse = self.table.lookup(ids)
-        padding = _padding_row(self.table, ids, inverse, self.padding_idx)
+        inverse, padding = _padding_row(self.table, ids, inverse, self.padding_idx)
         try:
             return F.embedding_bag(inverse, rows, offsets, mode=self.mode,
                                    per_sample_weights=per_sample_weights,
@@ -313,7 +322,7 @@ def _rows_for_bags(table: Table, ids: Tensor, padding_idx: int | None) -> Tensor
                  else None)
         return pooled_rows(table, ids, ahead)
     rows, inverse = table.lookup(ids)
-    padding = _padding_row(table, ids, inverse, padding_idx)
+    inverse, padding = _padding_row(table, ids, inverse, padding_idx)
     try:
         out = F.embedding(inverse, rows, padding_idx=padding)
     except IndexError as error:

@@ -23,9 +23,11 @@ from torch import Tensor, nn
 from parallax.cluster import WorkerInfo
 from parallax.config import Config, ShardingName
 from parallax.engine.optimizers.shard_optimizer import take_user_state
+from parallax.engine.tables.after_aggregation import AFTER_AGGREGATION
 from parallax.engine.tables.columns import column_slices, slices_of_rows, slices_view
 from parallax.engine.tables.exchange import Traffic
 from parallax.engine.tables.handles import release
+from parallax.engine.tables.id_dedup import ID_DEDUP
 from parallax.engine.tables.layout import Layout, Placement
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
@@ -98,6 +100,12 @@ class TableKind:
         raise NotImplementedError
 
 
+def _divides_on_arrival(config: Config) -> bool:
+    """Whether a server-held table's servers average the workers' rows as they arrive
+    (`Config.after_aggregation`: `parallax.engine.tables.after_aggregation`)."""
+    return AFTER_AGGREGATION[config.after_aggregation].divides_on_arrival
+
+
 def _sparse_grad(use: SparseUse, config: Config) -> bool:
     return use.sparse_grad or config.lazy_sparse_updates
 
@@ -116,7 +124,8 @@ class RowsPulledKind(TableKind):
             average=config.average_sparse,
             local_aggregation=self.aggregates(build),
             batch_dependent=use.batch_dependent, initial_rows=_initial_rows(param),
-            steps=build.layout.steps)
+            steps=build.layout.steps, divides_on_arrival=_divides_on_arrival(config),
+            id_requests=ID_DEDUP[config.id_dedup]())
         table.sharding = self.sharding
         return table, Placement("ps", build.num_partitions, build.servers)
 
@@ -154,7 +163,8 @@ class PooledWholeKind(TableKind):
             name, param, num_partitions=1, worker=build.worker, group=build.group,
             traffic=build.traffic, sparse_grad=_sparse_grad(use, config),
             average=config.average_sparse, first_server=build.owners[name],
-            initial_rows=_initial_rows(param), steps=build.layout.steps)
+            initial_rows=_initial_rows(param), steps=build.layout.steps,
+            divides_on_arrival=_divides_on_arrival(config))
         table.sharding = POOLED
         return table, Placement("ps", 1, (build.servers[build.owners[name]],))
 
@@ -247,7 +257,7 @@ def build_layout(model: nn.Module, sparse_uses: dict[str, SparseUse], *, config:
                 worker=worker, group=group, traffic=traffic, sparse_grad=False,
                 average=config.average_dense, local_aggregation=aggregates,
                 first_server=server, initial_rows=_initial_rows(params[name]),
-                steps=layout.steps)
+                steps=layout.steps, divides_on_arrival=_divides_on_arrival(config))
             layout.placements[name] = Placement("ps", 1, (servers[server],))
     return layout
 
@@ -266,7 +276,8 @@ def _column_table(name: str, param: nn.Parameter, index: int, *, config: Config,
         name, slices_view(param.detach(), slices), num_partitions=slices, worker=worker,
         group=group, traffic=traffic, sparse_grad=sparse_grad, average=config.average_sparse,
         first_server=index * slices % servers,
-        initial_rows=None if recipe is None else slices_of_rows(recipe, slices), steps=steps)
+        initial_rows=None if recipe is None else slices_of_rows(recipe, slices), steps=steps,
+        divides_on_arrival=_divides_on_arrival(config))
     table.sharding = PooledByColumns(slices)
     return table
 

@@ -10,6 +10,7 @@ the runner and the sync modes never walk the three kinds themselves.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from parallax.engine.optimizers.grad_norm import (
 )
 from parallax.engine.optimizers.shard_optimizer import parameter_ids
 from parallax.engine.tables import reduction
+from parallax.engine.tables.after_aggregation import AfterAggregation, OnServers
 from parallax.engine.tables.replicated import ReplicatedTable
 from parallax.engine.tables.server_table import ShardedTable
 from parallax.engine.tables.table import Table, held_tables
@@ -45,7 +47,8 @@ class StepGradients:
                  tables: Callable[[], dict[str, Table]],
                  replicas: Callable[[], list[ReplicatedTable]], replicated: list[nn.Parameter],
                  split: list[nn.Parameter], parallelism: Parallelism, *, worker: WorkerInfo,
-                 group: dist.ProcessGroup, device: torch.device) -> None:
+                 group: dist.ProcessGroup, device: torch.device,
+                 after_aggregation: AfterAggregation | None = None) -> None:
         self.model = model
         self.params = params
         self.tables = tables
@@ -56,6 +59,9 @@ class StepGradients:
         self.worker = worker
         self.group = group
         self.device = device
+        #: where the element-wise operations on the servers' aggregates run
+        #: (`Config.after_aggregation`)
+        self.after_aggregation: AfterAggregation = after_aggregation or OnServers()
         self._named: tuple[int, list[tuple[str, nn.Parameter]]] | None = None
         #: the tables' summed squared norm of this step, when the finiteness check has it
         self.tables_squared: Tensor | None = None
@@ -151,10 +157,19 @@ class StepGradients:
         norm = clip_by_global_norm(
             max_norm, grads, [*tables, *chosen],
             tables_squared=self.tables_squared if everything else None,
-            group=self.group, device=self.device, error_if_nonfinite=error_if_nonfinite)
+            group=self.group, device=self.device, error_if_nonfinite=error_if_nonfinite,
+            scale=self._scale_tables)
         for table in ours:
             table.grad_rescaled()
         return norm
+
+    def _scale_tables(self, tables: Sequence[Any], factor: Tensor) -> None:
+        """Clipping's scale of ``tables``' aggregated gradients: the server-held ones' where
+        `Config.after_aggregation` runs it, the others' where they are."""
+        self.after_aggregation.scale([t for t in tables if isinstance(t, ShardedTable)], factor)
+        for table in tables:
+            if not isinstance(table, ShardedTable):
+                table.scale_grad(factor)
 
     def clamp(self, value: float, parameters: Iterable[nn.Parameter] | None = None) -> None:
         """Clamp the aggregated gradients of ``parameters`` (default: all) to ``[-value,

@@ -170,6 +170,8 @@ class Synchronous(SyncMode):
                                           device=self.worker.device)
                 # those no message took (no server-held table was used), in one message
                 settle([*riders, verdict], None)
+                # (Config.after_aggregation: by default the servers averaged as rows arrived)
+                gradients.after_aggregation.average(exchanged, verdict)
         if gradients.parallelism.reduces_gradients:
             with self.phases.phase("dense sync"):
                 gradients.reduce_split_layers()

@@ -10,7 +10,7 @@ same total, clips alike, and decides alike whether a step is finite.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -98,12 +98,16 @@ def find_nonfinite_here(loss: Tensor | None,
 
 def clip_by_global_norm(max_norm: float, dense_grads: Sequence[Tensor], tables: Sequence[Table],
                         *, tables_squared: Tensor | None, group: dist.ProcessGroup,
-                        device: torch.device, error_if_nonfinite: bool = False) -> float:
+                        device: torch.device, error_if_nonfinite: bool = False,
+                        scale: Callable[[Sequence[Table], Tensor], None] | None = None,
+                        ) -> float:
     """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` as ``clip_grad_norm_``
     does on one device; ``tables_squared`` when `find_nonfinite` summed it already.
     Returns the norm before clipping (collective unless ``tables_squared`` is given).
     ``error_if_nonfinite``: raise `NonFiniteError` on a NaN or infinite norm (the same on
-    every rank), nothing scaled, as torch's ``error_if_nonfinite=True``."""
+    every rank), nothing scaled, as torch's ``error_if_nonfinite=True``. ``scale``: how the
+    tables' gradients are multiplied by the clip's factor (default: each table's
+    ``scale_grad``)."""
     if tables_squared is not None:
         squared = tables_squared.clone()
     else:
@@ -124,8 +128,11 @@ def clip_by_global_norm(max_norm: float, dense_grads: Sequence[Tensor], tables: 
     factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in dense_grads:
         grad.mul_(factor.to(grad.dtype))
-    for table in tables:
-        table.scale_grad(factor)
+    if scale is not None:
+        scale(tables, factor)
+    else:
+        for table in tables:
+            table.scale_grad(factor)
     return float(total)
 
 

@@ -119,10 +119,37 @@ def unique_ids_many(ids: Sequence[Tensor], num_rows: Sequence[int], names: Seque
     one transfer (on a GPU each read-back is a wait for the device)."""
     found = []
     for table_ids, name in zip(ids, names, strict=True):
-        if table_ids.dtype not in (torch.int64, torch.int32):
-            raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an "
-                                    f"integer tensor, got {table_ids.dtype}")
+        if table_ids.dtype not in (torch.int64, torch.int32):  # (inline: every pull asks)
+            _require_integer(table_ids, name, rank)
         found.append(torch.unique(flat_long(table_ids), return_inverse=True))
+    return _with_bad_ids(found, ids, num_rows)
+
+
+def sorted_ids_many(ids: Sequence[Tensor], num_rows: Sequence[int], names: Sequence[str],
+                    rank: int) -> list[tuple[Tensor, Tensor, int | None]]:
+    """`unique_ids_many` without the dedup: each table's ids sorted, repeats kept (every
+    lookup's id travels: `Config.id_dedup` ``"servers"``), the inverse placing each id."""
+    found = []
+    for table_ids, name in zip(ids, names, strict=True):
+        _require_integer(table_ids, name, rank)
+        flat = flat_long(table_ids)
+        ordered, order = torch.sort(flat, stable=True)
+        inverse = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device))
+        found.append((ordered, inverse))
+    return _with_bad_ids(found, ids, num_rows)
+
+
+def _require_integer(ids: Tensor, name: str, rank: int) -> None:
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ArgumentTypeError(f"parameter '{name}' on rank {rank}: ids must be an "
+                                f"integer tensor, got {ids.dtype}")
+
+
+def _with_bad_ids(found: list[tuple[Tensor, Tensor]], ids: Sequence[Tensor],
+                  num_rows: Sequence[int]) -> list[tuple[Tensor, Tensor, int | None]]:
+    """Each table's sorted ids and inverse (shaped like its ``ids``) with an id outside its
+    rows (or None), the ends of all of them read back in one transfer."""
     # sorted: each one's ends (a strided view, not an indexing op)
     ends = read_back([unique[::unique.numel() - 1] if unique.numel() > 1 else unique
                       for unique, _ in found])

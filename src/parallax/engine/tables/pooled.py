@@ -118,6 +118,7 @@ class PoolingTable(Protocol):
     #: or as column slices, each on its server; or whole on one owner
     sharding: Sharding
     average: bool
+    divides_rows_on_arrival: bool
     has_gradient: bool
     rows_used: list[int]
     measuring: bool
@@ -678,7 +679,8 @@ def _backward_at_owner(call: BagCall, owned: _Owned, grads: Tensor) -> None:
     if owned.per_id is not None and table.sums_as_rows_arrive:
         # averaged per bag before each id takes its bag's gradient: one division a bag, not
         # one an id (the history workload's owner divided 32 ids' rows a bag)
-        found = owned.per_id(grads / table.worker.world_size if table.average else grads)
+        found = owned.per_id(grads / table.worker.world_size if table.divides_rows_on_arrival
+                               else grads)
         if found is None:
             return
         positions, per_id = found
@@ -687,6 +689,6 @@ def _backward_at_owner(call: BagCall, owned: _Owned, grads: Tensor) -> None:
     rows_grad = owned.backward(grads)
     if rows_grad is None:
         return
-    if table.average:
+    if table.divides_rows_on_arrival:
         rows_grad.div_(table.worker.world_size)
     table.accumulate(owned.local_rows, rows_grad)

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from parallax.engine.diagnostics import phases
 from parallax.engine.tables import lookup_options, pooled
-from parallax.engine.tables.exchange import Hop, flat_long, read_back, unique_ids_many
+from parallax.engine.tables.exchange import Hop, flat_long, read_back
+from parallax.engine.tables.id_dedup import IdRequests
 from parallax.engine.tables.lookup_options import BatchDependent
 from parallax.engine.tables.reservations import Reservations, open_carrying
 from parallax.engine.tables.riders import Rider, alight, board
@@ -43,6 +44,8 @@ class ExchangedTable(pooled.PoolingTable, Protocol):
 
     row_shape: tuple[int, ...]
     local_aggregation: bool
+    divides_rows_on_arrival: bool
+    id_requests: IdRequests
     reservations: Reservations
     shard: nn.Parameter | None
     batch_dependent: BatchDependent | None
@@ -106,8 +109,8 @@ def _pull(tables: Sequence[ExchangedTable], ids: Sequence[Tensor],
     """`pull`'s ``(rows, inverse)`` per table, and the sorted unique ids the rows are of."""
     first = tables[0]
     steps = shared_steps(tables)
-    requests = unique_ids_many(ids, [t.num_rows for t in tables], [t.name for t in tables],
-                               first.worker.rank)
+    requests = first.id_requests.requests(ids, [t.num_rows for t in tables],
+                                          [t.name for t in tables], first.worker.rank)
     uniques = {t.name: unique for t, (unique, _, _) in zip(tables, requests, strict=True)}
     bad_ids = {t.name: bad for t, (_, _, bad) in zip(tables, requests, strict=True)}
     to_leader = None
@@ -132,8 +135,8 @@ def _pull(tables: Sequence[ExchangedTable], ids: Sequence[Tensor],
             lookups[name].merged_count = ids_merged.numel()
     else:
         exchanged = tables if len(tables) == 1 else groups_of(tables, steps.groups)
-        rows, direct, lookups, units, groups = _pull_direct(exchanged, uniques, bad_ids,
-                                                            lookup=True)
+        rows, direct, lookups, units, groups = _pull_direct(
+            exchanged, uniques, bad_ids, lookup=True, distinct=first.id_requests.distinct)
     for name, lookup in lookups.items():
         lookup.ids, lookup.rows = uniques[name], rows[name]
     for table, (unique, inverse, _) in zip(tables, requests, strict=True):
@@ -177,7 +180,7 @@ def _open(tables: Sequence[ExchangedTable], counts: dict[str, list[int]],
 
 def _pull_direct(units: Sequence[ExchangedTable | TableGroup], uniques: dict[str, Tensor],
                  bad_ids: dict[str, int | None], source: Tensor | None = None,
-                 lookup: bool = False,
+                 lookup: bool = False, distinct: bool = True,
                  ) -> tuple[dict[str, Tensor], Hop, dict[str, Lookup], dict[str, Lookup],
                             dict[str, TableGroup]]:
     """Rows ``uniques[name]`` (sorted, distinct) of each table from their owners' shards (or
@@ -188,6 +191,9 @@ def _pull_direct(units: Sequence[ExchangedTable | TableGroup], uniques: dict[str
     ``max_norm`` table first renormalise the requested rows in place, as ``F.embedding``
     does on one device: the requests of all workers together are the global batch's ids,
     and renormalising is idempotent, so the result is exact.
+
+    ``distinct``: whether ``uniques`` are distinct (else each id as often as it was looked
+    up: `Config.id_dedup` ``"servers"``).
 
     Returns the rows and the lookup per table, the hop, and where groups travelled, the
     lookup per unit and the groups."""
@@ -252,7 +258,8 @@ def _pull_direct(units: Sequence[ExchangedTable | TableGroup], uniques: dict[str
         senders = sum(1 for count in hop.recv_counts[unit.name] if count)
         exchanged[unit.name] = Lookup(recv_ids[unit.name], unit.empty_rows(0),
                                       orders[unit.name], local,
-                                      local_sorted=senders <= 1 and unit.one_partition)
+                                      local_sorted=(senders <= 1 and unit.one_partition
+                                                    and distinct))
     back = hop.backward_many(served)
     rows: dict[str, Tensor] = {}
     lookups: dict[str, Lookup] = {}
@@ -345,10 +352,10 @@ def _prepare_verdict(verdict: Verdict, tables: Sequence[ExchangedTable], records
     """This rank's verdict (before the push's first message): the tables a backward reached,
     the shards holding gradient from before, and a bound on what this rank adds to any
     aggregated element (each pull's rows are distinct: one row per element and message)."""
-    rows = bound_of([lookup.rows.grad for record in records
-                     for lookup in record.lookups.values() if lookup.rows.grad is not None],
-                    tables[0].device)
     first = tables[0]
+    rows = bound_of(first.id_requests.bound_rows(
+        [lookup.rows.grad for record in records for lookup in record.lookups.values()
+         if lookup.rows.grad is not None]), first.device)
     verdict.prepare(
         names=[table.name for table in tables],
         reached=[table.has_gradient for table in tables],
@@ -433,7 +440,7 @@ def _deliver(record: Pull, received: dict[str, Tensor],
         group = record.groups.get(key)
         if group is not None:
             if group.shard is not None:
-                if group.average:
+                if group.divides_rows_on_arrival:
                     values.div_(group.worker.world_size)
                 group.accumulate(lookup.recv_local_rows, values, lookup.local_sorted)
             continue
@@ -443,6 +450,6 @@ def _deliver(record: Pull, received: dict[str, Tensor],
         if table.scales_by_freq:
             values, counts = lookup_options.split_counts(values, table.row_shape)
             table.receive_counts(lookup.recv_local_rows, counts)
-        if table.average:
+        if table.divides_rows_on_arrival:
             values.div_(table.worker.world_size)
         table.accumulate(lookup.recv_local_rows, values, sorted_distinct=lookup.local_sorted)

@@ -26,6 +26,7 @@ from parallax.cluster import WorkerInfo
 from parallax.engine.tables import lookup_options, pooled
 from parallax.engine.tables.bag_use import BagUse
 from parallax.engine.tables.exchange import Traffic, all_to_all, unique_ids
+from parallax.engine.tables.id_dedup import Distinct, IdRequests
 from parallax.engine.tables.partitioning import RowPartitioning
 from parallax.engine.tables.pool import SERIAL, PartitionPool
 from parallax.engine.tables.reservations import Reservations
@@ -84,7 +85,8 @@ class ShardedTable:
                  local_aggregation: bool = False, first_server: int = 0,
                  batch_dependent: lookup_options.BatchDependent | None = None,
                  initial_rows: Callable[[Tensor], Tensor] | None = None,
-                 steps: TableSteps | None = None):
+                 steps: TableSteps | None = None, divides_on_arrival: bool = True,
+                 id_requests: IdRequests | None = None):
         if weight.dim() < 1:
             raise ArgumentError(f"parameter '{name}' must have rows (dim >= 1), got a scalar")
         lookup_options.check_batch_dependent(name, batch_dependent, sparse_grad)
@@ -110,6 +112,11 @@ class ShardedTable:
         self.traffic = traffic
         self.sparse_grad = sparse_grad
         self.average = average
+        # whether its servers take the average as each worker's gradient rows arrive (else
+        # after the aggregation, where `Config.after_aggregation` puts it)
+        self.divides_rows_on_arrival = average and divides_on_arrival
+        # which side deduplicates a step's ids (`Config.id_dedup`)
+        self.id_requests: IdRequests = id_requests if id_requests is not None else Distinct()
         # (with one worker per machine every worker is its own leader: nothing to merge, and
         # the leader hop would only add collectives)
         self.local_aggregation = (local_aggregation
@@ -575,6 +582,35 @@ class ShardedTable:
                 self._grad_scaled_everywhere |= not finite and not grad.is_sparse
             else:
                 grad[rows] = grad[rows] * factor
+
+    def aggregated_values(self) -> Tensor:
+        """This server's aggregated gradient values that can be non-zero, as one vector (a
+        dense gradient's touched rows, a sparse one's values; empty off the servers):
+        what `parallax.engine.tables.after_aggregation` sends to the workers."""
+        parts = [self._readable(grad).reshape(-1) for grad in self._gradients()]
+        if not parts:
+            return torch.empty(0, dtype=self.dtype, device=self.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def set_aggregated_values(self, values: Tensor) -> None:
+        """`aggregated_values`' places set to ``values`` (as many, in its order)."""
+        at = 0
+        for grad in self._gradients():
+            rows = self._rows_to_read(grad)
+            target = self._readable(grad)
+            piece = values[at:at + target.numel()].view_as(target)
+            at += target.numel()
+            if rows is None:
+                target.copy_(piece)  # (a sparse one's values, or every row: in place)
+            else:
+                grad[rows] = piece
+
+    def _readable(self, grad: Tensor) -> Tensor:
+        """The values of an aggregated ``grad`` that can be non-zero."""
+        if grad.is_sparse:
+            return grad._values()
+        rows = self._rows_to_read(grad)
+        return grad if rows is None else grad[rows]
 
     def clamp_grad(self, value: float) -> None:
         """Clamp the aggregated gradient to ``[-value, value]``: a dense one at its touched

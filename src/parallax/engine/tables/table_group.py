@@ -61,6 +61,7 @@ class GroupedTable(Protocol):
     sharding: Sharding
     sparse_grad: bool
     average: bool
+    divides_rows_on_arrival: bool
     local_aggregation: bool
     batch_dependent: Any
     shard: nn.Parameter | None
@@ -82,7 +83,7 @@ def group_key(table: Any) -> tuple[object, ...] | None:
             or partitioning.num_partitions > len(partitioning.server_ranks)):
         return None
     return (table.dtype, table.row_shape, table.device, partitioning.num_partitions,
-            partitioning.first_server, partitioning.server_ranks, table.average,
+            partitioning.first_server, partitioning.server_ranks, table.divides_rows_on_arrival,
             id(table.group), id(table.traffic), id(table.steps),
             table.steps.push_items.get(table.name))
 
@@ -152,7 +153,7 @@ class TableGroup:
         self.num_rows = at
         self.row_shape, self.dtype, self.device = first.row_shape, first.dtype, first.device
         self.worker, self.group, self.traffic = first.worker, first.group, first.traffic
-        self.steps, self.average = first.steps, first.average
+        self.steps, self.divides_rows_on_arrival = first.steps, first.divides_rows_on_arrival
         self.partitioning = RowPartitioning(self.num_rows, partitions,
                                             first.partitioning.server_ranks,
                                             first.partitioning.first_server)

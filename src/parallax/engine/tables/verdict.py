@@ -98,6 +98,11 @@ class Verdict:
         loss, stale, bound = self._summed()[[_LOSS, _STALE, _BOUND]].tolist()  # one read-back
         return bool(loss == 0.0 and stale == 0.0 and bound < self.limit)
 
+    @property
+    def stale_shards(self) -> int:
+        """Shards that held gradient from before this push, summed over the ranks."""
+        return int(self._summed()[_STALE])
+
     def reached(self) -> Tensor:
         """Per table of `names`: on how many ranks a backward reached it."""
         return self._summed()[_REACHED:]
