@@ -115,7 +115,11 @@ ALL_SYSTEMS = [*SYSTEMS, "hybrid-sparse", "optps-sparse", "hybrid-lazy", "hybrid
                "hybrid-tablewise", "hybrid-byrows", "hybrid-bycolumns", "torchrec-cw",
                # seed 001's cumulative ablation (issue 38 item 6): variants joined by "+"
                "ps-direct+rows", "hybrid-direct+rows", "hybrid-aggregated+rows",
-               "hybrid-aggregated+pooled"]
+               "hybrid-aggregated+pooled",
+               # ... and on the LM and NMT with the operation placements (ablation.py):
+               # "noopau": Config(after_aggregation="workers"), "noopsw": id_dedup="servers"
+               "ps-direct+noopau+noopsw", "hybrid-direct+noopau+noopsw",
+               "hybrid-aggregated+noopau+noopsw", "hybrid-aggregated+noopsw"]
 WORKLOADS = ["lm", "nmt", "cnn", "recsys"]
 DEFAULT_BATCH = {"lm": 16, "nmt": 32, "cnn": 64, "recsys": 256}
 

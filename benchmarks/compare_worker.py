@@ -108,6 +108,8 @@ def make_step(system: str, workload: Workload, alpha_steps: int,
     ``Config(pooled_tables=())`` (no table pooled; by default the hybrid decides),
     ``-tablewise`` ones pool every bag table (``workload.bag_tables``), ``-byrows`` ones
     the long bags by rows (``Config.pooled_by_rows``) and the other bag tables table-wise;
+    ``-noopau`` ones ``Config(after_aggregation="workers")``, ``-noopsw`` ones
+    ``Config(id_dedup="servers")`` (seed 001's operation placements moved back);
     ``-plump``, ``-qsgd``, ``-slim`` ones that ``Config.dense_sync`` (defaults of `QSGD` and
     `SlimDP`; plump/slim need the LM's ``momentum`` optimizer: SGD);
     ``torchrec-*`` the recommender as a TorchRec EmbeddingBagCollection, or the LM as an
@@ -238,7 +240,7 @@ def phases_per_rank(runner: Any, world: int) -> dict[str, list[float]]:
 
 #: the flags a parallax system's variant may join with "+" (make_step's docstring)
 VARIANT_FLAGS = {"sparse", "lazy", "late", "eager", "pooled", "tablewise", "byrows",
-                 "bycolumns", "rows",
+                 "bycolumns", "rows", "noopau", "noopsw",
                  *DENSE_SYNCS, *LOCAL_AGGREGATION}
 
 
@@ -268,6 +270,9 @@ def parallax_config(architecture: str, flags: set[str], workload: Workload,
                            pooled_by_columns=(workload.long_bags if "bycolumns" in flags
                                               else ()),
                            dense_sync=syncs[0] if syncs else "hierarchical",
+                           # seed 001's operation placements moved back (ablation.py)
+                           after_aggregation="workers" if "noopau" in flags else "servers",
+                           id_dedup="servers" if "noopsw" in flags else "workers",
                            sparsity_warmup_steps=alpha_steps)
 
 

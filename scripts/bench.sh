@@ -111,6 +111,9 @@ hybrid --steps 20 --isolate --out @OUT@/ablation-recsys-history32-2x2-1gbit.json
 --workload-options {\"history\":32} --systems ps-direct+rows hybrid-direct+rows \
 hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
 --out @OUT@/ablation-recsys-history32-2x2-100mbit.json"
+  [ablation-2x2-100mbit]="$py benchmarks/ablation.py --machines 2 --nproc-per-machine 2 \
+--rate 100mbit --steps 30 --warmup 3 --repeats 5 --isolate --pin \
+--nmt-options {\"src_vocab\":1000,\"tgt_vocab\":1000} --name ablation-2x2-100mbit"
   [local-aggregation-2x4]="$py benchmarks/compare.py --workload lm --machines 2 \
 --nproc-per-machine 4 --rate 100mbit --systems hybrid hybrid-aggregated ps optps --isolate \
 --out @OUT@/local-aggregation-lm-2x4-100mbit.json"
@@ -234,7 +237,7 @@ benchmarks/records/table4-lm-ps-hybrid-5rounds/b0528f6-intel-xeon-2c.json benchm
 )
 ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
-       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 table4-4x1-100mbit table4-2x2-100mbit scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq table6-4x1-100mbit local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit bandwidth alpha small-sums
+       lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 table4-4x1-100mbit table4-2x2-100mbit scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq table6-4x1-100mbit local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit ablation-2x2-100mbit bandwidth alpha small-sums
        partitions-2x2 partitions-4x1 partitions-2x2-paper partitions-4x1-paper partition-surface partition-surface-dense partition-surface-large table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-report-loopback mp-report-1gbit mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work host-counts host-tables host-replicated threads-recsys threads-lm launch launch-emulated chaos chaos-link
        targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1 ratios-recsys ratios-lm-2x2
