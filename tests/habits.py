@@ -177,6 +177,14 @@ def _canonical(run: Run) -> None:
     _loop(run, run.optimizer.zero_grad)
 
 
+def _compiled_after(run: Run) -> None:
+    """``torch.compile`` of the model the program trains (the eager backend: no C++
+    toolchain needed; dynamo's tracing is what parallax meets, whatever the backend)."""
+    compiled = torch.compile(run.model, backend="eager")
+    _loop(Run(compiled, run.optimizer, run.original_optimizer, run.batches, run.world,
+              run.rank, run.extra), run.optimizer.zero_grad)
+
+
 def _model_zero_grad(run: Run) -> None:
     _loop(run, run.model.zero_grad)
 
@@ -453,6 +461,11 @@ HABITS: list[Habit] = [
           "(`model.head = torch.compile(model.head)`)", "works",
           "the compiled submodule holds only DDP's replicated parameters and runs compiled",
           _canonical, net=CompiledHeadNet),
+    Habit("compiled_after", "`model = torch.compile(model)` after `distribute`", "works",
+          "the distributed model's forward runs eagerly inside the compiled module (its "
+          "lookups pull rows by collectives dynamo cannot trace yet): exact, not faster; "
+          "compile the submodules without tables for their speed", _compiled_after,
+          launched=True),
     Habit("batchnorm", "`nn.BatchNorm1d`/`2d` layers in training mode", "differs",
           "each worker normalises its own batch by that batch's statistics (running "
           "statistics from rank 0), as under DDP; parallax says so at the start (exact on one "

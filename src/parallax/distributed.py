@@ -247,6 +247,14 @@ def _check_every_parameter_optimized(model: nn.Module,
             f"requires_grad_(False) on them")
 
 
+def _eagerly(runner: Runner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The forward of a `DistributedModel` that ``torch.compile`` wraps, run outside the graph
+    (dynamo breaks it there): its lookups pull rows by collectives whose sizes change every
+    step, which dynamo cannot trace yet. Made disabled only when a compile meets it, so an
+    eager step pays no wrapper and no process imports dynamo for it."""
+    return runner.forward_call(args, kwargs)
+
+
 class DistributedModel(ModuleWrapper):
     """The user's module, trained data-parallel: ``forward`` returns what it returns;
     ``state_dict``/``load_state_dict`` are the single-device ones; ``train``/``eval`` and
@@ -263,6 +271,8 @@ class DistributedModel(ModuleWrapper):
         object.__setattr__(self, "runner", runner)  # not a submodule: no second parameter set
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # (under torch.compile: eagerly, see `_eagerly`)
+            return torch.compiler.disable(_eagerly)(self.runner, args, kwargs)
         return self.runner.forward_call(args, kwargs)
 
     def train(self, mode: bool = True) -> DistributedModel:
