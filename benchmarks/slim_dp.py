@@ -11,6 +11,8 @@ Fashion-MNIST), K workers on K emulated machines.
 
 Modes (``--sweep``: Plump-DP and Slim-DP at several (alpha, beta); ``--ablation``: Plump-DP
 and Slim-DP at q 20, q longer than the run, beta = 0, beta = alpha, and c = 0, 0.5, 4;
+``--regime``: the paper's regime, Plump-DP, Quant-DP and Slim-DP with q longer than the run
+at alpha 0.3 with beta 0, 0.15, 0.3 and at alpha 0.1, 0.2, 0.5 with beta alpha/2;
 ``--vary-seeds``: each repeat its own initial model and batches, for accuracy's spread):
 ``plump-ar`` Plump-DP by AllReduce (``dense_sync="hierarchical"``), ``plump`` Plump-DP through
 servers, ``quant-ar`` Quant-DP by all-gathered QSGD codes (8 bits, buckets of 512),
@@ -81,6 +83,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Plump-DP and Slim-DP's ablations instead: q 20, q longer than the "
                         "run (the paper's regime), beta = 0 (no core), beta = alpha (no "
                         "explorer), and c in 0, 0.5, 4")
+    parser.add_argument("--regime", action="store_true",
+                        help="the paper's regime instead (issue 74 item 5): Plump-DP, Quant-DP "
+                        "and Slim-DP with q longer than the run, beta in 0, alpha/2, alpha at "
+                        "alpha 0.3, and alpha 0.1, 0.2, 0.5 at beta alpha/2 (run at the rate "
+                        "where Plump-DP's communication share is the paper's: bench.sh "
+                        "slim-share)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="with --vary-seeds: repeat r draws seed first-seed + r (a run's "
+                        "seeds split over sittings)")
     parser.add_argument("--vary-seeds", action="store_true",
                         help="repeat r draws its initial model and batches from seed r "
                         "(default: every repeat the same, so only the times vary)")
@@ -106,6 +117,11 @@ def _slim(label: str, alpha: float = 0.2, beta: float = 0.1, q: int = 20,
 def modes_of(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.sweep:
         modes = [MODES[1]] + [_slim(f"slim a={a} b={b}", a, b) for a, b in SWEEP]
+    elif getattr(args, "regime", False):
+        beyond = args.steps + 1  # the paper's q (20k-50k mini-batches): longer than the run
+        modes = [MODES[1], MODES[3]] + [
+            _slim(f"slim a=0.3 b={b:g}", 0.3, b, q=beyond) for b in (0.0, 0.15, 0.3)] + [
+            _slim(f"slim a={a:g} b={a / 2:g}", a, a / 2, q=beyond) for a in (0.1, 0.2, 0.5)]
     elif getattr(args, "ablation", False):
         beyond = args.steps + 1  # no full round and no re-selection within the run
         modes = [MODES[1], _slim("slim"), _slim("slim q>run", q=beyond),
@@ -127,7 +143,8 @@ def launch(args: argparse.Namespace, machines: int, rate: str, repeat: int,
     worker_args = {"modes": modes_of(args), "steps": args.steps, "batch": args.batch,
                    "lr": args.lr, "width": args.width, "eval_every": args.eval_every,
                    "eval_size": args.eval_size, "order_shift": repeat, "out": str(out),
-                   "seed": repeat if getattr(args, "vary_seeds", False) else 0}
+                   "seed": (getattr(args, "first_seed", 0) + repeat
+                            if getattr(args, "vary_seeds", False) else 0)}
     cmd = [sys.executable, "-m", "parallax.cli", "run", "--machines", str(machines),
            "--nproc-per-machine", "1", "--emulate-network", rate,
            str(HERE / "slim_dp_worker.py"), json.dumps(worker_args)]
@@ -262,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     fetch("fashion-mnist")  # workers behind the emulated network cannot download
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = args.name or ("slim_dp-sweep" if args.sweep else "slim_dp-ablation"
-                         if args.ablation else "slim_dp")
+                         if args.ablation else "slim_dp-regime" if args.regime else "slim_dp")
     raw: dict[str, list[list[dict[str, Any]]]] = {}
     for machines in args.machines:
         for rate in args.rates:

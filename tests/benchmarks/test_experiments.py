@@ -108,6 +108,20 @@ def test_slim_dp_ablation_modes_are_the_papers_and_valid_configs(tmp_path: Path)
     with patch.object(slim_dp.subprocess, "run", run):
         slim_dp.launch(args, 4, "1gbit", 2, tmp_path / "launch.json")
     assert launched[0]["seed"] == 2 and launched[0]["order_shift"] == 2
+    # --regime (issue 74 item 5): Quant-DP beside, q beyond the run, the paper's beta and
+    # alpha; --first-seed splits a run's seeds over sittings
+    regime = slim_dp.parse_args(["--regime", "--steps", "3000", "--vary-seeds",
+                                 "--first-seed", "3"])
+    modes = {m["label"]: slim_dp_worker.config_of(m) for m in slim_dp.modes_of(regime)}
+    assert list(modes) == ["plump", "quant", "slim a=0.3 b=0", "slim a=0.3 b=0.15",
+                           "slim a=0.3 b=0.3", "slim a=0.1 b=0.05", "slim a=0.2 b=0.1",
+                           "slim a=0.5 b=0.25"]
+    assert modes["quant"].qsgd is not None
+    assert all(c.slim.reselect_every == 3001 for label, c in modes.items()
+               if label.startswith("slim"))
+    with patch.object(slim_dp.subprocess, "run", run):
+        slim_dp.launch(regime, 4, "3gbit", 1, tmp_path / "launch.json")
+    assert launched[-1]["seed"] == 4
 
 
 @pytest.mark.network  # may fetch Fashion-MNIST (Debian package) on first use
