@@ -154,11 +154,22 @@ hybrid-aggregated+rows hybrid-aggregated+pooled hybrid --steps 20 --isolate \
 --steps 100 --eval-every 100 --eval-size 200 --repeats 3 --modes plump --name slim_dp-share-k4"
   [slim-regime]="$py benchmarks/slim_dp.py --regime --vary-seeds --machines 4 --rates 3gbit \
 --steps 3000 --eval-every 250 --repeats 5 --name slim_dp-regime-k4-3gbit"
-  [slim-regime-seeds01]="$py benchmarks/slim_dp.py --regime --vary-seeds --machines 4 \
---rates 3gbit --steps 3000 --eval-every 250 --repeats 2 --name slim_dp-regime-k4-3gbit-seeds0-1"
-  [slim-regime-seeds24]="$py benchmarks/slim_dp.py --regime --vary-seeds --first-seed 2 \
---machines 4 --rates 3gbit --steps 3000 --eval-every 250 --repeats 3 \
---name slim_dp-regime-k4-3gbit-seeds2-4"
+  # (one seed a sitting: a seed's eight modes take about 36 minutes on 2 cores)
+  [slim-regime-seed0]="$py benchmarks/slim_dp.py --regime --vary-seeds --first-seed 0 \
+--machines 4 --rates 3gbit --steps 3000 --eval-every 250 --repeats 1 \
+--name slim_dp-regime-k4-3gbit-seed0"
+  [slim-regime-seed1]="$py benchmarks/slim_dp.py --regime --vary-seeds --first-seed 1 \
+--machines 4 --rates 3gbit --steps 3000 --eval-every 250 --repeats 1 \
+--name slim_dp-regime-k4-3gbit-seed1"
+  [slim-regime-seed2]="$py benchmarks/slim_dp.py --regime --vary-seeds --first-seed 2 \
+--machines 4 --rates 3gbit --steps 3000 --eval-every 250 --repeats 1 \
+--name slim_dp-regime-k4-3gbit-seed2"
+  [slim-regime-seed3]="$py benchmarks/slim_dp.py --regime --vary-seeds --first-seed 3 \
+--machines 4 --rates 3gbit --steps 3000 --eval-every 250 --repeats 1 \
+--name slim_dp-regime-k4-3gbit-seed3"
+  [slim-regime-seed4]="$py benchmarks/slim_dp.py --regime --vary-seeds --first-seed 4 \
+--machines 4 --rates 3gbit --steps 3000 --eval-every 250 --repeats 1 \
+--name slim_dp-regime-k4-3gbit-seed4"
   [slim-ablation]="$py benchmarks/slim_dp.py --ablation --vary-seeds --machines 4 \
 --rates 1gbit --steps 600 --eval-every 50"
   [lm-dense-sync]="$py benchmarks/compare.py --workload lm --machines 4 --nproc-per-machine 1 \
@@ -247,7 +258,7 @@ benchmarks/records/table4-lm-ps-hybrid-5rounds/b0528f6-intel-xeon-2c.json benchm
 ORDER=(lm-2x2 lm-4x1 lm-kjv time-to-quality time-to-quality-nmt recsys recsys-history recsys-riders recsys-history-rest
        recsys-history-100 recsys-history-byrows recsys-riders-100 lm-riders-100
        lm-4x1-riders-100 lm-riders lm-4x1-riders cnn table1 table4 table4-4x1-100mbit table4-2x2-100mbit scaling extrapolate scaling-fair extrapolate-fair sparsity sparsity-fair sparsity-seq table6-4x1-100mbit local-aggregation-2x4 local-aggregation-2x4-10mbit local-aggregation-2x8 local-aggregation-2x8-100mbit ablation-recsys ablation-recsys-100mbit ablation-2x2-100mbit bandwidth alpha small-sums
-       partitions-2x2 partitions-4x1 partitions-2x2-paper partitions-4x1-paper partition-surface partition-surface-dense partition-surface-large table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-share slim-regime slim-regime-seeds01 slim-regime-seeds24 slim-ablation lm-dense-sync
+       partitions-2x2 partitions-4x1 partitions-2x2-paper partitions-4x1-paper partition-surface partition-surface-dense partition-surface-large table-over-limit progress slim-dp slim-sweep slim-check slim-k8-100mbit slim-share slim-regime slim-regime-seed0 slim-regime-seed1 slim-regime-seed2 slim-regime-seed3 slim-regime-seed4 slim-ablation lm-dense-sync
        lm-dense-sync-100mbit mp-airfoil mp-report-loopback mp-report-1gbit mp-synthetic mp-airfoil-100mbit mp-splits async phases host-work host-counts host-tables host-replicated threads-recsys threads-lm launch launch-emulated chaos chaos-link
        targets-recsys targets-lm-2x2 targets-lm-bound targets-lm-4x1 ratios-recsys ratios-lm-2x2
        ratios-lm-4x1 ratios-bound ratios-table4-lm)
